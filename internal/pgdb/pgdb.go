@@ -1,0 +1,143 @@
+// Package pgdb opens the single PostgreSQL connection pool a pgsaga process uses.
+//
+// One pgx pool serves both pgx-native code and the database/sql handle that
+// watermill-sql needs (the pgx stdlib bridge over the same pool), so the
+// connection limit is counted once.
+package pgdb
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+)
+
+// EnvURL is the environment variable that names the database, as a libpq URL
+// (postgres://user:password@host:port/dbname?sslmode=disable) or key/value string.
+const EnvURL = "DATABASE_URL"
+
+// ErrNoURL is returned by Open when no URL was configured.
+var ErrNoURL = errors.New("pgdb: no database URL (set " + EnvURL + ")")
+
+// Config configures Open.
+type Config struct {
+	// URL is the libpq connection string. Default: the DATABASE_URL environment variable.
+	URL string
+	// MaxConns bounds the pool, and so everything the process does with the database.
+	// Default: 16.
+	MaxConns int32
+	// ApplicationName is reported in pg_stat_activity. Default: "pgsaga".
+	ApplicationName string
+	// ConnectTimeout bounds the initial ping. Default: 10s.
+	ConnectTimeout time.Duration
+}
+
+func (c *Config) setDefaults() {
+	if c.URL == "" {
+		c.URL = os.Getenv(EnvURL)
+	}
+	if c.MaxConns == 0 {
+		c.MaxConns = 16
+	}
+	if c.ApplicationName == "" {
+		c.ApplicationName = "pgsaga"
+	}
+	if c.ConnectTimeout == 0 {
+		c.ConnectTimeout = 10 * time.Second
+	}
+}
+
+func (c *Config) validate() error {
+	if c.URL == "" {
+		return ErrNoURL
+	}
+	if c.MaxConns < 2 {
+		return fmt.Errorf("pgdb: MaxConns must be at least 2, got %d", c.MaxConns)
+	}
+	if c.ConnectTimeout < 0 {
+		return fmt.Errorf("pgdb: ConnectTimeout must not be negative, got %s", c.ConnectTimeout)
+	}
+	return nil
+}
+
+// DB is a pgx pool and the database/sql handle over it.
+type DB struct {
+	// Pool is the pgx pool. Everything in the process shares it.
+	Pool *pgxpool.Pool
+	// SQL is a database/sql handle whose connections come from Pool.
+	SQL *sql.DB
+}
+
+// Open connects to the database and checks that it answers.
+func Open(ctx context.Context, cfg Config) (*DB, error) {
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	pcfg, err := pgxpool.ParseConfig(cfg.URL)
+	if err != nil {
+		return nil, fmt.Errorf("pgdb: parsing database URL %s: %w", Redact(cfg.URL), err)
+	}
+	pcfg.MaxConns = cfg.MaxConns
+	if _, ok := pcfg.ConnConfig.RuntimeParams["application_name"]; !ok {
+		pcfg.ConnConfig.RuntimeParams["application_name"] = cfg.ApplicationName
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return nil, fmt.Errorf("pgdb: creating pool for %s: %w", Redact(cfg.URL), err)
+	}
+	pingCtx, cancel := context.WithTimeout(ctx, cfg.ConnectTimeout)
+	defer cancel()
+	if err := pool.Ping(pingCtx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("pgdb: connecting to %s: %w", Redact(cfg.URL), err)
+	}
+	return &DB{Pool: pool, SQL: stdlib.OpenDBFromPool(pool)}, nil
+}
+
+// Close closes the database/sql handle, then the pool.
+func (db *DB) Close() {
+	_ = db.SQL.Close()
+	db.Pool.Close()
+}
+
+// WithDatabase returns connURL pointing at database name instead, for both the
+// URL and the key/value forms of a libpq connection string.
+func WithDatabase(connURL, name string) (string, error) {
+	if strings.HasPrefix(connURL, "postgres://") || strings.HasPrefix(connURL, "postgresql://") {
+		u, err := url.Parse(connURL)
+		if err != nil {
+			return "", fmt.Errorf("pgdb: parsing database URL %s: %w", Redact(connURL), err)
+		}
+		u.Path = "/" + name
+		u.RawPath = ""
+		return u.String(), nil
+	}
+	// Key/value form: a later dbname overrides an earlier one.
+	return strings.TrimSpace(connURL + " dbname=" + quoteKV(name)), nil
+}
+
+func quoteKV(v string) string {
+	v = strings.ReplaceAll(v, `\`, `\\`)
+	v = strings.ReplaceAll(v, `'`, `\'`)
+	return "'" + v + "'"
+}
+
+// Redact hides the password of a connection URL so it can be logged.
+func Redact(connURL string) string {
+	u, err := url.Parse(connURL)
+	if err != nil || u.User == nil {
+		return connURL
+	}
+	if _, has := u.User.Password(); has {
+		u.User = url.UserPassword(u.User.Username(), "xxxxx")
+	}
+	return u.String()
+}

@@ -1,0 +1,383 @@
+// Package testdb gives each test package an isolated, migrated PostgreSQL
+// database, fast.
+//
+// The first test process to need it builds a template database with every
+// migration applied (named after a hash of the migration files, so a schema
+// change builds a new one); each package then gets CREATE DATABASE … TEMPLATE
+// of it, which takes tens of milliseconds. Databases it creates are dropped
+// when the package's tests end.
+//
+// The server is found through TEST_DATABASE_URL, then DATABASE_URL, then
+// postgres://postgres@127.0.0.1:5432/postgres. When none answers, the tests
+// fail with one sentence saying how to get one; they never skip.
+//
+// Use it from TestMain:
+//
+//	func TestMain(m *testing.M) { testdb.Main(m) }
+//
+//	func TestSomething(t *testing.T) {
+//		db := testdb.Shared(t) // the package's database
+//		...
+//	}
+package testdb
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"database/sql"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/migrations"
+)
+
+// DefaultURL is the server tried when neither TEST_DATABASE_URL nor
+// DATABASE_URL is set; it matches docker-compose.yml.
+const DefaultURL = "postgres://postgres@127.0.0.1:5432/postgres"
+
+const (
+	templatePrefix = "pgsaga_tpl_"
+	testPrefix     = "pgsaga_test_"
+	// A test database older than this is left over from a killed run.
+	staleAfter = 2 * time.Hour
+	// Advisory lock that serialises template builds across test processes.
+	templateLockID int64 = 0x7067736167610003
+)
+
+// DB is one test database.
+type DB struct {
+	// Name of the database.
+	Name string
+	// URL connects to it; give it to subprocesses.
+	URL string
+	// Pool and SQL share one pool, as in production.
+	Pool *pgxpool.Pool
+	SQL  *sql.DB
+}
+
+var (
+	mu      sync.Mutex
+	server  string // admin URL of the server
+	shared  *DB
+	mainRan bool
+
+	tplMu    sync.Mutex
+	template string // name of the migrated template, once known
+)
+
+// Main runs the package's tests with a database server and exits. Call it
+// from TestMain.
+func Main(m *testing.M) {
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	ctx := context.Background()
+	srv := ServerURL()
+	if err := ping(ctx, srv); err != nil {
+		fmt.Fprintf(os.Stderr, "\ntestdb: no PostgreSQL answered at %s (%v); start one with `docker compose up -d` or point TEST_DATABASE_URL or DATABASE_URL at a server you can create databases on.\n\n",
+			pgdb.Redact(srv), firstLine(err))
+		return 1
+	}
+	mu.Lock()
+	server, mainRan = srv, true
+	mu.Unlock()
+	dropStale(ctx, srv)
+
+	code := m.Run()
+
+	mu.Lock()
+	db := shared
+	shared = nil
+	mu.Unlock()
+	if db != nil {
+		db.close()
+		if err := dropDatabase(ctx, srv, db.Name); err != nil {
+			fmt.Fprintf(os.Stderr, "testdb: dropping %s: %v\n", db.Name, err)
+		}
+	}
+	return code
+}
+
+// ServerURL is the server the tests use.
+func ServerURL() string {
+	for _, env := range []string{"TEST_DATABASE_URL", pgdb.EnvURL} {
+		if v := os.Getenv(env); v != "" {
+			return v
+		}
+	}
+	return DefaultURL
+}
+
+// Shared returns the package's migrated database, creating it on first use.
+// Tests that share it must keep their rows apart (unique keys, topics, ids).
+func Shared(t testing.TB) *DB {
+	t.Helper()
+	mu.Lock()
+	defer mu.Unlock()
+	requireMain(t)
+	if shared == nil {
+		db, err := create(context.Background(), true)
+		if err != nil {
+			t.Fatalf("testdb: %v", err)
+		}
+		shared = db
+	}
+	return shared
+}
+
+// Fresh returns a migrated database of the test's own, dropped when the test ends.
+func Fresh(t testing.TB) *DB {
+	t.Helper()
+	return own(t, true)
+}
+
+// Empty returns an unmigrated database of the test's own, dropped when the test ends.
+func Empty(t testing.TB) *DB {
+	t.Helper()
+	return own(t, false)
+}
+
+func own(t testing.TB, migrated bool) *DB {
+	mu.Lock()
+	requireMain(t)
+	mu.Unlock()
+	db, err := create(context.Background(), migrated)
+	if err != nil {
+		t.Fatalf("testdb: %v", err)
+	}
+	t.Cleanup(func() {
+		db.close()
+		if err := dropDatabase(context.Background(), server, db.Name); err != nil {
+			t.Errorf("testdb: dropping %s: %v", db.Name, err)
+		}
+	})
+	return db
+}
+
+func requireMain(t testing.TB) {
+	if !mainRan {
+		t.Fatalf("testdb: call testdb.Main(m) from the package's TestMain")
+	}
+}
+
+// Open connects to the database at url with a pool of at most maxConns.
+// Tests use it to simulate a second process.
+func Open(t testing.TB, url string, maxConns int32) *pgdb.DB {
+	t.Helper()
+	db, err := pgdb.Open(context.Background(), pgdb.Config{URL: url, MaxConns: maxConns, ApplicationName: "pgsaga-test"})
+	if err != nil {
+		t.Fatalf("testdb: %v", err)
+	}
+	t.Cleanup(db.Close)
+	return db
+}
+
+func create(ctx context.Context, migrated bool) (*DB, error) {
+	name := testPrefix + strconv.FormatInt(time.Now().Unix(), 10) + "_" + randomHex(4)
+	admin, err := pgx.Connect(ctx, server)
+	if err != nil {
+		return nil, fmt.Errorf("connecting to %s: %w", pgdb.Redact(server), err)
+	}
+	defer admin.Close(ctx)
+
+	stmt := "CREATE DATABASE " + pgx.Identifier{name}.Sanitize()
+	if migrated {
+		tpl, err := templateName(ctx, admin)
+		if err != nil {
+			return nil, err
+		}
+		stmt += " TEMPLATE " + pgx.Identifier{tpl}.Sanitize()
+	}
+	// A template being copied by another process at the same instant can make
+	// CREATE DATABASE fail with "source database is being accessed"; retry.
+	for attempt := 0; ; attempt++ {
+		_, err = admin.Exec(ctx, stmt)
+		if err == nil {
+			break
+		}
+		var pgErr *pgconn.PgError
+		if attempt < 50 && errors.As(err, &pgErr) && pgErr.Code == "55006" {
+			time.Sleep(100 * time.Millisecond)
+			continue
+		}
+		return nil, fmt.Errorf("creating database %s: %w", name, err)
+	}
+	url, err := pgdb.WithDatabase(server, name)
+	if err != nil {
+		return nil, err
+	}
+	db, err := pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: 20, ApplicationName: "pgsaga-test"})
+	if err != nil {
+		return nil, err
+	}
+	return &DB{Name: name, URL: url, Pool: db.Pool, SQL: db.SQL}, nil
+}
+
+func (db *DB) close() {
+	_ = db.SQL.Close()
+	db.Pool.Close()
+}
+
+func templateName(ctx context.Context, admin *pgx.Conn) (string, error) {
+	tplMu.Lock()
+	defer tplMu.Unlock()
+	if template == "" {
+		tpl, err := ensureTemplate(ctx, admin)
+		if err != nil {
+			return "", err
+		}
+		template = tpl
+	}
+	return template, nil
+}
+
+// ensureTemplate returns the name of a template database holding the current
+// migrations, building it if no process has yet. The build happens under a
+// temporary name and is renamed into place, so a crashed build never leaves a
+// half-migrated template behind.
+func ensureTemplate(ctx context.Context, admin *pgx.Conn) (string, error) {
+	hash, err := migrationsHash()
+	if err != nil {
+		return "", err
+	}
+	name := templatePrefix + hash
+	if _, err := admin.Exec(ctx, "SELECT pg_advisory_lock($1)", templateLockID); err != nil {
+		return "", fmt.Errorf("locking template build: %w", err)
+	}
+	defer admin.Exec(context.WithoutCancel(ctx), "SELECT pg_advisory_unlock($1)", templateLockID) //nolint:errcheck
+
+	var exists bool
+	if err := admin.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_database WHERE datname = $1)", name).Scan(&exists); err != nil {
+		return "", fmt.Errorf("looking for template %s: %w", name, err)
+	}
+	if exists {
+		return name, nil
+	}
+	building := name + "_build"
+	if err := dropDatabase(ctx, server, building); err != nil {
+		return "", err
+	}
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{building}.Sanitize()); err != nil {
+		return "", fmt.Errorf("creating template %s: %w", building, err)
+	}
+	url, err := pgdb.WithDatabase(server, building)
+	if err != nil {
+		return "", err
+	}
+	db, err := pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: 2, ApplicationName: "pgsaga-test-template"})
+	if err != nil {
+		return "", err
+	}
+	_, err = migrations.Apply(ctx, db.SQL)
+	db.Close()
+	if err != nil {
+		return "", fmt.Errorf("migrating template %s: %w", building, err)
+	}
+	if _, err := admin.Exec(ctx, "ALTER DATABASE "+pgx.Identifier{building}.Sanitize()+" RENAME TO "+pgx.Identifier{name}.Sanitize()); err != nil {
+		return "", fmt.Errorf("renaming template %s: %w", building, err)
+	}
+	// Templates of older schemas are no longer useful.
+	rows, err := admin.Query(ctx, "SELECT datname FROM pg_database WHERE datname LIKE $1 AND datname <> $2", templatePrefix+"%", name)
+	if err == nil {
+		old, _ := pgx.CollectRows(rows, pgx.RowTo[string])
+		for _, o := range old {
+			_ = dropDatabase(ctx, server, o)
+		}
+	}
+	return name, nil
+}
+
+// migrationsHash names the template after the content of every migration file.
+func migrationsHash() (string, error) {
+	fsys := migrations.FS()
+	names, err := fs.Glob(fsys, "*.sql")
+	if err != nil {
+		return "", err
+	}
+	sort.Strings(names)
+	h := sha256.New()
+	for _, n := range names {
+		b, err := fs.ReadFile(fsys, n)
+		if err != nil {
+			return "", err
+		}
+		fmt.Fprintf(h, "%s\x00%d\x00", n, len(b))
+		h.Write(b)
+	}
+	return hex.EncodeToString(h.Sum(nil))[:16], nil
+}
+
+func dropDatabase(ctx context.Context, srv, name string) error {
+	admin, err := pgx.Connect(ctx, srv)
+	if err != nil {
+		return err
+	}
+	defer admin.Close(ctx)
+	_, err = admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)")
+	return err
+}
+
+// dropStale drops test databases left behind by killed test runs.
+func dropStale(ctx context.Context, srv string) {
+	admin, err := pgx.Connect(ctx, srv)
+	if err != nil {
+		return
+	}
+	defer admin.Close(ctx)
+	rows, err := admin.Query(ctx, "SELECT datname FROM pg_database WHERE datname LIKE $1", testPrefix+"%")
+	if err != nil {
+		return
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return
+	}
+	for _, n := range names {
+		parts := strings.Split(strings.TrimPrefix(n, testPrefix), "_")
+		created, err := strconv.ParseInt(parts[0], 10, 64)
+		if err != nil || time.Since(time.Unix(created, 0)) < staleAfter {
+			continue
+		}
+		_, _ = admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{n}.Sanitize()+" WITH (FORCE)")
+	}
+}
+
+func ping(ctx context.Context, url string) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	return conn.Close(ctx)
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+func firstLine(err error) string {
+	s := err.Error()
+	if i := strings.IndexByte(s, '\n'); i >= 0 {
+		return s[:i]
+	}
+	return s
+}

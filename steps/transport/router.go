@@ -1,0 +1,297 @@
+package transport
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime/debug"
+	"sync"
+	"time"
+
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// HandlerFunc handles one delivery attempt of msg. Its statements go through
+// TxFromContext(msg.Context()); its outgoing messages through
+// Transport.Publisher of that Tx. Returning an error (or panicking) rolls the
+// attempt back and nacks the message, which is redelivered.
+type HandlerFunc func(msg *message.Message) error
+
+// Errors callers can branch on.
+var (
+	// ErrHandlerPanicked wraps the value of a handler's panic; the attempt
+	// was rolled back and the message nacked.
+	ErrHandlerPanicked = errors.New("transport: handler panicked")
+	// ErrNoTransaction is returned when a handler runs on a message that did
+	// not come from a watermill-sql subscriber.
+	ErrNoTransaction = errors.New("transport: message carries no subscriber transaction")
+	// ErrClosing is returned for messages that arrive while the router drains.
+	ErrClosing = errors.New("transport: router is closing")
+	// ErrRouterClosed is returned when adding handlers to a closed router.
+	ErrRouterClosed = errors.New("transport: router is closed")
+)
+
+// Router is a Watermill router whose handlers run inside a savepoint per
+// delivery attempt and that drains in-flight handlers before it closes.
+type Router struct {
+	t      *Transport
+	router *message.Router
+	log    *slog.Logger
+	gate   *gate
+
+	mu       sync.Mutex
+	handlers map[string]bool
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// NewRouter returns a router for this transport.
+func (t *Transport) NewRouter() (*Router, error) {
+	wr, err := message.NewRouter(message.RouterConfig{CloseTimeout: t.cfg.CloseTimeout}, t.wlog)
+	if err != nil {
+		return nil, fmt.Errorf("transport: creating router: %w", err)
+	}
+	r := &Router{t: t, router: wr, log: t.log, gate: newGate(), handlers: map[string]bool{}}
+	// Outermost: once draining starts, no new message reaches the handlers.
+	wr.AddMiddleware(r.gate.middleware)
+	return r, nil
+}
+
+// AddHandler subscribes h to topic as consumerGroup. The handler's name must
+// be unique in the router. Its attempt savepoint sits inside every middleware
+// added with AddMiddleware, so each retry is an attempt of its own.
+func (r *Router) AddHandler(name, topic, consumerGroup string, h HandlerFunc) error {
+	if name == "" {
+		return errors.New("transport: handler name is required")
+	}
+	if h == nil {
+		return fmt.Errorf("transport: handler %s is nil", name)
+	}
+	if err := ValidateTopic(topic); err != nil {
+		return fmt.Errorf("transport: handler %s: %w", name, err)
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.router.IsClosed() {
+		return ErrRouterClosed
+	}
+	if r.handlers[name] {
+		return fmt.Errorf("transport: handler %s is already registered", name)
+	}
+	sub, err := r.t.subscriber(topic, consumerGroup)
+	if err != nil {
+		return fmt.Errorf("transport: handler %s: %w", name, err)
+	}
+	r.handlers[name] = true
+	r.router.AddConsumerHandler(name, topic, sub, r.protect(name, r.t.OffsetsTable(topic), consumerGroup, h))
+	return nil
+}
+
+// AddMiddleware adds router-level middleware (retries, poison queues,
+// metrics). It runs outside the attempt savepoint.
+func (r *Router) AddMiddleware(m ...message.HandlerMiddleware) { r.router.AddMiddleware(m...) }
+
+// Run runs the router until ctx is cancelled or Close is called; either way
+// it drains before stopping. Handlers added before Run start with it.
+func (r *Router) Run(ctx context.Context) error {
+	stop := context.AfterFunc(ctx, func() {
+		if err := r.Close(); err != nil {
+			r.log.Error("closing router", "err", err)
+		}
+	})
+	defer stop()
+	// The router's own context is never cancelled from outside: cancelling
+	// it would stop the subscribers under running handlers.
+	return r.router.Run(context.WithoutCancel(ctx))
+}
+
+// Running is closed once the router runs.
+func (r *Router) Running() chan struct{} { return r.router.Running() }
+
+// Close stops taking new messages, waits for in-flight handlers (up to
+// Config.CloseTimeout), then stops the subscribers. A handler still running
+// at the timeout has its attempt cut off and its batch transaction made to
+// fail, so it commits nothing partial; the batch is redelivered.
+func (r *Router) Close() error {
+	r.closeOnce.Do(func() {
+		if stuck := r.gate.drain(r.t.cfg.CloseTimeout); len(stuck) > 0 {
+			r.log.Error("handlers still running at close timeout; abandoning their batches", "handlers", len(stuck), "timeout", r.t.cfg.CloseTimeout)
+			for _, a := range stuck {
+				a.revoke()
+				_, _ = a.raw.ExecContext(context.Background(), doomBatchSQL)
+			}
+		}
+		r.closeErr = r.router.Close()
+	})
+	return r.closeErr
+}
+
+// protect runs each delivery attempt of h inside a savepoint of the
+// subscriber's transaction, and stores the message's offset for the group in
+// that same savepoint when the attempt succeeds.
+func (r *Router) protect(name, offsetsTable, group string, h HandlerFunc) message.NoPublishHandlerFunc {
+	return func(msg *message.Message) error {
+		delivery := msg.Context()
+		raw, ok := wsql.TxFromContext(delivery)
+		if !ok {
+			return fmt.Errorf("%w (handler %s)", ErrNoTransaction, name)
+		}
+		xid, offset, err := position(msg.Metadata)
+		if err != nil {
+			return fmt.Errorf("transport: handler %s: %w", name, err)
+		}
+		// Statements must not be cancelled mid-flight when the subscriber
+		// gives up on the message; statement_timeout bounds them instead.
+		ctx := context.WithoutCancel(delivery)
+		if _, err := raw.ExecContext(ctx, r.t.beginAttempt); err != nil {
+			return r.abandon(ctx, raw, name, msg, fmt.Errorf("opening attempt savepoint: %w", err))
+		}
+
+		att := newAttemptTx(raw)
+		r.gate.track(att)
+		defer r.gate.untrack(att)
+		msg.SetContext(ContextWithTx(ctx, att))
+		defer msg.SetContext(delivery)
+
+		herr := call(h, msg)
+		att.revoke()
+		if herr == nil {
+			_, err := raw.ExecContext(ctx, attemptAck(offsetsTable, group, xid, offset))
+			if err == nil {
+				if delivery.Err() != nil {
+					r.log.Error("handler outlived its delivery (ack deadline or close); its writes may have been committed without the message's ack",
+						"handler", name, "message_uuid", msg.UUID)
+				}
+				return nil
+			}
+			// The handler reported success over a failed statement it
+			// ignored: treat the attempt as failed.
+			herr = fmt.Errorf("transport: handler %s succeeded but its attempt could not be kept: %w", name, err)
+		}
+		if _, err := raw.ExecContext(ctx, rollbackAttemptSQL); err != nil {
+			return r.abandon(ctx, raw, name, msg, errors.Join(herr, fmt.Errorf("rolling back attempt: %w", err)))
+		}
+		return herr
+	}
+}
+
+// call runs h, turning a panic into ErrHandlerPanicked.
+func call(h HandlerFunc, msg *message.Message) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("%w: %v\n%s", ErrHandlerPanicked, p, debug.Stack())
+		}
+	}()
+	return h(msg)
+}
+
+// abandon gives up on the batch transaction when an attempt's savepoint
+// cannot be opened or rolled back: the transaction either already cannot
+// commit or may hold a partial attempt. If the transaction is made certain to
+// fail, the message is acked so the subscriber moves on quickly: its offset
+// update then fails and the whole batch rolls back and is redelivered. If
+// that cannot be made certain, the message is nacked and the lane waits for
+// the ack deadline, which is slow but never commits a partial attempt on
+// purpose.
+func (r *Router) abandon(ctx context.Context, raw *sql.Tx, name string, msg *message.Message, cause error) error {
+	_, err := raw.ExecContext(ctx, doomBatchSQL)
+	if doomed(err) {
+		r.log.Warn("abandoning delivery batch: its transaction cannot continue; the batch will be redelivered",
+			"handler", name, "message_uuid", msg.UUID, "cause", cause)
+		return nil
+	}
+	r.log.Error("delivery transaction in an unknown state; nacking and waiting for the ack deadline",
+		"handler", name, "message_uuid", msg.UUID, "cause", cause, "err", err)
+	return errors.Join(cause, err)
+}
+
+// gate admits messages to handlers until drain is called, and keeps track of
+// the attempts in flight.
+type gate struct {
+	mu       sync.Mutex
+	draining bool
+	inFlight int
+	idle     chan struct{} // closed when draining and nothing is in flight
+	attempts map[*attemptTx]struct{}
+}
+
+func newGate() *gate {
+	return &gate{idle: make(chan struct{}), attempts: map[*attemptTx]struct{}{}}
+}
+
+func (g *gate) middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		if !g.enter() {
+			// Hold the message without touching the transaction until the
+			// subscriber stops and gives it up; it stays unacked and is
+			// delivered again later.
+			<-msg.Context().Done()
+			return nil, ErrClosing
+		}
+		defer g.leave()
+		return h(msg)
+	}
+}
+
+func (g *gate) enter() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.draining {
+		return false
+	}
+	g.inFlight++
+	return true
+}
+
+func (g *gate) leave() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.inFlight--
+	if g.draining && g.inFlight == 0 {
+		close(g.idle)
+	}
+}
+
+func (g *gate) track(a *attemptTx) {
+	g.mu.Lock()
+	g.attempts[a] = struct{}{}
+	g.mu.Unlock()
+}
+
+func (g *gate) untrack(a *attemptTx) {
+	g.mu.Lock()
+	delete(g.attempts, a)
+	g.mu.Unlock()
+}
+
+// drain stops admitting messages and waits up to timeout for those in
+// flight; it returns the attempts still running then.
+func (g *gate) drain(timeout time.Duration) []*attemptTx {
+	g.mu.Lock()
+	if !g.draining {
+		g.draining = true
+		if g.inFlight == 0 {
+			close(g.idle)
+		}
+	}
+	g.mu.Unlock()
+
+	timer := time.NewTimer(timeout)
+	defer timer.Stop()
+	select {
+	case <-g.idle:
+		return nil
+	case <-timer.C:
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	stuck := make([]*attemptTx, 0, len(g.attempts))
+	for a := range g.attempts {
+		stuck = append(stuck, a)
+	}
+	return stuck
+}
