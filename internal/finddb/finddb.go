@@ -1,0 +1,323 @@
+// Package finddb finds a PostgreSQL for pgsaga's binaries, so that they run
+// on a newcomer's machine with no configuration:
+//
+//  1. DATABASE_URL, if set, used as is;
+//  2. else a server on 127.0.0.1:5432 that answers (user postgres), on which
+//     the database "pgsaga" is created if missing;
+//  3. else an embedded PostgreSQL (github.com/fergusstrange/embedded-postgres)
+//     started from the machine's own PostgreSQL binaries when there are any
+//     (pg_config --bindir, /usr/lib/postgresql/*/bin), otherwise from its
+//     normal download, with its data kept in the user's cache directory so a
+//     later run (say, -resume) finds the same data, and stopped on Close.
+//
+// PostgreSQL refuses to run as root, so as root with nothing else available
+// Find fails with ErrNoDatabase, whose message names the two ways out.
+package finddb
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	embeddedpostgres "github.com/fergusstrange/embedded-postgres"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgsaga/pgsaga/internal/pgdb"
+)
+
+// Source says where the database came from.
+type Source string
+
+// Sources of a database.
+const (
+	FromEnv       Source = "DATABASE_URL"
+	FromLocalhost Source = "localhost"
+	FromEmbedded  Source = "embedded"
+)
+
+// ErrNoDatabase is returned when no database can be found or started.
+var ErrNoDatabase = errors.New("no PostgreSQL available")
+
+// Config configures Find. Zero values take the documented defaults.
+type Config struct {
+	// Getenv reads the environment. Default: os.Getenv.
+	Getenv func(string) string
+	// ProbeURL is the local server tried when DATABASE_URL is unset.
+	// Default: postgres://postgres@127.0.0.1:5432/postgres.
+	ProbeURL string
+	// Database is the database used on a probed or embedded server; it is
+	// created if missing. Default: "pgsaga".
+	Database string
+	// EmbeddedDir holds the embedded server's data, runtime files and log.
+	// Default: <user cache dir>/pgsaga/embedded-postgres.
+	EmbeddedDir string
+	// EmbeddedPort is the embedded server's port. Default: 54329.
+	EmbeddedPort uint32
+	// BinDirs are searched for a local PostgreSQL (each holding pg_ctl) before
+	// the embedded server downloads one. Default: pg_config --bindir, then
+	// /usr/lib/postgresql/*/bin, newest first.
+	BinDirs []string
+	// Logger reports what was found. Default: slog.Default().
+	Logger *slog.Logger
+	// Timeout bounds probing a server. Default: 3s.
+	Timeout time.Duration
+	// IsRoot reports whether the process runs as root. Default: euid 0.
+	IsRoot func() bool
+}
+
+func (c *Config) setDefaults() {
+	if c.Getenv == nil {
+		c.Getenv = os.Getenv
+	}
+	if c.ProbeURL == "" {
+		c.ProbeURL = "postgres://postgres@127.0.0.1:5432/postgres"
+	}
+	if c.Database == "" {
+		c.Database = "pgsaga"
+	}
+	if c.EmbeddedDir == "" {
+		dir, err := os.UserCacheDir()
+		if err != nil {
+			dir = os.TempDir()
+		}
+		c.EmbeddedDir = filepath.Join(dir, "pgsaga", "embedded-postgres")
+	}
+	if c.EmbeddedPort == 0 {
+		c.EmbeddedPort = 54329
+	}
+	if c.BinDirs == nil {
+		c.BinDirs = localBinDirs()
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if c.Timeout == 0 {
+		c.Timeout = 3 * time.Second
+	}
+	if c.IsRoot == nil {
+		c.IsRoot = func() bool { return os.Geteuid() == 0 }
+	}
+}
+
+// Found is a database ready to use.
+type Found struct {
+	// URL connects to it.
+	URL string
+	// Source says where it came from.
+	Source Source
+	// Detail says more, for the user: the server address or the data directory.
+	Detail string
+
+	stop func() error
+}
+
+// Close stops the embedded server, if Find started one.
+func (f *Found) Close() error {
+	if f.stop == nil {
+		return nil
+	}
+	stop := f.stop
+	f.stop = nil
+	return stop()
+}
+
+// Find returns a database following the order in the package documentation.
+func Find(ctx context.Context, cfg Config) (*Found, error) {
+	cfg.setDefaults()
+	if url := cfg.Getenv(pgdb.EnvURL); url != "" {
+		return &Found{URL: url, Source: FromEnv, Detail: pgdb.Redact(url)}, nil
+	}
+	probeErr := probe(ctx, cfg.ProbeURL, cfg.Timeout)
+	if probeErr == nil {
+		url, err := ensureDatabase(ctx, cfg.ProbeURL, cfg.Database, cfg.Timeout)
+		if err != nil {
+			return nil, err
+		}
+		return &Found{URL: url, Source: FromLocalhost, Detail: pgdb.Redact(cfg.ProbeURL)}, nil
+	}
+	cfg.Logger.Debug("no local PostgreSQL answered", "url", pgdb.Redact(cfg.ProbeURL), "err", probeErr)
+	return startEmbedded(ctx, cfg)
+}
+
+func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {
+	url := fmt.Sprintf("postgres://postgres:postgres@127.0.0.1:%d/%s?sslmode=disable", cfg.EmbeddedPort, cfg.Database)
+	dataDir := filepath.Join(cfg.EmbeddedDir, "data")
+
+	// A server from an earlier run that was killed before it could stop it.
+	if probe(ctx, url, cfg.Timeout) == nil {
+		cfg.Logger.Info("reusing the embedded PostgreSQL left running by an earlier run", "data", dataDir)
+		bin := cfg.binDir()
+		return &Found{URL: url, Source: FromEmbedded, Detail: dataDir, stop: func() error {
+			if bin == "" {
+				return nil
+			}
+			return exec.Command(filepath.Join(bin, "pg_ctl"), "stop", "-w", "-D", dataDir).Run()
+		}}, nil
+	}
+	if cfg.IsRoot() {
+		return nil, fmt.Errorf("%w: nothing answered at %s and an embedded PostgreSQL cannot run as root; "+
+			"either set DATABASE_URL to a server you can use (for example one started with `docker compose up -d`), "+
+			"or run this program as a non-root user so it can start an embedded PostgreSQL", ErrNoDatabase, pgdb.Redact(cfg.ProbeURL))
+	}
+
+	if err := os.MkdirAll(cfg.EmbeddedDir, 0o700); err != nil {
+		return nil, fmt.Errorf("%w: creating %s: %w", ErrNoDatabase, cfg.EmbeddedDir, err)
+	}
+	socketDir := filepath.Join(cfg.EmbeddedDir, "run")
+	if err := os.MkdirAll(socketDir, 0o700); err != nil {
+		return nil, fmt.Errorf("%w: creating %s: %w", ErrNoDatabase, socketDir, err)
+	}
+	logPath := filepath.Join(cfg.EmbeddedDir, "postgres.log")
+	logFile, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("%w: opening %s: %w", ErrNoDatabase, logPath, err)
+	}
+
+	pgcfg := embeddedpostgres.DefaultConfig().
+		Port(cfg.EmbeddedPort).
+		Database(cfg.Database).
+		DataPath(dataDir).
+		RuntimePath(filepath.Join(cfg.EmbeddedDir, "runtime")).
+		CachePath(filepath.Join(cfg.EmbeddedDir, "cache")).
+		// Debian's server binary puts its socket in /var/run/postgresql by
+		// default, which an ordinary user cannot write.
+		StartParameters(map[string]string{"unix_socket_directories": socketDir}).
+		StartTimeout(60 * time.Second).
+		Logger(logFile)
+	detail := dataDir
+	if bin := cfg.binDir(); bin != "" {
+		version, err := serverVersion(bin)
+		if err != nil {
+			_ = logFile.Close()
+			return nil, fmt.Errorf("%w: %w", ErrNoDatabase, err)
+		}
+		pgcfg = pgcfg.BinariesPath(filepath.Dir(bin)).Version(version)
+		detail += " (binaries " + bin + ")"
+	} else {
+		pgcfg = pgcfg.Version(embeddedpostgres.V17)
+		detail += " (downloaded binaries)"
+	}
+	cfg.Logger.Info("starting an embedded PostgreSQL", "data", dataDir, "port", cfg.EmbeddedPort, "log", logPath)
+	pg := embeddedpostgres.NewDatabase(pgcfg)
+	if err := pg.Start(); err != nil {
+		_ = logFile.Close()
+		return nil, fmt.Errorf("%w: starting embedded PostgreSQL (log %s): %w", ErrNoDatabase, logPath, err)
+	}
+	return &Found{URL: url, Source: FromEmbedded, Detail: detail, stop: func() error {
+		defer logFile.Close()
+		return pg.Stop()
+	}}, nil
+}
+
+// binDir returns the first configured directory holding pg_ctl and postgres.
+func (c Config) binDir() string {
+	for _, d := range c.BinDirs {
+		if isFile(filepath.Join(d, "pg_ctl")) && isFile(filepath.Join(d, "postgres")) && isFile(filepath.Join(d, "initdb")) {
+			return d
+		}
+	}
+	return ""
+}
+
+func localBinDirs() []string {
+	var dirs []string
+	if out, err := exec.Command("pg_config", "--bindir").Output(); err == nil {
+		dirs = append(dirs, strings.TrimSpace(string(out)))
+	}
+	found, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
+	sort.Slice(found, func(i, j int) bool { return majorOf(found[i]) > majorOf(found[j]) })
+	return append(dirs, found...)
+}
+
+func majorOf(binDir string) int {
+	n, _ := strconv.Atoi(filepath.Base(filepath.Dir(binDir)))
+	return n
+}
+
+var versionPattern = regexp.MustCompile(`\(PostgreSQL\) (\d+)`)
+
+// serverVersion maps the local server's major version to the embedded
+// library's version constant, which it checks against the data directory.
+func serverVersion(bin string) (embeddedpostgres.PostgresVersion, error) {
+	out, err := exec.Command(filepath.Join(bin, "postgres"), "--version").Output()
+	if err != nil {
+		return "", fmt.Errorf("running %s --version: %w", filepath.Join(bin, "postgres"), err)
+	}
+	m := versionPattern.FindSubmatch(out)
+	if m == nil {
+		return "", fmt.Errorf("unrecognised PostgreSQL version %q", strings.TrimSpace(string(out)))
+	}
+	for _, v := range []embeddedpostgres.PostgresVersion{
+		embeddedpostgres.V18, embeddedpostgres.V17, embeddedpostgres.V16, embeddedpostgres.V15,
+		embeddedpostgres.V14, embeddedpostgres.V13, embeddedpostgres.V12,
+	} {
+		if strings.HasPrefix(string(v), string(m[1])+".") {
+			return v, nil
+		}
+	}
+	return "", fmt.Errorf("PostgreSQL %s at %s is not supported by the embedded server (12 to 18 are)", m[1], bin)
+}
+
+func isFile(path string) bool {
+	st, err := os.Stat(path)
+	return err == nil && !st.IsDir()
+}
+
+func probe(ctx context.Context, url string, timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	return conn.Close(ctx)
+}
+
+// ensureDatabase creates database name on the server at adminURL unless it
+// exists, and returns a URL for it.
+func ensureDatabase(ctx context.Context, adminURL, name string, timeout time.Duration) (string, error) {
+	cctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	conn, err := pgx.Connect(cctx, adminURL)
+	if err != nil {
+		return "", fmt.Errorf("connecting to %s: %w", pgdb.Redact(adminURL), err)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	var exists bool
+	if err := conn.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_database WHERE datname = $1)", name).Scan(&exists); err != nil {
+		return "", fmt.Errorf("looking for database %s: %w", name, err)
+	}
+	if !exists {
+		_, err := conn.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize())
+		var pgErr *pgconn.PgError
+		if err != nil && !(errors.As(err, &pgErr) && pgErr.Code == "42P04") { // created meanwhile
+			return "", fmt.Errorf("creating database %s on %s: %w", name, pgdb.Redact(adminURL), err)
+		}
+	}
+	return pgdb.WithDatabase(adminURL, name)
+}
+
+// Describe is a one-line account of where the database is, for the user.
+func (f *Found) Describe() string {
+	switch f.Source {
+	case FromEnv:
+		return "database from DATABASE_URL: " + f.Detail
+	case FromLocalhost:
+		return "database on the local server " + f.Detail
+	default:
+		return "embedded PostgreSQL, data in " + f.Detail
+	}
+}
+
+var _ io.Closer = (*Found)(nil)

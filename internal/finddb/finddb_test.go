@@ -1,0 +1,202 @@
+package finddb
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+)
+
+func TestMain(m *testing.M) {
+	if os.Getenv("PGSAGA_EMBEDDED_CHILD") != "" {
+		os.Exit(embeddedChild())
+	}
+	testdb.Main(m)
+}
+
+var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+func noEnv(string) string { return "" }
+
+func TestDatabaseURLWins(t *testing.T) {
+	t.Parallel()
+	f, err := Find(context.Background(), Config{
+		Getenv:   func(k string) string { return map[string]string{"DATABASE_URL": "postgres://u:secret@db:5432/app"}[k] },
+		ProbeURL: "postgres://postgres@127.0.0.1:1/postgres",
+		Logger:   quiet,
+	})
+	require.NoError(t, err)
+	assert.Equal(t, FromEnv, f.Source)
+	assert.Equal(t, "postgres://u:secret@db:5432/app", f.URL)
+	assert.NotContains(t, f.Describe(), "secret", "the password is not shown")
+	require.NoError(t, f.Close())
+}
+
+func TestLocalServerGetsItsDatabase(t *testing.T) {
+	t.Parallel()
+	name := fmt.Sprintf("pgsaga_finddb_%d", time.Now().UnixNano())
+	t.Cleanup(func() { dropDatabase(t, name) })
+	for range 2 { // the second time the database exists already
+		f, err := Find(context.Background(), Config{Getenv: noEnv, ProbeURL: testdb.ServerURL(), Database: name, Logger: quiet})
+		require.NoError(t, err)
+		assert.Equal(t, FromLocalhost, f.Source)
+		conn, err := pgx.Connect(context.Background(), f.URL)
+		require.NoError(t, err)
+		var db string
+		require.NoError(t, conn.QueryRow(context.Background(), "SELECT current_database()").Scan(&db))
+		assert.Equal(t, name, db)
+		require.NoError(t, conn.Close(context.Background()))
+		require.NoError(t, f.Close())
+	}
+}
+
+func TestRootWithNothingAvailableExplainsTheWayOut(t *testing.T) {
+	t.Parallel()
+	_, err := Find(context.Background(), Config{
+		Getenv:       noEnv,
+		ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
+		EmbeddedPort: freePort(t),
+		EmbeddedDir:  t.TempDir(),
+		IsRoot:       func() bool { return true },
+		Logger:       quiet,
+		Timeout:      time.Second,
+	})
+	require.ErrorIs(t, err, ErrNoDatabase)
+	assert.Contains(t, err.Error(), "DATABASE_URL")
+	assert.Contains(t, err.Error(), "docker compose up -d")
+	assert.Contains(t, err.Error(), "non-root user")
+}
+
+// TestEmbeddedServer starts an embedded PostgreSQL from the machine's own
+// binaries, writes to it, stops it, starts it again on the same data and
+// reads the write back, then finds the server a killed run left behind. PostgreSQL refuses root, so as root the test re-runs
+// itself as the user "nobody".
+func TestEmbeddedServer(t *testing.T) {
+	if (Config{BinDirs: localBinDirs()}).binDir() == "" && os.Getenv("PGSAGA_TEST_EMBEDDED_DOWNLOAD") == "" {
+		t.Skip("no local PostgreSQL binaries; set PGSAGA_TEST_EMBEDDED_DOWNLOAD=1 to test the download path")
+	}
+	dir, err := os.MkdirTemp("", "pgsaga-embedded-")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	require.NoError(t, os.Chmod(dir, 0o755))
+
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	if os.Geteuid() == 0 {
+		nobody, err := user.Lookup("nobody")
+		require.NoError(t, err, "running as root needs the user nobody to test the embedded server")
+		uid, _ := strconv.Atoi(nobody.Uid)
+		gid, _ := strconv.Atoi(nobody.Gid)
+		// The test binary lives in a directory only root can enter.
+		bin := filepath.Join(dir, "finddb.test")
+		copyFile(t, os.Args[0], bin)
+		require.NoError(t, os.Chown(dir, uid, gid))
+		cmd = exec.Command(bin, "-test.run=^$")
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}}
+	}
+	cmd.Env = append(os.Environ(),
+		"PGSAGA_EMBEDDED_CHILD=1",
+		"PGSAGA_EMBEDDED_DIR="+filepath.Join(dir, "pg"),
+		"PGSAGA_EMBEDDED_PORT="+strconv.Itoa(int(freePort(t))),
+		"HOME="+dir,
+	)
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "embedded server check failed:\n%s", out)
+	assert.Contains(t, string(out), "embedded ok")
+}
+
+// embeddedChild is the body of TestEmbeddedServer, run as a non-root user.
+func embeddedChild() int {
+	ctx := context.Background()
+	port, _ := strconv.Atoi(os.Getenv("PGSAGA_EMBEDDED_PORT"))
+	cfg := Config{
+		Getenv:       noEnv,
+		ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
+		EmbeddedDir:  os.Getenv("PGSAGA_EMBEDDED_DIR"),
+		EmbeddedPort: uint32(port),
+		Logger:       quiet,
+	}
+	fail := func(format string, args ...any) int {
+		fmt.Printf(format+"\n", args...)
+		return 1
+	}
+	// Round 0 writes and stops; round 1 reads and is "killed" (never stops
+	// its server); round 2 must reuse that server, read, and stop it.
+	for round := range 3 {
+		f, err := Find(ctx, cfg)
+		if err != nil {
+			return fail("round %d: %v", round, err)
+		}
+		if f.Source != FromEmbedded {
+			return fail("round %d: source %s, want embedded", round, f.Source)
+		}
+		conn, err := pgx.Connect(ctx, f.URL)
+		if err != nil {
+			return fail("round %d: connecting: %v", round, err)
+		}
+		if round == 0 {
+			_, err = conn.Exec(ctx, "CREATE TABLE kept (v int); INSERT INTO kept VALUES (42)")
+		} else {
+			var v int
+			if err = conn.QueryRow(ctx, "SELECT v FROM kept").Scan(&v); err == nil && v != 42 {
+				err = fmt.Errorf("read %d, want 42", v)
+			}
+		}
+		_ = conn.Close(ctx)
+		if err != nil {
+			return fail("round %d: %v", round, err)
+		}
+		if round == 1 {
+			continue
+		}
+		if err := f.Close(); err != nil {
+			return fail("round %d: stopping: %v", round, err)
+		}
+		if probe(ctx, f.URL, time.Second) == nil {
+			return fail("round %d: the server still answers after Close", round)
+		}
+	}
+	fmt.Println("embedded ok")
+	return 0
+}
+
+func freePort(t *testing.T) uint32 {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer l.Close()
+	return uint32(l.Addr().(*net.TCPAddr).Port)
+}
+
+func copyFile(t *testing.T, from, to string) {
+	t.Helper()
+	b, err := os.ReadFile(from)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(to, b, 0o755))
+}
+
+func dropDatabase(t *testing.T, name string) {
+	conn, err := pgx.Connect(context.Background(), testdb.ServerURL())
+	if err != nil {
+		t.Errorf("dropping %s: %v", name, err)
+		return
+	}
+	defer conn.Close(context.Background())
+	if _, err := conn.Exec(context.Background(), "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+		t.Errorf("dropping %s: %v", name, err)
+	}
+}

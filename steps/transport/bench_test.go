@@ -1,0 +1,103 @@
+package transport_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"testing"
+	"time"
+
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// BenchmarkLane measures one lane (one topic, one consumer group, one
+// subscriber) draining b.N messages. Each handler does the same work in both
+// variants: one business insert and one outgoing message in the batch
+// transaction.
+//
+//   - protected: the Router (savepoint per attempt, bounded statements, the
+//     attempt's own offset ack, drain on close);
+//   - bare: watermill-sql v3 as documented, handler on the subscriber's
+//     transaction, no protections.
+//
+// Run: go test -run '^$' -bench Lane -benchtime 5000x ./steps/transport/
+func BenchmarkLane(b *testing.B) {
+	b.Run("protected", func(b *testing.B) { benchLane(b, true) })
+	b.Run("bare", func(b *testing.B) { benchLane(b, false) })
+}
+
+func benchLane(b *testing.B, protected bool) {
+	db := testdb.Fresh(b)
+	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: testLogger(), PollInterval: 10 * time.Millisecond})
+	require.NoError(b, err)
+	batch := tr.Config().BatchSize
+	in, out := "bench_in", "bench_out"
+	require.NoError(b, tr.CreateTopics(context.Background(), in, out))
+	_, err = db.SQL.Exec(`CREATE TABLE bench_effects (msg text NOT NULL, n int NOT NULL)`)
+	require.NoError(b, err)
+
+	// Both variants publish through the same BYTEA schema.
+	for start := 0; start < b.N; start += 1000 {
+		msgs := make([]*message.Message, 0, 1000)
+		for i := start; i < min(start+1000, b.N); i++ {
+			payload, _ := json.Marshal(map[string]int{"n": i})
+			msgs = append(msgs, message.NewMessage(fmt.Sprintf("m-%d", i), payload))
+		}
+		require.NoError(b, tr.Publisher(db.SQL).Publish(in, msgs...))
+	}
+
+	work := func(ctx context.Context, tx transport.Tx, msg *message.Message) error {
+		if _, err := tx.ExecContext(ctx, `INSERT INTO bench_effects (msg, n) VALUES ($1, 1)`, msg.UUID); err != nil {
+			return err
+		}
+		return tr.Publisher(tx).Publish(out, message.NewMessage("r-"+msg.UUID, msg.Payload))
+	}
+
+	var stop func()
+	b.ResetTimer()
+	start := time.Now()
+	if protected {
+		r, err := tr.NewRouter()
+		require.NoError(b, err)
+		require.NoError(b, r.AddHandler("h", in, "g", func(msg *message.Message) error {
+			tx, _ := transport.TxFromContext(msg.Context())
+			return work(msg.Context(), tx, msg)
+		}))
+		stop = startRouter(b, r)
+	} else {
+		sub, err := wsql.NewSubscriber(db.SQL, wsql.SubscriberConfig{
+			ConsumerGroup: "g",
+			PollInterval:  10 * time.Millisecond,
+			SchemaAdapter: wsql.DefaultPostgreSQLSchema{
+				GeneratePayloadType: func(string) string { return "BYTEA" },
+				SubscribeBatchSize:  batch,
+			},
+			OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{},
+		}, nil)
+		require.NoError(b, err)
+		wr, err := message.NewRouter(message.RouterConfig{}, nil)
+		require.NoError(b, err)
+		wr.AddConsumerHandler("h", in, sub, func(msg *message.Message) error {
+			tx, _ := wsql.TxFromContext(msg.Context())
+			return work(msg.Context(), tx, msg)
+		})
+		go func() { _ = wr.Run(context.Background()) }()
+		<-wr.Running()
+		stop = func() { _ = wr.Close() }
+	}
+	waitFor(b, 10*time.Minute, "all messages consumed", func() bool {
+		var n int
+		require.NoError(b, db.SQL.QueryRow(`SELECT count(*) FROM bench_effects`).Scan(&n))
+		return n >= b.N
+	})
+	elapsed := time.Since(start)
+	b.StopTimer()
+	stop()
+	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "msgs/s")
+	b.ReportMetric(float64(batch), "batch")
+}
