@@ -91,7 +91,7 @@ func run(m *testing.M) int {
 	srv := ServerURL()
 	if err := ping(ctx, srv); err != nil {
 		fmt.Fprintf(os.Stderr, "\ntestdb: no PostgreSQL answered at %s (%v); start one with `docker compose up -d` or point TEST_DATABASE_URL or DATABASE_URL at a server you can create databases on.\n\n",
-			pgdb.Redact(srv), firstLine(err))
+			pgdb.Redact(srv), oneLine(err))
 		return 1
 	}
 	mu.Lock()
@@ -354,7 +354,8 @@ func dropStale(ctx context.Context, srv string) {
 		if err != nil || time.Since(time.Unix(created, 0)) < staleAfter {
 			continue
 		}
-		_, _ = admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{n}.Sanitize()+" WITH (FORCE)")
+		// Without FORCE: a database someone is still connected to stays.
+		_, _ = admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{n}.Sanitize())
 	}
 }
 
@@ -374,10 +375,6 @@ func randomHex(n int) string {
 	return hex.EncodeToString(b)
 }
 
-func firstLine(err error) string {
-	s := err.Error()
-	if i := strings.IndexByte(s, '\n'); i >= 0 {
-		return s[:i]
-	}
-	return s
+func oneLine(err error) string {
+	return strings.Join(strings.Fields(err.Error()), " ")
 }

@@ -55,7 +55,7 @@ func benchLane(b *testing.B, protected bool) {
 		if _, err := tx.ExecContext(ctx, `INSERT INTO bench_effects (msg, n) VALUES ($1, 1)`, msg.UUID); err != nil {
 			return err
 		}
-		return tr.Publisher(tx).Publish(out, message.NewMessage("r-"+msg.UUID, msg.Payload))
+		return tr.Publisher(tx).Publish(out, message.NewMessage(replyID(msg), msg.Payload))
 	}
 
 	var stop func()

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
@@ -84,7 +85,7 @@ func (e *env) publish(n int) []string {
 	msgs := make([]*message.Message, n)
 	for i := range msgs {
 		payload, _ := json.Marshal(map[string]int{"i": i})
-		msgs[i] = message.NewMessage(fmt.Sprintf("%s-%06d-%s", e.id, i, randomID()), payload)
+		msgs[i] = message.NewMessage(uuid.NewString(), payload)
 		ids[i] = msgs[i].UUID
 	}
 	tx, err := e.db.SQL.Begin()
@@ -94,6 +95,11 @@ func (e *env) publish(n int) []string {
 	}
 	require.NoError(e.t, tx.Commit())
 	return ids
+}
+
+// replyID derives the id of the reply to msg: the same every attempt.
+func replyID(msg *message.Message) string {
+	return uuid.NewSHA1(uuid.NameSpaceOID, []byte("reply:"+msg.UUID)).String()
 }
 
 // effect records one part of msg's effect through the attempt's transaction.

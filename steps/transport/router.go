@@ -61,12 +61,17 @@ func (t *Transport) NewRouter() (*Router, error) {
 	return r, nil
 }
 
-// AddHandler subscribes h to topic as consumerGroup. The handler's name must
-// be unique in the router. Its attempt savepoint sits inside every middleware
-// added with AddMiddleware, so each retry is an attempt of its own.
+// AddHandler subscribes h to topic as consumerGroup; an empty consumerGroup
+// means the handler's name, which must be unique in the router. Every process
+// running a handler of the same group shares its lane and its offset. The
+// attempt savepoint sits inside every middleware added with AddMiddleware, so
+// each retry is an attempt of its own.
 func (r *Router) AddHandler(name, topic, consumerGroup string, h HandlerFunc) error {
 	if name == "" {
 		return errors.New("transport: handler name is required")
+	}
+	if consumerGroup == "" {
+		consumerGroup = name
 	}
 	if h == nil {
 		return fmt.Errorf("transport: handler %s is nil", name)

@@ -114,7 +114,7 @@ func TestFailedAttemptLeavesNothingBehind(t *testing.T) {
 				if err := effect(msg, e.eff, "row"); err != nil {
 					return err
 				}
-				out := message.NewMessage("reply-"+msg.UUID, []byte(`{"ok":true}`))
+				out := message.NewMessage(replyID(msg), []byte(`{"ok":true}`))
 				if err := e.tr.Publisher(tx).Publish(e.out, out); err != nil {
 					return err
 				}
@@ -130,7 +130,7 @@ func TestFailedAttemptLeavesNothingBehind(t *testing.T) {
 			for _, id := range ids {
 				assert.Equal(t, 2, seen.of(id), "one failed and one successful attempt")
 				assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE msg = $1`, id), "business rows of %s", id)
-				assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.tr.MessagesTable(e.out)+` WHERE uuid = $1`, "reply-"+id), "outgoing messages of %s", id)
+				assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.tr.MessagesTable(e.out)+` WHERE uuid = $1`, replyID(message.NewMessage(id, nil))), "outgoing messages of %s", id)
 			}
 		})
 	}
@@ -152,7 +152,7 @@ func TestOutboxMessageOnlyWithCommit(t *testing.T) {
 				if err := effect(msg, e.eff, "row"); err != nil {
 					return err
 				}
-				if err := e.tr.Publisher(tx).Publish(e.out, message.NewMessage("reply-"+msg.UUID, []byte(`{}`))); err != nil {
+				if err := e.tr.Publisher(tx).Publish(e.out, message.NewMessage(replyID(msg), []byte(`{}`))); err != nil {
 					return err
 				}
 				tries.Add(1)
@@ -367,6 +367,8 @@ func TestTopicErrors(t *testing.T) {
 	e := newEnv(t, nil)
 	err := e.tr.Publisher(e.db.SQL).Publish("missing_"+e.id, message.NewMessage("x", []byte(`{}`)))
 	require.ErrorIs(t, err, transport.ErrUnknownTopic)
+	err = e.tr.Publisher(e.db.SQL).Publish(e.out, message.NewMessage(strings.Repeat("x", 37), []byte(`{}`)))
+	require.ErrorIs(t, err, transport.ErrInvalidMessageID)
 
 	for _, bad := range []string{"", "has space", "semi;colon", "quote\"", strings.Repeat("a", transport.MaxTopicLen+1)} {
 		require.ErrorIs(t, transport.ValidateTopic(bad), transport.ErrInvalidTopic, "%q", bad)
@@ -376,7 +378,8 @@ func TestTopicErrors(t *testing.T) {
 	r, err := e.tr.NewRouter()
 	require.NoError(t, err)
 	require.ErrorIs(t, r.AddHandler("h", "bad topic", "g", func(*message.Message) error { return nil }), transport.ErrInvalidTopic)
-	require.NoError(t, r.AddHandler("h", "missing_"+e.id, "g", func(*message.Message) error { return nil }))
+	require.ErrorIs(t, r.AddHandler("h", e.in, "bad group", func(*message.Message) error { return nil }), transport.ErrInvalidConsumerGroup)
+	require.NoError(t, r.AddHandler("h", "missing_"+e.id, "", func(*message.Message) error { return nil }))
 	require.Error(t, r.AddHandler("h", e.in, "g", func(*message.Message) error { return nil }), "duplicate handler name")
 	err = r.Run(context.Background())
 	require.ErrorIs(t, err, transport.ErrUnknownTopic)

@@ -213,6 +213,9 @@ var (
 	// ErrInvalidTopic is returned for a topic name watermill-sql cannot
 	// store: characters outside [A-Za-z0-9-$:._], or longer than MaxTopicLen.
 	ErrInvalidTopic = errors.New("transport: invalid topic name")
+	// ErrInvalidMessageID is returned for a message whose UUID is empty or
+	// longer than the 36 characters watermill-sql's uuid column holds.
+	ErrInvalidMessageID = errors.New("transport: message UUID must be 1 to 36 characters")
 	// ErrUnknownTopic is returned when a topic's table does not exist; create
 	// it with CreateTopics before publishing or subscribing.
 	ErrUnknownTopic = errors.New("transport: topic table does not exist (create it with CreateTopics)")
@@ -357,6 +360,11 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 	}
 	if len(msgs) == 0 {
 		return nil
+	}
+	for _, m := range msgs {
+		if m.UUID == "" || len(m.UUID) > 36 {
+			return fmt.Errorf("%w: %q (topic %s)", ErrInvalidMessageID, m.UUID, topic)
+		}
 	}
 	pub, err := wsql.NewPublisher(executor{p.tx}, wsql.PublisherConfig{SchemaAdapter: p.t.schema}, p.t.wlog)
 	if err != nil {

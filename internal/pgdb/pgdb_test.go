@@ -1,0 +1,70 @@
+package pgdb_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/testdb"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+func TestWithDatabase(t *testing.T) {
+	t.Parallel()
+	cases := map[string]string{
+		"postgres://u:p@h:5432/old?sslmode=disable": "postgres://u:p@h:5432/new?sslmode=disable",
+		"postgresql://h/old":                        "postgresql://h/new",
+		"postgres://h":                              "postgres://h/new",
+		"host=h user=u dbname=old":                  "host=h user=u dbname=old dbname='new'",
+	}
+	for in, want := range cases {
+		got, err := pgdb.WithDatabase(in, "new")
+		require.NoError(t, err)
+		assert.Equal(t, want, got, in)
+	}
+}
+
+func TestRedact(t *testing.T) {
+	t.Parallel()
+	assert.Equal(t, "postgres://u:xxxxx@h/db", pgdb.Redact("postgres://u:secret@h/db"))
+	assert.Equal(t, "postgres://u@h/db", pgdb.Redact("postgres://u@h/db"))
+}
+
+func TestOpenSharesOnePool(t *testing.T) {
+	t.Parallel()
+	db := testdb.Shared(t)
+	h, err := pgdb.Open(context.Background(), pgdb.Config{URL: db.URL, MaxConns: 3})
+	require.NoError(t, err)
+	defer h.Close()
+
+	// Connections held through database/sql come out of the pgx pool.
+	conns := make([]interface{ Close() error }, 0, 3)
+	for range 3 {
+		c, err := h.SQL.Conn(context.Background())
+		require.NoError(t, err)
+		conns = append(conns, c)
+	}
+	assert.EqualValues(t, 3, h.Pool.Stat().AcquiredConns(), "database/sql draws from the same pool")
+	for _, c := range conns {
+		require.NoError(t, c.Close())
+	}
+
+	var name string
+	require.NoError(t, h.SQL.QueryRow("SELECT current_setting('application_name')").Scan(&name))
+	assert.Equal(t, "pgsaga", name)
+}
+
+func TestOpenErrors(t *testing.T) {
+	t.Setenv(pgdb.EnvURL, "")
+	_, err := pgdb.Open(context.Background(), pgdb.Config{URL: "", MaxConns: 4})
+	require.ErrorIs(t, err, pgdb.ErrNoURL)
+	_, err = pgdb.Open(context.Background(), pgdb.Config{URL: "postgres://x:secret@127.0.0.1:1/db", MaxConns: 4})
+	require.Error(t, err)
+	assert.NotContains(t, err.Error(), "secret")
+	_, err = pgdb.Open(context.Background(), pgdb.Config{URL: "postgres://h/db", MaxConns: 1})
+	require.ErrorContains(t, err, "MaxConns")
+}
