@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
 )
 
 // positionKey is the metadata key under which a consumed message carries its
@@ -28,6 +29,9 @@ func (s schemaAdapter) UnmarshalMessage(row wsql.Scanner) (wsql.Row, error) {
 	xid, ok := r.ExtraData["transaction_id"].(int64)
 	if !ok {
 		return r, fmt.Errorf("transport: message %s has no transaction id", r.UUID)
+	}
+	if r.Msg.Metadata == nil { // stored as JSON null
+		r.Msg.Metadata = message.Metadata{}
 	}
 	r.Msg.Metadata.Set(positionKey, strconv.FormatInt(xid, 10)+"/"+strconv.FormatInt(r.Offset, 10))
 	return r, nil

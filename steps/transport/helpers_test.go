@@ -201,3 +201,5 @@ func (a *attempts) of(id string) int {
 	defer a.mu.Unlock()
 	return a.n[id]
 }
+
+func jsonUnmarshal(s string, v any) error { return json.Unmarshal([]byte(s), v) }

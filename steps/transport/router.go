@@ -2,7 +2,6 @@ package transport
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -10,7 +9,6 @@ import (
 	"sync"
 	"time"
 
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
@@ -63,10 +61,15 @@ func (t *Transport) NewRouter() (*Router, error) {
 
 // AddHandler subscribes h to topic as consumerGroup; an empty consumerGroup
 // means the handler's name, which must be unique in the router. Every process
-// running a handler of the same group shares its lane and its offset. The
-// attempt savepoint sits inside every middleware added with AddMiddleware, so
-// each retry is an attempt of its own.
-func (r *Router) AddHandler(name, topic, consumerGroup string, h HandlerFunc) error {
+// running a handler of the same group shares its lane and its offset.
+//
+// Each delivery runs up to RetryPolicy.MaxAttempts attempts, each in a
+// savepoint of its own, with backoff between them; a message whose attempts
+// run out, or that fails permanently (see Permanent), goes to the policy's
+// dead-letter topic in the same transaction, and the lane moves on.
+// Middleware added with AddMiddleware runs outside all of this, once per
+// delivery.
+func (r *Router) AddHandler(name, topic, consumerGroup string, h HandlerFunc, opts ...HandlerOption) error {
 	if name == "" {
 		return errors.New("transport: handler name is required")
 	}
@@ -87,12 +90,19 @@ func (r *Router) AddHandler(name, topic, consumerGroup string, h HandlerFunc) er
 	if r.handlers[name] {
 		return fmt.Errorf("transport: handler %s is already registered", name)
 	}
+	rt := &route{r: r, name: name, topic: topic, group: consumerGroup, offsets: r.t.OffsetsTable(topic), h: h, retry: r.t.cfg.Retry}
+	for _, opt := range opts {
+		opt(rt)
+	}
+	if err := rt.retry.validate(r.t.cfg.AckDeadline); err != nil {
+		return fmt.Errorf("transport: handler %s: %w", name, err)
+	}
 	sub, err := r.t.subscriber(topic, consumerGroup)
 	if err != nil {
 		return fmt.Errorf("transport: handler %s: %w", name, err)
 	}
 	r.handlers[name] = true
-	r.router.AddConsumerHandler(name, topic, sub, r.protect(name, r.t.OffsetsTable(topic), consumerGroup, h))
+	r.router.AddConsumerHandler(name, topic, sub, rt.deliver)
 	return nil
 }
 
@@ -117,71 +127,30 @@ func (r *Router) Run(ctx context.Context) error {
 // Running is closed once the router runs.
 func (r *Router) Running() chan struct{} { return r.router.Running() }
 
-// Close stops taking new messages, waits for in-flight handlers (up to
-// Config.CloseTimeout), then stops the subscribers. A handler still running
-// at the timeout has its attempt cut off and its batch transaction made to
-// fail, so it commits nothing partial; the batch is redelivered.
+// Close stops taking new messages and starting new attempts, waits for
+// in-flight handlers (up to Config.CloseTimeout), then stops the
+// subscribers. A handler still running at the timeout has its attempt cut off
+// and its batch transaction made to fail, so it commits nothing partial; the
+// batch is redelivered. Cutting off waits for a running statement, so Close
+// can take up to about 2×CloseTimeout + StatementTimeout in all.
 func (r *Router) Close() error {
 	r.closeOnce.Do(func() {
 		if stuck := r.gate.drain(r.t.cfg.CloseTimeout); len(stuck) > 0 {
 			r.log.Error("handlers still running at close timeout; abandoning their batches", "handlers", len(stuck), "timeout", r.t.cfg.CloseTimeout)
+			// Each revoke waits for the attempt's running statement (at most
+			// StatementTimeout); cut all of them off at once.
+			var wg sync.WaitGroup
 			for _, a := range stuck {
-				a.revoke()
-				_, _ = a.raw.ExecContext(context.Background(), doomBatchSQL)
+				wg.Go(func() {
+					a.revoke()
+					_, _ = a.raw.ExecContext(context.Background(), doomBatchSQL)
+				})
 			}
+			wg.Wait()
 		}
 		r.closeErr = r.router.Close()
 	})
 	return r.closeErr
-}
-
-// protect runs each delivery attempt of h inside a savepoint of the
-// subscriber's transaction, and stores the message's offset for the group in
-// that same savepoint when the attempt succeeds.
-func (r *Router) protect(name, offsetsTable, group string, h HandlerFunc) message.NoPublishHandlerFunc {
-	return func(msg *message.Message) error {
-		delivery := msg.Context()
-		raw, ok := wsql.TxFromContext(delivery)
-		if !ok {
-			return fmt.Errorf("%w (handler %s)", ErrNoTransaction, name)
-		}
-		xid, offset, err := position(msg.Metadata)
-		if err != nil {
-			return fmt.Errorf("transport: handler %s: %w", name, err)
-		}
-		// Statements must not be cancelled mid-flight when the subscriber
-		// gives up on the message; statement_timeout bounds them instead.
-		ctx := context.WithoutCancel(delivery)
-		if _, err := raw.ExecContext(ctx, r.t.beginAttempt); err != nil {
-			return r.abandon(ctx, raw, name, msg, fmt.Errorf("opening attempt savepoint: %w", err))
-		}
-
-		att := newAttemptTx(raw)
-		r.gate.track(att)
-		defer r.gate.untrack(att)
-		msg.SetContext(ContextWithTx(ctx, att))
-		defer msg.SetContext(delivery)
-
-		herr := call(h, msg)
-		att.revoke()
-		if herr == nil {
-			_, err := raw.ExecContext(ctx, attemptAck(offsetsTable, group, xid, offset))
-			if err == nil {
-				if delivery.Err() != nil {
-					r.log.Error("handler outlived its delivery (ack deadline or close); its writes may have been committed without the message's ack",
-						"handler", name, "message_uuid", msg.UUID)
-				}
-				return nil
-			}
-			// The handler reported success over a failed statement it
-			// ignored: treat the attempt as failed.
-			herr = fmt.Errorf("transport: handler %s succeeded but its attempt could not be kept: %w", name, err)
-		}
-		if _, err := raw.ExecContext(ctx, rollbackAttemptSQL); err != nil {
-			return r.abandon(ctx, raw, name, msg, errors.Join(herr, fmt.Errorf("rolling back attempt: %w", err)))
-		}
-		return herr
-	}
 }
 
 // call runs h, turning a panic into ErrHandlerPanicked.
@@ -194,38 +163,19 @@ func call(h HandlerFunc, msg *message.Message) (err error) {
 	return h(msg)
 }
 
-// abandon gives up on the batch transaction when an attempt's savepoint
-// cannot be opened or rolled back: the transaction either already cannot
-// commit or may hold a partial attempt. If the transaction is made certain to
-// fail, the message is acked so the subscriber moves on quickly: its offset
-// update then fails and the whole batch rolls back and is redelivered. If
-// that cannot be made certain, the message is nacked and the lane waits for
-// the ack deadline, which is slow but never commits a partial attempt on
-// purpose.
-func (r *Router) abandon(ctx context.Context, raw *sql.Tx, name string, msg *message.Message, cause error) error {
-	_, err := raw.ExecContext(ctx, doomBatchSQL)
-	if doomed(err) {
-		r.log.Warn("abandoning delivery batch: its transaction cannot continue; the batch will be redelivered",
-			"handler", name, "message_uuid", msg.UUID, "cause", cause)
-		return nil
-	}
-	r.log.Error("delivery transaction in an unknown state; nacking and waiting for the ack deadline",
-		"handler", name, "message_uuid", msg.UUID, "cause", cause, "err", err)
-	return errors.Join(cause, err)
-}
-
 // gate admits messages to handlers until drain is called, and keeps track of
 // the attempts in flight.
 type gate struct {
 	mu       sync.Mutex
 	draining bool
 	inFlight int
+	closing  chan struct{} // closed when draining starts
 	idle     chan struct{} // closed when draining and nothing is in flight
 	attempts map[*attemptTx]struct{}
 }
 
 func newGate() *gate {
-	return &gate{idle: make(chan struct{}), attempts: map[*attemptTx]struct{}{}}
+	return &gate{closing: make(chan struct{}), idle: make(chan struct{}), attempts: map[*attemptTx]struct{}{}}
 }
 
 func (g *gate) middleware(h message.HandlerFunc) message.HandlerFunc {
@@ -261,10 +211,16 @@ func (g *gate) leave() {
 	}
 }
 
-func (g *gate) track(a *attemptTx) {
+// track registers an attempt about to start; it refuses once draining has
+// begun.
+func (g *gate) track(a *attemptTx) bool {
 	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.draining {
+		return false
+	}
 	g.attempts[a] = struct{}{}
-	g.mu.Unlock()
+	return true
 }
 
 func (g *gate) untrack(a *attemptTx) {
@@ -279,6 +235,7 @@ func (g *gate) drain(timeout time.Duration) []*attemptTx {
 	g.mu.Lock()
 	if !g.draining {
 		g.draining = true
+		close(g.closing)
 		if g.inFlight == 0 {
 			close(g.idle)
 		}

@@ -98,6 +98,10 @@ type Config struct {
 	// times StatementTimeout. Default: 5m.
 	AckDeadline time.Duration
 
+	// Retry is the retry policy of every handler that does not set its own
+	// (WithRetry). Default: see RetryPolicy.
+	Retry RetryPolicy
+
 	// CloseTimeout bounds how long Router.Close waits for in-flight handlers.
 	// Handlers still running then are cut off: their attempt's transaction is
 	// made to fail so nothing partial commits. Default: 30s.
@@ -132,6 +136,7 @@ func (c *Config) setDefaults() {
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = 30 * time.Second
 	}
+	c.Retry.setDefaults()
 }
 
 func (c *Config) validate() error {
@@ -157,6 +162,12 @@ func (c *Config) validate() error {
 	}
 	if c.AckDeadline < 3*c.StatementTimeout {
 		errs = append(errs, fmt.Errorf("AckDeadline (%s) must be at least three times StatementTimeout (%s): the subscriber commits a batch whose handler outlives it", c.AckDeadline, c.StatementTimeout))
+	}
+	if c.AckDeadline > 0 {
+		retry := c.Retry
+		if err := retry.validate(c.AckDeadline); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	if c.MaxRetryInterval < c.RetryInterval {
 		errs = append(errs, fmt.Errorf("MaxRetryInterval (%s) must not be below RetryInterval (%s)", c.MaxRetryInterval, c.RetryInterval))
@@ -364,6 +375,9 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 	for _, m := range msgs {
 		if m.UUID == "" || len(m.UUID) > 36 {
 			return fmt.Errorf("%w: %q (topic %s)", ErrInvalidMessageID, m.UUID, topic)
+		}
+		if m.Metadata == nil {
+			m.Metadata = message.Metadata{}
 		}
 	}
 	pub, err := wsql.NewPublisher(executor{p.tx}, wsql.PublisherConfig{SchemaAdapter: p.t.schema}, p.t.wlog)

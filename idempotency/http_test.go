@@ -1,0 +1,207 @@
+package idempotency_test
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/idempotency"
+)
+
+// orderAPI is an HTTP handler that records each order it creates in the
+// middleware's transaction and answers by the requested amount.
+type orderAPI struct {
+	table   string
+	calls   atomic.Int32
+	inside  chan struct{} // when set, closed on entry
+	release chan struct{} // when set, the handler waits for it
+}
+
+func (a *orderAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	a.calls.Add(1)
+	if a.inside != nil {
+		close(a.inside)
+		<-a.release
+	}
+	var body struct{ Amount int }
+	_ = json.NewDecoder(r.Body).Decode(&body)
+	switch {
+	case body.Amount >= 1_000_000:
+		w.WriteHeader(http.StatusInternalServerError) // transient
+		return
+	case body.Amount <= 0:
+		http.Error(w, "amount must be positive", http.StatusUnprocessableEntity) // final
+		return
+	}
+	tx, ok := idempotency.TxFromContext(r.Context())
+	if !ok {
+		http.Error(w, "no transaction", http.StatusInternalServerError)
+		return
+	}
+	id := uuid.NewString()
+	if _, err := tx.ExecContext(r.Context(), `INSERT INTO `+a.table+` (id, amount) VALUES ($1, $2)`, id, body.Amount); err != nil {
+		http.Error(w, err.Error(), http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Location", "/orders/"+id)
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusCreated)
+	fmt.Fprintf(w, `{"id":%q,"amount":%d}`, id, body.Amount)
+}
+
+type httpEnv struct {
+	t   *testing.T
+	api *orderAPI
+	srv *httptest.Server
+	ns  string // keeps this test's keys apart from other tests'
+}
+
+func newHTTPEnv(t *testing.T, required bool) *httpEnv {
+	t.Helper()
+	s, db := newStore(t, nil)
+	table := "orders_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
+	_, err := db.SQL.Exec(`CREATE TABLE ` + table + ` (id text PRIMARY KEY, amount int)`)
+	require.NoError(t, err)
+	mw, err := s.HTTPMiddleware(idempotency.HTTPConfig{
+		Scope:    "POST /orders",
+		Required: required,
+		Caller: func(r *http.Request) (string, error) {
+			if c := r.Header.Get("X-Client"); c != "" {
+				return c, nil
+			}
+			return "", errors.New("anonymous")
+		},
+		MaxBodyBytes: 1024,
+	})
+	require.NoError(t, err)
+	api := &orderAPI{table: table}
+	srv := httptest.NewServer(mw(api))
+	t.Cleanup(srv.Close)
+	return &httpEnv{t: t, api: api, srv: srv, ns: uuid.NewString()[:8] + "-"}
+}
+
+type reply struct {
+	code     int
+	body     string
+	location string
+	replayed bool
+}
+
+func (e *httpEnv) post(client, key, body string) reply {
+	e.t.Helper()
+	req, err := http.NewRequest(http.MethodPost, e.srv.URL+"/orders", strings.NewReader(body))
+	require.NoError(e.t, err)
+	if client != "" {
+		req.Header.Set("X-Client", client)
+	}
+	if key != "" {
+		req.Header.Set(idempotency.KeyHeader, e.ns+key)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(e.t, err)
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(e.t, err)
+	return reply{code: resp.StatusCode, body: string(b), location: resp.Header.Get("Location"), replayed: resp.Header.Get(idempotency.ReplayedHeader) == "true"}
+}
+
+func TestHTTPReplaysFinishedRequest(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, true)
+	first := e.post("alice", "k1", `{"amount":100}`)
+	require.Equal(t, http.StatusCreated, first.code, first.body)
+	assert.False(t, first.replayed)
+	second := e.post("alice", "k1", `{"amount":100}`)
+	assert.Equal(t, first.code, second.code)
+	assert.Equal(t, first.body, second.body)
+	assert.Equal(t, first.location, second.location, "headers are replayed")
+	assert.True(t, second.replayed, "Idempotent-Replayed: true")
+	assert.EqualValues(t, 1, e.api.calls.Load())
+}
+
+func TestHTTPMissingKey(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, true)
+	r := e.post("alice", "", `{"amount":100}`)
+	assert.Equal(t, http.StatusBadRequest, r.code)
+	assert.Contains(t, r.body, "Idempotency-Key")
+	assert.Zero(t, e.api.calls.Load())
+
+	optional := newHTTPEnv(t, false)
+	r = optional.post("alice", "", `{"amount":100}`)
+	assert.Equal(t, http.StatusInternalServerError, r.code, "without a key the handler runs unprotected, with no transaction")
+	assert.EqualValues(t, 1, optional.api.calls.Load())
+}
+
+func TestHTTPKeyReusedWithDifferentBody(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, true)
+	require.Equal(t, http.StatusCreated, e.post("alice", "k1", `{"amount":100}`).code)
+	r := e.post("alice", "k1", `{"amount":999}`)
+	assert.Equal(t, http.StatusUnprocessableEntity, r.code)
+	assert.EqualValues(t, 1, e.api.calls.Load())
+}
+
+func TestHTTPConcurrentSameKeyConflicts(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, true)
+	e.api.inside, e.api.release = make(chan struct{}), make(chan struct{})
+	first := make(chan reply, 1)
+	go func() { first <- e.post("alice", "k1", `{"amount":100}`) }()
+	<-e.api.inside
+	r := e.post("alice", "k1", `{"amount":100}`)
+	assert.Equal(t, http.StatusConflict, r.code)
+	close(e.api.release)
+	assert.Equal(t, http.StatusCreated, (<-first).code)
+	assert.EqualValues(t, 1, e.api.calls.Load())
+}
+
+func TestHTTPKeysAreScopedByCaller(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, true)
+	a := e.post("alice", "shared-key", `{"amount":100}`)
+	b := e.post("bob", "shared-key", `{"amount":100}`)
+	require.Equal(t, http.StatusCreated, a.code)
+	require.Equal(t, http.StatusCreated, b.code)
+	assert.False(t, b.replayed, "bob never sees alice's response")
+	assert.NotEqual(t, a.location, b.location)
+	assert.Equal(t, http.StatusUnauthorized, e.post("", "k", `{"amount":1}`).code)
+}
+
+func TestHTTPOutcomeKinds(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, true)
+	// A final 4xx is stored and replayed.
+	r1 := e.post("alice", "bad", `{"amount":0}`)
+	r2 := e.post("alice", "bad", `{"amount":0}`)
+	assert.Equal(t, http.StatusUnprocessableEntity, r1.code)
+	assert.Equal(t, r1.code, r2.code)
+	assert.True(t, r2.replayed)
+	// A 5xx is transient: not stored, the retry runs the handler again.
+	before := e.api.calls.Load()
+	assert.Equal(t, http.StatusInternalServerError, e.post("alice", "flaky", `{"amount":1000000}`).code)
+	r3 := e.post("alice", "flaky", `{"amount":1000000}`)
+	assert.False(t, r3.replayed)
+	assert.Equal(t, before+2, e.api.calls.Load())
+	// Oversized bodies are refused before anything is claimed.
+	assert.Equal(t, http.StatusRequestEntityTooLarge, e.post("alice", "big", `{"amount":1,"pad":"`+strings.Repeat("x", 2000)+`"}`).code)
+}
+
+func TestHTTPMiddlewareConfig(t *testing.T) {
+	t.Parallel()
+	s, _ := newStore(t, nil)
+	_, err := s.HTTPMiddleware(idempotency.HTTPConfig{Scope: "x"})
+	require.ErrorIs(t, err, idempotency.ErrInvalidRequest, "a caller function is required")
+	_, err = s.HTTPMiddleware(idempotency.HTTPConfig{Caller: func(*http.Request) (string, error) { return "a", nil }})
+	require.ErrorIs(t, err, idempotency.ErrInvalidRequest, "a scope is required")
+}

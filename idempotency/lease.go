@@ -1,0 +1,157 @@
+package idempotency
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+)
+
+// Lease is a committed pending claim of the two-phase form: the holder calls
+// the external service with the request's stable key, then completes the key
+// with CompleteLease or CompleteLeaseTx. Only the token's holder can complete
+// it; after Until, another worker may take it over and call again with the
+// same key, which the external service must deduplicate.
+type Lease struct {
+	Request
+	Token uuid.UUID
+	Until time.Time
+	// Attempt counts executions begun under the key: 1 for the first claim,
+	// more after takeovers.
+	Attempt int
+	// Takeover is true when this lease replaced an expired one: the external
+	// call may already have happened, and must be repeated with the same key.
+	Takeover bool
+}
+
+// Acquisition is the outcome of Acquire: a Lease to execute under, or a
+// finished Record to replay.
+type Acquisition struct {
+	Lease  *Lease
+	Record *Record
+}
+
+// Acquire is phase one of the two-phase form. In a transaction of its own it
+// claims req with a lease of the configured duration, or takes over an
+// expired lease, and commits, so the claim survives a crash during the
+// external call. A finished key is returned for replay; a key under a live
+// lease, or held by an open transaction past lock_timeout, is ErrInProgress.
+func (s *Store) Acquire(ctx context.Context, req Request) (Acquisition, error) {
+	return s.AcquireFor(ctx, req, s.cfg.LeaseDuration)
+}
+
+// AcquireFor is Acquire with a lease of the given duration.
+func (s *Store) AcquireFor(ctx context.Context, req Request, lease time.Duration) (Acquisition, error) {
+	if err := req.validate(); err != nil {
+		return Acquisition{}, err
+	}
+	if lease < time.Millisecond {
+		return Acquisition{}, fmt.Errorf("%w: lease must be at least 1ms, got %s", ErrInvalidRequest, lease)
+	}
+	if s.cfg.DB == nil {
+		return Acquisition{}, errors.New("idempotency: Config.DB is required for Acquire")
+	}
+	tx, err := s.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return Acquisition{}, fmt.Errorf("idempotency: beginning transaction: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+
+	token := uuid.New()
+	secs := lease.Seconds()
+	l := &Lease{Request: req, Token: token}
+	err = tx.QueryRowContext(ctx, claimLeaseSQL, req.Scope, req.Key, req.Hash, s.lockTimeout, token, secs).
+		Scan(&l.Attempt, new(time.Time), &l.Until)
+	switch {
+	case err == nil:
+	case errors.Is(err, sql.ErrNoRows):
+		rec, err := lockRecord(ctx, tx, req)
+		if err != nil {
+			return Acquisition{}, s.claimError(req, err)
+		}
+		if err := checkHash(req, rec); err != nil {
+			return Acquisition{}, err
+		}
+		if rec.Finished() {
+			return Acquisition{Record: &rec}, tx.Commit()
+		}
+		err = tx.QueryRowContext(ctx, takeoverSQL, req.Scope, req.Key, token, secs).Scan(&l.Attempt, &l.Until)
+		if errors.Is(err, sql.ErrNoRows) {
+			return Acquisition{}, &InProgressError{Scope: req.Scope, Key: req.Key, LockedUntil: rec.LockedUntil}
+		}
+		if err != nil {
+			return Acquisition{}, fmt.Errorf("idempotency: taking over %s/%s: %w", req.Scope, req.Key, err)
+		}
+		l.Takeover = true
+	default:
+		return Acquisition{}, s.claimError(req, err)
+	}
+	if err := tx.Commit(); err != nil {
+		return Acquisition{}, fmt.Errorf("idempotency: committing lease of %s/%s: %w", req.Scope, req.Key, err)
+	}
+	return Acquisition{Lease: l}, nil
+}
+
+// CompleteLeaseTx is phase two: it stores the outcome in tx, fenced on the
+// lease token. A worker whose lease was taken over gets ErrLeaseLost and must
+// not report its outcome as the key's. Never complete with an outcome that is
+// not known (a timeout): leave the lease to expire, or ReleaseLease.
+func (s *Store) CompleteLeaseTx(ctx context.Context, tx DBTX, l *Lease, status Status, resp Response) error {
+	if err := checkFinal(status); err != nil {
+		return err
+	}
+	res, err := tx.ExecContext(ctx, completeLeaseSQL, l.Scope, l.Key, string(status), resp.Code, resp.Body, nullJSON(resp.Meta), l.Token)
+	if err != nil {
+		return fmt.Errorf("idempotency: completing %s/%s: %w", l.Scope, l.Key, err)
+	}
+	if n, _ := res.RowsAffected(); n != 1 {
+		return fmt.Errorf("%w: %s/%s (token %s)", ErrLeaseLost, l.Scope, l.Key, l.Token)
+	}
+	return nil
+}
+
+// CompleteLease is CompleteLeaseTx in a transaction of its own.
+func (s *Store) CompleteLease(ctx context.Context, l *Lease, status Status, resp Response) error {
+	if s.cfg.DB == nil {
+		return errors.New("idempotency: Config.DB is required for CompleteLease")
+	}
+	return inTx(ctx, s.cfg.DB, func(tx *sql.Tx) error { return s.CompleteLeaseTx(ctx, tx, l, status, resp) })
+}
+
+// ReleaseLease ends a lease early without an outcome, so the next attempt
+// can take the key over at once instead of waiting for the lease to expire.
+// Use it when the external call failed in a way that is safe to repeat with
+// the same key. It returns ErrLeaseLost if the lease was already taken over.
+func (s *Store) ReleaseLease(ctx context.Context, l *Lease) error {
+	if s.cfg.DB == nil {
+		return errors.New("idempotency: Config.DB is required for ReleaseLease")
+	}
+	return inTx(ctx, s.cfg.DB, func(tx *sql.Tx) error {
+		res, err := tx.ExecContext(ctx, releaseLeaseSQL, l.Scope, l.Key, l.Token)
+		if err != nil {
+			return fmt.Errorf("idempotency: releasing %s/%s: %w", l.Scope, l.Key, err)
+		}
+		if n, _ := res.RowsAffected(); n != 1 {
+			return fmt.Errorf("%w: %s/%s (token %s)", ErrLeaseLost, l.Scope, l.Key, l.Token)
+		}
+		return nil
+	})
+}
+
+func inTx(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) error {
+	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return fmt.Errorf("idempotency: beginning transaction: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+	if err := fn(tx); err != nil {
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("idempotency: committing: %w", err)
+	}
+	return nil
+}

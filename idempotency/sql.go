@@ -1,0 +1,71 @@
+package idempotency
+
+// Statements of the store. Values always travel as parameters.
+const (
+	// claimSQL inserts a pending claim unless the key exists. The FROM
+	// clause sets lock_timeout for the rest of the transaction before the
+	// insert can wait on a concurrent claim, so the wait is bounded in the
+	// same round trip.
+	claimSQL = `INSERT INTO idempotency_keys (scope, key, request_hash)
+SELECT $1, $2, $3 FROM (SELECT set_config('lock_timeout', $4, true)) AS cfg
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING attempts, created_at`
+
+	// claimLeaseSQL is claimSQL for the two-phase form: the claim carries a
+	// lease that only its token can complete and that others may take over
+	// once it expires.
+	claimLeaseSQL = `INSERT INTO idempotency_keys (scope, key, request_hash, lease_token, locked_until)
+SELECT $1, $2, $3, $5, clock_timestamp() + make_interval(secs => $6)
+FROM (SELECT set_config('lock_timeout', $4, true)) AS cfg
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING attempts, created_at, locked_until`
+
+	// lockRecordSQL reads an existing key under a row lock: at READ
+	// COMMITTED it sees a concurrent claimer's outcome once that commits.
+	lockRecordSQL = `SELECT ` + recordColumns + ` FROM idempotency_keys
+WHERE scope = $1 AND key = $2 FOR UPDATE`
+
+	getRecordSQL = `SELECT ` + recordColumns + ` FROM idempotency_keys WHERE scope = $1 AND key = $2`
+
+	recordColumns = `request_hash, status, response_code, response, response_meta, attempts,
+lease_token, locked_until, created_at, updated_at, completed_at`
+
+	// takeoverSQL hands an expired lease to a new holder; exactly one of
+	// several concurrent takers wins.
+	takeoverSQL = `UPDATE idempotency_keys
+SET lease_token = $3, locked_until = clock_timestamp() + make_interval(secs => $4),
+    attempts = attempts + 1, updated_at = now()
+WHERE scope = $1 AND key = $2 AND status = 'pending' AND locked_until < clock_timestamp()
+RETURNING attempts, locked_until`
+
+	// completeSQL finishes a single-phase claim (one without a lease).
+	completeSQL = `UPDATE idempotency_keys
+SET status = $3, response_code = $4, response = $5, response_meta = $6,
+    completed_at = now(), updated_at = now()
+WHERE scope = $1 AND key = $2 AND status = 'pending' AND lease_token IS NULL`
+
+	// completeLeaseSQL finishes a two-phase claim, fenced on the lease
+	// token: a worker whose lease was taken over updates nothing.
+	completeLeaseSQL = `UPDATE idempotency_keys
+SET status = $3, response_code = $4, response = $5, response_meta = $6,
+    completed_at = now(), updated_at = now(), lease_token = NULL, locked_until = NULL
+WHERE scope = $1 AND key = $2 AND status = 'pending' AND lease_token = $7`
+
+	// releaseLeaseSQL lets the next attempt take a lease over at once.
+	releaseLeaseSQL = `UPDATE idempotency_keys
+SET locked_until = clock_timestamp(), updated_at = now()
+WHERE scope = $1 AND key = $2 AND status = 'pending' AND lease_token = $3`
+
+	// reapSQL deletes one batch of finished keys older than the TTL, skipping
+	// rows another reaper or a replaying request holds. Pending keys are
+	// never touched.
+	reapSQL = `DELETE FROM idempotency_keys k
+USING (
+    SELECT scope, key FROM idempotency_keys
+    WHERE status <> 'pending' AND completed_at < now() - make_interval(secs => $1)
+    ORDER BY completed_at
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+) d
+WHERE k.scope = d.scope AND k.key = d.key`
+)

@@ -1,0 +1,403 @@
+// Package idempotency stores idempotency keys in PostgreSQL and decides, for
+// each request carrying one, whether to execute it or replay what it stored.
+//
+// The claim follows DESIGN §5, verified on PostgreSQL 15: insert first with
+// INSERT … ON CONFLICT DO NOTHING (a missing row cannot be locked, so
+// SELECT … FOR UPDATE first lets two racers through), then lock the existing
+// row to read a concurrent claimer's outcome. The claim lives in the caller's
+// transaction with the request's effects: if that transaction rolls back, so
+// does the claim, and a waiting racer becomes the executor.
+//
+// Outcomes a caller branches on:
+//
+//   - Claim.Execute: this caller owns the key; run the request, then
+//     CompleteTx in the same transaction;
+//   - Claim.Record: a finished request (completed or failed) to replay;
+//   - ErrInProgress: another transaction holds the key, beyond lock_timeout,
+//     or a two-phase claim's lease is still running;
+//   - ErrKeyReused: the key was first used with a different request;
+//   - ErrConflict: under REPEATABLE READ or SERIALIZABLE a racer that waited
+//     for a concurrent claim gets a serialization failure instead of the
+//     stored row; the transaction must be retried from the start (a
+//     watermill-sql subscriber's batch, for instance, is rolled back and
+//     redelivered by pgsaga's transport).
+//
+// Steps with an external side effect use the two-phase form (Acquire,
+// CompleteLease): the pending claim commits with a lease before the external
+// call, and only the lease holder can complete it.
+//
+// The package stands alone: it knows nothing of sagas, and offers a Watermill
+// middleware and a net/http middleware over the same store.
+package idempotency
+
+import (
+	"context"
+	"crypto/sha256"
+	"database/sql"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// DBTX is the transaction the store runs its statements in. *sql.Tx and
+// pgsaga's transport.Tx satisfy it.
+type DBTX interface {
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}
+
+// Status of a key.
+type Status string
+
+// Statuses, as stored in idempotency_keys.status.
+const (
+	StatusPending   Status = "pending"
+	StatusCompleted Status = "completed"
+	StatusFailed    Status = "failed"
+)
+
+// Limits of a key's identity, as the schema enforces them.
+const (
+	MaxScopeLen = 200
+	MaxKeyLen   = 255
+)
+
+// Request identifies one request: its key within a scope (an endpoint, a
+// step, a caller) and a hash of its content, so a key reused for a different
+// request is caught.
+type Request struct {
+	Scope string
+	Key   string
+	// Hash is a fingerprint of the request's content (see Fingerprint).
+	Hash []byte
+}
+
+// Response is what a finished request stored and every replay returns.
+type Response struct {
+	// Code is an HTTP status, or any code the caller gives it meaning.
+	Code int
+	// Body is the response payload.
+	Body []byte
+	// Meta is JSON the caller needs to replay faithfully (headers, reply
+	// message ids). Nil for none.
+	Meta json.RawMessage
+}
+
+// Record is a key as stored.
+type Record struct {
+	Request
+	Status      Status
+	Response    Response
+	Attempts    int
+	LeaseToken  uuid.UUID // zero unless a two-phase claim holds a lease
+	LockedUntil time.Time // zero unless a two-phase claim holds a lease
+	CreatedAt   time.Time
+	UpdatedAt   time.Time
+	CompletedAt time.Time // zero while pending
+}
+
+// Finished reports whether the record holds a final outcome.
+func (r Record) Finished() bool { return r.Status == StatusCompleted || r.Status == StatusFailed }
+
+// Claim is the outcome of ClaimTx.
+type Claim struct {
+	// Execute is true when this caller owns the key and must run the
+	// request, then complete the key in the same transaction.
+	Execute bool
+	// Record is the stored outcome to replay when Execute is false.
+	Record Record
+}
+
+// Errors callers can branch on with errors.Is.
+var (
+	ErrInProgress     = errors.New("idempotency: a request with this key is in progress")
+	ErrKeyReused      = errors.New("idempotency: key reused with a different request")
+	ErrConflict       = errors.New("idempotency: claim raced a concurrent claim; retry in a new transaction")
+	ErrLeaseLost      = errors.New("idempotency: lease lost; another worker took the key over")
+	ErrNotClaimed     = errors.New("idempotency: key has no pending claim to complete")
+	ErrNotFound       = errors.New("idempotency: key not found")
+	ErrInvalidRequest = errors.New("idempotency: invalid request")
+)
+
+// InProgressError is returned (matching ErrInProgress) when a key is held.
+type InProgressError struct {
+	Scope, Key string
+	// LockedUntil is when a two-phase claim's lease expires; zero when the
+	// key is held by another open transaction.
+	LockedUntil time.Time
+}
+
+func (e *InProgressError) Error() string {
+	if e.LockedUntil.IsZero() {
+		return fmt.Sprintf("idempotency: %s/%s is being executed by another transaction", e.Scope, e.Key)
+	}
+	return fmt.Sprintf("idempotency: %s/%s is leased until %s", e.Scope, e.Key, e.LockedUntil.Format(time.RFC3339Nano))
+}
+
+// Is makes InProgressError match ErrInProgress.
+func (e *InProgressError) Is(target error) bool { return target == ErrInProgress }
+
+// Config configures a Store. Zero values take the documented defaults.
+type Config struct {
+	// DB opens the store's own transactions (Do, Acquire, CompleteLease,
+	// Get). Required for those; ClaimTx and CompleteTx use the caller's.
+	DB *sql.DB
+	// LockTimeout bounds how long a claim waits for a concurrent claimer of
+	// the same key to commit or roll back (SET lock_timeout, for the rest of
+	// the transaction). Default: 5s.
+	LockTimeout time.Duration
+	// LeaseDuration is how long a two-phase claim is held before another
+	// worker may take it over. Default: 30s.
+	LeaseDuration time.Duration
+	// Logger. Default: slog.Default().
+	Logger *slog.Logger
+}
+
+// Store claims, completes and replays idempotency keys.
+type Store struct {
+	cfg         Config
+	lockTimeout string // lock_timeout setting, in milliseconds
+}
+
+// NewStore validates cfg and returns a Store.
+func NewStore(cfg Config) (*Store, error) {
+	if cfg.LockTimeout == 0 {
+		cfg.LockTimeout = 5 * time.Second
+	}
+	if cfg.LeaseDuration == 0 {
+		cfg.LeaseDuration = 30 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.LockTimeout < time.Millisecond {
+		return nil, fmt.Errorf("idempotency: LockTimeout must be at least 1ms, got %s", cfg.LockTimeout)
+	}
+	if cfg.LeaseDuration < time.Millisecond {
+		return nil, fmt.Errorf("idempotency: LeaseDuration must be at least 1ms, got %s", cfg.LeaseDuration)
+	}
+	return &Store{cfg: cfg, lockTimeout: strconv.FormatInt(cfg.LockTimeout.Milliseconds(), 10)}, nil
+}
+
+// Fingerprint hashes the parts of a request into a Request.Hash. Parts are
+// length-prefixed, so ("ab","c") and ("a","bc") differ.
+func Fingerprint(parts ...[]byte) []byte {
+	h := sha256.New()
+	var n [8]byte
+	for _, p := range parts {
+		binary.BigEndian.PutUint64(n[:], uint64(len(p)))
+		h.Write(n[:])
+		h.Write(p)
+	}
+	return h.Sum(nil)
+}
+
+func (r Request) validate() error {
+	switch {
+	case r.Scope == "" || len(r.Scope) > MaxScopeLen:
+		return fmt.Errorf("%w: scope must be 1 to %d bytes, got %d", ErrInvalidRequest, MaxScopeLen, len(r.Scope))
+	case r.Key == "" || len(r.Key) > MaxKeyLen:
+		return fmt.Errorf("%w: key must be 1 to %d bytes, got %d", ErrInvalidRequest, MaxKeyLen, len(r.Key))
+	case len(r.Hash) == 0:
+		return fmt.Errorf("%w: request hash is empty (use Fingerprint)", ErrInvalidRequest)
+	}
+	return nil
+}
+
+// ClaimTx claims req in tx. See the package documentation for outcomes.
+func (s *Store) ClaimTx(ctx context.Context, tx DBTX, req Request) (Claim, error) {
+	return s.claimTx(ctx, tx, req, s.lockTimeout)
+}
+
+// claimTx is ClaimTx with lock_timeout given in milliseconds.
+func (s *Store) claimTx(ctx context.Context, tx DBTX, req Request, lockTimeout string) (Claim, error) {
+	if err := req.validate(); err != nil {
+		return Claim{}, err
+	}
+	var (
+		attempts int
+		created  time.Time
+	)
+	err := tx.QueryRowContext(ctx, claimSQL, req.Scope, req.Key, req.Hash, lockTimeout).Scan(&attempts, &created)
+	switch {
+	case err == nil:
+		return Claim{Execute: true}, nil
+	case !errors.Is(err, sql.ErrNoRows):
+		return Claim{}, s.claimError(req, err)
+	}
+	rec, err := lockRecord(ctx, tx, req)
+	if err != nil {
+		return Claim{}, s.claimError(req, err)
+	}
+	if err := checkHash(req, rec); err != nil {
+		return Claim{}, err
+	}
+	if rec.Status == StatusPending {
+		// A committed pending row is a two-phase claim: its lease holds it.
+		return Claim{}, &InProgressError{Scope: req.Scope, Key: req.Key, LockedUntil: rec.LockedUntil}
+	}
+	return Claim{Record: rec}, nil
+}
+
+// CompleteTx stores the outcome of a claim made with ClaimTx in the same
+// transaction. status must be StatusCompleted or StatusFailed (a final
+// business rejection, replayed like a success).
+func (s *Store) CompleteTx(ctx context.Context, tx DBTX, req Request, status Status, resp Response) error {
+	if err := checkFinal(status); err != nil {
+		return err
+	}
+	res, err := tx.ExecContext(ctx, completeSQL, req.Scope, req.Key, string(status), resp.Code, resp.Body, nullJSON(resp.Meta))
+	if err != nil {
+		return fmt.Errorf("idempotency: completing %s/%s: %w", req.Scope, req.Key, err)
+	}
+	if n, _ := res.RowsAffected(); n != 1 {
+		return fmt.Errorf("%w: %s/%s", ErrNotClaimed, req.Scope, req.Key)
+	}
+	return nil
+}
+
+// Failure is a final, deterministic rejection: returned from a Do callback it
+// is stored as failed with its Response and replayed to every later request
+// with the same key. Any other error is transient: nothing is stored.
+type Failure struct {
+	Response Response
+	Reason   string
+}
+
+func (f *Failure) Error() string { return "idempotency: request failed: " + f.Reason }
+
+// Result is the outcome of Do.
+type Result struct {
+	Status   Status
+	Response Response
+	// Replayed is true when the response was stored by an earlier request.
+	Replayed bool
+}
+
+// Do runs fn at most once per key, in a READ COMMITTED transaction of its own
+// that also holds the claim: fn's writes through tx commit with the stored
+// response or not at all. fn returns the response, a *Failure (stored as
+// failed) or another error (rolled back, nothing stored, returned).
+func (s *Store) Do(ctx context.Context, req Request, fn func(ctx context.Context, tx DBTX) (Response, error)) (Result, error) {
+	if s.cfg.DB == nil {
+		return Result{}, errors.New("idempotency: Config.DB is required for Do")
+	}
+	tx, err := s.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return Result{}, fmt.Errorf("idempotency: beginning transaction: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+	claim, err := s.ClaimTx(ctx, tx, req)
+	if err != nil {
+		return Result{}, err
+	}
+	if !claim.Execute {
+		return Result{Status: claim.Record.Status, Response: claim.Record.Response, Replayed: true}, tx.Commit()
+	}
+	resp, err := fn(ctx, tx)
+	status := StatusCompleted
+	var fail *Failure
+	if errors.As(err, &fail) {
+		status, resp = StatusFailed, fail.Response
+	} else if err != nil {
+		return Result{}, err
+	}
+	if err := s.CompleteTx(ctx, tx, req, status, resp); err != nil {
+		return Result{}, err
+	}
+	if err := tx.Commit(); err != nil {
+		return Result{}, fmt.Errorf("idempotency: committing %s/%s: %w", req.Scope, req.Key, err)
+	}
+	return Result{Status: status, Response: resp}, nil
+}
+
+// Get returns the stored record of a key.
+func (s *Store) Get(ctx context.Context, scope, key string) (Record, error) {
+	if s.cfg.DB == nil {
+		return Record{}, errors.New("idempotency: Config.DB is required for Get")
+	}
+	rec, err := scanRecord(s.cfg.DB.QueryRowContext(ctx, getRecordSQL, scope, key), Request{Scope: scope, Key: key})
+	if errors.Is(err, sql.ErrNoRows) {
+		return Record{}, fmt.Errorf("%w: %s/%s", ErrNotFound, scope, key)
+	}
+	return rec, err
+}
+
+func lockRecord(ctx context.Context, tx DBTX, req Request) (Record, error) {
+	rec, err := scanRecord(tx.QueryRowContext(ctx, lockRecordSQL, req.Scope, req.Key), req)
+	if errors.Is(err, sql.ErrNoRows) {
+		// Deleted between our insert attempt and the lock (the reaper, or a
+		// racer that rolled back after our snapshot); the caller retries.
+		return Record{}, fmt.Errorf("%w: key vanished while claiming", ErrConflict)
+	}
+	return rec, err
+}
+
+func scanRecord(row *sql.Row, req Request) (Record, error) {
+	var (
+		rec                   Record
+		status                string
+		code                  sql.NullInt64
+		meta                  []byte
+		token                 uuid.NullUUID
+		lockedUntil, complete sql.NullTime
+	)
+	err := row.Scan(&rec.Hash, &status, &code, &rec.Response.Body, &meta, &rec.Attempts,
+		&token, &lockedUntil, &rec.CreatedAt, &rec.UpdatedAt, &complete)
+	if err != nil {
+		return Record{}, err
+	}
+	rec.Scope, rec.Key = req.Scope, req.Key
+	rec.Status = Status(status)
+	rec.Response.Code = int(code.Int64)
+	if len(meta) > 0 {
+		rec.Response.Meta = meta
+	}
+	rec.LeaseToken = token.UUID
+	rec.LockedUntil = lockedUntil.Time
+	rec.CompletedAt = complete.Time
+	return rec, nil
+}
+
+func checkHash(req Request, rec Record) error {
+	if string(rec.Hash) != string(req.Hash) {
+		return fmt.Errorf("%w: %s/%s", ErrKeyReused, req.Scope, req.Key)
+	}
+	return nil
+}
+
+func checkFinal(status Status) error {
+	if status != StatusCompleted && status != StatusFailed {
+		return fmt.Errorf("%w: a key completes as %q or %q, not %q", ErrInvalidRequest, StatusCompleted, StatusFailed, status)
+	}
+	return nil
+}
+
+// claimError classifies the errors of a claim's statements.
+func (s *Store) claimError(req Request, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch pgErr.Code {
+		case "55P03": // lock_not_available: the holder outlived lock_timeout
+			return fmt.Errorf("%w: %w", &InProgressError{Scope: req.Scope, Key: req.Key}, err)
+		case "40001", "40P01": // a racer under REPEATABLE READ / SERIALIZABLE
+			return fmt.Errorf("%w: %s/%s: %w", ErrConflict, req.Scope, req.Key, err)
+		}
+	}
+	return fmt.Errorf("idempotency: claiming %s/%s: %w", req.Scope, req.Key, err)
+}
+
+func nullJSON(m json.RawMessage) any {
+	if len(m) == 0 {
+		return nil
+	}
+	return []byte(m)
+}

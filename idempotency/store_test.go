@@ -1,0 +1,341 @@
+package idempotency_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/testdb"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+func newStore(t *testing.T, mutate func(*idempotency.Config)) (*idempotency.Store, *testdb.DB) {
+	t.Helper()
+	db := testdb.Shared(t)
+	cfg := idempotency.Config{DB: db.SQL}
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	s, err := idempotency.NewStore(cfg)
+	require.NoError(t, err)
+	return s, db
+}
+
+func newRequest(body string) idempotency.Request {
+	return idempotency.Request{Scope: "test-" + uuid.NewString()[:8], Key: uuid.NewString(), Hash: idempotency.Fingerprint([]byte(body))}
+}
+
+func count(t *testing.T, db *testdb.DB, query string, args ...any) int {
+	t.Helper()
+	var n int
+	require.NoError(t, db.SQL.QueryRow(query, args...).Scan(&n))
+	return n
+}
+
+// 32 goroutines race on one key, each in its own transaction: exactly one
+// executes, none sees a unique violation, all get the same stored response.
+func TestConcurrentClaimsHaveOneExecutor(t *testing.T) {
+	t.Parallel()
+	s, db := newStore(t, nil)
+	req := newRequest("charge 100")
+	_, err := db.SQL.Exec(`CREATE TABLE IF NOT EXISTS race_effects (scope text, key text, worker int)`)
+	require.NoError(t, err)
+
+	const workers = 32
+	var (
+		wg       sync.WaitGroup
+		start    = make(chan struct{})
+		executed atomic.Int32
+		results  = make([]idempotency.Result, workers)
+		errs     = make([]error, workers)
+	)
+	for i := range workers {
+		wg.Go(func() {
+			<-start
+			results[i], errs[i] = s.Do(context.Background(), req, func(ctx context.Context, tx idempotency.DBTX) (idempotency.Response, error) {
+				executed.Add(1)
+				if _, err := tx.ExecContext(ctx, `INSERT INTO race_effects VALUES ($1, $2, $3)`, req.Scope, req.Key, i); err != nil {
+					return idempotency.Response{}, err
+				}
+				time.Sleep(50 * time.Millisecond) // hold the claim while the others pile up
+				return idempotency.Response{Code: 201, Body: fmt.Appendf(nil, "charged by %d", i)}, nil
+			})
+		})
+	}
+	close(start)
+	wg.Wait()
+
+	assert.EqualValues(t, 1, executed.Load(), "exactly one executor")
+	replayed := 0
+	for i := range workers {
+		require.NoError(t, errs[i], "worker %d", i)
+		var pgErr *pgconn.PgError
+		assert.False(t, errors.As(errs[i], &pgErr), "no database error reaches a caller")
+		assert.Equal(t, results[0].Response.Body, results[i].Response.Body, "worker %d got the same response", i)
+		assert.Equal(t, 201, results[i].Response.Code)
+		if results[i].Replayed {
+			replayed++
+		}
+	}
+	assert.Equal(t, workers-1, replayed)
+	assert.Equal(t, 1, count(t, db, `SELECT count(*) FROM race_effects WHERE scope = $1 AND key = $2`, req.Scope, req.Key))
+}
+
+// The executor rolls back: a racer waiting on its claim becomes the executor,
+// so no work is lost.
+func TestRolledBackExecutorHandsOver(t *testing.T) {
+	t.Parallel()
+	s, db := newStore(t, nil)
+	req := newRequest("x")
+	ctx := context.Background()
+
+	tx1, err := db.SQL.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	c1, err := s.ClaimTx(ctx, tx1, req)
+	require.NoError(t, err)
+	require.True(t, c1.Execute)
+
+	second := make(chan idempotency.Claim, 1)
+	pid := make(chan int, 1)
+	tx2, err := db.SQL.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer tx2.Rollback() //nolint:errcheck
+	go func() {
+		pid <- backendPID(t, tx2)
+		c2, err := s.ClaimTx(ctx, tx2, req) // waits for tx1
+		assert.NoError(t, err)
+		if err == nil {
+			assert.NoError(t, s.CompleteTx(ctx, tx2, req, idempotency.StatusCompleted, idempotency.Response{Body: []byte("second")}))
+			assert.NoError(t, tx2.Commit())
+		}
+		second <- c2
+	}()
+	waitForLockWaiter(t, db, pid)
+	require.NoError(t, tx1.Rollback())
+
+	c2 := <-second
+	assert.True(t, c2.Execute, "the waiting racer executes after the first rolled back")
+	rec, err := s.Get(ctx, req.Scope, req.Key)
+	require.NoError(t, err)
+	assert.Equal(t, idempotency.StatusCompleted, rec.Status)
+	assert.Equal(t, "second", string(rec.Response.Body))
+}
+
+// backendPID returns the server process of tx.
+func backendPID(t *testing.T, tx *sql.Tx) int {
+	var pid int
+	require.NoError(t, tx.QueryRow(`SELECT pg_backend_pid()`).Scan(&pid))
+	return pid
+}
+
+// waitForLockWaiter polls until the backend pid waits on a lock.
+func waitForLockWaiter(t *testing.T, db *testdb.DB, pid <-chan int) {
+	t.Helper()
+	p := <-pid
+	deadline := time.Now().Add(10 * time.Second)
+	for count(t, db, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'`, p) == 0 {
+		require.True(t, time.Now().Before(deadline), "no backend started waiting on a lock")
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// A claim waits for a concurrent claimer no longer than LockTimeout, then
+// reports ErrInProgress.
+func TestClaimWaitIsBoundedByLockTimeout(t *testing.T) {
+	t.Parallel()
+	s, db := newStore(t, func(c *idempotency.Config) { c.LockTimeout = 200 * time.Millisecond })
+	req := newRequest("x")
+	ctx := context.Background()
+	tx1, err := db.SQL.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer tx1.Rollback() //nolint:errcheck
+	_, err = s.ClaimTx(ctx, tx1, req)
+	require.NoError(t, err)
+
+	tx2, err := db.SQL.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer tx2.Rollback() //nolint:errcheck
+	start := time.Now()
+	_, err = s.ClaimTx(ctx, tx2, req)
+	require.ErrorIs(t, err, idempotency.ErrInProgress)
+	var ipe *idempotency.InProgressError
+	require.ErrorAs(t, err, &ipe)
+	assert.True(t, ipe.LockedUntil.IsZero(), "held by a transaction, not a lease")
+	assert.Less(t, time.Since(start), 3*time.Second)
+}
+
+// Under REPEATABLE READ (watermill-sql's subscriber transaction) a racer that
+// waited for a concurrent claim that then commits gets a serialization
+// failure, surfaced as ErrConflict: its snapshot cannot see the stored row,
+// so the whole transaction must be retried. A new transaction replays.
+func TestRepeatableReadRacerGetsConflict(t *testing.T) {
+	t.Parallel()
+	s, db := newStore(t, nil)
+	req := newRequest("x")
+	ctx := context.Background()
+	rr := &sql.TxOptions{Isolation: sql.LevelRepeatableRead}
+
+	tx1, err := db.SQL.BeginTx(ctx, rr)
+	require.NoError(t, err)
+	c1, err := s.ClaimTx(ctx, tx1, req)
+	require.NoError(t, err)
+	require.True(t, c1.Execute)
+
+	result := make(chan error, 1)
+	pid := make(chan int, 1)
+	tx2, err := db.SQL.BeginTx(ctx, rr)
+	require.NoError(t, err)
+	defer tx2.Rollback() //nolint:errcheck
+	// tx2's snapshot is taken here, while tx1's claim is uncommitted.
+	pid <- backendPID(t, tx2)
+	go func() {
+		_, err := s.ClaimTx(ctx, tx2, req)
+		result <- err
+	}()
+	waitForLockWaiter(t, db, pid)
+	require.NoError(t, s.CompleteTx(ctx, tx1, req, idempotency.StatusCompleted, idempotency.Response{Body: []byte("done")}))
+	require.NoError(t, tx1.Commit())
+
+	err = <-result
+	require.ErrorIs(t, err, idempotency.ErrConflict)
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	assert.Equal(t, "40001", pgErr.Code)
+
+	tx3, err := db.SQL.BeginTx(ctx, rr)
+	require.NoError(t, err)
+	defer tx3.Rollback() //nolint:errcheck
+	c3, err := s.ClaimTx(ctx, tx3, req)
+	require.NoError(t, err)
+	assert.False(t, c3.Execute)
+	assert.Equal(t, "done", string(c3.Record.Response.Body), "a retry in a new transaction replays")
+}
+
+// Pins the PostgreSQL fact behind insert-first: SELECT … FOR UPDATE of a
+// missing row locks nothing, so two sessions both pass it, and the second
+// insert fails with a unique violation.
+func TestPinSelectForUpdateFirstLetsTwoThrough(t *testing.T) {
+	t.Parallel()
+	_, db := newStore(t, nil)
+	req := newRequest("x")
+	ctx := context.Background()
+	txs := make([]*sql.Tx, 2)
+	for i := range txs {
+		tx, err := db.SQL.BeginTx(ctx, nil)
+		require.NoError(t, err)
+		defer tx.Rollback() //nolint:errcheck
+		var found int
+		err = tx.QueryRowContext(ctx, `SELECT 1 FROM idempotency_keys WHERE scope = $1 AND key = $2 FOR UPDATE`, req.Scope, req.Key).Scan(&found)
+		require.ErrorIs(t, err, sql.ErrNoRows, "session %d sees no row and locks nothing", i)
+		txs[i] = tx
+	}
+	_, err := txs[0].ExecContext(ctx, `INSERT INTO idempotency_keys (scope, key, request_hash) VALUES ($1, $2, $3)`, req.Scope, req.Key, req.Hash)
+	require.NoError(t, err)
+	second := make(chan error, 1)
+	pid := make(chan int, 1)
+	pid <- backendPID(t, txs[1])
+	go func() {
+		_, err := txs[1].ExecContext(ctx, `INSERT INTO idempotency_keys (scope, key, request_hash) VALUES ($1, $2, $3)`, req.Scope, req.Key, req.Hash)
+		second <- err
+	}()
+	waitForLockWaiter(t, db, pid)
+	require.NoError(t, txs[0].Commit())
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, <-second, &pgErr)
+	assert.Equal(t, "23505", pgErr.Code, "both sessions believed they were first")
+}
+
+// A business failure is stored as failed and replayed as failed; a transient
+// failure stores nothing and the next attempt executes.
+func TestFailureKinds(t *testing.T) {
+	t.Parallel()
+	s, db := newStore(t, nil)
+	ctx := context.Background()
+
+	req := newRequest("charge 1000")
+	calls := 0
+	for range 3 {
+		res, err := s.Do(ctx, req, func(context.Context, idempotency.DBTX) (idempotency.Response, error) {
+			calls++
+			return idempotency.Response{}, &idempotency.Failure{Reason: "insufficient funds", Response: idempotency.Response{Code: 402, Body: []byte("no money")}}
+		})
+		require.NoError(t, err)
+		assert.Equal(t, idempotency.StatusFailed, res.Status)
+		assert.Equal(t, 402, res.Response.Code)
+		assert.Equal(t, "no money", string(res.Response.Body))
+	}
+	assert.Equal(t, 1, calls, "a business failure is final")
+
+	req = newRequest("charge 5")
+	boom := errors.New("gateway timeout")
+	_, err := s.Do(ctx, req, func(context.Context, idempotency.DBTX) (idempotency.Response, error) {
+		return idempotency.Response{}, boom
+	})
+	require.ErrorIs(t, err, boom)
+	assert.Zero(t, count(t, db, `SELECT count(*) FROM idempotency_keys WHERE scope = $1`, req.Scope), "a transient failure leaves no key")
+	res, err := s.Do(ctx, req, func(context.Context, idempotency.DBTX) (idempotency.Response, error) {
+		return idempotency.Response{Code: 200, Body: []byte("ok")}, nil
+	})
+	require.NoError(t, err)
+	assert.False(t, res.Replayed, "the retry executes")
+	assert.Equal(t, idempotency.StatusCompleted, res.Status)
+}
+
+func TestKeyReusedWithDifferentRequest(t *testing.T) {
+	t.Parallel()
+	s, _ := newStore(t, nil)
+	ctx := context.Background()
+	req := newRequest("charge 100")
+	_, err := s.Do(ctx, req, func(context.Context, idempotency.DBTX) (idempotency.Response, error) {
+		return idempotency.Response{Code: 200}, nil
+	})
+	require.NoError(t, err)
+	other := req
+	other.Hash = idempotency.Fingerprint([]byte("charge 999"))
+	_, err = s.Do(ctx, other, func(context.Context, idempotency.DBTX) (idempotency.Response, error) {
+		t.Fatal("must not execute")
+		return idempotency.Response{}, nil
+	})
+	require.ErrorIs(t, err, idempotency.ErrKeyReused)
+}
+
+func TestInvalidRequests(t *testing.T) {
+	t.Parallel()
+	s, db := newStore(t, nil)
+	tx, err := db.SQL.Begin()
+	require.NoError(t, err)
+	defer tx.Rollback() //nolint:errcheck
+	long := string(make([]byte, 300))
+	for name, req := range map[string]idempotency.Request{
+		"no scope":   {Key: "k", Hash: []byte{1}},
+		"no key":     {Scope: "s", Hash: []byte{1}},
+		"long key":   {Scope: "s", Key: long, Hash: []byte{1}},
+		"long scope": {Scope: long, Key: "k", Hash: []byte{1}},
+		"no hash":    {Scope: "s", Key: "k"},
+	} {
+		_, err := s.ClaimTx(context.Background(), tx, req)
+		require.ErrorIs(t, err, idempotency.ErrInvalidRequest, name)
+	}
+	require.ErrorIs(t, s.CompleteTx(context.Background(), tx, newRequest("x"), idempotency.StatusPending, idempotency.Response{}), idempotency.ErrInvalidRequest)
+	require.ErrorIs(t, s.CompleteTx(context.Background(), tx, newRequest("x"), idempotency.StatusCompleted, idempotency.Response{}), idempotency.ErrNotClaimed)
+	_, err = idempotency.NewStore(idempotency.Config{LockTimeout: time.Microsecond})
+	require.Error(t, err)
+}
+
+func TestFingerprintIsLengthPrefixed(t *testing.T) {
+	t.Parallel()
+	assert.NotEqual(t, idempotency.Fingerprint([]byte("ab"), []byte("c")), idempotency.Fingerprint([]byte("a"), []byte("bc")))
+	assert.Equal(t, idempotency.Fingerprint([]byte("a")), idempotency.Fingerprint([]byte("a")))
+}

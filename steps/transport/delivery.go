@@ -1,0 +1,300 @@
+package transport
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// RetryPolicy says how the failed attempts of one delivery are retried.
+// Zero values take the documented defaults.
+type RetryPolicy struct {
+	// MaxAttempts is how many attempts one delivery gets before its message
+	// is dead-lettered. Default: 5.
+	MaxAttempts int
+	// InitialBackoff is the wait before the second attempt; it doubles up to
+	// MaxBackoff. Defaults: 100ms and 2s. The attempts and waits of one
+	// delivery must fit well within Config.AckDeadline.
+	InitialBackoff time.Duration
+	MaxBackoff     time.Duration
+	// DeadLetterTopic receives, in the same transaction, a copy of each
+	// message whose attempts ran out or that failed permanently, with
+	// DeadLetter* metadata; the lane then moves on. Empty: such a message is
+	// nacked and redelivered without end, holding up its lane.
+	DeadLetterTopic string
+}
+
+func (p *RetryPolicy) setDefaults() {
+	if p.MaxAttempts == 0 {
+		p.MaxAttempts = 5
+	}
+	if p.InitialBackoff == 0 {
+		p.InitialBackoff = 100 * time.Millisecond
+	}
+	if p.MaxBackoff == 0 {
+		p.MaxBackoff = 2 * time.Second
+	}
+}
+
+func (p *RetryPolicy) validate(ackDeadline time.Duration) error {
+	p.setDefaults()
+	if p.MaxAttempts < 1 {
+		return fmt.Errorf("retry: MaxAttempts must be positive, got %d", p.MaxAttempts)
+	}
+	if p.InitialBackoff < 0 || p.MaxBackoff < p.InitialBackoff {
+		return fmt.Errorf("retry: need 0 <= InitialBackoff (%s) <= MaxBackoff (%s)", p.InitialBackoff, p.MaxBackoff)
+	}
+	if p.DeadLetterTopic != "" {
+		if err := ValidateTopic(p.DeadLetterTopic); err != nil {
+			return fmt.Errorf("retry: dead-letter topic: %w", err)
+		}
+	}
+	if total := p.totalBackoff(); total > ackDeadline/2 {
+		return fmt.Errorf("retry: %d attempts wait %s in all, more than half the ack deadline (%s)", p.MaxAttempts, total, ackDeadline)
+	}
+	return nil
+}
+
+// backoff is the wait after the given failed attempt (1-based).
+func (p RetryPolicy) backoff(attempt int) time.Duration {
+	d := p.InitialBackoff
+	for i := 1; i < attempt && d < p.MaxBackoff; i++ {
+		d *= 2
+	}
+	return min(d, p.MaxBackoff)
+}
+
+func (p RetryPolicy) totalBackoff() time.Duration {
+	var total time.Duration
+	for a := 1; a < p.MaxAttempts; a++ {
+		total += p.backoff(a)
+	}
+	return total
+}
+
+// HandlerOption configures one handler.
+type HandlerOption func(*route)
+
+// WithRetry sets the handler's retry policy instead of Config.Retry.
+func WithRetry(p RetryPolicy) HandlerOption { return func(r *route) { r.retry = p } }
+
+// Metadata a dead-lettered copy carries.
+const (
+	DeadLetterReason   = "dead_letter_reason"
+	DeadLetterAttempts = "dead_letter_attempts"
+	DeadLetterTopic    = "dead_letter_topic"
+	DeadLetterHandler  = "dead_letter_handler"
+	DeadLetterGroup    = "dead_letter_group"
+	DeadLetterAt       = "dead_letter_at"
+)
+
+// PermanentError marks a failure that no retry can fix (a message that
+// cannot be decoded, a key reused for another request): the message is
+// dead-lettered at once.
+type PermanentError struct{ Err error }
+
+func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
+func (e *PermanentError) Unwrap() error { return e.Err }
+
+// Permanent marks err as permanent. Permanent(nil) is nil.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &PermanentError{Err: err}
+}
+
+// IsPermanent reports whether err, or an error it wraps, is permanent.
+func IsPermanent(err error) bool {
+	var p *PermanentError
+	return errors.As(err, &p)
+}
+
+type attemptKey struct{}
+
+// AttemptFromContext returns the number (1-based) of the delivery attempt
+// running under ctx, or 0 outside a Router handler.
+func AttemptFromContext(ctx context.Context) int {
+	n, _ := ctx.Value(attemptKey{}).(int)
+	return n
+}
+
+// route is one handler of a Router.
+type route struct {
+	r       *Router
+	name    string
+	topic   string
+	group   string
+	offsets string // quoted offsets table of topic
+	h       HandlerFunc
+	retry   RetryPolicy
+}
+
+// outcome of one attempt.
+type outcome int
+
+const (
+	kept      outcome = iota // the attempt's work and its ack are in the batch
+	failed                   // rolled back; the transaction is usable
+	abandoned                // the batch transaction is doomed; ack and move on
+	stuck                    // the transaction's state is unknown; nack
+)
+
+// deliver runs the attempts of one delivery of msg.
+func (rt *route) deliver(msg *message.Message) error {
+	delivery := msg.Context()
+	raw, ok := wsql.TxFromContext(delivery)
+	if !ok {
+		return fmt.Errorf("%w (handler %s)", ErrNoTransaction, rt.name)
+	}
+	xid, offset, err := position(msg.Metadata)
+	if err != nil {
+		return fmt.Errorf("transport: handler %s: %w", rt.name, err)
+	}
+	// Statements must not be cancelled mid-flight when the subscriber gives
+	// up on the message; statement_timeout bounds them instead.
+	ctx := context.WithoutCancel(delivery)
+	ack := attemptAck(rt.offsets, rt.group, xid, offset)
+	log := rt.r.log.With("handler", rt.name, "message_uuid", msg.UUID)
+
+	for n := 1; ; n++ {
+		out, err := rt.attempt(ctx, raw, msg, n, ack, rt.h)
+		switch out {
+		case kept:
+			if delivery.Err() != nil {
+				log.Error("handler outlived its delivery (ack deadline or close); its writes may have been committed without the message's ack")
+			}
+			return nil
+		case abandoned:
+			return nil
+		case stuck:
+			return err
+		}
+		if isSerializationFailure(err) {
+			// The batch runs at REPEATABLE READ: a retry in the same
+			// snapshot fails the same way. Redeliver in a new transaction.
+			log.Info("serialization failure; redelivering the batch in a new transaction", "err", err)
+			return rt.abandon(ctx, raw, msg, err)
+		}
+		permanent := IsPermanent(err)
+		if !permanent && n < rt.retry.MaxAttempts {
+			log.Warn("attempt failed; retrying", "attempt", n, "err", err)
+			select {
+			case <-time.After(rt.retry.backoff(n)):
+				continue
+			case <-rt.r.gate.closing:
+				return err // nack; redelivered after the restart
+			}
+		}
+		if rt.retry.DeadLetterTopic == "" {
+			log.Error("attempts exhausted and no dead-letter topic; nacking", "attempts", n, "permanent", permanent, "err", err)
+			return err
+		}
+		log.Error("dead-lettering message", "attempts", n, "permanent", permanent, "err", err, "dead_letter_topic", rt.retry.DeadLetterTopic)
+		dead := deadLetter(msg, rt, n, err)
+		out, derr := rt.attempt(ctx, raw, msg, n+1, ack, func(m *message.Message) error {
+			tx, _ := TxFromContext(m.Context())
+			return rt.r.t.Publisher(tx).Publish(rt.retry.DeadLetterTopic, dead)
+		})
+		if out == kept || out == abandoned {
+			return nil
+		}
+		return errors.Join(err, fmt.Errorf("dead-lettering: %w", derr))
+	}
+}
+
+// attempt runs h once inside a savepoint and, if it succeeds, stores the
+// message's offset for the group in the same savepoint (see ackAttemptSQL).
+func (rt *route) attempt(ctx context.Context, raw *sql.Tx, msg *message.Message, n int, ack string, h HandlerFunc) (outcome, error) {
+	// Registered before it touches the transaction: once Close has begun,
+	// no new attempt starts, so the attempts Close may have to cut off are
+	// exactly the registered ones.
+	att := newAttemptTx(raw)
+	if !rt.r.gate.track(att) {
+		return failed, ErrClosing
+	}
+	defer rt.r.gate.untrack(att)
+	if _, err := raw.ExecContext(ctx, rt.r.t.beginAttempt); err != nil {
+		return rt.abandonOutcome(ctx, raw, msg, fmt.Errorf("opening attempt savepoint: %w", err))
+	}
+	// The handler gets a copy: an Ack or Nack it sends must not reach the
+	// subscriber, which would move on while the attempt is still open.
+	hm := msg.Copy()
+	hm.SetContext(context.WithValue(ContextWithTx(ctx, att), attemptKey{}, n))
+	herr := call(h, hm)
+	att.revoke()
+
+	if herr == nil {
+		_, err := raw.ExecContext(ctx, ack)
+		if err == nil {
+			return kept, nil
+		}
+		// The handler reported success over a failed statement it ignored:
+		// the attempt failed.
+		herr = fmt.Errorf("transport: handler %s succeeded but its attempt could not be kept: %w", rt.name, err)
+	}
+	if _, err := raw.ExecContext(ctx, rollbackAttemptSQL); err != nil {
+		return rt.abandonOutcome(ctx, raw, msg, errors.Join(herr, fmt.Errorf("rolling back attempt: %w", err)))
+	}
+	return failed, herr
+}
+
+// abandon gives up on the batch transaction, returning what the handler
+// function must return: nil (ack) if the batch is now certain to fail,
+// an error (nack) otherwise.
+func (rt *route) abandon(ctx context.Context, raw *sql.Tx, msg *message.Message, cause error) error {
+	out, err := rt.abandonOutcome(ctx, raw, msg, cause)
+	if out == abandoned {
+		return nil
+	}
+	return err
+}
+
+// abandonOutcome gives up on the batch transaction when an attempt's
+// savepoint cannot be opened or rolled back, or a retry in it cannot help:
+// the transaction either already cannot commit or may hold a partial
+// attempt. If it is made certain to fail, the message is acked so the
+// subscriber moves on quickly: its offset update then fails, and the whole
+// batch rolls back and is redelivered. If that cannot be made certain, the
+// message is nacked and the lane waits for the ack deadline, which is slow
+// but never commits a partial attempt on purpose.
+func (rt *route) abandonOutcome(ctx context.Context, raw *sql.Tx, msg *message.Message, cause error) (outcome, error) {
+	_, err := raw.ExecContext(ctx, doomBatchSQL)
+	if doomed(err) {
+		rt.r.log.Warn("abandoning delivery batch; it will be redelivered",
+			"handler", rt.name, "message_uuid", msg.UUID, "cause", cause)
+		return abandoned, cause
+	}
+	rt.r.log.Error("delivery transaction in an unknown state; nacking and waiting for the ack deadline",
+		"handler", rt.name, "message_uuid", msg.UUID, "cause", cause, "err", err)
+	return stuck, errors.Join(cause, err)
+}
+
+// deadLetter copies msg for the dead-letter topic.
+func deadLetter(msg *message.Message, rt *route, attempts int, cause error) *message.Message {
+	dead := msg.Copy()
+	delete(dead.Metadata, positionKey)
+	reason := cause.Error()
+	if len(reason) > 2000 {
+		reason = reason[:2000] + "…"
+	}
+	dead.Metadata.Set(DeadLetterReason, reason)
+	dead.Metadata.Set(DeadLetterAttempts, strconv.Itoa(attempts))
+	dead.Metadata.Set(DeadLetterTopic, rt.topic)
+	dead.Metadata.Set(DeadLetterHandler, rt.name)
+	dead.Metadata.Set(DeadLetterGroup, rt.group)
+	dead.Metadata.Set(DeadLetterAt, time.Now().UTC().Format(time.RFC3339Nano))
+	return dead
+}
+
+func isSerializationFailure(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == "40001" || pgErr.Code == "40P01")
+}
