@@ -238,7 +238,9 @@ func TestNilMetadataIsConsumed(t *testing.T) {
 // failed attempt committed: the ack goes nowhere, the message stays unacked.
 func TestHandlerAckDoesNotEndAttempt(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, func(c *transport.Config) { c.Retry = transport.RetryPolicy{MaxAttempts: 2, InitialBackoff: 10 * time.Millisecond} })
+	e := newEnv(t, func(c *transport.Config) {
+		c.Retry = transport.RetryPolicy{MaxAttempts: 2, InitialBackoff: 10 * time.Millisecond}
+	})
 	r, err := e.tr.NewRouter()
 	require.NoError(t, err)
 	var calls atomic.Int32
