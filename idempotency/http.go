@@ -69,8 +69,9 @@ type httpMeta struct {
 //   - the same key after the first request finished: its status, headers and
 //     body, with Idempotent-Replayed: true.
 //
-// Responses 2xx-4xx are stored (4xx as failed); 5xx, 408 and 429 are
-// transient: nothing is stored, and the client may retry with the same key.
+// Responses 2xx-4xx are stored; a 4xx as failed, without the handler's
+// writes. 5xx, 408 and 429 are transient: nothing is stored, and the client
+// may retry with the same key.
 func (s *Store) HTTPMiddleware(cfg HTTPConfig) (func(http.Handler) http.Handler, error) {
 	if cfg.Scope == "" || len(cfg.Scope) > 100 {
 		return nil, fmt.Errorf("%w: HTTP scope must be 1 to 100 bytes", ErrInvalidRequest)
@@ -161,6 +162,10 @@ func (s *Store) serveHTTP(cfg HTTPConfig, lockTimeout string, next http.Handler,
 		return
 	}
 
+	if _, err := tx.ExecContext(ctx, savepointSQL); err != nil {
+		httpError(w, http.StatusInternalServerError, "could not start the request")
+		return
+	}
 	rec := &recorder{header: http.Header{}, code: http.StatusOK}
 	next.ServeHTTP(rec, r.WithContext(context.WithValue(ctx, httpTxKey{}, DBTX(tx))))
 	if transientStatus(rec.code) {
@@ -170,7 +175,12 @@ func (s *Store) serveHTTP(cfg HTTPConfig, lockTimeout string, next http.Handler,
 	}
 	status := StatusCompleted
 	if rec.code >= 400 {
+		// A refusal is stored without the writes that led to it.
 		status = StatusFailed
+		if _, err := tx.ExecContext(ctx, rollbackToSavepointSQL); err != nil {
+			httpError(w, http.StatusInternalServerError, "could not discard the request's writes")
+			return
+		}
 	}
 	header := rec.header.Clone()
 	header.Del("Date")

@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/testdb"
 )
 
 // orderAPI is an HTTP handler that records each order it creates in the
@@ -39,9 +40,6 @@ func (a *orderAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case body.Amount >= 1_000_000:
 		w.WriteHeader(http.StatusInternalServerError) // transient
 		return
-	case body.Amount <= 0:
-		http.Error(w, "amount must be positive", http.StatusUnprocessableEntity) // final
-		return
 	}
 	tx, ok := idempotency.TxFromContext(r.Context())
 	if !ok {
@@ -53,6 +51,11 @@ func (a *orderAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, err.Error(), http.StatusInternalServerError)
 		return
 	}
+	if body.Amount <= 0 {
+		// Refused after writing: the write must not survive.
+		http.Error(w, "amount must be positive", http.StatusUnprocessableEntity)
+		return
+	}
 	w.Header().Set("Location", "/orders/"+id)
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(http.StatusCreated)
@@ -60,10 +63,12 @@ func (a *orderAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 type httpEnv struct {
-	t   *testing.T
-	api *orderAPI
-	srv *httptest.Server
-	ns  string // keeps this test's keys apart from other tests'
+	t     *testing.T
+	db    *testdb.DB
+	table string
+	api   *orderAPI
+	srv   *httptest.Server
+	ns    string // keeps this test's keys apart from other tests'
 }
 
 func newHTTPEnv(t *testing.T, required bool) *httpEnv {
@@ -87,7 +92,7 @@ func newHTTPEnv(t *testing.T, required bool) *httpEnv {
 	api := &orderAPI{table: table}
 	srv := httptest.NewServer(mw(api))
 	t.Cleanup(srv.Close)
-	return &httpEnv{t: t, api: api, srv: srv, ns: uuid.NewString()[:8] + "-"}
+	return &httpEnv{t: t, db: db, table: table, api: api, srv: srv, ns: uuid.NewString()[:8] + "-"}
 }
 
 type reply struct {
@@ -187,6 +192,7 @@ func TestHTTPOutcomeKinds(t *testing.T) {
 	assert.Equal(t, http.StatusUnprocessableEntity, r1.code)
 	assert.Equal(t, r1.code, r2.code)
 	assert.True(t, r2.replayed)
+	assert.Zero(t, count(t, e.db, `SELECT count(*) FROM `+e.table+` WHERE amount <= 0`), "a refusal keeps none of its writes")
 	// A 5xx is transient: not stored, the retry runs the handler again.
 	before := e.api.calls.Load()
 	assert.Equal(t, http.StatusInternalServerError, e.post("alice", "flaky", `{"amount":1000000}`).code)

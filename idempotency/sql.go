@@ -56,6 +56,11 @@ WHERE scope = $1 AND key = $2 AND status = 'pending' AND lease_token = $7`
 SET locked_until = clock_timestamp(), updated_at = now()
 WHERE scope = $1 AND key = $2 AND status = 'pending' AND lease_token = $3`
 
+	// savepointSQL and rollbackToSavepointSQL bracket a request's own work,
+	// so a final failure is stored without the writes that led to it.
+	savepointSQL           = "SAVEPOINT pgsaga_request"
+	rollbackToSavepointSQL = "ROLLBACK TO SAVEPOINT pgsaga_request"
+
 	// reapSQL deletes one batch of finished keys older than the TTL, skipping
 	// rows another reaper or a replaying request holds. Pending keys are
 	// never touched.

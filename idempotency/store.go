@@ -285,7 +285,8 @@ type Result struct {
 // Do runs fn at most once per key, in a READ COMMITTED transaction of its own
 // that also holds the claim: fn's writes through tx commit with the stored
 // response or not at all. fn returns the response, a *Failure (stored as
-// failed) or another error (rolled back, nothing stored, returned).
+// failed, without fn's writes) or another error (rolled back, nothing
+// stored, returned).
 func (s *Store) Do(ctx context.Context, req Request, fn func(ctx context.Context, tx DBTX) (Response, error)) (Result, error) {
 	if s.cfg.DB == nil {
 		return Result{}, errors.New("idempotency: Config.DB is required for Do")
@@ -302,11 +303,17 @@ func (s *Store) Do(ctx context.Context, req Request, fn func(ctx context.Context
 	if !claim.Execute {
 		return Result{Status: claim.Record.Status, Response: claim.Record.Response, Replayed: true}, tx.Commit()
 	}
+	if _, err := tx.ExecContext(ctx, savepointSQL); err != nil {
+		return Result{}, fmt.Errorf("idempotency: %w", err)
+	}
 	resp, err := fn(ctx, tx)
 	status := StatusCompleted
 	var fail *Failure
 	if errors.As(err, &fail) {
 		status, resp = StatusFailed, fail.Response
+		if _, err := tx.ExecContext(ctx, rollbackToSavepointSQL); err != nil {
+			return Result{}, fmt.Errorf("idempotency: discarding the writes of a failed request: %w", err)
+		}
 	} else if err != nil {
 		return Result{}, err
 	}

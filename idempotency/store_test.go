@@ -264,11 +264,16 @@ func TestFailureKinds(t *testing.T) {
 	s, db := newStore(t, nil)
 	ctx := context.Background()
 
+	_, err := db.SQL.Exec(`CREATE TABLE IF NOT EXISTS failure_effects (scope text)`)
+	require.NoError(t, err)
 	req := newRequest("charge 1000")
 	calls := 0
 	for range 3 {
-		res, err := s.Do(ctx, req, func(context.Context, idempotency.DBTX) (idempotency.Response, error) {
+		res, err := s.Do(ctx, req, func(ctx context.Context, tx idempotency.DBTX) (idempotency.Response, error) {
 			calls++
+			if _, err := tx.ExecContext(ctx, `INSERT INTO failure_effects VALUES ($1)`, req.Scope); err != nil {
+				return idempotency.Response{}, err
+			}
 			return idempotency.Response{}, &idempotency.Failure{Reason: "insufficient funds", Response: idempotency.Response{Code: 402, Body: []byte("no money")}}
 		})
 		require.NoError(t, err)
@@ -277,10 +282,11 @@ func TestFailureKinds(t *testing.T) {
 		assert.Equal(t, "no money", string(res.Response.Body))
 	}
 	assert.Equal(t, 1, calls, "a business failure is final")
+	assert.Zero(t, count(t, db, `SELECT count(*) FROM failure_effects WHERE scope = $1`, req.Scope), "stored without the writes that led to it")
 
 	req = newRequest("charge 5")
 	boom := errors.New("gateway timeout")
-	_, err := s.Do(ctx, req, func(context.Context, idempotency.DBTX) (idempotency.Response, error) {
+	_, err = s.Do(ctx, req, func(context.Context, idempotency.DBTX) (idempotency.Response, error) {
 		return idempotency.Response{}, boom
 	})
 	require.ErrorIs(t, err, boom)

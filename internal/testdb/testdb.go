@@ -128,17 +128,37 @@ func ServerURL() string {
 // Tests that share it must keep their rows apart (unique keys, topics, ids).
 func Shared(t testing.TB) *DB {
 	t.Helper()
+	db, err := sharedDB()
+	if err != nil {
+		t.Fatalf("testdb: %v", err)
+	}
+	return db
+}
+
+// ForExample returns the package's database for runnable examples, which
+// have no testing.T; it panics if there is none.
+func ForExample() *DB {
+	db, err := sharedDB()
+	if err != nil {
+		panic("testdb: " + err.Error())
+	}
+	return db
+}
+
+func sharedDB() (*DB, error) {
 	mu.Lock()
 	defer mu.Unlock()
-	requireMain(t)
+	if !mainRan {
+		return nil, errors.New("call testdb.Main(m) from the package's TestMain")
+	}
 	if shared == nil {
 		db, err := create(context.Background(), true)
 		if err != nil {
-			t.Fatalf("testdb: %v", err)
+			return nil, err
 		}
 		shared = db
 	}
-	return shared
+	return shared, nil
 }
 
 // Fresh returns a migrated database of the test's own, dropped when the test ends.

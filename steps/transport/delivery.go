@@ -117,6 +117,24 @@ func IsPermanent(err error) bool {
 	return errors.As(err, &p)
 }
 
+// InsteadError asks for the failed attempt to be rolled back and Handler to
+// run in a fresh attempt in its place; if that attempt succeeds, the message
+// is done. The step runtime uses it to record a business failure without the
+// writes of the handler that decided it.
+type InsteadError struct {
+	Handler HandlerFunc
+	Cause   error
+}
+
+func (e *InsteadError) Error() string { return "rolled back: " + e.Cause.Error() }
+func (e *InsteadError) Unwrap() error { return e.Cause }
+
+// Instead returns an InsteadError.
+func Instead(h HandlerFunc, cause error) error { return &InsteadError{Handler: h, Cause: cause} }
+
+// ErrDeadLettered is returned by HandleInTx for a message it dead-lettered.
+var ErrDeadLettered = errors.New("transport: message dead-lettered")
+
 type attemptKey struct{}
 
 // AttemptFromContext returns the number (1-based) of the delivery attempt
@@ -166,6 +184,10 @@ func (rt *route) deliver(msg *message.Message) error {
 
 	for n := 1; ; n++ {
 		out, err := rt.attempt(ctx, raw, msg, n, ack, rt.h)
+		var instead *InsteadError
+		if out == failed && errors.As(err, &instead) {
+			out, err = rt.attempt(ctx, raw, msg, n, ack, instead.Handler)
+		}
 		switch out {
 		case kept:
 			if delivery.Err() != nil {
@@ -297,4 +319,77 @@ func deadLetter(msg *message.Message, rt *route, attempts int, cause error) *mes
 func isSerializationFailure(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && (pgErr.Code == "40001" || pgErr.Code == "40P01")
+}
+
+// HandleInTx handles msg outside a subscriber, each attempt in a READ
+// COMMITTED transaction of its own that commits when the attempt succeeds:
+// the counterpart of a Router handler for messages that arrive another way
+// (an HTTP request, another transport). Retries, Instead and dead-lettering
+// work as in a Router; a dead-lettered message returns ErrDeadLettered with
+// the cause. name and topic only label dead letters.
+func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *message.Message, h HandlerFunc, opts ...HandlerOption) error {
+	rt := &route{name: name, topic: topic, group: name, h: h, retry: t.cfg.Retry}
+	for _, opt := range opts {
+		opt(rt)
+	}
+	if err := rt.retry.validate(t.cfg.AckDeadline); err != nil {
+		return fmt.Errorf("transport: %s: %w", name, err)
+	}
+	log := t.log.With("handler", name, "message_uuid", msg.UUID)
+	for n := 1; ; n++ {
+		err := t.ownAttempt(ctx, msg, n, h)
+		var instead *InsteadError
+		if errors.As(err, &instead) {
+			err = t.ownAttempt(ctx, msg, n, instead.Handler)
+		}
+		if err == nil {
+			return nil
+		}
+		if ctx.Err() != nil {
+			return err
+		}
+		permanent := IsPermanent(err)
+		if !permanent && n < rt.retry.MaxAttempts {
+			log.Warn("attempt failed; retrying", "attempt", n, "err", err)
+			select {
+			case <-time.After(rt.retry.backoff(n)):
+				continue
+			case <-ctx.Done():
+				return err
+			}
+		}
+		if rt.retry.DeadLetterTopic == "" {
+			return err
+		}
+		log.Error("dead-lettering message", "attempts", n, "permanent", permanent, "err", err, "dead_letter_topic", rt.retry.DeadLetterTopic)
+		dead := deadLetter(msg, rt, n, err)
+		if derr := t.ownAttempt(ctx, msg, n+1, func(m *message.Message) error {
+			tx, _ := TxFromContext(m.Context())
+			return t.Publisher(tx).Publish(rt.retry.DeadLetterTopic, dead)
+		}); derr != nil {
+			return errors.Join(err, fmt.Errorf("dead-lettering: %w", derr))
+		}
+		return fmt.Errorf("%w: %w", ErrDeadLettered, err)
+	}
+}
+
+// ownAttempt runs h in a transaction of its own.
+func (t *Transport) ownAttempt(ctx context.Context, msg *message.Message, n int, h HandlerFunc) error {
+	tx, err := t.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return fmt.Errorf("transport: beginning transaction: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+	if _, err := tx.ExecContext(ctx, t.beginOwn); err != nil {
+		return fmt.Errorf("transport: setting transaction timeouts: %w", err)
+	}
+	hm := msg.Copy()
+	hm.SetContext(context.WithValue(ContextWithTx(ctx, tx), attemptKey{}, n))
+	if err := call(h, hm); err != nil {
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("transport: committing: %w", err)
+	}
+	return nil
 }

@@ -4,9 +4,13 @@ package transport
 // statements come from watermill-sql's schema and offsets adapters.
 const (
 	// beginAttemptSQL opens the savepoint of one delivery attempt and bounds
-	// its statements; %s is the timeout in milliseconds, formatted once from
-	// the validated Config. One round trip (simple protocol).
-	beginAttemptSQL = "SAVEPOINT pgsaga_attempt; SET LOCAL statement_timeout = %s"
+	// its statements and lock waits; %[1]s and %[2]s are the timeouts in
+	// milliseconds, formatted once from the validated Config. One round trip
+	// (simple protocol).
+	beginAttemptSQL = "SAVEPOINT pgsaga_attempt; SET LOCAL statement_timeout = %[1]s; SET LOCAL lock_timeout = %[2]s"
+
+	// beginOwnSQL bounds a transaction the transport opened itself.
+	beginOwnSQL = "SET LOCAL statement_timeout = %[1]s; SET LOCAL lock_timeout = %[2]s"
 
 	// ackAttemptSQL ends a successful attempt: it stores the message's
 	// offset for the consumer group, in the attempt, so the work and the ack

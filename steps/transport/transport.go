@@ -91,6 +91,11 @@ type Config struct {
 	// LOCAL statement_timeout). Default: 10s.
 	StatementTimeout time.Duration
 
+	// LockTimeout bounds every lock wait of an attempt (SET LOCAL
+	// lock_timeout); a wait that outlasts it fails the attempt, which is
+	// retried. Default: 5s.
+	LockTimeout time.Duration
+
 	// AckDeadline is how long one message may take, all its attempts and
 	// retries included. When it passes, watermill-sql commits the batch
 	// without the message, including whatever a still-running handler wrote,
@@ -130,6 +135,9 @@ func (c *Config) setDefaults() {
 	if c.StatementTimeout == 0 {
 		c.StatementTimeout = 10 * time.Second
 	}
+	if c.LockTimeout == 0 {
+		c.LockTimeout = 5 * time.Second
+	}
 	if c.AckDeadline == 0 {
 		c.AckDeadline = 5 * time.Minute
 	}
@@ -150,7 +158,7 @@ func (c *Config) validate() error {
 	for name, d := range map[string]time.Duration{
 		"PollInterval": c.PollInterval, "RetryInterval": c.RetryInterval,
 		"MaxRetryInterval": c.MaxRetryInterval, "ResendInterval": c.ResendInterval,
-		"StatementTimeout": c.StatementTimeout, "AckDeadline": c.AckDeadline,
+		"StatementTimeout": c.StatementTimeout, "AckDeadline": c.AckDeadline, "LockTimeout": c.LockTimeout,
 		"CloseTimeout": c.CloseTimeout,
 	} {
 		if d < 0 {
@@ -159,6 +167,9 @@ func (c *Config) validate() error {
 	}
 	if c.StatementTimeout > 0 && c.StatementTimeout < time.Millisecond {
 		errs = append(errs, fmt.Errorf("StatementTimeout must be at least 1ms, got %s", c.StatementTimeout))
+	}
+	if c.LockTimeout > 0 && c.LockTimeout < time.Millisecond {
+		errs = append(errs, fmt.Errorf("LockTimeout must be at least 1ms, got %s", c.LockTimeout))
 	}
 	if c.AckDeadline < 3*c.StatementTimeout {
 		errs = append(errs, fmt.Errorf("AckDeadline (%s) must be at least three times StatementTimeout (%s): the subscriber commits a batch whose handler outlives it", c.AckDeadline, c.StatementTimeout))
@@ -188,7 +199,8 @@ type Transport struct {
 	schema  schemaAdapter
 	offsets offsetsAdapter
 
-	beginAttempt string // SAVEPOINT + SET LOCAL statement_timeout, prebuilt
+	beginAttempt string // SAVEPOINT + SET LOCAL timeouts, prebuilt
+	beginOwn     string // SET LOCAL timeouts, prebuilt
 }
 
 // New validates cfg and returns a Transport.
@@ -209,9 +221,12 @@ func New(cfg Config) (*Transport, error) {
 			GeneratePayloadType: func(string) string { return "BYTEA" },
 			SubscribeBatchSize:  cfg.BatchSize,
 		}},
-		beginAttempt: fmt.Sprintf(beginAttemptSQL, strconv.FormatInt(cfg.StatementTimeout.Milliseconds(), 10)),
+		beginAttempt: fmt.Sprintf(beginAttemptSQL, ms(cfg.StatementTimeout), ms(cfg.LockTimeout)),
+		beginOwn:     fmt.Sprintf(beginOwnSQL, ms(cfg.StatementTimeout), ms(cfg.LockTimeout)),
 	}, nil
 }
+
+func ms(d time.Duration) string { return strconv.FormatInt(d.Milliseconds(), 10) }
 
 // Config returns the configuration with defaults filled in.
 func (t *Transport) Config() Config { return t.cfg }

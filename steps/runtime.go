@@ -1,0 +1,301 @@
+// Package steps is the participant side of pgsaga: the typed step contract
+// and the runtime that runs every step the same way.
+//
+// A step handles one command type. For each delivery of a command the
+// runtime, in one transaction (a watermill-sql subscriber's batch, inside a
+// savepoint of the delivery attempt, or a transaction of its own):
+//
+//  1. decodes the command (a message that cannot be decoded is dead-lettered
+//     at once, with the reason);
+//  2. claims the command's idempotency key in the step's scope; a duplicate
+//     publishes the stored reply again, with the same message id, and stops;
+//  3. runs the handler, whose writes and outgoing messages go through the
+//     same transaction (Tx);
+//  4. publishes the reply to the command's reply-to topic and marks the key
+//     completed with it.
+//
+// A handler returns a reply, a business failure (Fail: final, the key is
+// stored failed, the handler's writes are rolled back and the failure reply
+// is published) or any other error (transient: everything is rolled back
+// and the attempt is retried with backoff, then the command is
+// dead-lettered).
+package steps
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// DefaultDeadLetterTopic receives commands a step gave up on.
+const DefaultDeadLetterTopic = "pgsaga_dead_letters"
+
+// Handler handles one command of type C in the step's transaction.
+type Handler[C Message] func(ctx context.Context, tx *Tx, cmd C) (Message, error)
+
+// BusinessError is a final business outcome: the command was understood and
+// refused (insufficient funds, an order already cancelled). The key is
+// stored failed and Reply is published and replayed as the answer.
+type BusinessError struct {
+	Reply  Message
+	Reason string
+}
+
+func (e *BusinessError) Error() string { return "business failure: " + e.Reason }
+
+// Fail returns a BusinessError. reply may be nil when the command has no
+// failure reply.
+func Fail(reply Message, reason string) error { return &BusinessError{Reply: reply, Reason: reason} }
+
+// Step is a step ready for a Runtime: build it with Define.
+type Step struct {
+	// Name scopes the step's idempotency keys and names its handler and
+	// consumer group.
+	Name string
+	// Topic the step's commands arrive on.
+	Topic string
+	// CommandType is the type name of the commands it handles.
+	CommandType string
+
+	handle func(ctx context.Context, tx *Tx, msg *message.Message) (Message, error)
+}
+
+// Define builds a Step from a typed handler.
+func Define[C Message](name, topic string, h Handler[C]) Step {
+	var zero C
+	return Step{
+		Name:        name,
+		Topic:       topic,
+		CommandType: zero.MessageType(),
+		handle: func(ctx context.Context, tx *Tx, msg *message.Message) (Message, error) {
+			cmd, err := Decode[C](msg)
+			if err != nil {
+				return nil, transport.Permanent(err)
+			}
+			return h(ctx, tx, cmd)
+		},
+	}
+}
+
+func (s Step) validate() error {
+	switch {
+	case s.handle == nil:
+		return errors.New("steps: step has no handler (build it with Define)")
+	case s.Name == "" || len(s.Name) > idempotency.MaxScopeLen:
+		return fmt.Errorf("steps: step name must be 1 to %d bytes", idempotency.MaxScopeLen)
+	}
+	if err := transport.ValidateConsumerGroup(s.Name); err != nil {
+		return fmt.Errorf("steps: step %s: %w", s.Name, err)
+	}
+	if err := transport.ValidateTopic(s.Topic); err != nil {
+		return fmt.Errorf("steps: step %s: %w", s.Name, err)
+	}
+	return nil
+}
+
+// Config configures a Runtime.
+type Config struct {
+	// Transport publishes and subscribes. Required.
+	Transport *transport.Transport
+	// Store holds the steps' idempotency keys. Required.
+	Store *idempotency.Store
+	// Retry is the steps' retry policy. Default: the transport's, with
+	// DeadLetterTopic set to DefaultDeadLetterTopic if empty.
+	Retry *transport.RetryPolicy
+	// Logger. Default: slog.Default().
+	Logger *slog.Logger
+}
+
+// Runtime runs steps.
+type Runtime struct {
+	tr    *transport.Transport
+	store *idempotency.Store
+	retry transport.RetryPolicy
+	log   *slog.Logger
+}
+
+// New validates cfg and returns a Runtime.
+func New(cfg Config) (*Runtime, error) {
+	if cfg.Transport == nil || cfg.Store == nil {
+		return nil, errors.New("steps: Config.Transport and Config.Store are required")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	retry := cfg.Transport.Config().Retry
+	if cfg.Retry != nil {
+		retry = *cfg.Retry
+	}
+	if retry.DeadLetterTopic == "" {
+		retry.DeadLetterTopic = DefaultDeadLetterTopic
+	}
+	return &Runtime{tr: cfg.Transport, store: cfg.Store, retry: retry, log: cfg.Logger}, nil
+}
+
+// DeadLetterTopic is where the runtime sends commands it gave up on.
+func (rt *Runtime) DeadLetterTopic() string { return rt.retry.DeadLetterTopic }
+
+// Topics lists the topics the steps need, for Transport.CreateTopics.
+func (rt *Runtime) Topics(steps ...Step) []string {
+	out := []string{rt.retry.DeadLetterTopic}
+	for _, s := range steps {
+		out = append(out, s.Topic)
+	}
+	return out
+}
+
+// Register subscribes step s to its topic on r, under the consumer group
+// s.Name.
+func (rt *Runtime) Register(r *transport.Router, s Step) error {
+	if err := s.validate(); err != nil {
+		return err
+	}
+	return r.AddHandler(s.Name, s.Topic, s.Name, rt.handler(s), transport.WithRetry(rt.retry))
+}
+
+// Execute runs step s for msg outside a subscriber, each attempt in a READ
+// COMMITTED transaction of its own, with the same retries and dead-lettering
+// as a registered step.
+func (rt *Runtime) Execute(ctx context.Context, s Step, msg *message.Message) error {
+	if err := s.validate(); err != nil {
+		return err
+	}
+	return rt.tr.HandleInTx(ctx, s.Name, s.Topic, msg, rt.handler(s), transport.WithRetry(rt.retry))
+}
+
+// handler composes the step: claim → handler → reply → complete, through the
+// idempotency middleware, in the attempt's transaction.
+func (rt *Runtime) handler(s Step) transport.HandlerFunc {
+	mwCfg := idempotency.MiddlewareConfig{
+		Scope:       s.Name,
+		KeyMetadata: MetaKey,
+		Fingerprint: func(m *message.Message) []byte {
+			return idempotency.Fingerprint([]byte(m.Metadata.Get(MetaType)), m.Payload)
+		},
+		TxFromContext: func(ctx context.Context) (idempotency.DBTX, bool) { return transport.TxFromContext(ctx) },
+		Publisher:     func(tx idempotency.DBTX) message.Publisher { return rt.tr.Publisher(tx) },
+	}
+	mw, err := rt.store.Middleware(mwCfg)
+	if err != nil {
+		// Scope was validated with the step; this cannot happen.
+		panic(err)
+	}
+
+	execute := mw(func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		ttx, _ := transport.TxFromContext(ctx)
+		env := EnvelopeOf(msg)
+		key := idempotencyKey(msg)
+		tx := &Tx{Tx: ttx, rt: rt, step: s, env: env, key: key}
+		reply, err := s.handle(ctx, tx, msg)
+		if err != nil {
+			return nil, err
+		}
+		return rt.replies(s, env, key, reply, OutcomeOK, "")
+	})
+
+	return func(msg *message.Message) error {
+		_, err := execute(msg)
+		var biz *BusinessError
+		switch {
+		case err == nil:
+			return nil
+		case errors.As(err, &biz):
+			// Roll back the handler's writes, then store the failure and
+			// publish its reply in a fresh attempt.
+			return transport.Instead(rt.recordFailure(s, mw, biz), err)
+		case errors.Is(err, idempotency.ErrKeyReused):
+			return transport.Permanent(err)
+		}
+		return err
+	}
+}
+
+// recordFailure stores a business failure for the command and publishes its
+// reply, without running the handler again.
+func (rt *Runtime) recordFailure(s Step, mw message.HandlerMiddleware, biz *BusinessError) transport.HandlerFunc {
+	return func(msg *message.Message) error {
+		_, err := mw(func(msg *message.Message) ([]*message.Message, error) {
+			env := EnvelopeOf(msg)
+			key := idempotencyKey(msg)
+			replies, err := rt.replies(s, env, key, biz.Reply, OutcomeFailed, biz.Reason)
+			if err != nil {
+				return nil, err
+			}
+			return nil, idempotency.Reject(biz.Reason, replies...)
+		})(msg)
+		return err
+	}
+}
+
+// replies builds the reply to a command; none when the command names no
+// reply topic or there is nothing to say.
+func (rt *Runtime) replies(s Step, cmd Envelope, key string, reply Message, outcome, reason string) ([]*message.Message, error) {
+	if reply == nil || cmd.ReplyTo == "" {
+		return nil, nil
+	}
+	m, err := NewMessage(reply, Envelope{
+		ID:            derivedID("reply", s.Name, key),
+		CorrelationID: cmd.CorrelationID,
+		CausationID:   cmd.ID,
+		SagaID:        cmd.SagaID,
+		Step:          cmd.Step,
+		Key:           key,
+		Outcome:       outcome,
+		Reason:        reason,
+	})
+	if err != nil {
+		return nil, transport.Permanent(err)
+	}
+	return []*message.Message{m}, nil
+}
+
+func idempotencyKey(msg *message.Message) string {
+	if k := msg.Metadata.Get(MetaKey); k != "" {
+		return k
+	}
+	return msg.UUID
+}
+
+// Tx is a handler's view of its step: the transaction its writes go through
+// (the methods of transport.Tx), the command's envelope, and an outbox for
+// further messages.
+type Tx struct {
+	transport.Tx
+	rt   *Runtime
+	step Step
+	env  Envelope
+	key  string
+	sent int
+}
+
+// Command returns the envelope of the command being handled.
+func (t *Tx) Command() Envelope { return t.env }
+
+// Key returns the command's idempotency key: pass it to external services so
+// they can deduplicate too.
+func (t *Tx) Key() string { return t.key }
+
+// Publish sends m to topic through the step's transaction: it exists if and
+// only if the step commits. It carries the command's correlation and saga
+// ids, and an id derived from the command's key and its position among the
+// step's outgoing messages, so a retried step publishes the same ids.
+func (t *Tx) Publish(topic string, m Message) error {
+	t.sent++
+	msg, err := NewMessage(m, Envelope{
+		ID:            derivedID("out", t.step.Name, t.key, fmt.Sprint(t.sent)),
+		CorrelationID: t.env.CorrelationID,
+		CausationID:   t.env.ID,
+		SagaID:        t.env.SagaID,
+	})
+	if err != nil {
+		return err
+	}
+	return t.rt.tr.Publisher(t.Tx).Publish(topic, msg)
+}

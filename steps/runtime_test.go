@@ -1,0 +1,442 @@
+package steps_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+// The test step: add an amount to an account's ledger.
+type addCmd struct {
+	Account string `json:"account"`
+	Amount  int    `json:"amount"`
+}
+
+func (addCmd) MessageType() string { return "test.Add" }
+
+type added struct {
+	Account string `json:"account"`
+	Total   int    `json:"total"`
+}
+
+func (added) MessageType() string { return "test.Added" }
+
+type refused struct {
+	Why string `json:"why"`
+}
+
+func (refused) MessageType() string { return "test.Refused" }
+
+type noted struct {
+	Amount int `json:"amount"`
+}
+
+func (noted) MessageType() string { return "test.Noted" }
+
+func logger() *slog.Logger {
+	if os.Getenv("PGSAGA_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+// env is one test's world: its topics, its ledger table, a runtime, and the
+// test step.
+type env struct {
+	t       *testing.T
+	db      *testdb.DB
+	tr      *transport.Transport
+	rt      *steps.Runtime
+	step    steps.Step
+	id      string
+	cmds    string
+	replies string
+	events  string
+	dlq     string
+	ledger  string
+
+	mu       sync.Mutex
+	attempts map[string]int // per account
+	failN    int            // amount 0 fails transiently this many attempts
+}
+
+func newEnv(t *testing.T) *env {
+	t.Helper()
+	db := testdb.Shared(t)
+	id := uuid.NewString()[:8]
+	e := &env{t: t, db: db, id: id, cmds: "cmds_" + id, replies: "replies_" + id, events: "events_" + id,
+		dlq: "dlq_" + id, ledger: "ledger_" + id, attempts: map[string]int{}, failN: 2}
+	tr, err := transport.New(transport.Config{
+		DB: db.SQL, Logger: logger(), PollInterval: 20 * time.Millisecond, RetryInterval: 20 * time.Millisecond, ResendInterval: 20 * time.Millisecond,
+		Retry: transport.RetryPolicy{MaxAttempts: 4, InitialBackoff: 10 * time.Millisecond, DeadLetterTopic: e.dlq},
+	})
+	require.NoError(t, err)
+	store, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})
+	require.NoError(t, err)
+	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Logger: logger()})
+	require.NoError(t, err)
+	e.tr, e.rt = tr, rt
+	e.step = steps.Define("add-"+id, e.cmds, e.handle)
+	require.NoError(t, tr.CreateTopics(context.Background(), append(rt.Topics(e.step), e.replies, e.events)...))
+	_, err = db.SQL.Exec(`CREATE TABLE ` + e.ledger + ` (account text, amount int)`)
+	require.NoError(t, err)
+	return e
+}
+
+func (e *env) handle(ctx context.Context, tx *steps.Tx, cmd addCmd) (steps.Message, error) {
+	e.mu.Lock()
+	e.attempts[cmd.Account]++
+	n := e.attempts[cmd.Account]
+	e.mu.Unlock()
+	if _, err := tx.ExecContext(ctx, `INSERT INTO `+e.ledger+` VALUES ($1, $2)`, cmd.Account, cmd.Amount); err != nil {
+		return nil, err
+	}
+	if err := tx.Publish(e.events, noted{Amount: cmd.Amount}); err != nil {
+		return nil, err
+	}
+	switch {
+	case cmd.Amount < 0:
+		return nil, steps.Fail(refused{Why: "negative amount"}, "negative amount")
+	case cmd.Amount == 0 && n <= e.failN:
+		return nil, fmt.Errorf("transient failure %d", n)
+	}
+	var total int
+	if err := tx.QueryRowContext(ctx, `SELECT sum(amount) FROM `+e.ledger+` WHERE account = $1`, cmd.Account).Scan(&total); err != nil {
+		return nil, err
+	}
+	return added{Account: cmd.Account, Total: total}, nil
+}
+
+// command builds a command message with a key and a reply topic.
+func (e *env) command(account string, amount int) *message.Message {
+	e.t.Helper()
+	msg, err := steps.NewMessage(addCmd{Account: account, Amount: amount}, steps.Envelope{
+		Key: "key-" + account, ReplyTo: e.replies, CorrelationID: "corr-" + account, SagaID: "saga-" + account, Step: "add",
+	})
+	require.NoError(e.t, err)
+	return msg
+}
+
+// mode delivers a command message k times: through a router, or by
+// Runtime.Execute in transactions of its own.
+type mode struct {
+	name    string
+	deliver func(e *env, msg *message.Message, times int)
+}
+
+var modes = []mode{
+	{"subscriber transaction", func(e *env, msg *message.Message, times int) {
+		r, err := e.tr.NewRouter()
+		require.NoError(e.t, err)
+		require.NoError(e.t, e.rt.Register(r, e.step))
+		done := make(chan error, 1)
+		go func() { done <- r.Run(context.Background()) }()
+		<-r.Running()
+		defer func() { require.NoError(e.t, r.Close()); <-done }()
+		before := e.consumed()
+		for range times {
+			require.NoError(e.t, e.tr.Publisher(e.db.SQL).Publish(e.cmds, msg))
+		}
+		deadline := time.Now().Add(15 * time.Second)
+		for e.consumed() < before+times {
+			require.True(e.t, time.Now().Before(deadline), "commands not consumed")
+			time.Sleep(10 * time.Millisecond)
+		}
+	}},
+	{"own transaction", func(e *env, msg *message.Message, times int) {
+		for range times {
+			err := e.rt.Execute(context.Background(), e.step, msg)
+			if err != nil && !errors.Is(err, transport.ErrDeadLettered) {
+				require.NoError(e.t, err)
+			}
+		}
+	}},
+}
+
+func (e *env) consumed() int {
+	var n int
+	err := e.db.SQL.QueryRow(`
+		SELECT count(*) FROM `+e.tr.MessagesTable(e.cmds)+` m
+		JOIN `+e.tr.OffsetsTable(e.cmds)+` o ON o.consumer_group = $1
+		WHERE m.transaction_id < o.last_processed_transaction_id
+		   OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked)`, e.step.Name).Scan(&n)
+	if err != nil {
+		return 0
+	}
+	return n
+}
+
+func (e *env) count(query string, args ...any) int {
+	e.t.Helper()
+	var n int
+	require.NoError(e.t, e.db.SQL.QueryRow(query, args...).Scan(&n))
+	return n
+}
+
+type storedMsg struct {
+	UUID     string
+	Metadata map[string]string
+	Payload  string
+}
+
+func (e *env) messages(topic string) []storedMsg {
+	e.t.Helper()
+	rows, err := e.db.SQL.Query(`SELECT uuid, metadata::text, convert_from(payload, 'UTF8') FROM ` + e.tr.MessagesTable(topic) + ` ORDER BY "offset"`)
+	require.NoError(e.t, err)
+	defer rows.Close()
+	var out []storedMsg
+	for rows.Next() {
+		var m storedMsg
+		var meta string
+		require.NoError(e.t, rows.Scan(&m.UUID, &meta, &m.Payload))
+		require.NoError(e.t, json.Unmarshal([]byte(meta), &m.Metadata))
+		out = append(out, m)
+	}
+	require.NoError(e.t, rows.Err())
+	return out
+}
+
+// One, two and ten deliveries of the same command: one effect, one reply per
+// delivery, every reply with the same id and content.
+func TestDuplicateDeliveries(t *testing.T) {
+	t.Parallel()
+	for _, m := range modes {
+		t.Run(m.name, func(t *testing.T) {
+			t.Parallel()
+			for _, times := range []int{1, 2, 10} {
+				e := newEnv(t)
+				m.deliver(e, e.command("acct", 100), times)
+
+				assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.ledger), "%d deliveries: one effect", times)
+				assert.Len(t, e.messages(e.events), 1, "%d deliveries: one outgoing message", times)
+				replies := e.messages(e.replies)
+				require.Len(t, replies, times, "one reply per delivery")
+				for i, r := range replies {
+					assert.Equal(t, replies[0].UUID, r.UUID, "same reply id")
+					assert.JSONEq(t, `{"account":"acct","total":100}`, r.Payload)
+					assert.Equal(t, "test.Added", r.Metadata[steps.MetaType])
+					assert.Equal(t, steps.OutcomeOK, r.Metadata[steps.MetaOutcome])
+					assert.Equal(t, "corr-acct", r.Metadata[steps.MetaCorrelationID])
+					assert.Equal(t, "saga-acct", r.Metadata[steps.MetaSagaID])
+					assert.Equal(t, "key-acct", r.Metadata[steps.MetaKey])
+					assert.Equal(t, i > 0, r.Metadata[steps.MetaReplayed] == "true", "copies are marked")
+				}
+			}
+		})
+	}
+}
+
+// A business failure is stored as failed: the handler's writes and outgoing
+// messages are rolled back, the failure reply is published, and every
+// duplicate gets the same failure without the handler running again.
+func TestBusinessFailureStoredAndReplayed(t *testing.T) {
+	t.Parallel()
+	for _, m := range modes {
+		t.Run(m.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			m.deliver(e, e.command("neg", -5), 3)
+			assert.Equal(t, 1, e.attempts["neg"], "the handler ran once")
+			assert.Zero(t, e.count(`SELECT count(*) FROM `+e.ledger), "the handler's writes were rolled back")
+			assert.Empty(t, e.messages(e.events), "its outgoing messages too")
+			replies := e.messages(e.replies)
+			require.Len(t, replies, 3)
+			for _, r := range replies {
+				assert.Equal(t, replies[0].UUID, r.UUID)
+				assert.Equal(t, steps.OutcomeFailed, r.Metadata[steps.MetaOutcome])
+				assert.Equal(t, "negative amount", r.Metadata[steps.MetaReason])
+				assert.JSONEq(t, `{"why":"negative amount"}`, r.Payload)
+			}
+			assert.Equal(t, "failed", e.keyStatus("key-neg"))
+		})
+	}
+}
+
+func (e *env) keyStatus(key string) string {
+	var status string
+	err := e.db.SQL.QueryRow(`SELECT status FROM idempotency_keys WHERE scope = $1 AND key = $2`, e.step.Name, key).Scan(&status)
+	if err != nil {
+		return "none"
+	}
+	return status
+}
+
+// A transient failure leaves no key and no writes; the retry executes and
+// succeeds.
+func TestTransientFailureRetried(t *testing.T) {
+	t.Parallel()
+	for _, m := range modes {
+		t.Run(m.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			e.failN = 2
+			m.deliver(e, e.command("zero", 0), 1)
+			assert.Equal(t, 3, e.attempts["zero"], "two failures, then success")
+			assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.ledger), "only the successful attempt's write")
+			assert.Len(t, e.messages(e.events), 1)
+			assert.Equal(t, "completed", e.keyStatus("key-zero"))
+		})
+	}
+}
+
+// When the retry budget runs out the command goes to the dead-letter topic
+// with its error, attempt count and original topic; no key is left behind.
+func TestRetryBudgetThenDeadLetter(t *testing.T) {
+	t.Parallel()
+	for _, m := range modes {
+		t.Run(m.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			e.failN = 100
+			msg := e.command("zero", 0)
+			m.deliver(e, msg, 1)
+			assert.Equal(t, 4, e.attempts["zero"], "MaxAttempts")
+			dead := e.messages(e.dlq)
+			require.Len(t, dead, 1)
+			assert.Equal(t, msg.UUID, dead[0].UUID)
+			assert.Equal(t, "4", dead[0].Metadata[transport.DeadLetterAttempts])
+			assert.Equal(t, e.cmds, dead[0].Metadata[transport.DeadLetterTopic])
+			assert.Contains(t, dead[0].Metadata[transport.DeadLetterReason], "transient failure 4")
+			assert.Equal(t, "none", e.keyStatus("key-zero"), "no key is left for a command that never succeeded")
+			assert.Zero(t, e.count(`SELECT count(*) FROM `+e.ledger))
+		})
+	}
+}
+
+// A message that cannot be decoded is dead-lettered at once with a clear
+// reason, never retried.
+func TestPoisonMessageDeadLetteredAtOnce(t *testing.T) {
+	t.Parallel()
+	for _, m := range modes {
+		t.Run(m.name, func(t *testing.T) {
+			t.Parallel()
+			for name, msg := range map[string]*message.Message{
+				"wrong type": func() *message.Message {
+					msg, _ := steps.NewMessage(added{Account: "x"}, steps.Envelope{Key: "k1"})
+					return msg
+				}(),
+				"bad json": func() *message.Message {
+					msg := message.NewMessage(uuid.NewString(), []byte(`{"account": 5`))
+					msg.Metadata.Set(steps.MetaType, "test.Add")
+					return msg
+				}(),
+			} {
+				e := newEnv(t)
+				m.deliver(e, msg, 1)
+				assert.Empty(t, e.attempts, "%s: the handler never ran", name)
+				dead := e.messages(e.dlq)
+				require.Len(t, dead, 1, name)
+				assert.Equal(t, "1", dead[0].Metadata[transport.DeadLetterAttempts], name)
+				assert.Contains(t, dead[0].Metadata[transport.DeadLetterReason], "test.Add", name)
+			}
+		})
+	}
+}
+
+// The same key with a different command is refused and dead-lettered; the
+// first command's outcome stands.
+func TestKeyReusedWithDifferentCommand(t *testing.T) {
+	t.Parallel()
+	for _, m := range modes {
+		t.Run(m.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			m.deliver(e, e.command("acct", 100), 1)
+			m.deliver(e, e.command("acct", 999), 1) // same key "key-acct"
+			assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.ledger))
+			dead := e.messages(e.dlq)
+			require.Len(t, dead, 1)
+			assert.Contains(t, dead[0].Metadata[transport.DeadLetterReason], "key reused")
+			assert.Equal(t, "1", dead[0].Metadata[transport.DeadLetterAttempts], "refused at once, not retried")
+		})
+	}
+}
+
+func TestEnvelopeRoundTrip(t *testing.T) {
+	t.Parallel()
+	msg, err := steps.NewMessage(addCmd{Account: "a", Amount: 1}, steps.Envelope{
+		ID: "id-1", CorrelationID: "c", CausationID: "x", SagaID: "s", Step: "st", Key: "k", ReplyTo: "r",
+	})
+	require.NoError(t, err)
+	env := steps.EnvelopeOf(msg)
+	assert.Equal(t, steps.Envelope{ID: "id-1", Type: "test.Add", CorrelationID: "c", CausationID: "x", SagaID: "s", Step: "st", Key: "k", ReplyTo: "r"}, env)
+	cmd, err := steps.Decode[addCmd](msg)
+	require.NoError(t, err)
+	assert.Equal(t, addCmd{Account: "a", Amount: 1}, cmd)
+	_, err = steps.Decode[added](msg)
+	var de *steps.DecodeError
+	require.ErrorAs(t, err, &de)
+	assert.Equal(t, "test.Added", de.Want)
+	assert.Equal(t, "test.Add", de.Got)
+	_, err = steps.NewMessage(nil, steps.Envelope{})
+	require.Error(t, err)
+}
+
+// The same command arrives on two lanes at once (two routers, two consumer
+// groups, two REPEATABLE READ batch transactions). One executes; the other
+// waits on its claim, gets a serialization failure when the first commits,
+// and its batch is redelivered in a new transaction, where it replays.
+func TestConcurrentDuplicatesAcrossLanes(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	other := "cmds2_" + e.id
+	require.NoError(t, e.tr.CreateTopics(context.Background(), other))
+	slow := steps.Define(e.step.Name, e.cmds, func(ctx context.Context, tx *steps.Tx, cmd addCmd) (steps.Message, error) {
+		time.Sleep(300 * time.Millisecond) // hold the claim while the other lane arrives
+		return e.handle(ctx, tx, cmd)
+	})
+	lane2 := slow
+	lane2.Topic = other
+	var stops []func()
+	for _, s := range []steps.Step{slow, lane2} {
+		// Same step name, so same key scope; each lane has its own offsets.
+		r, err := e.tr.NewRouter()
+		require.NoError(t, err)
+		require.NoError(t, e.rt.Register(r, s))
+		done := make(chan error, 1)
+		go func() { done <- r.Run(context.Background()) }()
+		<-r.Running()
+		stops = append(stops, func() { require.NoError(t, r.Close()); <-done })
+	}
+	defer func() {
+		for _, stop := range stops {
+			stop()
+		}
+	}()
+	msg := e.command("acct", 100)
+	tx, err := e.db.SQL.Begin()
+	require.NoError(t, err)
+	require.NoError(t, e.tr.Publisher(tx).Publish(e.cmds, msg))
+	require.NoError(t, e.tr.Publisher(tx).Publish(other, msg))
+	require.NoError(t, tx.Commit())
+
+	deadline := time.Now().Add(20 * time.Second)
+	for len(e.messages(e.replies)) < 2 {
+		require.True(t, time.Now().Before(deadline), "both lanes must answer")
+		time.Sleep(20 * time.Millisecond)
+	}
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.ledger), "one effect")
+	assert.Equal(t, 1, e.attempts["acct"], "the handler ran once")
+	replies := e.messages(e.replies)
+	assert.Equal(t, replies[0].UUID, replies[1].UUID, "the same reply on both lanes")
+	assert.Empty(t, e.messages(e.dlq))
+}
