@@ -84,7 +84,7 @@ func benchStepLane(b *testing.B, variant string) {
 	case "bare":
 		sub, err := wsql.NewSubscriber(db.SQL, wsql.SubscriberConfig{
 			ConsumerGroup: "g", PollInterval: 10 * time.Millisecond,
-			SchemaAdapter: wsql.DefaultPostgreSQLSchema{GeneratePayloadType: func(string) string { return "BYTEA" }, SubscribeBatchSize: tr.Config().BatchSize},
+			SchemaAdapter:  wsql.DefaultPostgreSQLSchema{GeneratePayloadType: func(string) string { return "BYTEA" }, SubscribeBatchSize: tr.Config().BatchSize},
 			OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{},
 		}, nil)
 		require.NoError(b, err)
