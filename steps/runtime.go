@@ -30,6 +30,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/steps/events"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -105,6 +106,8 @@ type Config struct {
 	Transport *transport.Transport
 	// Store holds the steps' idempotency keys. Required.
 	Store *idempotency.Store
+	// Events is the event store behind Tx.Append and Tx.Fold. Optional.
+	Events *events.Store
 	// Retry is the steps' retry policy. Default: the transport's, with
 	// DeadLetterTopic set to DefaultDeadLetterTopic if empty.
 	Retry *transport.RetryPolicy
@@ -114,8 +117,9 @@ type Config struct {
 
 // Runtime runs steps.
 type Runtime struct {
-	tr    *transport.Transport
-	store *idempotency.Store
+	tr     *transport.Transport
+	store  *idempotency.Store
+	events *events.Store
 	retry transport.RetryPolicy
 	log   *slog.Logger
 }
@@ -135,7 +139,7 @@ func New(cfg Config) (*Runtime, error) {
 	if retry.DeadLetterTopic == "" {
 		retry.DeadLetterTopic = DefaultDeadLetterTopic
 	}
-	return &Runtime{tr: cfg.Transport, store: cfg.Store, retry: retry, log: cfg.Logger}, nil
+	return &Runtime{tr: cfg.Transport, store: cfg.Store, events: cfg.Events, retry: retry, log: cfg.Logger}, nil
 }
 
 // DeadLetterTopic is where the runtime sends commands it gave up on.
@@ -281,6 +285,32 @@ func (t *Tx) Command() Envelope { return t.env }
 // Key returns the command's idempotency key: pass it to external services so
 // they can deduplicate too.
 func (t *Tx) Key() string { return t.key }
+
+// ErrNoEventStore is returned by Tx.Append and Tx.Fold when the runtime has
+// no event store.
+var ErrNoEventStore = errors.New("steps: the runtime has no event store (Config.Events)")
+
+// Append appends evs to stream in the step's transaction, expecting the
+// stream at version expected, with the command's correlation, causation,
+// saga id and key as metadata. A conflict (events.ErrVersionConflict) is
+// transient: returning it retries the step on fresh state.
+func (t *Tx) Append(ctx context.Context, stream string, expected int, evs ...events.Event) ([]events.Recorded, error) {
+	if t.rt.events == nil {
+		return nil, ErrNoEventStore
+	}
+	return t.rt.events.AppendTx(ctx, t.Tx, stream, expected, events.Metadata{
+		CorrelationID: t.env.CorrelationID, CausationID: t.env.ID, SagaID: t.env.SagaID, IdempotencyKey: t.key,
+	}, evs...)
+}
+
+// Fold loads stream in the step's transaction and applies it to agg,
+// returning the version reached.
+func (t *Tx) Fold(ctx context.Context, stream string, agg events.Aggregate) (int, error) {
+	if t.rt.events == nil {
+		return 0, ErrNoEventStore
+	}
+	return t.rt.events.FoldTx(ctx, t.Tx, stream, 0, agg)
+}
 
 // Publish sends m to topic through the step's transaction: it exists if and
 // only if the step commits. It carries the command's correlation and saga

@@ -20,6 +20,7 @@ import (
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/events"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -66,6 +67,7 @@ type env struct {
 	db      *testdb.DB
 	tr      *transport.Transport
 	rt      *steps.Runtime
+	es      *events.Store
 	step    steps.Step
 	id      string
 	cmds    string
@@ -92,9 +94,13 @@ func newEnv(t *testing.T) *env {
 	require.NoError(t, err)
 	store, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})
 	require.NoError(t, err)
-	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Logger: logger()})
+	reg := events.NewRegistry()
+	events.MustRegister[deposit](reg)
+	es, err := events.NewStore(events.Config{Registry: reg})
 	require.NoError(t, err)
-	e.tr, e.rt = tr, rt
+	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Events: es, Logger: logger()})
+	require.NoError(t, err)
+	e.tr, e.rt, e.es = tr, rt, es
 	e.step = steps.Define("add-"+id, e.cmds, e.handle)
 	require.NoError(t, tr.CreateTopics(context.Background(), append(rt.Topics(e.step), e.replies, e.events)...))
 	_, err = db.SQL.Exec(`CREATE TABLE ` + e.ledger + ` (account text, amount int)`)
@@ -439,4 +445,89 @@ func TestConcurrentDuplicatesAcrossLanes(t *testing.T) {
 	replies := e.messages(e.replies)
 	assert.Equal(t, replies[0].UUID, replies[1].UUID, "the same reply on both lanes")
 	assert.Empty(t, e.messages(e.dlq))
+}
+
+type deposit struct {
+	By     string `json:"by"`
+	Amount int    `json:"amount"`
+}
+
+func (deposit) EventType() string { return "test.deposit" }
+
+// balance folds deposits.
+type balance struct {
+	total int
+	by    []string
+}
+
+func (b *balance) Apply(r events.Recorded) error {
+	d := r.Data.(deposit)
+	b.total += d.Amount
+	b.by = append(b.by, d.By)
+	return nil
+}
+
+// A writer races the step on its stream between the step's load and its
+// append: the step retries once on fresh state; both writes land, in order,
+// with gapless versions.
+func TestRacingWriterCausesOneRetry(t *testing.T) {
+	t.Parallel()
+	for _, m := range modes {
+		t.Run(m.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			ctx := context.Background()
+			stream := "wallet-" + e.id
+			tx, err := e.db.SQL.Begin()
+			require.NoError(t, err)
+			_, err = e.es.AppendTx(ctx, tx, stream, 0, events.Metadata{}, deposit{By: "setup", Amount: 1})
+			require.NoError(t, err)
+			require.NoError(t, tx.Commit())
+
+			var (
+				mu    sync.Mutex
+				calls int
+			)
+			e.step = steps.Define("deposit-"+e.id, e.cmds, func(ctx context.Context, tx *steps.Tx, cmd addCmd) (steps.Message, error) {
+				mu.Lock()
+				calls++
+				first := calls == 1
+				mu.Unlock()
+				var b balance
+				v, err := tx.Fold(ctx, stream, &b)
+				if err != nil {
+					return nil, err
+				}
+				if first {
+					// Another writer commits between our load and our append.
+					rtx, err := e.db.SQL.Begin()
+					require.NoError(t, err)
+					_, err = e.es.AppendTx(ctx, rtx, stream, v, events.Metadata{}, deposit{By: "racer", Amount: 10})
+					require.NoError(t, err)
+					require.NoError(t, rtx.Commit())
+				}
+				if _, err := tx.Append(ctx, stream, v, deposit{By: "step", Amount: cmd.Amount}); err != nil {
+					return nil, err
+				}
+				return added{Account: cmd.Account, Total: b.total + cmd.Amount}, nil
+			})
+			m.deliver(e, e.command("acct", 100), 1)
+
+			assert.Equal(t, 2, calls, "one retry, on fresh state")
+			var b balance
+			v, err := e.es.FoldTx(ctx, e.db.SQL, stream, 0, &b)
+			require.NoError(t, err)
+			assert.Equal(t, 3, v, "versions 1, 2, 3")
+			assert.Equal(t, []string{"setup", "racer", "step"}, b.by, "both writes, in order")
+			assert.Equal(t, 111, b.total)
+			replies := e.messages(e.replies)
+			require.Len(t, replies, 1)
+			assert.JSONEq(t, `{"account":"acct","total":111}`, replies[0].Payload, "the retry saw the racer's write")
+			assert.Empty(t, e.messages(e.dlq))
+			recs, err := e.es.LoadTx(ctx, e.db.SQL, stream, 0)
+			require.NoError(t, err)
+			assert.Equal(t, "key-acct", recs[2].Metadata.IdempotencyKey, "the step's event carries the command's key")
+			assert.Equal(t, "saga-acct", recs[2].Metadata.SagaID)
+		})
+	}
 }

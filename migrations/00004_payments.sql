@@ -1,0 +1,36 @@
+-- The payments domain: accounts and their ledger. An account's balance is
+-- the sum of its postings; nothing else stores it.
+
+-- +goose Up
+CREATE TABLE accounts (
+    account_id  text        PRIMARY KEY,
+    -- Bumped by every posting: writers lock the account by updating it, and
+    -- under REPEATABLE READ a concurrent posting surfaces as a serialization
+    -- failure instead of an unseen balance change.
+    version     bigint      NOT NULL DEFAULT 0,
+    created_at  timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE account_postings (
+    account_id  text        NOT NULL REFERENCES accounts,
+    -- The domain event that made the posting.
+    event_id    uuid        NOT NULL,
+    delta_cents bigint      NOT NULL,
+    -- The order a charge or refund belongs to; NULL for deposits.
+    order_id    uuid,
+    kind        text        NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (account_id, event_id),
+    CONSTRAINT account_postings_kind_check CHECK (kind IN ('deposit', 'charge', 'refund')),
+    CONSTRAINT account_postings_sign_check CHECK (
+        (kind = 'charge' AND delta_cents < 0) OR (kind IN ('deposit', 'refund') AND delta_cents > 0)),
+    CONSTRAINT account_postings_order_check CHECK ((kind = 'deposit') = (order_id IS NULL))
+);
+
+-- An order is charged at most once and refunded at most once.
+CREATE UNIQUE INDEX account_postings_one_charge_idx ON account_postings (order_id) WHERE kind = 'charge';
+CREATE UNIQUE INDEX account_postings_one_refund_idx ON account_postings (order_id) WHERE kind = 'refund';
+
+-- +goose Down
+DROP TABLE account_postings;
+DROP TABLE accounts;

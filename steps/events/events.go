@@ -1,0 +1,345 @@
+// Package events is pgsaga's versioned event store: streams of domain events
+// in domain_events, appended with an expected version, loaded and folded
+// into aggregates.
+//
+// It lives under steps because a step's events are part of its transaction
+// (steps.Tx.Append), yet domains use it directly too (an order is placed
+// outside any step). It knows nothing of sagas.
+//
+// Appends are optimistic: AppendTx writes versions expected+1… only if the
+// stream is still at the expected version, in one statement. A racing writer
+// makes it return ErrVersionConflict without aborting the transaction; the
+// step runtime treats that as transient and retries the step on fresh state.
+// (Under REPEATABLE READ a conflict with a write committed after the
+// transaction's snapshot is a serialization failure instead, which pgsaga's
+// transport answers by redelivering the batch in a new transaction.)
+package events
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"reflect"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+)
+
+// Event is a domain event: a JSON-encodable value with a stable type name.
+// EventType must be a constant of the type (value receiver): it is called on
+// zero values.
+type Event interface {
+	EventType() string
+}
+
+// DBTX is the transaction events are read and written in. *sql.Tx and
+// pgsaga's transport.Tx satisfy it.
+type DBTX interface {
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}
+
+// Errors callers can branch on.
+var (
+	// ErrVersionConflict: the stream is not at the expected version.
+	ErrVersionConflict = errors.New("events: version conflict")
+	// ErrUnknownEventType: a stored type name has no registered Go type.
+	ErrUnknownEventType = errors.New("events: unknown event type")
+	// ErrInvalidAppend: a bad stream id, expected version or event.
+	ErrInvalidAppend = errors.New("events: invalid append")
+)
+
+// VersionConflictError says which stream conflicted (matches
+// ErrVersionConflict).
+type VersionConflictError struct {
+	Stream   string
+	Expected int
+}
+
+func (e *VersionConflictError) Error() string {
+	return fmt.Sprintf("events: stream %s is no longer at version %d", e.Stream, e.Expected)
+}
+
+// Is makes VersionConflictError match ErrVersionConflict.
+func (e *VersionConflictError) Is(target error) bool { return target == ErrVersionConflict }
+
+// Registry maps event type names to Go types.
+type Registry struct {
+	mu    sync.RWMutex
+	types map[string]reflect.Type
+}
+
+// NewRegistry returns an empty registry.
+func NewRegistry() *Registry { return &Registry{types: map[string]reflect.Type{}} }
+
+// Register adds event type E. E must be a non-pointer type; registering two
+// Go types under one name is an error.
+func Register[E Event](r *Registry) error {
+	var zero E
+	t := reflect.TypeOf(zero)
+	if t == nil || t.Kind() == reflect.Pointer {
+		return fmt.Errorf("events: register %T: use a non-pointer type", zero)
+	}
+	name := zero.EventType()
+	if name == "" {
+		return fmt.Errorf("events: register %v: empty type name", t)
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if prev, ok := r.types[name]; ok && prev != t {
+		return fmt.Errorf("events: type name %q already registered for %v", name, prev)
+	}
+	r.types[name] = t
+	return nil
+}
+
+// MustRegister is Register that panics, for package initialisation.
+func MustRegister[E Event](r *Registry) {
+	if err := Register[E](r); err != nil {
+		panic(err)
+	}
+}
+
+// Decode turns a stored payload back into its registered Go type.
+func (r *Registry) Decode(typeName string, payload []byte) (Event, error) {
+	r.mu.RLock()
+	t, ok := r.types[typeName]
+	r.mu.RUnlock()
+	if !ok {
+		return nil, fmt.Errorf("%w: %q (register it with events.Register)", ErrUnknownEventType, typeName)
+	}
+	v := reflect.New(t)
+	if err := json.Unmarshal(payload, v.Interface()); err != nil {
+		return nil, fmt.Errorf("events: decoding %s: %w", typeName, err)
+	}
+	return v.Elem().Interface().(Event), nil
+}
+
+// Metadata travels with each event.
+type Metadata struct {
+	CorrelationID  string `json:"correlation_id,omitempty"`
+	CausationID    string `json:"causation_id,omitempty"`
+	SagaID         string `json:"saga_id,omitempty"`
+	IdempotencyKey string `json:"idempotency_key,omitempty"`
+}
+
+// Recorded is an event as stored.
+type Recorded struct {
+	Position   int64
+	ID         uuid.UUID
+	StreamID   string
+	Version    int
+	Type       string
+	Data       Event
+	Metadata   Metadata
+	RecordedAt time.Time
+}
+
+// Aggregate is state folded from a stream's events.
+type Aggregate interface {
+	Apply(Recorded) error
+}
+
+// Metadata keys of a published event message, besides the envelope keys
+// shared with steps (type, correlation_id, causation_id, saga_id,
+// idempotency_key).
+const (
+	MetaStreamID = "stream_id"
+	MetaVersion  = "stream_version"
+)
+
+// Config configures a Store.
+type Config struct {
+	// Registry decodes stored events. Required.
+	Registry *Registry
+	// Topic names the topic a stream's events are also published to, through
+	// the appending transaction (the outbox), for projections; "" publishes
+	// nothing. Default: nothing is published.
+	Topic func(streamID string) string
+	// Publisher publishes through a transaction. Required with Topic.
+	Publisher func(tx DBTX) message.Publisher
+}
+
+// Store appends and loads events.
+type Store struct {
+	cfg Config
+}
+
+// NewStore validates cfg and returns a Store.
+func NewStore(cfg Config) (*Store, error) {
+	if cfg.Registry == nil {
+		return nil, errors.New("events: Config.Registry is required")
+	}
+	if cfg.Topic != nil && cfg.Publisher == nil {
+		return nil, errors.New("events: Config.Publisher is required with Config.Topic")
+	}
+	return &Store{cfg: cfg}, nil
+}
+
+// Registry returns the store's registry.
+func (s *Store) Registry() *Registry { return s.cfg.Registry }
+
+// AppendTx appends evs to stream in tx, as versions expected+1…, provided the
+// stream is at version expected (0: the stream must not exist). It returns
+// the recorded events, or a *VersionConflictError and appends nothing.
+func (s *Store) AppendTx(ctx context.Context, tx DBTX, stream string, expected int, md Metadata, evs ...Event) ([]Recorded, error) {
+	if stream == "" || len(stream) > 200 {
+		return nil, fmt.Errorf("%w: stream id must be 1 to 200 bytes", ErrInvalidAppend)
+	}
+	if expected < 0 {
+		return nil, fmt.Errorf("%w: expected version %d is negative", ErrInvalidAppend, expected)
+	}
+	if len(evs) == 0 {
+		return nil, nil
+	}
+	ids := make([]string, len(evs))
+	types := make([]string, len(evs))
+	payloads := make([]string, len(evs))
+	for i, ev := range evs {
+		if ev == nil {
+			return nil, fmt.Errorf("%w: nil event", ErrInvalidAppend)
+		}
+		b, err := json.Marshal(ev)
+		if err != nil {
+			return nil, fmt.Errorf("%w: encoding %s: %v", ErrInvalidAppend, ev.EventType(), err)
+		}
+		ids[i], types[i], payloads[i] = uuid.NewString(), ev.EventType(), string(b)
+	}
+	meta, err := json.Marshal(md)
+	if err != nil {
+		return nil, fmt.Errorf("events: encoding metadata: %w", err)
+	}
+	rows, err := tx.QueryContext(ctx, appendSQL, stream, expected, ids, types, payloads, string(meta))
+	if err != nil {
+		return nil, fmt.Errorf("events: appending to %s: %w", stream, err)
+	}
+	recorded := make([]Recorded, 0, len(evs))
+	for rows.Next() {
+		var r Recorded
+		if err := rows.Scan(&r.Position, &r.Version, &r.RecordedAt); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("events: appending to %s: %w", stream, err)
+		}
+		i := r.Version - expected - 1
+		r.ID, r.StreamID, r.Type, r.Data, r.Metadata = uuid.MustParse(ids[i]), stream, types[i], evs[i], md
+		recorded = append(recorded, r)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, fmt.Errorf("events: appending to %s: %w", stream, err)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("events: appending to %s: %w", stream, err)
+	}
+	if len(recorded) != len(evs) {
+		// Nothing or only part was written; the caller must roll back (a
+		// partial append needs a writer that skipped the version check).
+		return nil, &VersionConflictError{Stream: stream, Expected: expected}
+	}
+	if err := s.publish(tx, recorded, payloads); err != nil {
+		return nil, err
+	}
+	return recorded, nil
+}
+
+func (s *Store) publish(tx DBTX, recorded []Recorded, payloads []string) error {
+	if s.cfg.Topic == nil || len(recorded) == 0 {
+		return nil
+	}
+	topic := s.cfg.Topic(recorded[0].StreamID)
+	if topic == "" {
+		return nil
+	}
+	msgs := make([]*message.Message, len(recorded))
+	for i, r := range recorded {
+		m := message.NewMessage(r.ID.String(), []byte(payloads[i]))
+		for k, v := range map[string]string{
+			"type": r.Type, "correlation_id": r.Metadata.CorrelationID, "causation_id": r.Metadata.CausationID,
+			"saga_id": r.Metadata.SagaID, "idempotency_key": r.Metadata.IdempotencyKey,
+			MetaStreamID: r.StreamID, MetaVersion: strconv.Itoa(r.Version),
+		} {
+			if v != "" {
+				m.Metadata.Set(k, v)
+			}
+		}
+		msgs[i] = m
+	}
+	if err := s.cfg.Publisher(tx).Publish(topic, msgs...); err != nil {
+		return fmt.Errorf("events: publishing events of %s: %w", recorded[0].StreamID, err)
+	}
+	return nil
+}
+
+// LoadTx reads stream's events in version order, up to version upTo (0: all).
+func (s *Store) LoadTx(ctx context.Context, q DBTX, stream string, upTo int) ([]Recorded, error) {
+	if upTo <= 0 {
+		upTo = int(^uint32(0) >> 1)
+	}
+	rows, err := q.QueryContext(ctx, loadSQL, stream, upTo)
+	if err != nil {
+		return nil, fmt.Errorf("events: loading %s: %w", stream, err)
+	}
+	defer rows.Close()
+	var out []Recorded
+	for rows.Next() {
+		var (
+			r        Recorded
+			payload  []byte
+			metadata []byte
+		)
+		if err := rows.Scan(&r.Position, &r.ID, &r.Version, &r.Type, &payload, &metadata, &r.RecordedAt); err != nil {
+			return nil, fmt.Errorf("events: loading %s: %w", stream, err)
+		}
+		r.StreamID = stream
+		if r.Data, err = s.cfg.Registry.Decode(r.Type, payload); err != nil {
+			return nil, fmt.Errorf("events: loading %s version %d: %w", stream, r.Version, err)
+		}
+		if err := json.Unmarshal(metadata, &r.Metadata); err != nil {
+			return nil, fmt.Errorf("events: loading %s version %d metadata: %w", stream, r.Version, err)
+		}
+		out = append(out, r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("events: loading %s: %w", stream, err)
+	}
+	return out, nil
+}
+
+// FoldTx applies stream's events (up to version upTo; 0: all) to agg in
+// order and returns the version reached (0 for an empty stream).
+func (s *Store) FoldTx(ctx context.Context, q DBTX, stream string, upTo int, agg Aggregate) (int, error) {
+	recs, err := s.LoadTx(ctx, q, stream, upTo)
+	if err != nil {
+		return 0, err
+	}
+	version := 0
+	for _, r := range recs {
+		if r.Version != version+1 {
+			return 0, fmt.Errorf("events: stream %s jumps from version %d to %d", stream, version, r.Version)
+		}
+		if err := agg.Apply(r); err != nil {
+			return 0, fmt.Errorf("events: applying %s version %d (%s): %w", stream, r.Version, r.Type, err)
+		}
+		version = r.Version
+	}
+	return version, nil
+}
+
+const (
+	// appendSQL inserts the events only if the stream is at the expected
+	// version; a racer that got there first makes it insert nothing.
+	appendSQL = `INSERT INTO domain_events (event_id, stream_id, version, event_type, payload, metadata)
+SELECT e.event_id::uuid, $1, $2 + e.ord, e.event_type, e.payload::jsonb, $6::jsonb
+FROM unnest($3::text[], $4::text[], $5::text[]) WITH ORDINALITY AS e(event_id, event_type, payload, ord)
+WHERE (SELECT coalesce(max(version), 0) FROM domain_events WHERE stream_id = $1) = $2
+ON CONFLICT (stream_id, version) DO NOTHING
+RETURNING position, version, recorded_at`
+
+	loadSQL = `SELECT position, event_id, version, event_type, payload, metadata, recorded_at
+FROM domain_events WHERE stream_id = $1 AND version <= $2 ORDER BY version`
+)
