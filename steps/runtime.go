@@ -120,8 +120,8 @@ type Runtime struct {
 	tr     *transport.Transport
 	store  *idempotency.Store
 	events *events.Store
-	retry transport.RetryPolicy
-	log   *slog.Logger
+	retry  transport.RetryPolicy
+	log    *slog.Logger
 }
 
 // New validates cfg and returns a Runtime.
