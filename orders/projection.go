@@ -1,0 +1,179 @@
+package orders
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/steps/events"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// ProjectionName names the projection's handler and consumer group.
+const ProjectionName = "orders.projection"
+
+// View is a row of order_views.
+type View struct {
+	OrderID      uuid.UUID
+	CustomerID   string
+	AmountCents  int64
+	Status       Status
+	Version      int
+	PlacedAt     time.Time
+	ConfirmedAt  *time.Time
+	CancelledAt  *time.Time
+	CancelledBy  *string
+	CancelReason *string
+	UpdatedAt    time.Time
+}
+
+// RegisterProjection subscribes the order_views projection to EventsTopic on r.
+//
+// Events may arrive twice, late or out of order. For each one the projection
+// folds the order's stream up to that event's version, in the delivery's
+// transaction, and writes the state only if it is newer than the row (a
+// guarded upsert). A late event therefore never moves a row back, and a
+// reordered one brings the state of its version, not a partial delta.
+func (s *Service) RegisterProjection(r *transport.Router) error {
+	return r.AddHandler(ProjectionName, EventsTopic, ProjectionName, s.Project)
+}
+
+// Project applies one event message to order_views; RegisterProjection runs
+// it for every event of EventsTopic.
+func (s *Service) Project(msg *message.Message) error {
+	ctx := msg.Context()
+	tx, ok := transport.TxFromContext(ctx)
+	if !ok {
+		return errors.New("orders: projection needs a transaction in the message context")
+	}
+	stream := msg.Metadata.Get(events.MetaStreamID)
+	version, err := strconv.Atoi(msg.Metadata.Get(events.MetaVersion))
+	if StreamTopic(stream) == "" || err != nil || version < 1 {
+		return transport.Permanent(fmt.Errorf("orders: projection: message %s is not an order event (stream %q, version %q)",
+			msg.UUID, stream, msg.Metadata.Get(events.MetaVersion)))
+	}
+	var o Order
+	v, err := s.cfg.Events.FoldTx(ctx, tx, stream, version, &o)
+	if err != nil {
+		return err
+	}
+	if v < version {
+		return fmt.Errorf("orders: projection: %s version %d is not visible yet", stream, version)
+	}
+	return upsertView(ctx, tx, o)
+}
+
+func upsertView(ctx context.Context, tx transport.Tx, o Order) error {
+	_, err := tx.ExecContext(ctx, upsertViewSQL, o.ID, o.CustomerID, o.AmountCents, string(o.Status), o.Version,
+		o.PlacedAt, nullTime(o.ConfirmedAt), nullTime(o.CancelledAt), nullString(o.CancelledBy), nullString(o.CancelReason), o.UpdatedAt)
+	if err != nil {
+		return fmt.Errorf("orders: projecting %s: %w", o.ID, err)
+	}
+	return nil
+}
+
+// RebuildViews recomputes order_views from the event store, from scratch, in
+// one transaction, and returns how many orders it wrote. The result equals
+// what the projection converges to.
+func (s *Service) RebuildViews(ctx context.Context) (int, error) {
+	tx, err := s.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
+	if err != nil {
+		return 0, fmt.Errorf("orders: rebuilding views: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+	// Keep the projection consumer out while the table is rebuilt.
+	if _, err := tx.ExecContext(ctx, lockViewsSQL); err != nil {
+		return 0, fmt.Errorf("orders: rebuilding views: %w", err)
+	}
+	if _, err := tx.ExecContext(ctx, clearViewsSQL); err != nil {
+		return 0, fmt.Errorf("orders: rebuilding views: %w", err)
+	}
+	rows, err := tx.QueryContext(ctx, orderStreamsSQL)
+	if err != nil {
+		return 0, fmt.Errorf("orders: rebuilding views: %w", err)
+	}
+	var streams []string
+	for rows.Next() {
+		var st string
+		if err := rows.Scan(&st); err != nil {
+			rows.Close()
+			return 0, fmt.Errorf("orders: rebuilding views: %w", err)
+		}
+		streams = append(streams, st)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return 0, fmt.Errorf("orders: rebuilding views: %w", err)
+	}
+	for _, st := range streams {
+		var o Order
+		if _, err := s.cfg.Events.FoldTx(ctx, tx, st, 0, &o); err != nil {
+			return 0, err
+		}
+		if err := upsertView(ctx, tx, o); err != nil {
+			return 0, err
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return 0, fmt.Errorf("orders: rebuilding views: %w", err)
+	}
+	return len(streams), nil
+}
+
+// View returns an order's row of order_views.
+func (s *Service) View(ctx context.Context, id uuid.UUID) (View, error) {
+	var (
+		v      View
+		status string
+	)
+	err := s.cfg.DB.QueryRowContext(ctx, getViewSQL, id).Scan(&v.OrderID, &v.CustomerID, &v.AmountCents, &status, &v.Version,
+		&v.PlacedAt, &v.ConfirmedAt, &v.CancelledAt, &v.CancelledBy, &v.CancelReason, &v.UpdatedAt)
+	if errors.Is(err, sql.ErrNoRows) {
+		return View{}, fmt.Errorf("%w: %s has no view (yet)", ErrOrderNotFound, id)
+	}
+	if err != nil {
+		return View{}, fmt.Errorf("orders: reading view of %s: %w", id, err)
+	}
+	v.Status = Status(status)
+	return v, nil
+}
+
+func nullTime(t time.Time) *time.Time {
+	if t.IsZero() {
+		return nil
+	}
+	return &t
+}
+
+func nullString(s string) *string {
+	if s == "" {
+		return nil
+	}
+	return &s
+}
+
+const (
+	// upsertViewSQL writes an order's state unless the row already holds a
+	// newer version.
+	upsertViewSQL = `INSERT INTO order_views AS v (order_id, customer_id, amount_cents, status, version,
+    placed_at, confirmed_at, cancelled_at, cancelled_by, cancel_reason, updated_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+ON CONFLICT (order_id) DO UPDATE SET
+    customer_id = excluded.customer_id, amount_cents = excluded.amount_cents, status = excluded.status,
+    version = excluded.version, placed_at = excluded.placed_at, confirmed_at = excluded.confirmed_at,
+    cancelled_at = excluded.cancelled_at, cancelled_by = excluded.cancelled_by,
+    cancel_reason = excluded.cancel_reason, updated_at = excluded.updated_at
+WHERE v.version < excluded.version`
+
+	lockViewsSQL    = `LOCK TABLE order_views IN EXCLUSIVE MODE`
+	clearViewsSQL   = `DELETE FROM order_views`
+	orderStreamsSQL = `SELECT DISTINCT stream_id FROM domain_events WHERE stream_id LIKE 'order-%' ORDER BY stream_id`
+	getViewSQL      = `SELECT order_id, customer_id, amount_cents, status, version, placed_at, confirmed_at,
+    cancelled_at, cancelled_by, cancel_reason, updated_at FROM order_views WHERE order_id = $1`
+)
