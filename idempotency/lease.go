@@ -99,6 +99,10 @@ func (s *Store) AcquireFor(ctx context.Context, req Request, lease time.Duration
 // lease token. A worker whose lease was taken over gets ErrLeaseLost and must
 // not report its outcome as the key's. Never complete with an outcome that is
 // not known (a timeout): leave the lease to expire, or ReleaseLease.
+//
+// tx must see the lease: a REPEATABLE READ transaction whose snapshot was
+// taken before Acquire committed (a watermill-sql subscriber's batch, for
+// one) does not, and gets ErrLeaseLost. Use CompleteLease there.
 func (s *Store) CompleteLeaseTx(ctx context.Context, tx DBTX, l *Lease, status Status, resp Response) error {
 	if err := checkFinal(status); err != nil {
 		return err

@@ -19,6 +19,8 @@ CREATE TABLE account_postings (
     -- The order a charge or refund belongs to; NULL for deposits.
     order_id    uuid,
     kind        text        NOT NULL,
+    -- The payment gateway's id of the charge or refund, if any.
+    reference   text,
     created_at  timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (account_id, event_id),
     CONSTRAINT account_postings_kind_check CHECK (kind IN ('deposit', 'charge', 'refund')),

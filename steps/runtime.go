@@ -303,6 +303,14 @@ func (t *Tx) Append(ctx context.Context, stream string, expected int, evs ...eve
 	}, evs...)
 }
 
+// Version returns stream's current version in the step's transaction.
+func (t *Tx) Version(ctx context.Context, stream string) (int, error) {
+	if t.rt.events == nil {
+		return 0, ErrNoEventStore
+	}
+	return t.rt.events.VersionTx(ctx, t.Tx, stream)
+}
+
 // Fold loads stream in the step's transaction and applies it to agg,
 // returning the version reached.
 func (t *Tx) Fold(ctx context.Context, stream string, agg events.Aggregate) (int, error) {

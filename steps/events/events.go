@@ -310,6 +310,15 @@ func (s *Store) LoadTx(ctx context.Context, q DBTX, stream string, upTo int) ([]
 	return out, nil
 }
 
+// VersionTx returns the current version of stream (0 if it has no events).
+func (s *Store) VersionTx(ctx context.Context, q DBTX, stream string) (int, error) {
+	var v int
+	if err := q.QueryRowContext(ctx, versionSQL, stream).Scan(&v); err != nil {
+		return 0, fmt.Errorf("events: reading the version of %s: %w", stream, err)
+	}
+	return v, nil
+}
+
 // FoldTx applies stream's events (up to version upTo; 0: all) to agg in
 // order and returns the version reached (0 for an empty stream).
 func (s *Store) FoldTx(ctx context.Context, q DBTX, stream string, upTo int, agg Aggregate) (int, error) {
@@ -339,6 +348,8 @@ FROM unnest($3::text[], $4::text[], $5::text[]) WITH ORDINALITY AS e(event_id, e
 WHERE (SELECT coalesce(max(version), 0) FROM domain_events WHERE stream_id = $1) = $2
 ON CONFLICT (stream_id, version) DO NOTHING
 RETURNING position, version, recorded_at`
+
+	versionSQL = `SELECT coalesce(max(version), 0) FROM domain_events WHERE stream_id = $1`
 
 	loadSQL = `SELECT position, event_id, version, event_type, payload, metadata, recorded_at
 FROM domain_events WHERE stream_id = $1 AND version <= $2 ORDER BY version`

@@ -1,0 +1,271 @@
+// Package payments is the sample payments domain: accounts whose balance is
+// the sum of their postings in account_postings, deposits, and the charge and
+// refund steps the saga drives, which call a payment gateway.
+//
+// The ledger invariant: an account's balance is SUM(delta_cents) of its
+// postings and is never negative; an order is charged at most once and
+// refunded at most once, and a refund returns exactly what was charged.
+// Every posting is made by a domain event of the account's stream
+// ("account-<id>") in the same transaction; event_id is the event's id.
+//
+// The gateway is an external side effect. A step never records a gateway
+// outcome it does not know: the call runs under a committed lease (the
+// two-phase form of the idempotency package) with the step's stable key, so
+// a timeout is retried with the same key and the gateway charges once.
+package payments
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"log/slog"
+	"regexp"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/events"
+)
+
+// Topics of the domain's steps.
+const (
+	ChargeTopic = "payments.charge"
+	RefundTopic = "payments.refund"
+)
+
+// Events of an account stream.
+
+// Deposited adds money to an account.
+type Deposited struct {
+	AmountCents int64 `json:"amount_cents"`
+}
+
+func (Deposited) EventType() string { return "payments.deposited" }
+
+// Charged takes an order's amount from an account.
+type Charged struct {
+	OrderID     uuid.UUID `json:"order_id"`
+	AmountCents int64     `json:"amount_cents"`
+	ChargeID    string    `json:"charge_id"`
+}
+
+func (Charged) EventType() string { return "payments.charged" }
+
+// Refunded returns an order's charge to the account.
+type Refunded struct {
+	OrderID     uuid.UUID `json:"order_id"`
+	AmountCents int64     `json:"amount_cents"`
+	RefundID    string    `json:"refund_id"`
+}
+
+func (Refunded) EventType() string { return "payments.refunded" }
+
+// RegisterEvents adds the account events to reg.
+func RegisterEvents(reg *events.Registry) error {
+	return errors.Join(
+		events.Register[Deposited](reg),
+		events.Register[Charged](reg),
+		events.Register[Refunded](reg),
+	)
+}
+
+// Stream is the event stream of an account.
+func Stream(account string) string { return "account-" + account }
+
+// Messages.
+
+// ChargePayment asks to charge an order's amount to an account.
+type ChargePayment struct {
+	OrderID     uuid.UUID `json:"order_id"`
+	AccountID   string    `json:"account_id"`
+	AmountCents int64     `json:"amount_cents"`
+}
+
+func (ChargePayment) MessageType() string { return "payments.ChargePayment" }
+
+// PaymentCharged answers ChargePayment.
+type PaymentCharged struct {
+	OrderID     uuid.UUID `json:"order_id"`
+	AmountCents int64     `json:"amount_cents"`
+	ChargeID    string    `json:"charge_id"`
+}
+
+func (PaymentCharged) MessageType() string { return "payments.PaymentCharged" }
+
+// PaymentFailed answers ChargePayment when nothing was charged.
+type PaymentFailed struct {
+	OrderID uuid.UUID `json:"order_id"`
+	Reason  string    `json:"reason"`
+}
+
+func (PaymentFailed) MessageType() string { return "payments.PaymentFailed" }
+
+// RefundPayment asks to refund what was charged for an order.
+type RefundPayment struct {
+	OrderID   uuid.UUID `json:"order_id"`
+	AccountID string    `json:"account_id"`
+}
+
+func (RefundPayment) MessageType() string { return "payments.RefundPayment" }
+
+// PaymentRefunded answers RefundPayment. AmountCents is 0 when the order was
+// never charged, and Already is set when it had been refunded before.
+type PaymentRefunded struct {
+	OrderID     uuid.UUID `json:"order_id"`
+	AmountCents int64     `json:"amount_cents"`
+	RefundID    string    `json:"refund_id,omitempty"`
+	Already     bool      `json:"already,omitempty"`
+}
+
+func (PaymentRefunded) MessageType() string { return "payments.PaymentRefunded" }
+
+// Reasons a charge fails.
+const (
+	ReasonInsufficientFunds = "insufficient funds"
+	ReasonDeclined          = "card declined"
+	ReasonUnknownAccount    = "unknown account"
+	ReasonInvalidCharge     = "invalid charge"
+)
+
+// Errors callers can branch on.
+var (
+	ErrInvalidAccountID = errors.New("payments: invalid account id")
+	ErrUnknownAccount   = errors.New("payments: unknown account")
+	ErrInvalidAmount    = errors.New("payments: amount must be positive")
+)
+
+var accountIDPattern = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
+
+// Config configures a Service.
+type Config struct {
+	// DB is required.
+	DB *sql.DB
+	// Events is the event store; its registry must hold the account events
+	// (RegisterEvents). Required.
+	Events *events.Store
+	// Idempotency holds deposit keys and the gateway leases. Required.
+	Idempotency *idempotency.Store
+	// Gateway is the payment gateway client. Required.
+	Gateway *GatewayClient
+	// GatewayLease is how long a gateway call's claim is held before another
+	// worker may take it over and call again with the same key. It must
+	// exceed the gateway client's timeout. Default: 10s.
+	GatewayLease time.Duration
+	// Logger. Default: slog.Default().
+	Logger *slog.Logger
+}
+
+// Service is the payments domain.
+type Service struct {
+	cfg Config
+}
+
+// New validates cfg and returns a Service.
+func New(cfg Config) (*Service, error) {
+	if cfg.DB == nil || cfg.Events == nil || cfg.Idempotency == nil || cfg.Gateway == nil {
+		return nil, errors.New("payments: Config.DB, Events, Idempotency and Gateway are required")
+	}
+	if _, err := cfg.Events.Registry().Decode(Deposited{}.EventType(), []byte(`{}`)); err != nil {
+		return nil, fmt.Errorf("payments: the event store's registry lacks the account events (payments.RegisterEvents): %w", err)
+	}
+	if cfg.GatewayLease == 0 {
+		cfg.GatewayLease = 10 * time.Second
+	}
+	timeout := 2 * time.Second
+	if cfg.Gateway.HTTP != nil && cfg.Gateway.HTTP.Timeout > 0 {
+		timeout = cfg.Gateway.HTTP.Timeout
+	}
+	if cfg.GatewayLease <= timeout {
+		return nil, fmt.Errorf("payments: GatewayLease (%s) must exceed the gateway client's timeout (%s)", cfg.GatewayLease, timeout)
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return &Service{cfg: cfg}, nil
+}
+
+// Topics lists the topics the domain consumes.
+func (s *Service) Topics() []string { return []string{ChargeTopic, RefundTopic} }
+
+// ChargeStep returns the step that charges payments for the saga.
+func (s *Service) ChargeStep() steps.Step {
+	return steps.Define("payments.charge", ChargeTopic, s.charge)
+}
+
+// RefundStep returns the step that refunds payments for the saga.
+func (s *Service) RefundStep() steps.Step {
+	return steps.Define("payments.refund", RefundTopic, s.refund)
+}
+
+// OpenAccount creates an account; opening it twice is a no-op.
+func (s *Service) OpenAccount(ctx context.Context, id string) error {
+	if !accountIDPattern.MatchString(id) {
+		return fmt.Errorf("%w: %q", ErrInvalidAccountID, id)
+	}
+	if _, err := s.cfg.DB.ExecContext(ctx, openAccountSQL, id); err != nil {
+		return fmt.Errorf("payments: opening account %s: %w", id, err)
+	}
+	return nil
+}
+
+// Deposit adds amountCents to an account, once per key.
+func (s *Service) Deposit(ctx context.Context, account string, amountCents int64, key string) error {
+	if amountCents <= 0 {
+		return fmt.Errorf("%w, got %d", ErrInvalidAmount, amountCents)
+	}
+	req := idempotency.Request{Scope: "payments.deposit:" + account, Key: key, Hash: idempotency.Fingerprint([]byte(fmt.Sprint(amountCents)))}
+	_, err := s.cfg.Idempotency.Do(ctx, req, func(ctx context.Context, tx idempotency.DBTX) (idempotency.Response, error) {
+		v, err := lockAccount(ctx, tx, s.cfg.Events, account)
+		if err != nil {
+			return idempotency.Response{}, err
+		}
+		recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(account), v, events.Metadata{IdempotencyKey: key}, Deposited{AmountCents: amountCents})
+		if err != nil {
+			return idempotency.Response{}, err
+		}
+		_, err = tx.ExecContext(ctx, insertPostingSQL, account, recs[0].ID, amountCents, nil, "deposit", nil)
+		return idempotency.Response{Code: 200}, err
+	})
+	return err
+}
+
+// Balance returns an account's balance: the sum of its postings.
+func (s *Service) Balance(ctx context.Context, account string) (int64, error) {
+	var b int64
+	if err := s.cfg.DB.QueryRowContext(ctx, balanceSQL, account).Scan(&b); err != nil {
+		return 0, fmt.Errorf("payments: balance of %s: %w", account, err)
+	}
+	return b, nil
+}
+
+// lockAccount locks an account against other postings and returns its
+// stream's version. The lock is an update: under REPEATABLE READ a posting
+// committed after the transaction's snapshot makes it fail with a
+// serialization error, instead of a balance computed without that posting.
+func lockAccount(ctx context.Context, tx idempotency.DBTX, es *events.Store, account string) (int, error) {
+	var version int64
+	err := tx.QueryRowContext(ctx, lockAccountSQL, account).Scan(&version)
+	if errors.Is(err, sql.ErrNoRows) {
+		return 0, fmt.Errorf("%w: %s", ErrUnknownAccount, account)
+	}
+	if err != nil {
+		return 0, fmt.Errorf("payments: locking account %s: %w", account, err)
+	}
+	return es.VersionTx(ctx, tx, Stream(account))
+}
+
+const (
+	openAccountSQL = `INSERT INTO accounts (account_id) VALUES ($1) ON CONFLICT (account_id) DO NOTHING`
+	lockAccountSQL = `UPDATE accounts SET version = version + 1 WHERE account_id = $1 RETURNING version`
+	balanceSQL     = `SELECT coalesce(sum(delta_cents), 0) FROM account_postings WHERE account_id = $1`
+
+	insertPostingSQL = `INSERT INTO account_postings (account_id, event_id, delta_cents, order_id, kind, reference)
+VALUES ($1, $2, $3, $4, $5, $6)`
+
+	// orderPostingSQL finds an order's posting of one kind.
+	orderPostingSQL = `SELECT delta_cents, reference FROM account_postings
+WHERE account_id = $1 AND order_id = $2 AND kind = $3`
+)

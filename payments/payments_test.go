@@ -1,0 +1,434 @@
+package payments_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/payments"
+	"github.com/pgsaga/pgsaga/payments/fakegateway"
+	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/events"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+func logger() *slog.Logger {
+	if os.Getenv("PGSAGA_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+type env struct {
+	t       *testing.T
+	db      *testdb.DB
+	tr      *transport.Transport
+	store   *idempotency.Store
+	rt      *steps.Runtime
+	gw      *fakegateway.Gateway
+	svc     *payments.Service
+	replies string
+
+	mu     sync.Mutex
+	faults map[string][]fakegateway.Fault // per key, by attempt
+}
+
+func newEnv(t *testing.T) *env { return newEnvWithPool(t, 0) }
+
+// newEnvWithPool gives the steps a pool of their own of maxConns (0: the
+// package's shared pool).
+func newEnvWithPool(t *testing.T, maxConns int32) *env {
+	t.Helper()
+	db := testdb.Shared(t)
+	if maxConns > 0 {
+		pool := testdb.Open(t, db.URL, maxConns)
+		db = &testdb.DB{Name: db.Name, URL: db.URL, Pool: pool.Pool, SQL: pool.SQL}
+	}
+	e := &env{t: t, db: db, faults: map[string][]fakegateway.Fault{}, replies: "replies_" + uuid.NewString()[:8]}
+	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: logger(), PollInterval: 20 * time.Millisecond,
+		Retry: transport.RetryPolicy{MaxAttempts: 6, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 100 * time.Millisecond}})
+	require.NoError(t, err)
+	store, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})
+	require.NoError(t, err)
+	reg := events.NewRegistry()
+	require.NoError(t, payments.RegisterEvents(reg))
+	es, err := events.NewStore(events.Config{Registry: reg})
+	require.NoError(t, err)
+	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Events: es, Logger: logger()})
+	require.NoError(t, err)
+	// The gateway is another service: it gets a pool of its own.
+	gwPool := testdb.Open(t, db.URL, 4)
+	gw, err := fakegateway.Start(context.Background(), fakegateway.Config{DB: gwPool.SQL, Logger: logger(),
+		LostHang: 2 * time.Second, SlowDelay: 50 * time.Millisecond, Faults: e.fault})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = gw.Close() })
+	svc, err := payments.New(payments.Config{DB: db.SQL, Events: es, Idempotency: store, Logger: logger(),
+		Gateway:      &payments.GatewayClient{BaseURL: gw.URL(), HTTP: &http.Client{Timeout: 300 * time.Millisecond}},
+		GatewayLease: time.Second})
+	require.NoError(t, err)
+	e.tr, e.store, e.rt, e.gw, e.svc = tr, store, rt, gw, svc
+	require.NoError(t, tr.CreateTopics(context.Background(), append(svc.Topics(), rt.DeadLetterTopic(), e.replies)...))
+	return e
+}
+
+// fault injects the faults planned for a key, attempt by attempt.
+func (e *env) fault(c fakegateway.Call) fakegateway.Fault {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	plan := e.faults[c.Key]
+	if c.Attempt <= len(plan) {
+		return plan[c.Attempt-1]
+	}
+	return fakegateway.None
+}
+
+func (e *env) plan(key string, faults ...fakegateway.Fault) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.faults[key] = faults
+}
+
+func (e *env) account(cents int64) string {
+	e.t.Helper()
+	id := "acct-" + uuid.NewString()[:8]
+	ctx := context.Background()
+	require.NoError(e.t, e.svc.OpenAccount(ctx, id))
+	if cents > 0 {
+		require.NoError(e.t, e.svc.Deposit(ctx, id, cents, "seed-"+id))
+	}
+	return id
+}
+
+func (e *env) balance(account string) int64 {
+	b, err := e.svc.Balance(context.Background(), account)
+	require.NoError(e.t, err)
+	return b
+}
+
+func (e *env) count(query string, args ...any) int {
+	e.t.Helper()
+	var n int
+	require.NoError(e.t, e.db.SQL.QueryRow(query, args...).Scan(&n))
+	return n
+}
+
+// reply is a reply as published.
+type reply struct {
+	env     steps.Envelope
+	payload map[string]any
+}
+
+// execute runs a step for cmd under key, in its own transactions, and
+// returns the reply it published.
+func (e *env) execute(step steps.Step, cmd steps.Message, key string) reply {
+	e.t.Helper()
+	msg, err := steps.NewMessage(cmd, steps.Envelope{Key: key, ReplyTo: e.replies})
+	require.NoError(e.t, err)
+	require.NoError(e.t, e.rt.Execute(context.Background(), step, msg))
+	return e.reply(key)
+}
+
+func (e *env) reply(key string) reply {
+	e.t.Helper()
+	var id, meta, payload string
+	require.NoError(e.t, e.db.SQL.QueryRow(`SELECT uuid, metadata::text, convert_from(payload, 'UTF8') FROM `+e.tr.MessagesTable(e.replies)+
+		` WHERE metadata->>'idempotency_key' = $1 ORDER BY "offset" DESC LIMIT 1`, key).Scan(&id, &meta, &payload))
+	m := message.NewMessage(id, nil)
+	require.NoError(e.t, json.Unmarshal([]byte(meta), &m.Metadata))
+	var r reply
+	r.env = steps.EnvelopeOf(m)
+	require.NoError(e.t, json.Unmarshal([]byte(payload), &r.payload))
+	return r
+}
+
+func charge(order uuid.UUID, account string, cents int64) payments.ChargePayment {
+	return payments.ChargePayment{OrderID: order, AccountID: account, AmountCents: cents}
+}
+
+func TestDepositAndBalance(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := context.Background()
+	acct := e.account(0)
+	require.NoError(t, e.svc.Deposit(ctx, acct, 500, "d1"))
+	require.NoError(t, e.svc.Deposit(ctx, acct, 500, "d1"), "the same deposit twice")
+	require.NoError(t, e.svc.Deposit(ctx, acct, 250, "d2"))
+	assert.Equal(t, int64(750), e.balance(acct))
+	assert.Equal(t, 2, e.count(`SELECT count(*) FROM account_postings WHERE account_id = $1`, acct))
+	require.ErrorIs(t, e.svc.Deposit(ctx, acct, 0, "d3"), payments.ErrInvalidAmount)
+	require.ErrorIs(t, e.svc.Deposit(ctx, "nobody-"+uuid.NewString()[:6], 10, "d4"), payments.ErrUnknownAccount)
+	require.ErrorIs(t, e.svc.OpenAccount(ctx, "bad id!"), payments.ErrInvalidAccountID)
+}
+
+func TestChargeThenRefund(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	acct := e.account(1000)
+	order := uuid.New()
+	key := "saga-" + order.String() + ":charge"
+
+	r := e.execute(e.svc.ChargeStep(), charge(order, acct, 300), key)
+	require.Equal(t, steps.OutcomeOK, r.env.Outcome, "%+v", r)
+	assert.Equal(t, "payments.PaymentCharged", r.env.Type)
+	chargeID := r.payload["charge_id"].(string)
+	assert.Equal(t, int64(700), e.balance(acct))
+	op, ok, err := e.gw.Operation(context.Background(), key)
+	require.NoError(t, err)
+	require.True(t, ok, "the gateway got the step's key")
+	assert.Equal(t, chargeID, op.ID)
+	assert.Equal(t, int64(300), op.AmountCents)
+
+	// The same command again (a re-send): replayed, not charged again.
+	again := e.execute(e.svc.ChargeStep(), charge(order, acct, 300), key)
+	assert.Equal(t, chargeID, again.payload["charge_id"])
+	assert.Equal(t, int64(700), e.balance(acct))
+
+	refundKey := "saga-" + order.String() + ":refund"
+	r = e.execute(e.svc.RefundStep(), payments.RefundPayment{OrderID: order, AccountID: acct}, refundKey)
+	require.Equal(t, steps.OutcomeOK, r.env.Outcome)
+	assert.EqualValues(t, 300, r.payload["amount_cents"])
+	assert.Equal(t, int64(1000), e.balance(acct))
+
+	// Never twice: another refund command for the order refunds nothing.
+	r = e.execute(e.svc.RefundStep(), payments.RefundPayment{OrderID: order, AccountID: acct}, refundKey+"-again")
+	assert.Equal(t, true, r.payload["already"])
+	assert.Equal(t, int64(1000), e.balance(acct))
+
+	// A refund of an order never charged is a no-op success.
+	r = e.execute(e.svc.RefundStep(), payments.RefundPayment{OrderID: uuid.New(), AccountID: acct}, "refund-nothing-"+acct)
+	assert.Equal(t, steps.OutcomeOK, r.env.Outcome)
+	assert.EqualValues(t, 0, r.payload["amount_cents"])
+
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM account_postings WHERE order_id = $1 AND kind = 'charge'`, order))
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM account_postings WHERE order_id = $1 AND kind = 'refund'`, order))
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE key = $1 AND op = 'refund'`, refundKey))
+	assert.Equal(t, 3, e.count(`SELECT count(*) FROM domain_events WHERE stream_id = $1`, payments.Stream(acct)), "deposit, charge, refund, and nothing more")
+}
+
+func TestInsufficientFundsIsABusinessFailure(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	acct := e.account(1000)
+	order := uuid.New()
+	key := "k-" + order.String()
+	for range 2 {
+		r := e.execute(e.svc.ChargeStep(), charge(order, acct, 2000), key)
+		assert.Equal(t, steps.OutcomeFailed, r.env.Outcome)
+		assert.Equal(t, "payments.PaymentFailed", r.env.Type)
+		assert.Equal(t, payments.ReasonInsufficientFunds, r.payload["reason"])
+	}
+	assert.Equal(t, int64(1000), e.balance(acct))
+	rec, err := e.store.Get(context.Background(), "payments.charge", key)
+	require.NoError(t, err)
+	assert.Equal(t, idempotency.StatusFailed, rec.Status)
+	_, called, err := e.gw.Operation(context.Background(), key)
+	require.NoError(t, err)
+	assert.False(t, called, "the gateway was never called")
+
+	r := e.execute(e.svc.ChargeStep(), charge(uuid.New(), "nobody-"+uuid.NewString()[:6], 10), "k-unknown-"+acct)
+	assert.Equal(t, payments.ReasonUnknownAccount, r.payload["reason"])
+	r = e.execute(e.svc.ChargeStep(), charge(uuid.New(), acct, -5), "k-negative-"+acct)
+	assert.Equal(t, payments.ReasonInvalidCharge, r.payload["reason"])
+}
+
+// Dozens of concurrent charges on one account whose balance covers only some:
+// exactly that many succeed, and the balance never goes below zero. (Each
+// execution holds a connection while it waits for the account and needs a
+// second one for its gateway lease: the pool is sized for 16 at once.)
+func TestConcurrentChargesNeverOverdraw(t *testing.T) {
+	t.Parallel()
+	e := newEnvWithPool(t, 36)
+	acct := e.account(1000)
+	const charges, concurrency = 40, 16
+	var (
+		wg      sync.WaitGroup
+		slots   = make(chan struct{}, concurrency)
+		results = make([]reply, charges)
+	)
+	for i := range charges {
+		wg.Go(func() {
+			slots <- struct{}{}
+			defer func() { <-slots }()
+			order := uuid.New()
+			results[i] = e.execute(e.svc.ChargeStep(), charge(order, acct, 100), "c-"+order.String())
+		})
+	}
+	wg.Wait()
+	ok, failed := 0, 0
+	for _, r := range results {
+		switch r.env.Outcome {
+		case steps.OutcomeOK:
+			ok++
+		case steps.OutcomeFailed:
+			assert.Equal(t, payments.ReasonInsufficientFunds, r.payload["reason"])
+			failed++
+		}
+	}
+	assert.Equal(t, 10, ok, "exactly the charges the balance covers")
+	assert.Equal(t, 30, failed)
+	assert.Equal(t, int64(0), e.balance(acct))
+	assert.Equal(t, 10, e.count(`SELECT count(*) FROM account_postings WHERE account_id = $1 AND kind = 'charge'`, acct))
+	assert.Equal(t, 10, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE account_id = $1 AND op = 'charge' AND outcome = 'succeeded'`, acct))
+}
+
+// The same, through two lanes of routers: REPEATABLE READ batches that race
+// on the account see each other's postings, via serialization failures and
+// redelivery.
+func TestConcurrentChargesAcrossLanesNeverOverdraw(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	acct := e.account(1000)
+	lanes := []string{"charges_a_" + uuid.NewString()[:6], "charges_b_" + uuid.NewString()[:6]}
+	require.NoError(t, e.tr.CreateTopics(context.Background(), lanes...))
+	for _, lane := range lanes {
+		step := e.svc.ChargeStep()
+		step.Topic = lane
+		r, err := e.tr.NewRouter()
+		require.NoError(t, err)
+		require.NoError(t, e.rt.Register(r, step))
+		done := make(chan error, 1)
+		go func() { done <- r.Run(context.Background()) }()
+		<-r.Running()
+		t.Cleanup(func() { _ = r.Close(); <-done })
+	}
+	const charges = 30
+	tx, err := e.db.SQL.Begin()
+	require.NoError(t, err)
+	for i := range charges {
+		order := uuid.New()
+		msg, err := steps.NewMessage(charge(order, acct, 100), steps.Envelope{Key: fmt.Sprintf("lane-%s-%d", acct, i), ReplyTo: e.replies})
+		require.NoError(t, err)
+		require.NoError(t, e.tr.Publisher(tx).Publish(lanes[i%2], msg))
+	}
+	require.NoError(t, tx.Commit())
+	deadline := time.Now().Add(60 * time.Second)
+	for e.count(`SELECT count(DISTINCT metadata->>'idempotency_key') FROM `+e.tr.MessagesTable(e.replies)+` WHERE metadata->>'idempotency_key' LIKE $1`, "lane-"+acct+"-%") < charges {
+		require.True(t, time.Now().Before(deadline), "all charges answered")
+		time.Sleep(20 * time.Millisecond)
+	}
+	assert.Equal(t, int64(0), e.balance(acct))
+	assert.Equal(t, 10, e.count(`SELECT count(*) FROM account_postings WHERE account_id = $1 AND kind = 'charge'`, acct))
+	assert.Equal(t, 20, e.count(`SELECT count(DISTINCT metadata->>'idempotency_key') FROM `+e.tr.MessagesTable(e.replies)+
+		` WHERE metadata->>'idempotency_key' LIKE $1 AND metadata->>'outcome' = 'failed'`, "lane-"+acct+"-%"))
+}
+
+func TestGatewayDecline(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	acct := e.account(1000)
+	order := uuid.New()
+	key := "k-" + order.String()
+	e.plan(key, fakegateway.Decline)
+	r := e.execute(e.svc.ChargeStep(), charge(order, acct, 100), key)
+	assert.Equal(t, steps.OutcomeFailed, r.env.Outcome)
+	assert.Equal(t, payments.ReasonDeclined, r.payload["reason"])
+	assert.Equal(t, int64(1000), e.balance(acct), "nothing posted")
+	op, _, err := e.gw.Operation(context.Background(), key)
+	require.NoError(t, err)
+	assert.Equal(t, "declined", op.Outcome)
+	assert.Equal(t, 1, op.Calls)
+}
+
+// The gateway charged but the answer was lost (a client timeout): the step
+// retries with the same key, the gateway answers with its first charge, and
+// exactly one charge exists there and in the ledger. The same for a 503 and a
+// slow answer.
+func TestGatewayFaultsChargeOnce(t *testing.T) {
+	t.Parallel()
+	for _, plan := range [][]fakegateway.Fault{
+		{fakegateway.Lost},
+		{fakegateway.Unavailable, fakegateway.Unavailable},
+		{fakegateway.Lost, fakegateway.Unavailable, fakegateway.Lost},
+		{fakegateway.Slow},
+	} {
+		t.Run(fmt.Sprint(plan), func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			acct := e.account(1000)
+			order := uuid.New()
+			key := "k-" + order.String()
+			e.plan(key, plan...)
+			r := e.execute(e.svc.ChargeStep(), charge(order, acct, 100), key)
+			require.Equal(t, steps.OutcomeOK, r.env.Outcome, "%+v", r)
+			op, _, err := e.gw.Operation(context.Background(), key)
+			require.NoError(t, err)
+			assert.Equal(t, r.payload["charge_id"], op.ID, "the reply carries the gateway's one charge")
+			assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE key = $1`, key), "one charge at the gateway")
+			assert.Equal(t, len(plan)+boolInt(plan[0] == fakegateway.Slow, -1)+1, op.Calls, "each fault cost one more call with the same key")
+			assert.Equal(t, int64(900), e.balance(acct))
+			assert.Equal(t, 1, e.count(`SELECT count(*) FROM account_postings WHERE order_id = $1`, order))
+		})
+	}
+}
+
+func boolInt(b bool, v int) int {
+	if b {
+		return v
+	}
+	return 0
+}
+
+// A worker dies after calling the gateway, before recording anything: its
+// lease is left pending. The next execution waits the lease out, takes over,
+// calls the gateway again with the same key, and the gateway charges once.
+func TestCrashAfterGatewayCallIsTakenOver(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := context.Background()
+	acct := e.account(1000)
+	order := uuid.New()
+	key := "k-" + order.String()
+
+	// The dead worker: lease committed, gateway charged, then nothing.
+	acq, err := e.store.AcquireFor(ctx, payments.GatewayRequest("charge", key, acct, order, 100), time.Second)
+	require.NoError(t, err)
+	require.NotNil(t, acq.Lease)
+	client := &payments.GatewayClient{BaseURL: e.gw.URL()}
+	firstID, err := client.Charge(ctx, key, acct, 100)
+	require.NoError(t, err)
+
+	start := time.Now()
+	r := e.execute(e.svc.ChargeStep(), charge(order, acct, 100), key)
+	require.Equal(t, steps.OutcomeOK, r.env.Outcome)
+	assert.Equal(t, firstID, r.payload["charge_id"], "the takeover got the first charge back")
+	assert.GreaterOrEqual(t, time.Since(start), 500*time.Millisecond, "it waited for the lease")
+	op, _, err := e.gw.Operation(ctx, key)
+	require.NoError(t, err)
+	assert.Equal(t, 2, op.Calls)
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE key = $1`, key))
+	rec, err := e.store.Get(ctx, "payments.gateway.charge", key)
+	require.NoError(t, err)
+	assert.Equal(t, idempotency.StatusCompleted, rec.Status)
+	assert.Equal(t, 2, rec.Attempts)
+	assert.Equal(t, int64(900), e.balance(acct))
+}
+
+func TestNewValidatesConfig(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	_, err := payments.New(payments.Config{})
+	require.Error(t, err)
+	reg := events.NewRegistry()
+	es, _ := events.NewStore(events.Config{Registry: reg})
+	_, err = payments.New(payments.Config{DB: e.db.SQL, Events: es, Idempotency: e.store, Gateway: &payments.GatewayClient{}})
+	require.ErrorContains(t, err, "RegisterEvents")
+	require.NoError(t, payments.RegisterEvents(reg))
+	_, err = payments.New(payments.Config{DB: e.db.SQL, Events: es, Idempotency: e.store, Gateway: &payments.GatewayClient{}, GatewayLease: time.Second})
+	require.ErrorContains(t, err, "must exceed")
+}
