@@ -45,12 +45,6 @@ func (s *Store) Acquire(ctx context.Context, req Request) (Acquisition, error) {
 
 // AcquireFor is Acquire with a lease of the given duration.
 func (s *Store) AcquireFor(ctx context.Context, req Request, lease time.Duration) (Acquisition, error) {
-	if err := req.validate(); err != nil {
-		return Acquisition{}, err
-	}
-	if lease < time.Millisecond {
-		return Acquisition{}, fmt.Errorf("%w: lease must be at least 1ms, got %s", ErrInvalidRequest, lease)
-	}
 	if s.cfg.DB == nil {
 		return Acquisition{}, errors.New("idempotency: Config.DB is required for Acquire")
 	}
@@ -59,11 +53,31 @@ func (s *Store) AcquireFor(ctx context.Context, req Request, lease time.Duration
 		return Acquisition{}, fmt.Errorf("idempotency: beginning transaction: %w", err)
 	}
 	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+	acq, err := s.AcquireTx(ctx, tx, req, lease)
+	if err != nil {
+		return Acquisition{}, err
+	}
+	if err := tx.Commit(); err != nil {
+		return Acquisition{}, fmt.Errorf("idempotency: committing lease of %s/%s: %w", req.Scope, req.Key, err)
+	}
+	return acq, nil
+}
 
+// AcquireTx is phase one in the caller's READ COMMITTED transaction, for a
+// caller that commits more with the claim (a reservation, say). The claim,
+// the lease and the caller's writes take effect when tx commits, and must
+// commit before the external call.
+func (s *Store) AcquireTx(ctx context.Context, tx DBTX, req Request, lease time.Duration) (Acquisition, error) {
+	if err := req.validate(); err != nil {
+		return Acquisition{}, err
+	}
+	if lease < time.Millisecond {
+		return Acquisition{}, fmt.Errorf("%w: lease must be at least 1ms, got %s", ErrInvalidRequest, lease)
+	}
 	token := uuid.New()
 	secs := lease.Seconds()
 	l := &Lease{Request: req, Token: token}
-	err = tx.QueryRowContext(ctx, claimLeaseSQL, req.Scope, req.Key, req.Hash, s.lockTimeout, token, secs).
+	err := tx.QueryRowContext(ctx, claimLeaseSQL, req.Scope, req.Key, req.Hash, s.lockTimeout, token, secs).
 		Scan(&l.Attempt, new(time.Time), &l.Until)
 	switch {
 	case err == nil:
@@ -76,7 +90,7 @@ func (s *Store) AcquireFor(ctx context.Context, req Request, lease time.Duration
 			return Acquisition{}, err
 		}
 		if rec.Finished() {
-			return Acquisition{Record: &rec}, tx.Commit()
+			return Acquisition{Record: &rec}, nil
 		}
 		err = tx.QueryRowContext(ctx, takeoverSQL, req.Scope, req.Key, token, secs).Scan(&l.Attempt, &l.Until)
 		if errors.Is(err, sql.ErrNoRows) {
@@ -88,9 +102,6 @@ func (s *Store) AcquireFor(ctx context.Context, req Request, lease time.Duration
 		l.Takeover = true
 	default:
 		return Acquisition{}, s.claimError(req, err)
-	}
-	if err := tx.Commit(); err != nil {
-		return Acquisition{}, fmt.Errorf("idempotency: committing lease of %s/%s: %w", req.Scope, req.Key, err)
 	}
 	return Acquisition{Lease: l}, nil
 }

@@ -19,18 +19,24 @@ CREATE TABLE account_postings (
     -- The order a charge or refund belongs to; NULL for deposits.
     order_id    uuid,
     kind        text        NOT NULL,
-    -- The payment gateway's id of the charge or refund, if any.
+    -- The payment gateway's id of the charge or refund, once known.
     reference   text,
+    -- The idempotency key of the command that made the posting.
+    request_key text,
     created_at  timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (account_id, event_id),
-    CONSTRAINT account_postings_kind_check CHECK (kind IN ('deposit', 'charge', 'refund')),
+    -- A charge is posted (reserved) before the gateway is called; a void
+    -- gives it back when the gateway declines; a refund returns a captured
+    -- charge.
+    CONSTRAINT account_postings_kind_check CHECK (kind IN ('deposit', 'charge', 'void', 'refund')),
     CONSTRAINT account_postings_sign_check CHECK (
-        (kind = 'charge' AND delta_cents < 0) OR (kind IN ('deposit', 'refund') AND delta_cents > 0)),
+        (kind = 'charge' AND delta_cents < 0) OR (kind IN ('deposit', 'void', 'refund') AND delta_cents > 0)),
     CONSTRAINT account_postings_order_check CHECK ((kind = 'deposit') = (order_id IS NULL))
 );
 
--- An order is charged at most once and refunded at most once.
+-- An order is charged at most once, voided at most once, refunded at most once.
 CREATE UNIQUE INDEX account_postings_one_charge_idx ON account_postings (order_id) WHERE kind = 'charge';
+CREATE UNIQUE INDEX account_postings_one_void_idx ON account_postings (order_id) WHERE kind = 'void';
 CREATE UNIQUE INDEX account_postings_one_refund_idx ON account_postings (order_id) WHERE kind = 'refund';
 
 -- +goose Down

@@ -12,62 +12,184 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/events"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
-// charge takes an order's amount from an account: the ledger first (lock the
-// account, check the balance), then the gateway under a lease, then the
-// posting, its event and the lease's completion in the step's transaction.
-func (s *Service) charge(ctx context.Context, tx *steps.Tx, cmd ChargePayment) (_ steps.Message, err error) {
-	fail := func(reason string) error {
-		return steps.Fail(PaymentFailed{OrderID: cmd.OrderID, Reason: reason}, reason)
-	}
-	if cmd.AmountCents <= 0 || cmd.OrderID == uuid.Nil || !accountIDPattern.MatchString(cmd.AccountID) {
-		return nil, fail(ReasonInvalidCharge)
-	}
-	version, err := lockAccount(ctx, tx, s.cfg.Events, cmd.AccountID)
-	if errors.Is(err, ErrUnknownAccount) {
-		return nil, fail(ReasonUnknownAccount)
-	}
-	if err != nil {
-		return nil, err
-	}
-	// Charged already, under another key: the ledger allows one charge per
-	// order, so answer with that one.
-	if delta, ref, found, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "charge"); err != nil || found {
-		return PaymentCharged{OrderID: cmd.OrderID, AmountCents: -delta, ChargeID: ref}, err
-	}
-	var balance int64
-	if err := tx.QueryRowContext(ctx, balanceSQL, cmd.AccountID).Scan(&balance); err != nil {
-		return nil, fmt.Errorf("payments: balance of %s: %w", cmd.AccountID, err)
-	}
-	if balance < cmd.AmountCents {
-		return nil, fail(ReasonInsufficientFunds)
-	}
+// refusal is a charge the ledger or the gateway refused: a business failure.
+type refusal struct{ reason string }
 
-	chargeID, err := s.gatewayCall(ctx, "charge", tx.Key(), cmd.AccountID, cmd.OrderID, cmd.AmountCents,
-		func(ctx context.Context) (string, error) {
-			return s.cfg.Gateway.Charge(ctx, tx.Key(), cmd.AccountID, cmd.AmountCents)
-		})
-	if errors.Is(err, ErrDeclined) {
-		return nil, fail(ReasonDeclined)
+func (r *refusal) Error() string { return r.reason }
+
+// errBusy: the order is being charged under another key right now.
+var errBusy = errors.New("payments: the order is being charged by another command")
+
+// charge takes an order's amount from an account: reserve (claim the gateway
+// call and post the charge, committed), call the gateway with the step's
+// key, record the answer. The step's own transaction only carries the reply.
+func (s *Service) charge(ctx context.Context, tx *steps.Tx, cmd ChargePayment) (steps.Message, error) {
+	if cmd.AmountCents <= 0 || cmd.OrderID == uuid.Nil || !accountIDPattern.MatchString(cmd.AccountID) {
+		return nil, steps.Fail(PaymentFailed{OrderID: cmd.OrderID, Reason: ReasonInvalidCharge}, ReasonInvalidCharge)
+	}
+	chargeID, err := s.chargeOnce(ctx, tx.Key(), cmd)
+	var ref *refusal
+	if errors.As(err, &ref) {
+		return nil, steps.Fail(PaymentFailed{OrderID: cmd.OrderID, Reason: ref.reason}, ref.reason)
 	}
 	if err != nil {
 		return nil, err
-	}
-	recs, err := tx.Append(ctx, Stream(cmd.AccountID), version, Charged{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents, ChargeID: chargeID})
-	if err != nil {
-		return nil, err
-	}
-	if _, err := tx.ExecContext(ctx, insertPostingSQL, cmd.AccountID, recs[0].ID, -cmd.AmountCents, cmd.OrderID, "charge", chargeID); err != nil {
-		return nil, fmt.Errorf("payments: posting charge of %s: %w", cmd.OrderID, err)
 	}
 	return PaymentCharged{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents, ChargeID: chargeID}, nil
 }
 
-// refund returns what was charged for an order, once. An order that was
-// never charged (or an unknown account) is a no-op success.
-func (s *Service) refund(ctx context.Context, tx *steps.Tx, cmd RefundPayment) (_ steps.Message, err error) {
+// chargeOnce runs the gateway charge of key at most once, waiting out the
+// lease of a worker that died mid-call.
+func (s *Service) chargeOnce(ctx context.Context, key string, cmd ChargePayment) (string, error) {
+	req := GatewayRequest("charge", key, cmd.AccountID, cmd.OrderID, cmd.AmountCents)
+	giveUp := time.Now().Add(2 * s.cfg.GatewayLease)
+	for {
+		lease, done, err := s.reserve(ctx, req, cmd)
+		var busy *idempotency.InProgressError
+		if errors.As(err, &busy) {
+			if err := s.waitLease(ctx, busy, giveUp, "charge", key); err != nil {
+				return "", err
+			}
+			continue
+		}
+		if err != nil || lease == nil {
+			return done, err
+		}
+		return s.capture(ctx, lease, cmd)
+	}
+}
+
+// reserve is phase one, in a transaction of its own: claim the gateway call
+// with a lease and post the charge, unless an earlier attempt did. It returns
+// the lease to call under, or the charge id of a finished call.
+func (s *Service) reserve(ctx context.Context, req idempotency.Request, cmd ChargePayment) (*idempotency.Lease, string, error) {
+	var (
+		lease    *idempotency.Lease
+		chargeID string
+	)
+	err := s.inTx(ctx, func(tx *sql.Tx) error {
+		acq, err := s.cfg.Idempotency.AcquireTx(ctx, tx, req, s.cfg.GatewayLease)
+		if err != nil {
+			return err
+		}
+		if rec := acq.Record; rec != nil {
+			if rec.Status == idempotency.StatusFailed {
+				return &refusal{reason: string(rec.Response.Body)}
+			}
+			chargeID = string(rec.Response.Body)
+			return nil
+		}
+		version, err := lockAccount(ctx, tx, s.cfg.Events, cmd.AccountID)
+		if errors.Is(err, ErrUnknownAccount) {
+			return &refusal{reason: ReasonUnknownAccount}
+		}
+		if err != nil {
+			return err
+		}
+		delta, ref, owner, found, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "charge")
+		switch {
+		case err != nil:
+			return err
+		case found && owner == req.Key:
+			// Reserved by an earlier attempt whose call did not finish.
+		case found && ref != "":
+			// Charged already under another key: the ledger allows one charge
+			// per order; answer with it and call nobody.
+			chargeID = ref
+			return s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, acq.Lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(ref)})
+		case found:
+			return fmt.Errorf("%w (%s, reserved by %s, %d cents)", errBusy, cmd.OrderID, owner, -delta)
+		default:
+			var balance int64
+			if err := tx.QueryRowContext(ctx, balanceSQL, cmd.AccountID).Scan(&balance); err != nil {
+				return fmt.Errorf("payments: balance of %s: %w", cmd.AccountID, err)
+			}
+			if balance < cmd.AmountCents {
+				return &refusal{reason: ReasonInsufficientFunds}
+			}
+			md := events.Metadata{CorrelationID: cmd.OrderID.String(), IdempotencyKey: req.Key}
+			recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), version, md, Charged{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents})
+			if err != nil {
+				return err
+			}
+			if _, err := tx.ExecContext(ctx, insertPostingSQL, cmd.AccountID, recs[0].ID, -cmd.AmountCents, cmd.OrderID, "charge", nil, req.Key); err != nil {
+				return fmt.Errorf("payments: reserving the charge of %s: %w", cmd.OrderID, err)
+			}
+		}
+		lease = acq.Lease
+		return nil
+	})
+	return lease, chargeID, err
+}
+
+// capture calls the gateway under lease and records its answer: captured,
+// voided on a decline, nothing on an unknown outcome.
+func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd ChargePayment) (string, error) {
+	id, err := s.cfg.Gateway.Charge(ctx, lease.Key, cmd.AccountID, cmd.AmountCents)
+	switch {
+	case err == nil:
+		err := s.inTx(ctx, func(tx *sql.Tx) error {
+			if err := s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(id)}); err != nil {
+				return err
+			}
+			version, err := lockAccount(ctx, tx, s.cfg.Events, cmd.AccountID)
+			if err != nil {
+				return err
+			}
+			md := events.Metadata{CorrelationID: cmd.OrderID.String(), IdempotencyKey: lease.Key}
+			if _, err := s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), version, md, ChargeCaptured{OrderID: cmd.OrderID, ChargeID: id}); err != nil {
+				return err
+			}
+			_, err = tx.ExecContext(ctx, captureSQL, cmd.AccountID, cmd.OrderID, id)
+			return err
+		})
+		if err != nil {
+			// Lost to a takeover, or a database error: the next attempt
+			// replays the gateway's answer or asks again with the same key.
+			return "", fmt.Errorf("payments: recording charge %s of %s: %w", id, cmd.OrderID, err)
+		}
+		return id, nil
+	case errors.Is(err, ErrDeclined):
+		err := s.inTx(ctx, func(tx *sql.Tx) error {
+			if err := s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, lease, idempotency.StatusFailed, idempotency.Response{Body: []byte(ReasonDeclined)}); err != nil {
+				return err
+			}
+			version, err := lockAccount(ctx, tx, s.cfg.Events, cmd.AccountID)
+			if err != nil {
+				return err
+			}
+			md := events.Metadata{CorrelationID: cmd.OrderID.String(), IdempotencyKey: lease.Key}
+			recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), version, md, ChargeVoided{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents, Reason: ReasonDeclined})
+			if err != nil {
+				return err
+			}
+			_, err = tx.ExecContext(ctx, insertPostingSQL, cmd.AccountID, recs[0].ID, cmd.AmountCents, cmd.OrderID, "void", nil, lease.Key)
+			return err
+		})
+		if err != nil {
+			return "", fmt.Errorf("payments: voiding the declined charge of %s: %w", cmd.OrderID, err)
+		}
+		return "", &refusal{reason: ReasonDeclined}
+	default:
+		// The outcome is unknown: record nothing, let the next attempt ask
+		// again with the same key at once.
+		if rerr := s.cfg.Idempotency.ReleaseLease(ctx, lease); rerr != nil {
+			s.cfg.Logger.Warn("releasing the lease of a failed gateway call", "key", lease.Key, "err", rerr)
+		}
+		if errors.Is(err, ErrBadGatewayRequest) {
+			return "", transport.Permanent(err)
+		}
+		return "", err
+	}
+}
+
+// refund returns what was captured for an order, once. An order never
+// charged, voided, or of an unknown account is a no-op success.
+func (s *Service) refund(ctx context.Context, tx *steps.Tx, cmd RefundPayment) (steps.Message, error) {
 	nothing := PaymentRefunded{OrderID: cmd.OrderID}
 	if cmd.OrderID == uuid.Nil || !accountIDPattern.MatchString(cmd.AccountID) {
 		return nothing, nil
@@ -79,118 +201,121 @@ func (s *Service) refund(ctx context.Context, tx *steps.Tx, cmd RefundPayment) (
 	if err != nil {
 		return nil, err
 	}
-	charged, chargeID, found, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "charge")
+	charged, chargeID, _, found, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "charge")
 	if err != nil || !found {
 		return nothing, err
 	}
+	if _, _, _, voided, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "void"); err != nil || voided {
+		return nothing, err
+	}
+	if chargeID == "" {
+		// Reserved but not yet captured: the charge is still in flight.
+		return nil, fmt.Errorf("payments: refunding %s: its charge is not captured yet", cmd.OrderID)
+	}
 	amount := -charged
-	if refunded, refundID, found, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "refund"); err != nil || found {
+	if refunded, refundID, _, found, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "refund"); err != nil || found {
 		return PaymentRefunded{OrderID: cmd.OrderID, AmountCents: refunded, RefundID: refundID, Already: true}, err
 	}
-
-	refundID, err := s.gatewayCall(ctx, "refund", tx.Key(), cmd.AccountID, cmd.OrderID, amount,
-		func(ctx context.Context) (string, error) {
-			return s.cfg.Gateway.Refund(ctx, tx.Key(), cmd.AccountID, chargeID, amount)
-		})
+	refundID, err := s.refundOnce(ctx, tx.Key(), cmd, chargeID, amount)
 	if err != nil {
-		// A refund the gateway declines needs a person: retried, then
-		// dead-lettered, and the saga reports it.
 		return nil, err
 	}
 	recs, err := tx.Append(ctx, Stream(cmd.AccountID), version, Refunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: refundID})
 	if err != nil {
 		return nil, err
 	}
-	if _, err := tx.ExecContext(ctx, insertPostingSQL, cmd.AccountID, recs[0].ID, amount, cmd.OrderID, "refund", refundID); err != nil {
+	if _, err := tx.ExecContext(ctx, insertPostingSQL, cmd.AccountID, recs[0].ID, amount, cmd.OrderID, "refund", refundID, tx.Key()); err != nil {
 		return nil, fmt.Errorf("payments: posting refund of %s: %w", cmd.OrderID, err)
 	}
 	return PaymentRefunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: refundID}, nil
 }
 
-func orderPosting(ctx context.Context, tx *steps.Tx, account string, order uuid.UUID, kind string) (delta int64, ref string, found bool, err error) {
-	var r sql.NullString
-	err = tx.QueryRowContext(ctx, orderPostingSQL, account, order, kind).Scan(&delta, &r)
-	if errors.Is(err, sql.ErrNoRows) {
-		return 0, "", false, nil
-	}
-	if err != nil {
-		return 0, "", false, fmt.Errorf("payments: reading %s of %s: %w", kind, order, err)
-	}
-	return delta, r.String, true, nil
-}
-
-// gatewayCall runs call at most once per (op, key) at the gateway's end and
-// returns the gateway's operation id. Phase one commits a lease before the
-// call, with the step's key passed downstream; phase two records the
-// gateway's answer at once, in a transaction of its own fenced on the lease.
-//
-// Phase two cannot wait for the step's transaction: a subscriber's batch
-// runs at REPEATABLE READ and cannot see a lease committed after its
-// snapshot. Nor does it need to: the record says what the gateway did, which
-// stays true if the step's transaction rolls back; the step's retry then
-// replays it and posts it.
-//
-// A lease left by a worker that died after calling is waited out (at most
-// GatewayLease) and taken over: the call is repeated with the same key and
-// the gateway answers with its first result. An unknown outcome (a timeout,
-// a 5xx) is never recorded: the lease is released, so the step's next
-// attempt calls again at once.
-func (s *Service) gatewayCall(ctx context.Context, op, key, account string, order uuid.UUID, amount int64,
-	call func(context.Context) (string, error)) (string, error) {
-	req := GatewayRequest(op, key, account, order, amount)
+// refundOnce runs the gateway refund of key at most once. The refund's
+// posting is made in the step's transaction afterwards: a refund only gives
+// money back, so a retry after a rollback can always post it.
+func (s *Service) refundOnce(ctx context.Context, key string, cmd RefundPayment, chargeID string, amount int64) (string, error) {
+	req := GatewayRequest("refund", key, cmd.AccountID, cmd.OrderID, amount)
 	giveUp := time.Now().Add(2 * s.cfg.GatewayLease)
 	for {
 		acq, err := s.cfg.Idempotency.AcquireFor(ctx, req, s.cfg.GatewayLease)
 		var busy *idempotency.InProgressError
 		if errors.As(err, &busy) {
-			wait := 50 * time.Millisecond
-			if !busy.LockedUntil.IsZero() {
-				wait = max(time.Until(busy.LockedUntil)+20*time.Millisecond, 5*time.Millisecond)
-			}
-			if time.Now().Add(wait).After(giveUp) {
+			if err := s.waitLease(ctx, busy, giveUp, "refund", key); err != nil {
 				return "", err
 			}
-			s.cfg.Logger.Info("waiting for the lease of an earlier gateway call", "op", op, "key", key, "wait", wait)
-			select {
-			case <-time.After(wait):
-				continue
-			case <-ctx.Done():
-				return "", ctx.Err()
-			}
+			continue
 		}
 		if err != nil {
 			return "", err
 		}
 		if rec := acq.Record; rec != nil {
 			if rec.Status == idempotency.StatusFailed {
-				return "", fmt.Errorf("%w (recorded earlier)", ErrDeclined)
+				return "", fmt.Errorf("payments: the gateway refused the refund of %s earlier: %s", cmd.OrderID, rec.Response.Body)
 			}
 			return string(rec.Response.Body), nil
 		}
-		id, err := call(ctx)
-		switch {
-		case err == nil:
-			if err := s.cfg.Idempotency.CompleteLease(ctx, acq.Lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(id)}); err != nil {
-				// Lost to a takeover (this call outlived its lease) or a
-				// database error: the next attempt replays or calls again.
-				return "", fmt.Errorf("payments: recording gateway %s %s: %w", op, id, err)
-			}
-			return id, nil
-		case errors.Is(err, ErrDeclined):
-			if cerr := s.cfg.Idempotency.CompleteLease(ctx, acq.Lease, idempotency.StatusFailed, idempotency.Response{Body: []byte(err.Error())}); cerr != nil {
-				s.cfg.Logger.Warn("recording a declined gateway call", "op", op, "key", key, "err", cerr)
-			}
-			return "", err
-		default:
+		id, err := s.cfg.Gateway.Refund(ctx, key, cmd.AccountID, chargeID, amount)
+		if err != nil {
 			if rerr := s.cfg.Idempotency.ReleaseLease(ctx, acq.Lease); rerr != nil {
-				s.cfg.Logger.Warn("releasing the lease of a failed gateway call", "op", op, "key", key, "err", rerr)
+				s.cfg.Logger.Warn("releasing the lease of a failed gateway call", "key", key, "err", rerr)
 			}
 			if errors.Is(err, ErrBadGatewayRequest) {
 				return "", transport.Permanent(err)
 			}
+			// A declined refund needs a person: retried, then dead-lettered,
+			// and the saga reports it.
 			return "", err
 		}
+		if err := s.cfg.Idempotency.CompleteLease(ctx, acq.Lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(id)}); err != nil {
+			return "", fmt.Errorf("payments: recording refund %s of %s: %w", id, cmd.OrderID, err)
+		}
+		return id, nil
 	}
+}
+
+// waitLease waits for the lease of an earlier call (a worker that died after
+// calling the gateway, or one still calling) to run out.
+func (s *Service) waitLease(ctx context.Context, busy *idempotency.InProgressError, giveUp time.Time, op, key string) error {
+	wait := 50 * time.Millisecond
+	if !busy.LockedUntil.IsZero() {
+		wait = max(time.Until(busy.LockedUntil)+20*time.Millisecond, 5*time.Millisecond)
+	}
+	if time.Now().Add(wait).After(giveUp) {
+		return busy
+	}
+	s.cfg.Logger.Info("waiting for the lease of an earlier gateway call", "op", op, "key", key, "wait", wait)
+	select {
+	case <-time.After(wait):
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func orderPosting(ctx context.Context, q idempotency.DBTX, account string, order uuid.UUID, kind string) (delta int64, ref, key string, found bool, err error) {
+	err = q.QueryRowContext(ctx, orderPostingSQL, account, order, kind).Scan(&delta, &ref, &key)
+	if errors.Is(err, sql.ErrNoRows) {
+		return 0, "", "", false, nil
+	}
+	if err != nil {
+		return 0, "", "", false, fmt.Errorf("payments: reading %s of %s: %w", kind, order, err)
+	}
+	return delta, ref, key, true, nil
+}
+
+func (s *Service) inTx(ctx context.Context, fn func(tx *sql.Tx) error) error {
+	tx, err := s.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return fmt.Errorf("payments: beginning transaction: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+	if err := fn(tx); err != nil {
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("payments: committing: %w", err)
+	}
+	return nil
 }
 
 // GatewayRequest is the idempotency claim of one gateway call: op is

@@ -3,15 +3,20 @@
 // refund steps the saga drives, which call a payment gateway.
 //
 // The ledger invariant: an account's balance is SUM(delta_cents) of its
-// postings and is never negative; an order is charged at most once and
-// refunded at most once, and a refund returns exactly what was charged.
-// Every posting is made by a domain event of the account's stream
+// postings and is never negative; an order is charged at most once, voided
+// at most once and refunded at most once; a refund returns exactly what was
+// charged. Every posting is made by a domain event of the account's stream
 // ("account-<id>") in the same transaction; event_id is the event's id.
 //
-// The gateway is an external side effect. A step never records a gateway
-// outcome it does not know: the call runs under a committed lease (the
-// two-phase form of the idempotency package) with the step's stable key, so
-// a timeout is retried with the same key and the gateway charges once.
+// The gateway is an external side effect. A charge reserves the money first:
+// in one transaction, committed before the call, it claims the gateway call
+// (a lease, the two-phase form of the idempotency package) and posts the
+// charge. Then it calls the gateway with the step's stable key, and records
+// the answer in a transaction of its own: captured (the gateway's charge id),
+// or voided (declined: the money goes back). An unknown outcome (a timeout)
+// is never recorded: the call is repeated with the same key and the gateway
+// charges once. So every charge at the gateway has its posting, and the
+// balance is checked exactly once per order.
 package payments
 
 import (
@@ -45,14 +50,31 @@ type Deposited struct {
 
 func (Deposited) EventType() string { return "payments.deposited" }
 
-// Charged takes an order's amount from an account.
+// Charged takes an order's amount from an account: reserved before the
+// gateway is called, so the money is spoken for whatever happens next.
 type Charged struct {
 	OrderID     uuid.UUID `json:"order_id"`
 	AmountCents int64     `json:"amount_cents"`
-	ChargeID    string    `json:"charge_id"`
 }
 
 func (Charged) EventType() string { return "payments.charged" }
+
+// ChargeCaptured records the gateway's charge for a reserved charge.
+type ChargeCaptured struct {
+	OrderID  uuid.UUID `json:"order_id"`
+	ChargeID string    `json:"charge_id"`
+}
+
+func (ChargeCaptured) EventType() string { return "payments.charge_captured" }
+
+// ChargeVoided gives a reserved charge back: the gateway declined it.
+type ChargeVoided struct {
+	OrderID     uuid.UUID `json:"order_id"`
+	AmountCents int64     `json:"amount_cents"`
+	Reason      string    `json:"reason"`
+}
+
+func (ChargeVoided) EventType() string { return "payments.charge_voided" }
 
 // Refunded returns an order's charge to the account.
 type Refunded struct {
@@ -68,6 +90,8 @@ func RegisterEvents(reg *events.Registry) error {
 	return errors.Join(
 		events.Register[Deposited](reg),
 		events.Register[Charged](reg),
+		events.Register[ChargeCaptured](reg),
+		events.Register[ChargeVoided](reg),
 		events.Register[Refunded](reg),
 	)
 }
@@ -226,7 +250,7 @@ func (s *Service) Deposit(ctx context.Context, account string, amountCents int64
 		if err != nil {
 			return idempotency.Response{}, err
 		}
-		_, err = tx.ExecContext(ctx, insertPostingSQL, account, recs[0].ID, amountCents, nil, "deposit", nil)
+		_, err = tx.ExecContext(ctx, insertPostingSQL, account, recs[0].ID, amountCents, nil, "deposit", nil, key)
 		return idempotency.Response{Code: 200}, err
 	})
 	return err
@@ -262,10 +286,12 @@ const (
 	lockAccountSQL = `UPDATE accounts SET version = version + 1 WHERE account_id = $1 RETURNING version`
 	balanceSQL     = `SELECT coalesce(sum(delta_cents), 0) FROM account_postings WHERE account_id = $1`
 
-	insertPostingSQL = `INSERT INTO account_postings (account_id, event_id, delta_cents, order_id, kind, reference)
-VALUES ($1, $2, $3, $4, $5, $6)`
+	insertPostingSQL = `INSERT INTO account_postings (account_id, event_id, delta_cents, order_id, kind, reference, request_key)
+VALUES ($1, $2, $3, $4, $5, $6, $7)`
 
 	// orderPostingSQL finds an order's posting of one kind.
-	orderPostingSQL = `SELECT delta_cents, reference FROM account_postings
+	orderPostingSQL = `SELECT delta_cents, coalesce(reference, ''), coalesce(request_key, '') FROM account_postings
 WHERE account_id = $1 AND order_id = $2 AND kind = $3`
+
+	captureSQL = `UPDATE account_postings SET reference = $3 WHERE account_id = $1 AND order_id = $2 AND kind = 'charge'`
 )

@@ -218,7 +218,7 @@ func TestChargeThenRefund(t *testing.T) {
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM account_postings WHERE order_id = $1 AND kind = 'charge'`, order))
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM account_postings WHERE order_id = $1 AND kind = 'refund'`, order))
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE key = $1 AND op = 'refund'`, refundKey))
-	assert.Equal(t, 3, e.count(`SELECT count(*) FROM domain_events WHERE stream_id = $1`, payments.Stream(acct)), "deposit, charge, refund, and nothing more")
+	assert.Equal(t, 4, e.count(`SELECT count(*) FROM domain_events WHERE stream_id = $1`, payments.Stream(acct)), "deposited, charged, captured, refunded, and nothing more")
 }
 
 func TestInsufficientFundsIsABusinessFailure(t *testing.T) {
@@ -294,7 +294,7 @@ func TestConcurrentChargesAcrossLanesNeverOverdraw(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	acct := e.account(1000)
-	lanes := []string{"charges_a_" + uuid.NewString()[:6], "charges_b_" + uuid.NewString()[:6]}
+	lanes := []string{"charges_a_" + uuid.NewString()[:6], "charges_b_" + uuid.NewString()[:6], "charges_c_" + uuid.NewString()[:6]}
 	require.NoError(t, e.tr.CreateTopics(context.Background(), lanes...))
 	for _, lane := range lanes {
 		step := e.svc.ChargeStep()
@@ -307,14 +307,14 @@ func TestConcurrentChargesAcrossLanesNeverOverdraw(t *testing.T) {
 		<-r.Running()
 		t.Cleanup(func() { _ = r.Close(); <-done })
 	}
-	const charges = 30
+	const charges = 45
 	tx, err := e.db.SQL.Begin()
 	require.NoError(t, err)
 	for i := range charges {
 		order := uuid.New()
 		msg, err := steps.NewMessage(charge(order, acct, 100), steps.Envelope{Key: fmt.Sprintf("lane-%s-%d", acct, i), ReplyTo: e.replies})
 		require.NoError(t, err)
-		require.NoError(t, e.tr.Publisher(tx).Publish(lanes[i%2], msg))
+		require.NoError(t, e.tr.Publisher(tx).Publish(lanes[i%len(lanes)], msg))
 	}
 	require.NoError(t, tx.Commit())
 	deadline := time.Now().Add(60 * time.Second)
@@ -324,7 +324,9 @@ func TestConcurrentChargesAcrossLanesNeverOverdraw(t *testing.T) {
 	}
 	assert.Equal(t, int64(0), e.balance(acct))
 	assert.Equal(t, 10, e.count(`SELECT count(*) FROM account_postings WHERE account_id = $1 AND kind = 'charge'`, acct))
-	assert.Equal(t, 20, e.count(`SELECT count(DISTINCT metadata->>'idempotency_key') FROM `+e.tr.MessagesTable(e.replies)+
+	assert.Equal(t, 10, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE account_id = $1 AND op = 'charge' AND outcome = 'succeeded'`, acct),
+		"the gateway charged exactly what the ledger holds: no batch called it on a stale balance")
+	assert.Equal(t, 35, e.count(`SELECT count(DISTINCT metadata->>'idempotency_key') FROM `+e.tr.MessagesTable(e.replies)+
 		` WHERE metadata->>'idempotency_key' LIKE $1 AND metadata->>'outcome' = 'failed'`, "lane-"+acct+"-%"))
 }
 
@@ -338,11 +340,24 @@ func TestGatewayDecline(t *testing.T) {
 	r := e.execute(e.svc.ChargeStep(), charge(order, acct, 100), key)
 	assert.Equal(t, steps.OutcomeFailed, r.env.Outcome)
 	assert.Equal(t, payments.ReasonDeclined, r.payload["reason"])
-	assert.Equal(t, int64(1000), e.balance(acct), "nothing posted")
+	assert.Equal(t, int64(1000), e.balance(acct), "the reserved charge was given back")
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM account_postings WHERE order_id = $1 AND kind = 'charge'`, order))
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM account_postings WHERE order_id = $1 AND kind = 'void'`, order))
 	op, _, err := e.gw.Operation(context.Background(), key)
 	require.NoError(t, err)
 	assert.Equal(t, "declined", op.Outcome)
 	assert.Equal(t, 1, op.Calls)
+
+	// A re-sent command replays the decline without calling the gateway.
+	r = e.execute(e.svc.ChargeStep(), charge(order, acct, 100), key)
+	assert.Equal(t, payments.ReasonDeclined, r.payload["reason"])
+	op, _, _ = e.gw.Operation(context.Background(), key)
+	assert.Equal(t, 1, op.Calls)
+
+	// Refunding a declined order refunds nothing.
+	r = e.execute(e.svc.RefundStep(), payments.RefundPayment{OrderID: order, AccountID: acct}, "refund-"+key)
+	assert.EqualValues(t, 0, r.payload["amount_cents"])
+	assert.Equal(t, int64(1000), e.balance(acct))
 }
 
 // The gateway charged but the answer was lost (a client timeout): the step
