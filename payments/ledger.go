@@ -188,11 +188,19 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 }
 
 // refund returns what was captured for an order, once. An order never
-// charged, voided, or of an unknown account is a no-op success.
+// charged, voided, or of an unknown account is a no-op success. A charge
+// still reserved (its gateway call never resolved) is finished first, with
+// its own key, so the gateway's answer decides: captured, then refunded, or
+// declined and voided.
 func (s *Service) refund(ctx context.Context, tx *steps.Tx, cmd RefundPayment) (steps.Message, error) {
 	nothing := PaymentRefunded{OrderID: cmd.OrderID}
 	if cmd.OrderID == uuid.Nil || !accountIDPattern.MatchString(cmd.AccountID) {
 		return nothing, nil
+	}
+	// Before the account is locked here: finishing the charge locks it in
+	// transactions of its own.
+	if err := s.finishReservedCharge(ctx, cmd); err != nil {
+		return nil, err
 	}
 	version, err := lockAccount(ctx, tx, s.cfg.Events, cmd.AccountID)
 	if errors.Is(err, ErrUnknownAccount) {
@@ -209,8 +217,7 @@ func (s *Service) refund(ctx context.Context, tx *steps.Tx, cmd RefundPayment) (
 		return nothing, err
 	}
 	if chargeID == "" {
-		// Reserved but not yet captured: the charge is still in flight.
-		return nil, fmt.Errorf("payments: refunding %s: its charge is not captured yet", cmd.OrderID)
+		return nil, fmt.Errorf("payments: refunding %s: its charge is still being captured", cmd.OrderID)
 	}
 	amount := -charged
 	if refunded, refundID, _, found, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "refund"); err != nil || found {
@@ -228,6 +235,26 @@ func (s *Service) refund(ctx context.Context, tx *steps.Tx, cmd RefundPayment) (
 		return nil, fmt.Errorf("payments: posting refund of %s: %w", cmd.OrderID, err)
 	}
 	return PaymentRefunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: refundID}, nil
+}
+
+// finishReservedCharge resolves a charge of the order that was reserved but
+// never captured nor voided, by running its gateway call to the end under
+// the charge's own key.
+func (s *Service) finishReservedCharge(ctx context.Context, cmd RefundPayment) error {
+	charged, ref, key, found, err := orderPosting(ctx, s.cfg.DB, cmd.AccountID, cmd.OrderID, "charge")
+	if err != nil || !found || ref != "" {
+		return err
+	}
+	if _, _, _, voided, err := orderPosting(ctx, s.cfg.DB, cmd.AccountID, cmd.OrderID, "void"); err != nil || voided {
+		return err
+	}
+	s.cfg.Logger.Info("finishing a reserved charge before refunding it", "order", cmd.OrderID, "charge_key", key)
+	_, err = s.chargeOnce(ctx, key, ChargePayment{OrderID: cmd.OrderID, AccountID: cmd.AccountID, AmountCents: -charged})
+	var ref2 *refusal
+	if errors.As(err, &ref2) {
+		return nil // declined and voided: nothing to refund
+	}
+	return err
 }
 
 // refundOnce runs the gateway refund of key at most once. The refund's

@@ -447,3 +447,34 @@ func TestNewValidatesConfig(t *testing.T) {
 	_, err = payments.New(payments.Config{DB: e.db.SQL, Events: es, Idempotency: e.store, Gateway: &payments.GatewayClient{}, GatewayLease: time.Second})
 	require.ErrorContains(t, err, "must exceed")
 }
+
+// A charge whose gateway call never resolved (every attempt got a 503, the
+// command was dead-lettered) leaves its money reserved. The saga's
+// compensation, a refund, finishes the charge with its own key first, then
+// refunds it: the gateway and the ledger agree, and the money is back.
+func TestRefundFinishesReservedCharge(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	acct := e.account(1000)
+	order := uuid.New()
+	key := "k-" + order.String()
+	plan := make([]fakegateway.Fault, 6) // the step's six attempts
+	for i := range plan {
+		plan[i] = fakegateway.Unavailable
+	}
+	e.plan(key, plan...)
+	msg, err := steps.NewMessage(charge(order, acct, 300), steps.Envelope{Key: key, ReplyTo: e.replies})
+	require.NoError(t, err)
+	err = e.rt.Execute(context.Background(), e.svc.ChargeStep(), msg)
+	require.ErrorIs(t, err, transport.ErrDeadLettered)
+	assert.Equal(t, int64(700), e.balance(acct), "the charge is reserved")
+	assert.Equal(t, 0, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE key = $1`, key), "nothing charged yet")
+
+	r := e.execute(e.svc.RefundStep(), payments.RefundPayment{OrderID: order, AccountID: acct}, "refund-"+key)
+	require.Equal(t, steps.OutcomeOK, r.env.Outcome)
+	assert.EqualValues(t, 300, r.payload["amount_cents"])
+	assert.Equal(t, int64(1000), e.balance(acct))
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE key = $1 AND op = 'charge' AND outcome = 'succeeded'`, key))
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE key = $1 AND op = 'refund'`, "refund-"+key))
+	assert.Equal(t, 0, e.count(`SELECT count(*) FROM idempotency_keys WHERE status = 'pending' AND key IN ($1, $2)`, key, "refund-"+key))
+}

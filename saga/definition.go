@@ -1,0 +1,259 @@
+// Package saga is pgsaga's orchestrator: saga definitions (ordered steps,
+// each an action and an optional compensation), saga instances in
+// saga_instances, the engine that reacts to triggers and replies,
+// compensation in reverse order, deadlines and recovery of stuck sagas, and
+// inspection and operator actions.
+//
+// Every reaction of the engine is one transaction: the instance's update, its
+// timeline, the next command (published through the outbox) and the
+// consumer's offset. Commands carry keys derived from the saga and the step,
+// never from the attempt, so a re-sent command is deduplicated by the
+// participant, and a duplicate or late reply changes nothing.
+package saga
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// Spec describes a saga over data of type D.
+type Spec[D any] struct {
+	// Name is the saga type, e.g. "order-payment". Required.
+	Name string
+	// Version of the definition, recorded on every instance it starts.
+	// Change it when a change to the steps would confuse instances already
+	// running; keep registering the old version until they finish.
+	// Default: 1.
+	Version int
+	// Trigger starts instances. Required.
+	Trigger Trigger[D]
+	// Steps, in order. Required.
+	Steps []Step[D]
+	// ReplyTopic is where participants answer. Default: "saga.<Name>.replies".
+	ReplyTopic string
+}
+
+// Trigger starts an instance from a message, at most once per key.
+type Trigger[D any] struct {
+	// Topic of the trigger messages. Required.
+	Topic string
+	// Start decodes a trigger into the instance's key (one instance per
+	// key, ever) and initial data. An error is permanent: the message is
+	// dead-lettered.
+	Start func(msg *message.Message) (key string, data D, err error)
+}
+
+// Step is one step of a saga.
+type Step[D any] struct {
+	// Name of the step, unique in the saga. Required.
+	Name string
+	// Action is the command that does the step. Nil means the trigger
+	// already did it: the step is complete from the start, and only its
+	// compensation matters.
+	Action *Command[D]
+	// Compensation undoes the step if a later step fails. Optional.
+	Compensation *Command[D]
+	// Deadline is how long to wait for a reply before sending the command
+	// again (with the same key). Default: 30s.
+	Deadline time.Duration
+	// MaxAttempts is how many times a command is sent without an answer
+	// before the engine gives up on it: an action is then treated as failed
+	// and the saga compensates; a compensation parks the saga as failed.
+	// Default: 3.
+	MaxAttempts int
+}
+
+// Command is a message a step sends to a participant.
+type Command[D any] struct {
+	// Topic the participant consumes. Required.
+	Topic string
+	// Build makes the command from the saga's data. Required.
+	Build func(data D) steps.Message
+	// OnReply updates the data from a successful reply. Optional.
+	OnReply func(data *D, reply *message.Message) error
+}
+
+// Definition is a Spec ready for an Engine: build it with Define.
+type Definition struct {
+	Name       string
+	Version    int
+	ReplyTopic string
+	Trigger    string // the trigger's topic
+
+	start func(msg *message.Message) (key string, data json.RawMessage, err error)
+	steps []stepDef
+}
+
+type stepDef struct {
+	name         string
+	action       *commandDef
+	compensation *commandDef
+	deadline     time.Duration
+	maxAttempts  int
+}
+
+type commandDef struct {
+	topic   string
+	build   func(data json.RawMessage) (steps.Message, error)
+	onReply func(data json.RawMessage, reply *message.Message) (json.RawMessage, error)
+}
+
+// Define validates spec and builds a Definition.
+func Define[D any](spec Spec[D]) (*Definition, error) {
+	if spec.Name == "" {
+		return nil, errors.New("saga: Spec.Name is required")
+	}
+	if spec.Version == 0 {
+		spec.Version = 1
+	}
+	if spec.Version < 0 {
+		return nil, fmt.Errorf("saga %s: Version must be positive", spec.Name)
+	}
+	if spec.ReplyTopic == "" {
+		spec.ReplyTopic = "saga." + spec.Name + ".replies"
+	}
+	if err := transport.ValidateTopic(spec.ReplyTopic); err != nil {
+		return nil, fmt.Errorf("saga %s: reply topic: %w", spec.Name, err)
+	}
+	if err := transport.ValidateConsumerGroup("saga." + spec.Name + ".replies"); err != nil {
+		return nil, fmt.Errorf("saga %s: name: %w", spec.Name, err)
+	}
+	if spec.Trigger.Start == nil {
+		return nil, fmt.Errorf("saga %s: Trigger.Start is required", spec.Name)
+	}
+	if err := transport.ValidateTopic(spec.Trigger.Topic); err != nil {
+		return nil, fmt.Errorf("saga %s: trigger topic: %w", spec.Name, err)
+	}
+	if len(spec.Steps) == 0 {
+		return nil, fmt.Errorf("saga %s: no steps", spec.Name)
+	}
+	d := &Definition{Name: spec.Name, Version: spec.Version, ReplyTopic: spec.ReplyTopic, Trigger: spec.Trigger.Topic}
+	d.start = func(msg *message.Message) (string, json.RawMessage, error) {
+		key, data, err := spec.Trigger.Start(msg)
+		if err != nil {
+			return "", nil, err
+		}
+		if key == "" {
+			return "", nil, errors.New("saga: trigger gave an empty key")
+		}
+		raw, err := json.Marshal(data)
+		return key, raw, err
+	}
+	seen := map[string]bool{}
+	actions := 0
+	for i, s := range spec.Steps {
+		if s.Name == "" || seen[s.Name] {
+			return nil, fmt.Errorf("saga %s: step %d needs a unique name", spec.Name, i)
+		}
+		seen[s.Name] = true
+		if s.Deadline == 0 {
+			s.Deadline = 30 * time.Second
+		}
+		if s.MaxAttempts == 0 {
+			s.MaxAttempts = 3
+		}
+		if s.Deadline < 0 || s.MaxAttempts < 1 {
+			return nil, fmt.Errorf("saga %s: step %s: Deadline and MaxAttempts must be positive", spec.Name, s.Name)
+		}
+		sd := stepDef{name: s.Name, deadline: s.Deadline, maxAttempts: s.MaxAttempts}
+		var err error
+		if sd.action, err = compileCommand(s.Action); err != nil {
+			return nil, fmt.Errorf("saga %s: step %s: action: %w", spec.Name, s.Name, err)
+		}
+		if sd.compensation, err = compileCommand(s.Compensation); err != nil {
+			return nil, fmt.Errorf("saga %s: step %s: compensation: %w", spec.Name, s.Name, err)
+		}
+		if sd.action != nil {
+			actions++
+		}
+		d.steps = append(d.steps, sd)
+	}
+	if actions == 0 {
+		return nil, fmt.Errorf("saga %s: no step has an action", spec.Name)
+	}
+	return d, nil
+}
+
+// MustDefine is Define that panics, for package-level definitions.
+func MustDefine[D any](spec Spec[D]) *Definition {
+	d, err := Define(spec)
+	if err != nil {
+		panic(err)
+	}
+	return d
+}
+
+func compileCommand[D any](c *Command[D]) (*commandDef, error) {
+	if c == nil {
+		return nil, nil
+	}
+	if c.Build == nil {
+		return nil, errors.New("Build is required")
+	}
+	if err := transport.ValidateTopic(c.Topic); err != nil {
+		return nil, err
+	}
+	cd := &commandDef{topic: c.Topic}
+	cd.build = func(raw json.RawMessage) (steps.Message, error) {
+		var data D
+		if err := json.Unmarshal(raw, &data); err != nil {
+			return nil, fmt.Errorf("decoding saga data: %w", err)
+		}
+		m := c.Build(data)
+		if m == nil {
+			return nil, errors.New("Build returned no command")
+		}
+		return m, nil
+	}
+	if c.OnReply != nil {
+		cd.onReply = func(raw json.RawMessage, reply *message.Message) (json.RawMessage, error) {
+			var data D
+			if err := json.Unmarshal(raw, &data); err != nil {
+				return nil, fmt.Errorf("decoding saga data: %w", err)
+			}
+			if err := c.OnReply(&data, reply); err != nil {
+				return nil, err
+			}
+			return json.Marshal(data)
+		}
+	}
+	return cd, nil
+}
+
+// StepNames lists the definition's steps in order.
+func (d *Definition) StepNames() []string {
+	out := make([]string, len(d.steps))
+	for i, s := range d.steps {
+		out[i] = s.name
+	}
+	return out
+}
+
+// Topics lists every topic the definition uses: trigger, replies, commands.
+func (d *Definition) Topics() []string {
+	seen := map[string]bool{}
+	var out []string
+	add := func(t string) {
+		if !seen[t] {
+			seen[t] = true
+			out = append(out, t)
+		}
+	}
+	add(d.Trigger)
+	add(d.ReplyTopic)
+	for _, s := range d.steps {
+		for _, c := range []*commandDef{s.action, s.compensation} {
+			if c != nil {
+				add(c.topic)
+			}
+		}
+	}
+	return out
+}

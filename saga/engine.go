@@ -1,0 +1,478 @@
+package saga
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// Status of an instance, as stored in saga_instances.status.
+type Status string
+
+// Statuses. The last three are terminal.
+const (
+	StatusRunning      Status = "running"
+	StatusCompensating Status = "compensating"
+	StatusCompleted    Status = "completed"
+	StatusCompensated  Status = "compensated"
+	StatusFailed       Status = "failed"
+)
+
+// Terminal reports whether nothing more will happen to an instance in s.
+func (s Status) Terminal() bool {
+	return s == StatusCompleted || s == StatusCompensated || s == StatusFailed
+}
+
+// Phase says whether a step's action or its compensation is in flight.
+type Phase string
+
+// Phases.
+const (
+	PhaseAction       Phase = "action"
+	PhaseCompensation Phase = "compensation"
+)
+
+// Errors callers can branch on.
+var (
+	ErrNotFound          = errors.New("saga: instance not found")
+	ErrUnknownDefinition = errors.New("saga: definition not known to this process")
+	ErrNotRetryable      = errors.New("saga: instance cannot be retried")
+	ErrConcurrentChange  = errors.New("saga: instance changed concurrently")
+)
+
+// Config configures an Engine.
+type Config struct {
+	// DB is required (the sweeper and the operator API open their own
+	// transactions).
+	DB *sql.DB
+	// Transport publishes commands through the reaction's transaction.
+	// Required.
+	Transport *transport.Transport
+	// Retry is the policy of the engine's handlers. Default: the
+	// transport's, with DeadLetterTopic set to steps.DefaultDeadLetterTopic
+	// if empty (a trigger or reply the engine cannot use goes there, with the
+	// reason).
+	Retry *transport.RetryPolicy
+	// SweepInterval is how often RunSweeper looks for overdue commands.
+	// Default: 1s.
+	SweepInterval time.Duration
+	// SweepBatch bounds the instances one sweep handles. Default: 100.
+	SweepBatch int
+	// Logger. Default: slog.Default().
+	Logger *slog.Logger
+}
+
+// Engine drives saga instances.
+type Engine struct {
+	cfg   Config
+	log   *slog.Logger
+	retry transport.RetryPolicy
+
+	mu     sync.RWMutex
+	defs   map[string]map[int]*Definition // name → version → definition
+	latest map[string]*Definition
+}
+
+// NewEngine validates cfg and returns an Engine.
+func NewEngine(cfg Config) (*Engine, error) {
+	if cfg.DB == nil || cfg.Transport == nil {
+		return nil, errors.New("saga: Config.DB and Config.Transport are required")
+	}
+	if cfg.SweepInterval == 0 {
+		cfg.SweepInterval = time.Second
+	}
+	if cfg.SweepBatch == 0 {
+		cfg.SweepBatch = 100
+	}
+	if cfg.SweepInterval < 0 || cfg.SweepBatch < 0 {
+		return nil, errors.New("saga: SweepInterval and SweepBatch must be positive")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	retry := cfg.Transport.Config().Retry
+	if cfg.Retry != nil {
+		retry = *cfg.Retry
+	}
+	if retry.DeadLetterTopic == "" {
+		retry.DeadLetterTopic = steps.DefaultDeadLetterTopic
+	}
+	return &Engine{cfg: cfg, log: cfg.Logger, retry: retry, defs: map[string]map[int]*Definition{}, latest: map[string]*Definition{}}, nil
+}
+
+// Register adds a definition. Several versions of one saga may be registered:
+// new instances start with the highest, running ones continue with theirs.
+func (e *Engine) Register(d *Definition) error {
+	if d == nil || d.start == nil {
+		return errors.New("saga: register a definition built with Define")
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.defs[d.Name] == nil {
+		e.defs[d.Name] = map[int]*Definition{}
+	}
+	if _, dup := e.defs[d.Name][d.Version]; dup {
+		return fmt.Errorf("saga: %s version %d is already registered", d.Name, d.Version)
+	}
+	if l := e.latest[d.Name]; l != nil && (l.Trigger != d.Trigger || l.ReplyTopic != d.ReplyTopic) {
+		return fmt.Errorf("saga: versions of %s must share the trigger and reply topics", d.Name)
+	}
+	e.defs[d.Name][d.Version] = d
+	if l := e.latest[d.Name]; l == nil || d.Version > l.Version {
+		e.latest[d.Name] = d
+	}
+	return nil
+}
+
+func (e *Engine) definition(name string, version int) (*Definition, bool) {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	d, ok := e.defs[name][version]
+	return d, ok
+}
+
+// Topics lists the topics of every registered definition.
+func (e *Engine) Topics() []string {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	seen := map[string]bool{e.retry.DeadLetterTopic: true}
+	out := []string{e.retry.DeadLetterTopic}
+	for _, vs := range e.defs {
+		for _, d := range vs {
+			for _, t := range d.Topics() {
+				if !seen[t] {
+					seen[t] = true
+					out = append(out, t)
+				}
+			}
+		}
+	}
+	return out
+}
+
+// AddHandlers subscribes the engine to the trigger and reply topics of every
+// registered saga on r.
+func (e *Engine) AddHandlers(r *transport.Router) error {
+	e.mu.RLock()
+	latest := make([]*Definition, 0, len(e.latest))
+	for _, d := range e.latest {
+		latest = append(latest, d)
+	}
+	e.mu.RUnlock()
+	for _, d := range latest {
+		name := d.Name
+		if err := r.AddHandler("saga."+name+".trigger", d.Trigger, "", func(msg *message.Message) error {
+			return e.HandleTrigger(name, msg)
+		}, transport.WithRetry(e.retry)); err != nil {
+			return err
+		}
+		if err := r.AddHandler("saga."+name+".replies", d.ReplyTopic, "", e.HandleReply, transport.WithRetry(e.retry)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// ID is the instance id of saga name started by key: one instance per key.
+func ID(name, key string) uuid.UUID {
+	return uuid.NewSHA1(idSpace, []byte(name+"\x00"+key))
+}
+
+var idSpace = uuid.MustParse("4f0c2c2e-4a8b-4f4e-9d2a-7067736167a1")
+
+// instance is a saga_instances row being worked on.
+type instance struct {
+	ID            uuid.UUID
+	Type          string
+	DefVersion    int
+	Status        Status
+	Data          json.RawMessage
+	Step          int
+	Phase         Phase
+	Attempt       int
+	Generation    int
+	Version       int
+	CorrelationID string
+	FailureReason string
+	DeadlineAt    *time.Time
+	CreatedAt     time.Time
+	UpdatedAt     time.Time
+	FinishedAt    *time.Time
+
+	history []historyEntry   // to write
+	outbox  []pendingCommand // to publish
+}
+
+type historyEntry struct {
+	Kind      string
+	Step      string
+	Phase     Phase
+	Attempt   int
+	MessageID string
+	Detail    string
+}
+
+type pendingCommand struct {
+	topic string
+	msg   *message.Message
+}
+
+// HandleTrigger starts an instance of saga name from a trigger message, in
+// the message's transaction. A second trigger with the same key does nothing.
+func (e *Engine) HandleTrigger(name string, msg *message.Message) error {
+	ctx := msg.Context()
+	tx, ok := transport.TxFromContext(ctx)
+	if !ok {
+		return errors.New("saga: trigger needs a transaction in the message context")
+	}
+	e.mu.RLock()
+	def := e.latest[name]
+	e.mu.RUnlock()
+	if def == nil {
+		return transport.Permanent(fmt.Errorf("%w: %s", ErrUnknownDefinition, name))
+	}
+	key, data, err := def.start(msg)
+	if err != nil {
+		return transport.Permanent(fmt.Errorf("saga %s: bad trigger %s: %w", name, msg.UUID, err))
+	}
+	env := steps.EnvelopeOf(msg)
+	inst := &instance{
+		ID: ID(name, key), Type: name, DefVersion: def.Version, Status: StatusRunning, Data: data,
+		Step: -1, Phase: PhaseAction, Version: 1, CorrelationID: env.CorrelationID,
+	}
+	if inst.CorrelationID == "" {
+		inst.CorrelationID = inst.ID.String()
+	}
+	inst.note("started", -1, def, msg.UUID, "trigger "+key)
+	if err := e.advance(inst, def, msg.UUID); err != nil {
+		return transport.Permanent(err)
+	}
+	inserted, err := insertInstance(ctx, tx, inst)
+	if err != nil {
+		return err
+	}
+	if !inserted {
+		e.log.Debug("saga already started; trigger ignored", "saga", name, "id", inst.ID, "message_uuid", msg.UUID)
+		return nil
+	}
+	return e.flush(ctx, tx, inst)
+}
+
+// HandleReply applies a participant's reply to its instance, in the
+// message's transaction: it advances the saga, or starts or continues its
+// compensation. A reply that is not for the command in flight (a duplicate,
+// a late answer to a re-sent command, an answer after the saga moved on)
+// changes nothing. A reply for an unknown saga, or for an instance of a
+// definition version this process does not know, is dead-lettered with the
+// reason.
+func (e *Engine) HandleReply(msg *message.Message) error {
+	ctx := msg.Context()
+	tx, ok := transport.TxFromContext(ctx)
+	if !ok {
+		return errors.New("saga: reply needs a transaction in the message context")
+	}
+	env := steps.EnvelopeOf(msg)
+	id, err := uuid.Parse(env.SagaID)
+	if err != nil {
+		return transport.Permanent(fmt.Errorf("saga: reply %s names no saga (saga_id %q)", msg.UUID, env.SagaID))
+	}
+	inst, err := loadInstance(ctx, tx, id, true)
+	if errors.Is(err, ErrNotFound) {
+		return transport.Permanent(fmt.Errorf("saga: reply %s for unknown saga %s", msg.UUID, id))
+	}
+	if err != nil {
+		return err
+	}
+	def, ok := e.definition(inst.Type, inst.DefVersion)
+	if !ok {
+		return transport.Permanent(fmt.Errorf("%w: reply %s for saga %s of %s version %d", ErrUnknownDefinition, msg.UUID, id, inst.Type, inst.DefVersion))
+	}
+	if inst.Status.Terminal() || inst.Step < 0 || env.Key != inst.key(def) {
+		e.log.Debug("reply is not for the command in flight; ignored", "saga", id, "key", env.Key, "message_uuid", msg.UUID)
+		return nil
+	}
+	step := def.steps[inst.Step]
+	switch env.Outcome {
+	case steps.OutcomeOK:
+		inst.note("reply_ok", inst.Step, def, msg.UUID, env.Type)
+		if inst.Phase == PhaseAction {
+			if step.action.onReply != nil {
+				data, err := step.action.onReply(inst.Data, msg)
+				if err != nil {
+					return transport.Permanent(fmt.Errorf("saga %s: step %s: reading reply %s: %w", id, step.name, msg.UUID, err))
+				}
+				inst.Data = data
+			}
+			err = e.advance(inst, def, msg.UUID)
+		} else {
+			err = e.compensate(inst, def, inst.Step, msg.UUID)
+		}
+	case steps.OutcomeFailed:
+		inst.note("reply_failed", inst.Step, def, msg.UUID, env.Reason)
+		if inst.Phase == PhaseAction {
+			inst.FailureReason = step.name + ": " + env.Reason
+			err = e.compensate(inst, def, inst.Step, msg.UUID)
+		} else {
+			e.park(inst, def, fmt.Sprintf("compensation of %s failed: %s", step.name, env.Reason))
+		}
+	default:
+		return transport.Permanent(fmt.Errorf("saga %s: reply %s has no outcome", id, msg.UUID))
+	}
+	if err != nil {
+		return transport.Permanent(err)
+	}
+	return e.save(ctx, tx, inst)
+}
+
+// key is the idempotency key of the instance's in-flight command.
+func (inst *instance) key(def *Definition) string {
+	return CommandKey(inst.ID, def.steps[inst.Step].name, inst.Phase, inst.Generation)
+}
+
+// CommandKey is the idempotency key of a saga's command: derived from the
+// saga, the step and the phase, never from the attempt. An operator retry
+// (generation > 0) gets a fresh key, so a command whose failure was stored
+// can be sent again.
+func CommandKey(id uuid.UUID, step string, phase Phase, generation int) string {
+	k := id.String() + ":" + step + ":" + string(phase)
+	if generation > 0 {
+		k += "#" + strconv.Itoa(generation)
+	}
+	return k
+}
+
+// advance moves past the current step to the next one with an action and
+// sends it, or completes the saga.
+func (e *Engine) advance(inst *instance, def *Definition, cause string) error {
+	for i := inst.Step + 1; i < len(def.steps); i++ {
+		if def.steps[i].action == nil {
+			continue // done by the trigger
+		}
+		inst.Step, inst.Phase, inst.Attempt = i, PhaseAction, 0
+		return e.send(inst, def, cause)
+	}
+	e.finish(inst, StatusCompleted, "")
+	inst.note("completed", -1, def, cause, "")
+	return nil
+}
+
+// compensate undoes the steps before step `from`, last first: it sends the
+// next compensation, or ends the saga compensated.
+func (e *Engine) compensate(inst *instance, def *Definition, from int, cause string) error {
+	inst.Status = StatusCompensating
+	for i := from - 1; i >= 0; i-- {
+		if def.steps[i].compensation == nil {
+			continue
+		}
+		inst.Step, inst.Phase, inst.Attempt = i, PhaseCompensation, 0
+		return e.send(inst, def, cause)
+	}
+	e.finish(inst, StatusCompensated, "")
+	inst.note("compensated", -1, def, cause, inst.FailureReason)
+	return nil
+}
+
+// park ends the saga as failed: a compensation could not be done. The
+// reason follows the original failure's, after parkSeparator.
+func (e *Engine) park(inst *instance, def *Definition, reason string) {
+	if inst.FailureReason != "" {
+		reason = inst.FailureReason + parkSeparator + reason
+	}
+	e.finish(inst, StatusFailed, reason)
+	inst.note("failed", inst.Step, def, "", reason)
+}
+
+const parkSeparator = "; then "
+
+func (e *Engine) finish(inst *instance, status Status, reason string) {
+	inst.Status = status
+	if reason != "" {
+		inst.FailureReason = reason
+	}
+	inst.DeadlineAt = nil
+	now := time.Now()
+	inst.FinishedAt = &now
+}
+
+// send queues the in-flight command (again, on a re-send) and sets its
+// deadline.
+func (e *Engine) send(inst *instance, def *Definition, cause string) error {
+	step := def.steps[inst.Step]
+	cmd := step.action
+	if inst.Phase == PhaseCompensation {
+		cmd = step.compensation
+	}
+	payload, err := cmd.build(inst.Data)
+	if err != nil {
+		return fmt.Errorf("saga %s: step %s: building its %s: %w", inst.ID, step.name, inst.Phase, err)
+	}
+	inst.Attempt++
+	key := inst.key(def)
+	msg, err := steps.NewMessage(payload, steps.Envelope{
+		ID:            uuid.NewSHA1(idSpace, []byte(key+"#attempt"+strconv.Itoa(inst.Attempt))).String(),
+		CorrelationID: inst.CorrelationID,
+		CausationID:   cause,
+		SagaID:        inst.ID.String(),
+		Step:          step.name,
+		Key:           key,
+		ReplyTo:       def.ReplyTopic,
+	})
+	if err != nil {
+		return err
+	}
+	inst.outbox = append(inst.outbox, pendingCommand{topic: cmd.topic, msg: msg})
+	deadline := time.Now().Add(step.deadline)
+	inst.DeadlineAt = &deadline
+	kind := "sent"
+	if inst.Attempt > 1 {
+		kind = "resent"
+	}
+	inst.note(kind, inst.Step, def, msg.UUID, payload.MessageType())
+	return nil
+}
+
+func (inst *instance) note(kind string, step int, def *Definition, msgID, detail string) {
+	h := historyEntry{Kind: kind, MessageID: msgID, Detail: detail}
+	if step >= 0 {
+		h.Step, h.Phase, h.Attempt = def.steps[step].name, inst.Phase, inst.Attempt
+	}
+	inst.history = append(inst.history, h)
+}
+
+// save writes an existing instance's new state, its timeline and its
+// commands in tx.
+func (e *Engine) save(ctx context.Context, tx transport.Tx, inst *instance) error {
+	if err := updateInstance(ctx, tx, inst); err != nil {
+		return err
+	}
+	return e.flush(ctx, tx, inst)
+}
+
+// flush writes the queued timeline entries and publishes the queued
+// commands in tx.
+func (e *Engine) flush(ctx context.Context, tx transport.Tx, inst *instance) error {
+	if err := appendHistory(ctx, tx, inst.ID, inst.history); err != nil {
+		return err
+	}
+	inst.history = nil
+	pub := e.cfg.Transport.Publisher(tx)
+	for _, c := range inst.outbox {
+		if err := pub.Publish(c.topic, c.msg); err != nil {
+			return fmt.Errorf("saga %s: sending %s: %w", inst.ID, c.topic, err)
+		}
+	}
+	inst.outbox = nil
+	return nil
+}

@@ -1,0 +1,532 @@
+package saga_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+func logger() *slog.Logger {
+	if os.Getenv("PGSAGA_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+// The test saga: trip = book (action/cancel) then pay (action/refund).
+
+type started struct {
+	Trip string `json:"trip"`
+}
+
+func (started) MessageType() string { return "test.TripRequested" }
+
+type tripCmd struct {
+	Trip string `json:"trip"`
+	Op   string `json:"op"`
+}
+
+func (tripCmd) MessageType() string { return "test.TripCommand" }
+
+type tripReply struct {
+	Op string `json:"op"`
+}
+
+func (tripReply) MessageType() string { return "test.TripReply" }
+
+type tripData struct {
+	Trip   string `json:"trip"`
+	Booked string `json:"booked,omitempty"`
+}
+
+// behaviour of a participant for one op.
+type behaviour int
+
+const (
+	succeed   behaviour = iota
+	refuse              // business failure
+	breakDown           // transient error, every time
+)
+
+type env struct {
+	t      *testing.T
+	db     *testdb.DB
+	tr     *transport.Transport
+	rt     *steps.Runtime
+	engine *saga.Engine
+	def    *saga.Definition
+	id     string
+	topics map[string]string // op → topic
+
+	mu    sync.Mutex
+	plan  map[string]behaviour // op → behaviour
+	calls map[string]int       // op → handler runs
+}
+
+type options struct {
+	deadline    time.Duration
+	maxAttempts int
+	silent      []string // ops without a participant: they never answer
+}
+
+func newEnv(t *testing.T, o options) *env {
+	t.Helper()
+	if o.deadline == 0 {
+		o.deadline = 10 * time.Second
+	}
+	db := testdb.Shared(t)
+	id := uuid.NewString()[:8]
+	e := &env{t: t, db: db, id: id, plan: map[string]behaviour{}, calls: map[string]int{}, topics: map[string]string{}}
+	for _, op := range []string{"book", "cancel", "pay", "refund"} {
+		e.topics[op] = op + "_" + id
+	}
+	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: logger(), PollInterval: 20 * time.Millisecond,
+		Retry: transport.RetryPolicy{MaxAttempts: 2, InitialBackoff: 5 * time.Millisecond}})
+	require.NoError(t, err)
+	store, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})
+	require.NoError(t, err)
+	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Logger: logger()})
+	require.NoError(t, err)
+	engine, err := saga.NewEngine(saga.Config{DB: db.SQL, Transport: tr, Logger: logger(), SweepInterval: 20 * time.Millisecond})
+	require.NoError(t, err)
+	cmd := func(op string) *saga.Command[tripData] {
+		return &saga.Command[tripData]{Topic: e.topics[op], Build: func(d tripData) steps.Message { return tripCmd{Trip: d.Trip, Op: op} }}
+	}
+	book := cmd("book")
+	book.OnReply = func(d *tripData, reply *message.Message) error {
+		d.Booked = reply.UUID
+		return nil
+	}
+	def, err := saga.Define(saga.Spec[tripData]{
+		Name: "trip-" + id,
+		Trigger: saga.Trigger[tripData]{Topic: "trips_" + id, Start: func(msg *message.Message) (string, tripData, error) {
+			s, err := steps.Decode[started](msg)
+			return s.Trip, tripData{Trip: s.Trip}, err
+		}},
+		Steps: []saga.Step[tripData]{
+			{Name: "book", Action: book, Compensation: cmd("cancel"), Deadline: o.deadline, MaxAttempts: o.maxAttempts},
+			{Name: "pay", Action: cmd("pay"), Compensation: cmd("refund"), Deadline: o.deadline, MaxAttempts: o.maxAttempts},
+		},
+	})
+	require.NoError(t, err)
+	require.NoError(t, engine.Register(def))
+	e.tr, e.rt, e.engine, e.def = tr, rt, engine, def
+	require.NoError(t, tr.CreateTopics(context.Background(), append(def.Topics(), rt.DeadLetterTopic())...))
+
+	r, err := tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, engine.AddHandlers(r))
+	silent := map[string]bool{}
+	for _, op := range o.silent {
+		silent[op] = true
+	}
+	for op, topic := range e.topics {
+		if silent[op] {
+			continue
+		}
+		require.NoError(t, rt.Register(r, steps.Define("participant-"+op+"-"+id, topic, e.participant(op))))
+	}
+	done := make(chan error, 1)
+	go func() { done <- r.Run(context.Background()) }()
+	<-r.Running()
+	t.Cleanup(func() { _ = r.Close(); <-done })
+	return e
+}
+
+func (e *env) participant(op string) steps.Handler[tripCmd] {
+	return func(ctx context.Context, tx *steps.Tx, cmd tripCmd) (steps.Message, error) {
+		e.mu.Lock()
+		e.calls[op]++
+		b := e.plan[op]
+		e.mu.Unlock()
+		switch b {
+		case refuse:
+			return nil, steps.Fail(tripReply{Op: op}, op+" refused")
+		case breakDown:
+			return nil, fmt.Errorf("%s is broken", op)
+		}
+		return tripReply{Op: op}, nil
+	}
+}
+
+func (e *env) set(op string, b behaviour) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.plan[op] = b
+}
+
+func (e *env) callsOf(op string) int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.calls[op]
+}
+
+// start publishes a trigger and returns the saga's id.
+func (e *env) start(trip string) uuid.UUID {
+	e.t.Helper()
+	msg, err := steps.NewMessage(started{Trip: trip}, steps.Envelope{CorrelationID: "corr-" + trip})
+	require.NoError(e.t, err)
+	require.NoError(e.t, e.tr.Publisher(e.db.SQL).Publish(e.def.Trigger, msg))
+	return saga.ID(e.def.Name, trip)
+}
+
+// wait polls the instance until cond holds.
+func (e *env) wait(id uuid.UUID, what string, cond func(saga.Instance) bool) saga.Instance {
+	e.t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		inst, err := e.engine.Get(context.Background(), id)
+		if err == nil && cond(inst) {
+			return inst
+		}
+		if time.Now().After(deadline) {
+			e.t.Fatalf("saga %s: timed out waiting for %s (last: %+v, err %v)", id, what, inst, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func (e *env) terminal(id uuid.UUID) saga.Instance {
+	return e.wait(id, "a terminal state", func(i saga.Instance) bool { return i.Status.Terminal() })
+}
+
+func kinds(h []saga.HistoryEntry) []string {
+	out := make([]string, len(h))
+	for i, x := range h {
+		out[i] = x.Kind
+		if x.Step != "" {
+			out[i] += ":" + x.Step
+		}
+	}
+	return out
+}
+
+func TestHappyPath(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{})
+	id := e.start("rome")
+	inst := e.terminal(id)
+	assert.Equal(t, saga.StatusCompleted, inst.Status)
+	assert.Equal(t, []string{"started", "sent:book", "reply_ok:book", "sent:pay", "reply_ok:pay", "completed"}, kinds(inst.History))
+	var data tripData
+	require.NoError(t, json.Unmarshal(inst.Data, &data))
+	assert.NotEmpty(t, data.Booked, "OnReply updated the data")
+	assert.Equal(t, "corr-rome", inst.CorrelationID)
+	assert.NotNil(t, inst.FinishedAt)
+	assert.Nil(t, inst.DeadlineAt)
+	assert.Equal(t, 0, e.callsOf("cancel")+e.callsOf("refund"))
+}
+
+// A failure compensates the steps before it, last first.
+func TestFailureCompensatesInReverse(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{})
+	e.set("pay", refuse)
+	inst := e.terminal(e.start("oslo"))
+	assert.Equal(t, saga.StatusCompensated, inst.Status)
+	assert.Equal(t, "pay: pay refused", inst.FailureReason)
+	assert.Equal(t, []string{"started", "sent:book", "reply_ok:book", "sent:pay", "reply_failed:pay", "sent:book", "reply_ok:book", "compensated"}, kinds(inst.History))
+	assert.Equal(t, saga.PhaseCompensation, inst.History[5].Phase)
+	assert.Equal(t, 1, e.callsOf("cancel"))
+	assert.Equal(t, 0, e.callsOf("refund"), "a failed step is not compensated")
+
+	// The first step fails: nothing to compensate.
+	e2 := newEnv(t, options{})
+	e2.set("book", refuse)
+	inst = e2.terminal(e2.start("lima"))
+	assert.Equal(t, saga.StatusCompensated, inst.Status)
+	assert.Equal(t, 0, e2.callsOf("cancel"))
+}
+
+// A second trigger with the same key starts nothing.
+func TestDuplicateTrigger(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{})
+	id := e.start("nice")
+	e.start("nice")
+	e.start("nice")
+	e.terminal(id)
+	var n int
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT count(*) FROM saga_instances WHERE saga_type = $1`, e.def.Name).Scan(&n))
+	assert.Equal(t, 1, n)
+	assert.Equal(t, 1, e.callsOf("book"))
+}
+
+// Duplicate and late replies change nothing: the instance's state, version
+// and timeline stay as they were, and no command is sent.
+func TestDuplicateAndLateRepliesChangeNothing(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{})
+	id := e.start("bonn")
+	inst := e.terminal(id)
+	require.Equal(t, saga.StatusCompleted, inst.Status)
+
+	// Replay every reply the saga received, twice, plus a reply to the
+	// book step claiming failure after the saga moved on.
+	rows, err := e.db.SQL.Query(`SELECT uuid, payload, metadata::text FROM `+e.tr.MessagesTable(e.def.ReplyTopic)+` WHERE metadata->>'saga_id' = $1`, id.String())
+	require.NoError(t, err)
+	var replies []*message.Message
+	for rows.Next() {
+		var u, meta string
+		var payload []byte
+		require.NoError(t, rows.Scan(&u, &payload, &meta))
+		m := message.NewMessage(u, payload)
+		require.NoError(t, json.Unmarshal([]byte(meta), &m.Metadata))
+		replies = append(replies, m, m.Copy())
+	}
+	require.NoError(t, rows.Close())
+	require.Len(t, replies, 4)
+	late := replies[0].Copy()
+	late.UUID = uuid.NewString()
+	late.Metadata.Set(steps.MetaOutcome, steps.OutcomeFailed)
+	replies = append(replies, late)
+	sentBefore := e.commandsSent(id)
+	require.NoError(t, e.tr.Publisher(e.db.SQL).Publish(e.def.ReplyTopic, replies...))
+	e.waitConsumed(e.def.ReplyTopic, "saga."+e.def.Name+".replies")
+
+	after, err := e.engine.Get(context.Background(), id)
+	require.NoError(t, err)
+	assert.Equal(t, inst.Status, after.Status)
+	assert.Equal(t, inst.Version, after.Version, "no update")
+	assert.Equal(t, len(inst.History), len(after.History), "no timeline entry")
+	assert.Equal(t, sentBefore, e.commandsSent(id), "no command")
+}
+
+// A reply for a saga nobody knows is dead-lettered with the reason.
+func TestReplyForUnknownSagaIsDeadLettered(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{})
+	ghost := uuid.New()
+	msg, err := steps.NewMessage(tripReply{Op: "book"}, steps.Envelope{SagaID: ghost.String(), Key: "x", Outcome: steps.OutcomeOK})
+	require.NoError(t, err)
+	require.NoError(t, e.tr.Publisher(e.db.SQL).Publish(e.def.ReplyTopic, msg))
+	var reason string
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		err := e.db.SQL.QueryRow(`SELECT metadata->>'dead_letter_reason' FROM `+e.tr.MessagesTable(e.rt.DeadLetterTopic())+` WHERE uuid = $1`, msg.UUID).Scan(&reason)
+		if err == nil {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "not dead-lettered")
+		time.Sleep(10 * time.Millisecond)
+	}
+	assert.Contains(t, reason, "unknown saga "+ghost.String())
+}
+
+func (e *env) commandsSent(id uuid.UUID) int {
+	n := 0
+	for _, topic := range e.topics {
+		var c int
+		require.NoError(e.t, e.db.SQL.QueryRow(`SELECT count(*) FROM `+e.tr.MessagesTable(topic)+` WHERE metadata->>'saga_id' = $1`, id.String()).Scan(&c))
+		n += c
+	}
+	return n
+}
+
+func (e *env) waitConsumed(topic, group string) {
+	e.t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var total, done int
+		require.NoError(e.t, e.db.SQL.QueryRow(`SELECT count(*) FROM `+e.tr.MessagesTable(topic)).Scan(&total))
+		require.NoError(e.t, e.db.SQL.QueryRow(`SELECT count(*) FROM `+e.tr.MessagesTable(topic)+` m JOIN `+e.tr.OffsetsTable(topic)+` o
+			ON o.consumer_group = $1 WHERE m.transaction_id < o.last_processed_transaction_id
+			OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked)`, group).Scan(&done))
+		if done == total {
+			return
+		}
+		require.True(e.t, time.Now().Before(deadline), "%s not consumed", topic)
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// A participant that never answers: the command is sent again after its
+// deadline, with the same key, then the engine gives up and compensates.
+func TestSilentParticipantIsResentThenCompensated(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{deadline: 50 * time.Millisecond, maxAttempts: 3, silent: []string{"pay"}})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = e.engine.RunSweeper(ctx) }()
+	inst := e.terminal(e.start("kiev"))
+	assert.Equal(t, saga.StatusCompensated, inst.Status)
+	assert.Equal(t, "pay: no reply after 3 attempts", inst.FailureReason)
+	assert.Equal(t, []string{"started", "sent:book", "reply_ok:book", "sent:pay", "deadline:pay", "resent:pay", "deadline:pay", "resent:pay", "gave_up:pay", "sent:book", "reply_ok:book", "compensated"}, kinds(inst.History))
+
+	var keys, ids int
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT count(DISTINCT metadata->>'idempotency_key'), count(DISTINCT uuid) FROM `+e.tr.MessagesTable(e.topics["pay"])).Scan(&keys, &ids))
+	assert.Equal(t, 1, keys, "every re-send carries the same key")
+	assert.Equal(t, 3, ids, "three sends")
+}
+
+// Two sweepers race over many overdue instances: no attempt of any command
+// is ever sent twice.
+func TestTwoSweepersNeverDoubleSend(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{deadline: time.Millisecond, maxAttempts: 1000, silent: []string{"book"}})
+	other, err := saga.NewEngine(saga.Config{DB: testdb.Open(t, e.db.URL, 4).SQL, Transport: e.tr, Logger: logger()})
+	require.NoError(t, err)
+	require.NoError(t, other.Register(e.def))
+	var ids []uuid.UUID
+	for i := range 30 {
+		ids = append(ids, e.start(fmt.Sprintf("trip-%d", i)))
+	}
+	for _, id := range ids {
+		e.wait(id, "the first command", func(i saga.Instance) bool { return i.Attempt >= 1 })
+	}
+	var (
+		wg     sync.WaitGroup
+		resent atomic.Int32
+	)
+	for _, eng := range []*saga.Engine{e.engine, other} {
+		wg.Go(func() {
+			for range 20 {
+				res, err := eng.Sweep(context.Background())
+				assert.NoError(t, err)
+				resent.Add(int32(res.Resent))
+			}
+		})
+	}
+	wg.Wait()
+	var total, distinct int
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT count(*), count(DISTINCT uuid) FROM `+e.tr.MessagesTable(e.topics["book"])).Scan(&total, &distinct))
+	assert.Equal(t, distinct, total, "no send of the same attempt twice")
+	assert.Equal(t, 30+int(resent.Load()), total, "every sweep's re-send, and only those")
+	var sent int
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT count(*) FROM saga_history h JOIN saga_instances s ON s.id = h.saga_id
+		WHERE s.saga_type = $1 AND h.kind IN ('sent', 'resent')`, e.def.Name).Scan(&sent))
+	assert.Equal(t, total, sent, "the timeline records each send once")
+	assert.Greater(t, resent.Load(), int32(30), "both sweepers did work")
+}
+
+// A compensation that keeps failing parks the saga as failed with its
+// cause; once the fault is gone, an operator retry completes it.
+func TestFailingCompensationParksThenOperatorRetry(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{deadline: 50 * time.Millisecond, maxAttempts: 2})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = e.engine.RunSweeper(ctx) }()
+	e.set("pay", refuse)
+	e.set("cancel", breakDown)
+	id := e.start("rio")
+	inst := e.terminal(id)
+	require.Equal(t, saga.StatusFailed, inst.Status)
+	assert.Equal(t, "pay: pay refused; then compensation of book got no reply after 2 attempts", inst.FailureReason)
+	assert.Equal(t, "book", inst.Step)
+	assert.Equal(t, saga.PhaseCompensation, inst.Phase)
+
+	failed, err := e.engine.List(context.Background(), saga.Filter{Statuses: []saga.Status{saga.StatusFailed}, Type: e.def.Name})
+	require.NoError(t, err)
+	require.Len(t, failed, 1)
+	assert.Equal(t, id, failed[0].ID)
+
+	e.set("cancel", succeed)
+	require.NoError(t, e.engine.Retry(context.Background(), id))
+	inst = e.terminal(id)
+	assert.Equal(t, saga.StatusCompensated, inst.Status)
+	assert.Equal(t, "pay: pay refused", inst.FailureReason)
+	assert.Equal(t, 1, inst.Generation)
+	assert.Contains(t, kinds(inst.History), "retried:book")
+	require.ErrorIs(t, e.engine.Retry(context.Background(), id), saga.ErrNotRetryable)
+}
+
+// A compensation refused as a business failure parks the saga at once; a
+// retry under a fresh key runs it again.
+func TestRefusedCompensationRetriedUnderFreshKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{})
+	e.set("pay", refuse)
+	e.set("cancel", refuse)
+	id := e.start("cork")
+	inst := e.terminal(id)
+	require.Equal(t, saga.StatusFailed, inst.Status)
+	assert.Equal(t, "pay: pay refused; then compensation of book failed: cancel refused", inst.FailureReason)
+	e.set("cancel", succeed)
+	require.NoError(t, e.engine.Retry(context.Background(), id))
+	inst = e.terminal(id)
+	assert.Equal(t, saga.StatusCompensated, inst.Status)
+	assert.Equal(t, 2, e.callsOf("cancel"), "the fresh key ran the compensation again")
+}
+
+// Instances of a definition version this process does not know are reported
+// and left alone, never dropped.
+func TestUnknownDefinitionVersionIsReported(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{silent: []string{"book"}})
+	id := e.start("faro")
+	e.wait(id, "the first command", func(i saga.Instance) bool { return i.Attempt >= 1 })
+	_, err := e.db.SQL.Exec(`UPDATE saga_instances SET definition_version = 99, deadline_at = now() - interval '1 hour' WHERE id = $1`, id)
+	require.NoError(t, err)
+	unknown, err := e.engine.UnknownDefinitions(context.Background())
+	require.NoError(t, err)
+	assert.Contains(t, unknown, saga.UnknownDefinition{Name: e.def.Name, Version: 99, Instances: 1})
+	res, err := e.engine.Sweep(context.Background())
+	require.NoError(t, err)
+	assert.Zero(t, res.Resent+res.GaveUp+res.Parked, "the sweeper leaves it alone")
+	inst, err := e.engine.Get(context.Background(), id)
+	require.NoError(t, err)
+	assert.Equal(t, saga.StatusRunning, inst.Status)
+	assert.Equal(t, "#0", inst.Step, "the step is named by its index: the definition is unknown")
+	require.ErrorIs(t, e.engine.Retry(context.Background(), id), saga.ErrUnknownDefinition)
+}
+
+func TestDefineValidates(t *testing.T) {
+	t.Parallel()
+	trigger := saga.Trigger[tripData]{Topic: "t", Start: func(*message.Message) (string, tripData, error) { return "k", tripData{}, nil }}
+	cmd := &saga.Command[tripData]{Topic: "c", Build: func(tripData) steps.Message { return tripCmd{} }}
+	for name, spec := range map[string]saga.Spec[tripData]{
+		"no name":         {Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Action: cmd}}},
+		"no steps":        {Name: "s", Trigger: trigger},
+		"no start":        {Name: "s", Trigger: saga.Trigger[tripData]{Topic: "t"}, Steps: []saga.Step[tripData]{{Name: "a", Action: cmd}}},
+		"duplicate steps": {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Action: cmd}, {Name: "a", Action: cmd}}},
+		"no action":       {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Compensation: cmd}}},
+		"bad topic":       {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Action: &saga.Command[tripData]{Topic: "bad topic", Build: cmd.Build}}}},
+	} {
+		_, err := saga.Define(spec)
+		require.Error(t, err, name)
+	}
+}
+
+// While pay is in flight, book's reply arrives again (a duplicate, or a late
+// answer to a re-send): it is not the reply the saga waits for, so nothing
+// changes; in particular it does not complete the pay step.
+func TestEarlierStepReplyWhileLaterStepInFlight(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{silent: []string{"pay"}})
+	id := e.start("graz")
+	inst := e.wait(id, "pay in flight", func(i saga.Instance) bool { return i.Step == "pay" && i.Attempt == 1 })
+	var u, meta string
+	var payload []byte
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT uuid, payload, metadata::text FROM `+e.tr.MessagesTable(e.def.ReplyTopic)+
+		` WHERE metadata->>'saga_id' = $1 AND metadata->>'step' = 'book'`, id.String()).Scan(&u, &payload, &meta))
+	reply := message.NewMessage(u, payload)
+	require.NoError(t, json.Unmarshal([]byte(meta), &reply.Metadata))
+	require.NoError(t, e.tr.Publisher(e.db.SQL).Publish(e.def.ReplyTopic, reply, reply.Copy()))
+	e.waitConsumed(e.def.ReplyTopic, "saga."+e.def.Name+".replies")
+	after, err := e.engine.Get(context.Background(), id)
+	require.NoError(t, err)
+	assert.Equal(t, saga.StatusRunning, after.Status)
+	assert.Equal(t, "pay", after.Step)
+	assert.Equal(t, inst.Version, after.Version)
+}

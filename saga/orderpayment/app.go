@@ -1,0 +1,212 @@
+package orderpayment
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/orders"
+	"github.com/pgsaga/pgsaga/payments"
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/events"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// Config configures an App.
+type Config struct {
+	// DB is the database/sql handle over the process's pool. Required.
+	DB *sql.DB
+	// GatewayURL is the payment gateway's base URL. Required.
+	GatewayURL string
+	// GatewayTimeout bounds each gateway call. Default: 2s.
+	GatewayTimeout time.Duration
+	// GatewayLease is how long a gateway call is held before another worker
+	// may take it over. Default: 10s.
+	GatewayLease time.Duration
+	// Transport configures the transport; DB and Logger are filled in.
+	Transport transport.Config
+	// Timeouts of the saga's steps.
+	Timeouts StepTimeouts
+	// Steps of the saga. Default: Steps(Timeouts). Extend the saga by
+	// appending to Steps(...) and registering the new participants.
+	Steps []saga.Step[Data]
+	// Version of the saga definition. Default: 1. Bump it when the steps
+	// change while instances may be running.
+	Version int
+	// Participants are further steps (the new step's participants) that
+	// every worker runs.
+	Participants []steps.Step
+	// RegisterEvents adds further event types to the event store.
+	RegisterEvents func(*events.Registry) error
+	// SweepInterval of the saga engine's deadline sweeper. Default: 1s.
+	SweepInterval time.Duration
+	// Logger. Default: slog.Default().
+	Logger *slog.Logger
+}
+
+// App is the whole sample over one database.
+type App struct {
+	DB          *sql.DB
+	Transport   *transport.Transport
+	Idempotency *idempotency.Store
+	Events      *events.Store
+	Runtime     *steps.Runtime
+	Orders      *orders.Service
+	Payments    *payments.Service
+	Engine      *saga.Engine
+	Definition  *saga.Definition
+
+	participants []steps.Step
+	log          *slog.Logger
+}
+
+// New builds the App; it starts nothing.
+func New(cfg Config) (*App, error) {
+	if cfg.DB == nil || cfg.GatewayURL == "" {
+		return nil, errors.New("orderpayment: Config.DB and Config.GatewayURL are required")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.GatewayTimeout == 0 {
+		cfg.GatewayTimeout = 2 * time.Second
+	}
+	tcfg := cfg.Transport
+	tcfg.DB, tcfg.Logger = cfg.DB, cfg.Logger
+	tr, err := transport.New(tcfg)
+	if err != nil {
+		return nil, err
+	}
+	store, err := idempotency.NewStore(idempotency.Config{DB: cfg.DB, Logger: cfg.Logger})
+	if err != nil {
+		return nil, err
+	}
+	reg := events.NewRegistry()
+	regs := []func(*events.Registry) error{orders.RegisterEvents, payments.RegisterEvents}
+	if cfg.RegisterEvents != nil {
+		regs = append(regs, cfg.RegisterEvents)
+	}
+	for _, r := range regs {
+		if err := r(reg); err != nil {
+			return nil, err
+		}
+	}
+	es, err := events.NewStore(events.Config{Registry: reg, Topic: orders.StreamTopic,
+		Publisher: func(tx events.DBTX) message.Publisher { return tr.Publisher(tx) }})
+	if err != nil {
+		return nil, err
+	}
+	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Events: es, Logger: cfg.Logger})
+	if err != nil {
+		return nil, err
+	}
+	ord, err := orders.New(orders.Config{DB: cfg.DB, Transport: tr, Idempotency: store, Events: es, Logger: cfg.Logger})
+	if err != nil {
+		return nil, err
+	}
+	pay, err := payments.New(payments.Config{DB: cfg.DB, Events: es, Idempotency: store, Logger: cfg.Logger,
+		Gateway:      &payments.GatewayClient{BaseURL: cfg.GatewayURL, HTTP: &http.Client{Timeout: cfg.GatewayTimeout}},
+		GatewayLease: cfg.GatewayLease})
+	if err != nil {
+		return nil, err
+	}
+	engine, err := saga.NewEngine(saga.Config{DB: cfg.DB, Transport: tr, SweepInterval: cfg.SweepInterval, Logger: cfg.Logger})
+	if err != nil {
+		return nil, err
+	}
+	stepList := cfg.Steps
+	if stepList == nil {
+		stepList = Steps(cfg.Timeouts)
+	}
+	spec := Spec(stepList)
+	if cfg.Version != 0 {
+		spec.Version = cfg.Version
+	}
+	def, err := saga.Define(spec)
+	if err != nil {
+		return nil, err
+	}
+	if err := engine.Register(def); err != nil {
+		return nil, err
+	}
+	participants := append([]steps.Step{ord.ConfirmStep(), ord.CancelStep(), pay.ChargeStep(), pay.RefundStep()}, cfg.Participants...)
+	return &App{DB: cfg.DB, Transport: tr, Idempotency: store, Events: es, Runtime: rt, Orders: ord, Payments: pay,
+		Engine: engine, Definition: def, participants: participants, log: cfg.Logger}, nil
+}
+
+// Topics lists every topic the App uses.
+func (a *App) Topics() []string {
+	seen := map[string]bool{}
+	var out []string
+	for _, group := range [][]string{a.Orders.Topics(), a.Payments.Topics(), a.Engine.Topics(), a.Runtime.Topics(a.participants...)} {
+		for _, t := range group {
+			if !seen[t] {
+				seen[t] = true
+				out = append(out, t)
+			}
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+// Setup creates the topic tables; safe to run from several processes.
+func (a *App) Setup(ctx context.Context) error {
+	return a.Transport.CreateTopics(ctx, a.Topics()...)
+}
+
+// Worker is one router with every handler of the App (the participants'
+// steps, the order projection, the saga engine) and a deadline sweeper.
+// Several workers share the work: each handler's consumer group is one lane.
+type Worker struct {
+	app    *App
+	router *transport.Router
+}
+
+// NewWorker builds a worker.
+func (a *App) NewWorker() (*Worker, error) {
+	r, err := a.Transport.NewRouter()
+	if err != nil {
+		return nil, err
+	}
+	for _, s := range a.participants {
+		if err := a.Runtime.Register(r, s); err != nil {
+			return nil, fmt.Errorf("orderpayment: registering %s: %w", s.Name, err)
+		}
+	}
+	if err := a.Orders.RegisterProjection(r); err != nil {
+		return nil, err
+	}
+	if err := a.Engine.AddHandlers(r); err != nil {
+		return nil, err
+	}
+	return &Worker{app: a, router: r}, nil
+}
+
+// Run runs the worker until ctx is cancelled, then drains it; it returns
+// once everything stopped.
+func (w *Worker) Run(ctx context.Context) error {
+	sweepCtx, stopSweeper := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Go(func() { _ = w.app.Engine.RunSweeper(sweepCtx) })
+	err := w.router.Run(ctx)
+	stopSweeper()
+	wg.Wait()
+	return err
+}
+
+// Running is closed once the worker's router runs.
+func (w *Worker) Running() chan struct{} { return w.router.Running() }
+
+// Close drains and stops the worker.
+func (w *Worker) Close() error { return w.router.Close() }

@@ -1,0 +1,207 @@
+package orderpayment
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"sort"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/saga"
+)
+
+// Violation is a broken invariant, with the offending rows.
+type Violation struct {
+	Invariant string
+	Rows      []string
+}
+
+func (v Violation) String() string {
+	if len(v.Rows) == 0 {
+		return v.Invariant
+	}
+	return fmt.Sprintf("%s: %v", v.Invariant, v.Rows)
+}
+
+// Report is the state of the sample's sagas and whether the invariants hold.
+type Report struct {
+	// Sagas counts the checked sagas by status.
+	Sagas map[saga.Status]int
+	Total int
+	// Latency of the finished sagas, from start to terminal state.
+	P50, P99, Max time.Duration
+	// Violations lists every broken invariant; empty means all hold.
+	Violations []Violation
+}
+
+// OK reports whether every invariant holds.
+func (r Report) OK() bool { return len(r.Violations) == 0 }
+
+// Check checks the invariants of the sample over the sagas ids (all sagas
+// of the type when ids is nil):
+//
+//   - every saga is terminal;
+//   - no idempotency key is left pending;
+//   - no account is below zero (a balance is the sum of its postings);
+//   - per order at most one charge, one void and one refund posting;
+//   - a completed saga's order holds exactly one net charge of its amount,
+//     a compensated one none;
+//   - the gateway (when the fake gateway's tables exist) charged and
+//     refunded exactly what the ledger records, by id.
+func Check(ctx context.Context, db *sql.DB, ids []uuid.UUID) (Report, error) {
+	r := Report{Sagas: map[saga.Status]int{}}
+	var idArg any
+	if ids != nil {
+		s := make([]string, len(ids))
+		for i, id := range ids {
+			s[i] = id.String()
+		}
+		idArg = s
+	}
+	rows, err := db.QueryContext(ctx, sagaStatusSQL, Name, idArg)
+	if err != nil {
+		return r, fmt.Errorf("orderpayment: checking sagas: %w", err)
+	}
+	var latencies []time.Duration
+	var notTerminal []string
+	for rows.Next() {
+		var (
+			id      string
+			status  string
+			latency sql.NullFloat64
+		)
+		if err := rows.Scan(&id, &status, &latency); err != nil {
+			rows.Close()
+			return r, err
+		}
+		st := saga.Status(status)
+		r.Sagas[st]++
+		r.Total++
+		if !st.Terminal() {
+			notTerminal = append(notTerminal, id+" "+status)
+		}
+		if latency.Valid {
+			latencies = append(latencies, time.Duration(latency.Float64*float64(time.Second)))
+		}
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return r, err
+	}
+	if ids != nil && r.Total < len(ids) {
+		r.Violations = append(r.Violations, Violation{Invariant: fmt.Sprintf("%d of %d sagas were never started", len(ids)-r.Total, len(ids))})
+	}
+	if len(notTerminal) > 0 {
+		r.Violations = append(r.Violations, Violation{Invariant: "sagas not terminal", Rows: firstN(notTerminal)})
+	}
+	sort.Slice(latencies, func(i, j int) bool { return latencies[i] < latencies[j] })
+	if n := len(latencies); n > 0 {
+		r.P50, r.P99, r.Max = latencies[n*50/100], latencies[min(n-1, n*99/100)], latencies[n-1]
+	}
+
+	checks := []struct {
+		name  string
+		query string
+		args  []any
+	}{
+		{"idempotency keys left pending", pendingKeysSQL, nil},
+		{"accounts below zero", negativeAccountsSQL, nil},
+		{"orders with more than one charge, void or refund posting", duplicatePostingsSQL, nil},
+		{"completed sagas without exactly one net charge of their amount", completedNetSQL, []any{Name, idArg}},
+		{"compensated sagas still holding money", compensatedNetSQL, []any{Name, idArg}},
+	}
+	var gateway bool
+	if err := db.QueryRowContext(ctx, `SELECT to_regclass('fake_gateway_operations') IS NOT NULL`).Scan(&gateway); err != nil {
+		return r, err
+	}
+	if gateway {
+		checks = append(checks,
+			struct {
+				name  string
+				query string
+				args  []any
+			}{"gateway charges without a captured posting, or postings without a gateway charge", gatewayChargesSQL, nil},
+			struct {
+				name  string
+				query string
+				args  []any
+			}{"gateway refunds without a refund posting, or refund postings without a gateway refund", gatewayRefundsSQL, nil},
+		)
+	}
+	for _, c := range checks {
+		bad, err := strings(ctx, db, c.query, c.args...)
+		if err != nil {
+			return r, fmt.Errorf("orderpayment: checking %s: %w", c.name, err)
+		}
+		if len(bad) > 0 {
+			r.Violations = append(r.Violations, Violation{Invariant: c.name, Rows: firstN(bad)})
+		}
+	}
+	return r, nil
+}
+
+func strings(ctx context.Context, db *sql.DB, query string, args ...any) ([]string, error) {
+	rows, err := db.QueryContext(ctx, query, args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var s string
+		if err := rows.Scan(&s); err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	return out, rows.Err()
+}
+
+func firstN(rows []string) []string {
+	if len(rows) > 20 {
+		return append(rows[:20:20], fmt.Sprintf("… and %d more", len(rows)-20))
+	}
+	return rows
+}
+
+const (
+	sagaStatusSQL = `SELECT id::text, status, extract(epoch FROM finished_at - created_at)
+FROM saga_instances WHERE saga_type = $1 AND ($2::text[] IS NULL OR id::text = ANY ($2::text[]))`
+
+	pendingKeysSQL = `SELECT scope || '/' || key FROM idempotency_keys WHERE status = 'pending' ORDER BY created_at`
+
+	negativeAccountsSQL = `SELECT account_id || ' ' || sum(delta_cents) FROM account_postings
+GROUP BY account_id HAVING sum(delta_cents) < 0`
+
+	duplicatePostingsSQL = `SELECT order_id::text || ' ' || kind || ' x' || count(*) FROM account_postings
+WHERE order_id IS NOT NULL GROUP BY order_id, kind HAVING count(*) > 1`
+
+	// The saga data carries the order and amount.
+	completedNetSQL = `SELECT s.id::text || ' order ' || (s.data->>'order_id') || ' net ' || coalesce(sum(p.delta_cents), 0)
+    || ' charged ' || count(*) FILTER (WHERE p.kind = 'charge' AND p.reference IS NOT NULL)
+FROM saga_instances s
+LEFT JOIN account_postings p ON p.order_id = (s.data->>'order_id')::uuid
+WHERE s.saga_type = $1 AND s.status = 'completed' AND ($2::text[] IS NULL OR s.id::text = ANY ($2::text[]))
+GROUP BY s.id, s.data
+HAVING coalesce(sum(p.delta_cents), 0) <> -(s.data->>'amount_cents')::bigint
+    OR count(*) FILTER (WHERE p.kind = 'charge' AND p.reference IS NOT NULL) <> 1`
+
+	compensatedNetSQL = `SELECT s.id::text || ' order ' || (s.data->>'order_id') || ' net ' || sum(p.delta_cents)
+FROM saga_instances s
+JOIN account_postings p ON p.order_id = (s.data->>'order_id')::uuid
+WHERE s.saga_type = $1 AND s.status = 'compensated' AND ($2::text[] IS NULL OR s.id::text = ANY ($2::text[]))
+GROUP BY s.id, s.data
+HAVING sum(p.delta_cents) <> 0`
+
+	gatewayChargesSQL = `SELECT coalesce(g.id, p.reference) || ' gateway ' || coalesce(g.outcome, 'none') || ' posting ' || coalesce(p.kind, 'none')
+FROM (SELECT id, outcome FROM fake_gateway_operations WHERE op = 'charge' AND outcome = 'succeeded') g
+FULL JOIN (SELECT reference, kind FROM account_postings WHERE kind = 'charge' AND reference IS NOT NULL) p ON p.reference = g.id
+WHERE g.id IS NULL OR p.reference IS NULL`
+
+	gatewayRefundsSQL = `SELECT coalesce(g.id, p.reference) || ' gateway ' || coalesce(g.outcome, 'none') || ' posting ' || coalesce(p.kind, 'none')
+FROM (SELECT id, outcome FROM fake_gateway_operations WHERE op = 'refund' AND outcome = 'succeeded') g
+FULL JOIN (SELECT reference, kind FROM account_postings WHERE kind = 'refund') p ON p.reference = g.id
+WHERE g.id IS NULL OR p.reference IS NULL`
+)

@@ -1,0 +1,121 @@
+// Package orderpayment is the sample saga: OrderCreated → charge the
+// customer's payment (compensation: refund) → confirm the order
+// (compensation: cancel it), with the order itself as a step done by the
+// trigger whose compensation cancels it. So insufficient funds cancels the
+// order with nothing charged, and a customer's cancellation that wins the
+// race against confirmation is answered with a refund, then a cancel.
+//
+// App wires the whole sample (transport, idempotency, events, the orders and
+// payments domains, the saga engine) over one database, for the demo, the
+// benchmark and tests; extend the saga by adding steps to Steps().
+package orderpayment
+
+import (
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/orders"
+	"github.com/pgsaga/pgsaga/payments"
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/steps"
+)
+
+// Name of the saga type.
+const Name = "order-payment"
+
+// Data is the saga's state.
+type Data struct {
+	OrderID     uuid.UUID `json:"order_id"`
+	AccountID   string    `json:"account_id"`
+	AmountCents int64     `json:"amount_cents"`
+	ChargeID    string    `json:"charge_id,omitempty"`
+}
+
+// StepTimeouts sets the deadline and attempts of every step.
+type StepTimeouts struct {
+	// Deadline to wait for a reply before sending again. Default: 10s.
+	Deadline time.Duration
+	// MaxAttempts of a command before giving up on it. Default: 3.
+	MaxAttempts int
+}
+
+// Steps returns the saga's steps, in order: order (done by the trigger;
+// compensation: cancel), charge (compensation: refund), confirm
+// (compensation: cancel). Append steps to extend the saga.
+func Steps(t StepTimeouts) []saga.Step[Data] {
+	t = applyDefaults(t)
+	cancel := &saga.Command[Data]{Topic: orders.CancelTopic, Build: func(d Data) steps.Message {
+		return orders.CancelOrder{OrderID: d.OrderID, Reason: "the payment saga compensated"}
+	}}
+	return []saga.Step[Data]{
+		{
+			Name:         "order",
+			Compensation: cancel,
+		},
+		{
+			Name: "charge",
+			Action: &saga.Command[Data]{
+				Topic: payments.ChargeTopic,
+				Build: func(d Data) steps.Message {
+					return payments.ChargePayment{OrderID: d.OrderID, AccountID: d.AccountID, AmountCents: d.AmountCents}
+				},
+				OnReply: func(d *Data, reply *message.Message) error {
+					charged, err := steps.Decode[payments.PaymentCharged](reply)
+					d.ChargeID = charged.ChargeID
+					return err
+				},
+			},
+			Compensation: &saga.Command[Data]{
+				Topic: payments.RefundTopic,
+				Build: func(d Data) steps.Message {
+					return payments.RefundPayment{OrderID: d.OrderID, AccountID: d.AccountID}
+				},
+			},
+			Deadline:    t.Deadline,
+			MaxAttempts: t.MaxAttempts,
+		},
+		{
+			Name: "confirm",
+			Action: &saga.Command[Data]{
+				Topic: orders.ConfirmTopic,
+				Build: func(d Data) steps.Message { return orders.ConfirmOrder{OrderID: d.OrderID} },
+			},
+			Compensation: cancel,
+			Deadline:     t.Deadline,
+			MaxAttempts:  t.MaxAttempts,
+		},
+	}
+}
+
+// Spec is the saga's specification with the given steps (Steps(), maybe
+// extended).
+func Spec(s []saga.Step[Data]) saga.Spec[Data] {
+	return saga.Spec[Data]{
+		Name:    Name,
+		Version: 1,
+		Trigger: saga.Trigger[Data]{
+			Topic: orders.CreatedTopic,
+			Start: func(msg *message.Message) (string, Data, error) {
+				created, err := steps.Decode[orders.OrderCreated](msg)
+				if err != nil {
+					return "", Data{}, err
+				}
+				// A customer pays from the account with the customer's id.
+				return created.OrderID.String(), Data{OrderID: created.OrderID, AccountID: created.CustomerID, AmountCents: created.AmountCents}, nil
+			},
+		},
+		Steps: s,
+	}
+}
+
+func applyDefaults(t StepTimeouts) StepTimeouts {
+	if t.Deadline == 0 {
+		t.Deadline = 10 * time.Second
+	}
+	if t.MaxAttempts == 0 {
+		t.MaxAttempts = 3
+	}
+	return t
+}

@@ -1,0 +1,132 @@
+package saga
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+
+	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+const instanceColumns = `id, saga_type, definition_version, status, data, current_step, phase, attempt,
+generation, version, coalesce(correlation_id, ''), coalesce(failure_reason, ''), deadline_at,
+created_at, updated_at, finished_at`
+
+const (
+	// insertInstanceSQL starts an instance unless one with its id exists.
+	insertInstanceSQL = `INSERT INTO saga_instances (id, saga_type, definition_version, status, data,
+    current_step, phase, attempt, generation, version, correlation_id, failure_reason, deadline_at, finished_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, nullif($12, ''), $13, $14)
+ON CONFLICT (id) DO NOTHING`
+
+	// updateInstanceSQL writes an instance's new state if nobody changed it
+	// since it was read.
+	updateInstanceSQL = `UPDATE saga_instances SET status = $2, data = $3, current_step = $4, phase = $5,
+    attempt = $6, generation = $7, version = version + 1, failure_reason = nullif($8, ''),
+    deadline_at = $9, finished_at = $10, updated_at = clock_timestamp()
+WHERE id = $1 AND version = $11`
+
+	loadInstanceSQL       = `SELECT ` + instanceColumns + ` FROM saga_instances WHERE id = $1`
+	loadInstanceLockedSQL = loadInstanceSQL + ` FOR UPDATE`
+
+	// appendHistorySQL numbers timeline entries per instance; writers hold
+	// the instance's row lock.
+	appendHistorySQL = `INSERT INTO saga_history (saga_id, seq, kind, step, phase, attempt, message_id, detail)
+SELECT $1, coalesce((SELECT max(seq) FROM saga_history WHERE saga_id = $1), 0) + 1,
+    $2, nullif($3, ''), nullif($4, ''), nullif($5, 0), nullif($6, ''), nullif($7, '')`
+
+	// overdueSQL picks one instance whose command is overdue, skipping
+	// instances another sweeper or a reply handler holds.
+	overdueSQL = `SELECT ` + instanceColumns + ` FROM saga_instances
+WHERE status IN ('running', 'compensating') AND deadline_at < clock_timestamp()
+  AND saga_type || ':' || definition_version::text = ANY ($1::text[])
+ORDER BY deadline_at
+LIMIT 1
+FOR UPDATE SKIP LOCKED`
+
+	historySQL = `SELECT seq, at, kind, coalesce(step, ''), coalesce(phase, ''), coalesce(attempt, 0),
+    coalesce(message_id, ''), coalesce(detail, '')
+FROM saga_history WHERE saga_id = $1 ORDER BY seq`
+
+	listSQL = `SELECT ` + instanceColumns + ` FROM saga_instances
+WHERE ($1::text[] IS NULL OR status = ANY ($1::text[]))
+  AND ($2::text = '' OR saga_type = $2)
+  AND updated_at <= $3
+ORDER BY updated_at, id
+LIMIT $4`
+
+	countsSQL = `SELECT saga_type, status, count(*) FROM saga_instances GROUP BY saga_type, status`
+
+	activeDefinitionsSQL = `SELECT saga_type, definition_version, count(*) FROM saga_instances
+WHERE status IN ('running', 'compensating') GROUP BY saga_type, definition_version`
+)
+
+func insertInstance(ctx context.Context, tx transport.Tx, inst *instance) (bool, error) {
+	res, err := tx.ExecContext(ctx, insertInstanceSQL, inst.ID, inst.Type, inst.DefVersion, string(inst.Status), []byte(inst.Data),
+		inst.Step, string(inst.Phase), inst.Attempt, inst.Generation, inst.Version, inst.CorrelationID, inst.FailureReason,
+		inst.DeadlineAt, inst.FinishedAt)
+	if err != nil {
+		return false, fmt.Errorf("saga %s: starting: %w", inst.ID, err)
+	}
+	n, _ := res.RowsAffected()
+	return n == 1, nil
+}
+
+func updateInstance(ctx context.Context, tx transport.Tx, inst *instance) error {
+	res, err := tx.ExecContext(ctx, updateInstanceSQL, inst.ID, string(inst.Status), []byte(inst.Data), inst.Step, string(inst.Phase),
+		inst.Attempt, inst.Generation, inst.FailureReason, inst.DeadlineAt, inst.FinishedAt, inst.Version)
+	if err != nil {
+		return fmt.Errorf("saga %s: saving: %w", inst.ID, err)
+	}
+	if n, _ := res.RowsAffected(); n != 1 {
+		return fmt.Errorf("%w: %s", ErrConcurrentChange, inst.ID)
+	}
+	inst.Version++
+	return nil
+}
+
+type scanner interface{ Scan(dest ...any) error }
+
+func scanInstance(row scanner) (*instance, error) {
+	var (
+		inst   instance
+		status string
+		phase  string
+		data   []byte
+	)
+	err := row.Scan(&inst.ID, &inst.Type, &inst.DefVersion, &status, &data, &inst.Step, &phase, &inst.Attempt,
+		&inst.Generation, &inst.Version, &inst.CorrelationID, &inst.FailureReason, &inst.DeadlineAt,
+		&inst.CreatedAt, &inst.UpdatedAt, &inst.FinishedAt)
+	if err != nil {
+		return nil, err
+	}
+	inst.Status, inst.Phase, inst.Data = Status(status), Phase(phase), data
+	return &inst, nil
+}
+
+func loadInstance(ctx context.Context, tx transport.Tx, id uuid.UUID, lock bool) (*instance, error) {
+	q := loadInstanceSQL
+	if lock {
+		q = loadInstanceLockedSQL
+	}
+	inst, err := scanInstance(tx.QueryRowContext(ctx, q, id))
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, fmt.Errorf("%w: %s", ErrNotFound, id)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("saga %s: loading: %w", id, err)
+	}
+	return inst, nil
+}
+
+func appendHistory(ctx context.Context, tx transport.Tx, id uuid.UUID, entries []historyEntry) error {
+	for _, h := range entries {
+		if _, err := tx.ExecContext(ctx, appendHistorySQL, id, h.Kind, h.Step, string(h.Phase), h.Attempt, h.MessageID, h.Detail); err != nil {
+			return fmt.Errorf("saga %s: writing its timeline: %w", id, err)
+		}
+	}
+	return nil
+}
