@@ -1,0 +1,302 @@
+package orderpayment_test
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/orders"
+	"github.com/pgsaga/pgsaga/payments/fakegateway"
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/orderpayment"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+func logger() *slog.Logger {
+	if os.Getenv("PGSAGA_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+type env struct {
+	t   *testing.T
+	db  *testdb.DB
+	app *orderpayment.App
+	gw  *fakegateway.Gateway
+
+	mu     sync.Mutex
+	faults func(fakegateway.Call) fakegateway.Fault
+}
+
+// newEnv gives a test the whole sample on a database of its own (the
+// invariants look at every row) with workers running.
+func newEnv(t *testing.T, workers int, mutate func(*orderpayment.Config)) *env {
+	t.Helper()
+	db := testdb.Fresh(t)
+	e := &env{t: t, db: db}
+	gwPool := testdb.Open(t, db.URL, 4)
+	gw, err := fakegateway.Start(context.Background(), fakegateway.Config{DB: gwPool.SQL, Logger: logger(), LostHang: 2 * time.Second,
+		Faults: func(c fakegateway.Call) fakegateway.Fault {
+			e.mu.Lock()
+			defer e.mu.Unlock()
+			if e.faults == nil {
+				return fakegateway.None
+			}
+			return e.faults(c)
+		}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = gw.Close() })
+	cfg := orderpayment.Config{
+		DB:             db.SQL,
+		GatewayURL:     gw.URL(),
+		GatewayTimeout: 300 * time.Millisecond,
+		GatewayLease:   time.Second,
+		Transport: transport.Config{PollInterval: 20 * time.Millisecond, RetryInterval: 20 * time.Millisecond,
+			Retry: transport.RetryPolicy{MaxAttempts: 6, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 100 * time.Millisecond}},
+		Timeouts:      orderpayment.StepTimeouts{Deadline: 5 * time.Second},
+		SweepInterval: 50 * time.Millisecond,
+		Logger:        logger(),
+	}
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	app, err := orderpayment.New(cfg)
+	require.NoError(t, err)
+	require.NoError(t, app.Setup(context.Background()))
+	e.app, e.gw = app, gw
+	for range workers {
+		e.startWorker()
+	}
+	return e
+}
+
+func (e *env) startWorker() {
+	w, err := e.app.NewWorker()
+	require.NoError(e.t, err)
+	done := make(chan error, 1)
+	go func() { done <- w.Run(context.Background()) }()
+	<-w.Running()
+	e.t.Cleanup(func() { _ = w.Close(); <-done })
+}
+
+func (e *env) customer(balance int64) string {
+	e.t.Helper()
+	ctx := context.Background()
+	id := "c-" + uuid.NewString()[:8]
+	require.NoError(e.t, e.app.Orders.AddCustomer(ctx, id, "Customer "+id))
+	require.NoError(e.t, e.app.Payments.OpenAccount(ctx, id))
+	if balance > 0 {
+		require.NoError(e.t, e.app.Payments.Deposit(ctx, id, balance, "seed"))
+	}
+	return id
+}
+
+func (e *env) place(customer string, cents int64) (uuid.UUID, uuid.UUID) {
+	e.t.Helper()
+	res, err := e.app.Orders.Place(context.Background(), orders.PlaceRequest{Key: uuid.NewString(), CustomerID: customer, AmountCents: cents})
+	require.NoError(e.t, err)
+	return res.OrderID, saga.ID(orderpayment.Name, res.OrderID.String())
+}
+
+func (e *env) terminal(id uuid.UUID) saga.Instance {
+	e.t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		inst, err := e.app.Engine.Get(context.Background(), id)
+		if err == nil && inst.Status.Terminal() {
+			return inst
+		}
+		if time.Now().After(deadline) {
+			e.t.Fatalf("saga %s not terminal: %+v (%v)", id, inst, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func (e *env) checkInvariants(ids []uuid.UUID) orderpayment.Report {
+	e.t.Helper()
+	r, err := orderpayment.Check(context.Background(), e.db.SQL, ids)
+	require.NoError(e.t, err)
+	assert.True(e.t, r.OK(), "invariants: %v", r.Violations)
+	return r
+}
+
+func (e *env) balance(account string) int64 {
+	b, err := e.app.Payments.Balance(context.Background(), account)
+	require.NoError(e.t, err)
+	return b
+}
+
+func (e *env) order(id uuid.UUID) orders.Order {
+	o, err := e.app.Orders.Order(context.Background(), id)
+	require.NoError(e.t, err)
+	return o
+}
+
+func TestHappyPath(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1, nil)
+	cust := e.customer(10_000)
+	orderID, sagaID := e.place(cust, 2_500)
+	inst := e.terminal(sagaID)
+	assert.Equal(t, saga.StatusCompleted, inst.Status)
+	assert.Equal(t, orders.StatusConfirmed, e.order(orderID).Status)
+	assert.Equal(t, int64(7_500), e.balance(cust))
+	var data orderpayment.Data
+	require.NoError(t, json.Unmarshal(inst.Data, &data))
+	assert.Regexp(t, `^ch_`, data.ChargeID, "the charge reply's id was kept in the saga's data")
+	e.checkInvariants([]uuid.UUID{sagaID})
+	stats, err := e.gw.Stats(context.Background())
+	require.NoError(t, err)
+	assert.Equal(t, 1, stats.Charges)
+	assert.Equal(t, int64(2_500), stats.ChargedCents)
+}
+
+func TestInsufficientFundsCancelsTheOrder(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1, nil)
+	cust := e.customer(1_000)
+	orderID, sagaID := e.place(cust, 5_000)
+	inst := e.terminal(sagaID)
+	assert.Equal(t, saga.StatusCompensated, inst.Status)
+	assert.Equal(t, "charge: insufficient funds", inst.FailureReason)
+	o := e.order(orderID)
+	assert.Equal(t, orders.StatusCancelled, o.Status)
+	assert.Equal(t, orders.BySaga, o.CancelledBy)
+	assert.Equal(t, int64(1_000), e.balance(cust), "nothing charged")
+	e.checkInvariants([]uuid.UUID{sagaID})
+	stats, err := e.gw.Stats(context.Background())
+	require.NoError(t, err)
+	assert.Zero(t, stats.Calls, "the gateway was never called")
+}
+
+// The customer cancels before the saga confirms: confirmation fails, the
+// charge is refunded, then the order is cancelled (already, by the
+// customer).
+func TestCustomerCancelBeatsConfirmation(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0, nil)
+	cust := e.customer(10_000)
+	orderID, sagaID := e.place(cust, 3_000)
+	require.NoError(t, e.app.Orders.CancelByCustomer(context.Background(), orderID, "changed my mind"))
+	e.startWorker()
+	inst := e.terminal(sagaID)
+	assert.Equal(t, saga.StatusCompensated, inst.Status)
+	assert.Equal(t, "confirm: order cancelled by customer", inst.FailureReason)
+	var steps []string
+	for _, h := range inst.History {
+		if h.Kind == "sent" {
+			steps = append(steps, h.Step+"/"+string(h.Phase))
+		}
+	}
+	assert.Equal(t, []string{"charge/action", "confirm/action", "charge/compensation", "order/compensation"}, steps, "refund, then cancel")
+	assert.Equal(t, int64(10_000), e.balance(cust), "refunded")
+	assert.Equal(t, orders.ByCustomer, e.order(orderID).CancelledBy)
+	e.checkInvariants([]uuid.UUID{sagaID})
+	stats, err := e.gw.Stats(context.Background())
+	require.NoError(t, err)
+	assert.Equal(t, 1, stats.Charges)
+	assert.Equal(t, 1, stats.Refunds)
+}
+
+// Many orders, customers cancelling at random moments while two workers run
+// the sagas: every saga ends consistently.
+func TestCustomerCancelRaces(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2, nil)
+	ctx := context.Background()
+	cust := e.customer(1_000_000)
+	var (
+		ids []uuid.UUID
+		wg  sync.WaitGroup
+	)
+	for i := range 20 {
+		orderID, sagaID := e.place(cust, 1_000)
+		ids = append(ids, sagaID)
+		wg.Go(func() {
+			time.Sleep(time.Duration(i*43%800) * time.Millisecond) // the customer's hesitation
+			err := e.app.Orders.CancelByCustomer(ctx, orderID, "race")
+			if err != nil {
+				assert.ErrorIs(t, err, orders.ErrAlreadyConfirmed)
+			}
+		})
+	}
+	wg.Wait()
+	completed := 0
+	for _, id := range ids {
+		inst := e.terminal(id)
+		switch inst.Status {
+		case saga.StatusCompleted:
+			completed++
+		case saga.StatusCompensated:
+		default:
+			t.Errorf("saga %s ended %s: %s", id, inst.Status, inst.FailureReason)
+		}
+	}
+	r := e.checkInvariants(ids)
+	assert.Equal(t, int64(1_000_000-completed*1_000), e.balance(cust))
+	t.Logf("%d completed, %d compensated; p50 %s", completed, len(ids)-completed, r.P50)
+}
+
+// Gateway faults on every charge (a lost answer, then a 503): retried with
+// the same key, one charge each.
+func TestGatewayFaultsChargeOnce(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1, nil)
+	e.mu.Lock()
+	e.faults = func(c fakegateway.Call) fakegateway.Fault {
+		switch {
+		case c.Op == "charge" && c.Attempt == 1:
+			return fakegateway.Lost
+		case c.Op == "charge" && c.Attempt == 2:
+			return fakegateway.Unavailable
+		}
+		return fakegateway.None
+	}
+	e.mu.Unlock()
+	cust := e.customer(10_000)
+	var ids []uuid.UUID
+	for range 4 {
+		_, id := e.place(cust, 1_000)
+		ids = append(ids, id)
+	}
+	for _, id := range ids {
+		assert.Equal(t, saga.StatusCompleted, e.terminal(id).Status)
+	}
+	e.checkInvariants(ids)
+	stats, err := e.gw.Stats(context.Background())
+	require.NoError(t, err)
+	assert.Equal(t, 4, stats.Charges)
+	assert.Equal(t, 12, stats.Calls, "three calls per charge, same key")
+	assert.Equal(t, int64(6_000), e.balance(cust))
+}
+
+// A declined card: the reservation is voided, the order cancelled.
+func TestDeclinedCard(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1, nil)
+	e.mu.Lock()
+	e.faults = func(c fakegateway.Call) fakegateway.Fault { return fakegateway.Decline }
+	e.mu.Unlock()
+	cust := e.customer(10_000)
+	orderID, sagaID := e.place(cust, 1_000)
+	inst := e.terminal(sagaID)
+	assert.Equal(t, saga.StatusCompensated, inst.Status)
+	assert.Equal(t, "charge: card declined", inst.FailureReason)
+	assert.Equal(t, orders.StatusCancelled, e.order(orderID).Status)
+	assert.Equal(t, int64(10_000), e.balance(cust))
+	e.checkInvariants([]uuid.UUID{sagaID})
+}
