@@ -144,7 +144,7 @@ func Find(ctx context.Context, cfg Config) (*Found, error) {
 		if err != nil {
 			return nil, err
 		}
-		return &Found{URL: url, Source: FromLocalhost, Detail: pgdb.Redact(cfg.ProbeURL)}, nil
+		return &Found{URL: url, Source: FromLocalhost, Detail: fmt.Sprintf("database %s on the PostgreSQL at %s", cfg.Database, hostOf(cfg.ProbeURL))}, nil
 	}
 	cfg.Logger.Debug("no local PostgreSQL answered", "url", pgdb.Redact(cfg.ProbeURL), "err", probeErr)
 	return startEmbedded(ctx, cfg)
@@ -308,13 +308,21 @@ func ensureDatabase(ctx context.Context, adminURL, name string, timeout time.Dur
 	return pgdb.WithDatabase(adminURL, name)
 }
 
+func hostOf(connURL string) string {
+	cfg, err := pgx.ParseConfig(connURL)
+	if err != nil {
+		return pgdb.Redact(connURL)
+	}
+	return fmt.Sprintf("%s:%d", cfg.Host, cfg.Port)
+}
+
 // Describe is a one-line account of where the database is, for the user.
 func (f *Found) Describe() string {
 	switch f.Source {
 	case FromEnv:
 		return "database from DATABASE_URL: " + f.Detail
 	case FromLocalhost:
-		return "database on the local server " + f.Detail
+		return f.Detail
 	default:
 		return "embedded PostgreSQL, data in " + f.Detail
 	}

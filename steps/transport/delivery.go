@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"time"
 
@@ -290,7 +291,14 @@ func (rt *route) abandon(ctx context.Context, raw *sql.Tx, msg *message.Message,
 func (rt *route) abandonOutcome(ctx context.Context, raw *sql.Tx, msg *message.Message, cause error) (outcome, error) {
 	_, err := raw.ExecContext(ctx, doomBatchSQL)
 	if doomed(err) {
-		rt.r.log.Warn("abandoning delivery batch; it will be redelivered",
+		level := slog.LevelWarn
+		switch {
+		case isSerializationFailure(cause):
+			level = slog.LevelInfo // routine under concurrency; logged by deliver
+		case isAborted(cause):
+			level = slog.LevelDebug // an earlier message of the batch abandoned it
+		}
+		rt.r.log.Log(ctx, level, "abandoning delivery batch; it will be redelivered",
 			"handler", rt.name, "message_uuid", msg.UUID, "cause", cause)
 		return abandoned, cause
 	}
@@ -314,6 +322,12 @@ func deadLetter(msg *message.Message, rt *route, attempts int, cause error) *mes
 	dead.Metadata.Set(DeadLetterGroup, rt.group)
 	dead.Metadata.Set(DeadLetterAt, time.Now().UTC().Format(time.RFC3339Nano))
 	return dead
+}
+
+// isAborted reports whether err says the transaction was already aborted.
+func isAborted(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "25P02"
 }
 
 func isSerializationFailure(err error) bool {

@@ -460,6 +460,12 @@ func (b *backoff) HandleError(logger watermill.LoggerAdapter, noMsg bool, err er
 		logger.Debug("Lane taken by another subscriber; polling again", watermill.LogFields{"err": err.Error()})
 		return 0
 	}
+	if errors.As(err, &pgErr) && pgErr.Code == "25P02" {
+		// The Router abandoned the batch (its offset update fails on the
+		// aborted transaction): redeliver it at once.
+		logger.Debug("Batch abandoned; redelivering", watermill.LogFields{"err": err.Error()})
+		return 0
+	}
 	if b.current == 0 {
 		b.current = b.retry
 	} else {

@@ -1,0 +1,485 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/internal/finddb"
+	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/migrations"
+	"github.com/pgsaga/pgsaga/orders"
+	"github.com/pgsaga/pgsaga/payments/fakegateway"
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/orderpayment"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+type demo struct {
+	opts   options
+	out    io.Writer // the report (stdout)
+	status io.Writer // progress: stdout, or stderr with -json
+	log    *slog.Logger
+
+	found   *finddb.Found
+	db      *pgdb.DB
+	gwDB    *pgdb.DB
+	gateway *fakegateway.Gateway
+	app     *orderpayment.App
+	workers []*orderpayment.Worker
+	done    []chan error
+}
+
+func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo, error) {
+	level := slog.LevelWarn
+	if opts.verbose {
+		level = slog.LevelDebug
+	}
+	d := &demo{opts: opts, out: stdout, status: stdout,
+		log: slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))}
+	if opts.json {
+		d.status = stderr
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			d.close()
+		}
+	}()
+
+	found, err := finddb.Find(ctx, finddb.Config{Logger: d.log})
+	if err != nil {
+		return nil, err
+	}
+	d.found = found
+	fmt.Fprintln(d.status, "database:", found.Describe())
+	// Each worker holds a connection per busy lane (seven handlers) and a
+	// charge a second one for its gateway lease.
+	d.db, err = pgdb.Open(ctx, pgdb.Config{URL: found.URL, MaxConns: int32(12 + 10*opts.workers), ApplicationName: "orderdemo"})
+	if err != nil {
+		return nil, err
+	}
+	applied, err := migrations.Apply(ctx, d.db.SQL)
+	if err != nil {
+		return nil, err
+	}
+	if len(applied) > 0 {
+		fmt.Fprintf(d.status, "migrations: applied %v\n", applied)
+	}
+	// The gateway is another service: a pool of its own.
+	d.gwDB, err = pgdb.Open(ctx, pgdb.Config{URL: found.URL, MaxConns: 4, ApplicationName: "orderdemo-gateway"})
+	if err != nil {
+		return nil, err
+	}
+	d.gateway, err = fakegateway.Start(ctx, fakegateway.Config{DB: d.gwDB.SQL, Logger: d.log})
+	if err != nil {
+		return nil, err
+	}
+	d.app, err = orderpayment.New(orderpayment.Config{
+		DB:         d.db.SQL,
+		GatewayURL: d.gateway.URL(),
+		Transport: transport.Config{
+			PollInterval:  50 * time.Millisecond,
+			RetryInterval: 50 * time.Millisecond,
+		},
+		SweepInterval: 500 * time.Millisecond,
+		Logger:        d.log,
+	})
+	if err != nil {
+		return nil, err
+	}
+	if err := d.app.Setup(ctx); err != nil {
+		return nil, err
+	}
+	for range opts.workers {
+		w, err := d.app.NewWorker()
+		if err != nil {
+			return nil, err
+		}
+		done := make(chan error, 1)
+		// Workers stop through Close (draining), never through ctx.
+		go func() { done <- w.Run(context.WithoutCancel(ctx)) }()
+		<-w.Running()
+		d.workers = append(d.workers, w)
+		d.done = append(d.done, done)
+	}
+	ok = true
+	return d, nil
+}
+
+// stopWorkers drains and stops the workers.
+func (d *demo) stopWorkers() {
+	for i, w := range d.workers {
+		if err := w.Close(); err != nil {
+			d.log.Error("closing worker", "err", err)
+		}
+		<-d.done[i]
+	}
+	d.workers = nil
+}
+
+func (d *demo) close() {
+	d.stopWorkers()
+	if d.gateway != nil {
+		_ = d.gateway.Close()
+	}
+	if d.gwDB != nil {
+		d.gwDB.Close()
+	}
+	if d.db != nil {
+		d.db.Close()
+	}
+	if d.found != nil {
+		if err := d.found.Close(); err != nil {
+			d.log.Error("stopping the embedded PostgreSQL", "err", err)
+		}
+	}
+}
+
+func (d *demo) run(ctx context.Context) int {
+	start := time.Now()
+	var (
+		ids []uuid.UUID
+		err error
+	)
+	if d.opts.resume {
+		ids, err = d.unfinished(ctx)
+		if err != nil {
+			fmt.Fprintln(d.status, "orderdemo:", err)
+			return exitNoService
+		}
+		fmt.Fprintf(d.status, "resuming %d unfinished sagas\n", len(ids))
+	} else {
+		ids, err = d.placeOrders(ctx)
+		if err != nil {
+			fmt.Fprintln(d.status, "orderdemo:", err)
+			return exitFailed
+		}
+	}
+	finished := d.wait(ctx, ids, start)
+	// Stop the workers before checking, so nothing moves under the check.
+	d.stopWorkers()
+	report, err := orderpayment.Check(context.Background(), d.db.SQL, ids)
+	if err != nil {
+		fmt.Fprintln(d.status, "orderdemo: checking invariants:", err)
+		return exitFailed
+	}
+	return d.report(ids, report, time.Since(start), finished)
+}
+
+// placeOrders seeds customers and places the orders: some beyond their
+// customer's balance, some cancelled by the customer a moment later.
+func (d *demo) placeOrders(ctx context.Context) ([]uuid.UUID, error) {
+	if d.opts.orders == 0 {
+		return nil, nil
+	}
+	run := uuid.NewString()[:6]
+	rng := rand.New(rand.NewPCG(1, 2))
+	customers := max(4, d.opts.orders/6)
+	ids := make([]string, customers)
+	for i := range ids {
+		ids[i] = fmt.Sprintf("demo-%s-%02d", run, i)
+		if err := d.app.Orders.AddCustomer(ctx, ids[i], fmt.Sprintf("Customer %d", i)); err != nil {
+			return nil, err
+		}
+		if err := d.app.Payments.OpenAccount(ctx, ids[i]); err != nil {
+			return nil, err
+		}
+		if err := d.app.Payments.Deposit(ctx, ids[i], 25_000, "demo-seed"); err != nil {
+			return nil, err
+		}
+	}
+	fmt.Fprintf(d.status, "seeded %d customers with $250.00 each; placing %d orders of $10 to $90 (run %s)\n", customers, d.opts.orders, run)
+
+	type plan struct {
+		customer string
+		cents    int64
+		cancel   time.Duration // < 0: never
+	}
+	plans := make([]plan, d.opts.orders)
+	for i := range plans {
+		plans[i] = plan{customer: ids[rng.IntN(customers)], cents: int64(1_000 + 100*rng.IntN(81)), cancel: -1}
+		if rng.IntN(8) == 0 {
+			plans[i].cancel = time.Duration(rng.IntN(400)) * time.Millisecond
+		}
+	}
+	var (
+		mu      sync.Mutex
+		sagas   = make([]uuid.UUID, len(plans))
+		errs    []error
+		wg      sync.WaitGroup
+		cancels sync.WaitGroup
+		next    = make(chan int)
+	)
+	for range 4 {
+		wg.Go(func() {
+			for i := range next {
+				p := plans[i]
+				res, err := d.app.Orders.Place(ctx, orders.PlaceRequest{Key: fmt.Sprintf("%s-order-%d", run, i), CustomerID: p.customer, AmountCents: p.cents})
+				if err != nil {
+					mu.Lock()
+					errs = append(errs, err)
+					mu.Unlock()
+					continue
+				}
+				sagas[i] = saga.ID(orderpayment.Name, res.OrderID.String())
+				if p.cancel >= 0 {
+					cancels.Go(func() {
+						time.Sleep(p.cancel)
+						err := d.app.Orders.CancelByCustomer(ctx, res.OrderID, "the customer changed their mind")
+						if err != nil && ctx.Err() == nil {
+							d.log.Info("customer cancellation lost the race", "order", res.OrderID, "err", err)
+						}
+					})
+				}
+			}
+		})
+	}
+	for i := range plans {
+		select {
+		case next <- i:
+		case <-ctx.Done():
+		}
+	}
+	close(next)
+	wg.Wait()
+	cancels.Wait()
+	if len(errs) > 0 {
+		return nil, fmt.Errorf("placing orders: %d failed, first: %w", len(errs), errs[0])
+	}
+	return sagas, nil
+}
+
+// unfinished lists the sagas -resume waits for: every running or
+// compensating one, and one for every order whose saga has not started yet.
+func (d *demo) unfinished(ctx context.Context) ([]uuid.UUID, error) {
+	rows, err := d.db.SQL.QueryContext(ctx, unfinishedSQL, orderpayment.Name)
+	if err != nil {
+		return nil, fmt.Errorf("listing unfinished sagas: %w", err)
+	}
+	defer rows.Close()
+	var ids []uuid.UUID
+	for rows.Next() {
+		var sagaID, orderID *string
+		if err := rows.Scan(&sagaID, &orderID); err != nil {
+			return nil, err
+		}
+		switch {
+		case sagaID != nil:
+			ids = append(ids, uuid.MustParse(*sagaID))
+		case orderID != nil:
+			ids = append(ids, saga.ID(orderpayment.Name, *orderID))
+		}
+	}
+	return ids, rows.Err()
+}
+
+const unfinishedSQL = `SELECT id::text, NULL FROM saga_instances
+WHERE saga_type = $1 AND status IN ('running', 'compensating')
+UNION ALL
+SELECT NULL, e.payload->>'order_id' FROM domain_events e
+WHERE e.event_type = 'orders.placed'
+  AND NOT EXISTS (SELECT FROM saga_instances s WHERE s.saga_type = $1 AND s.data->>'order_id' = e.payload->>'order_id')`
+
+// wait shows progress until every saga in ids is terminal, the timeout
+// passes or ctx is cancelled; it reports whether all finished.
+func (d *demo) wait(ctx context.Context, ids []uuid.UUID, start time.Time) bool {
+	deadline := time.NewTimer(d.opts.timeout)
+	defer deadline.Stop()
+	tick := time.NewTicker(250 * time.Millisecond)
+	defer tick.Stop()
+	lastPrint := time.Time{}
+	for {
+		counts, err := d.counts(ctx, ids)
+		if err != nil {
+			d.log.Warn("counting sagas", "err", err)
+		}
+		unfinished := counts.notStarted + counts.byStatus[saga.StatusRunning] + counts.byStatus[saga.StatusCompensating]
+		if err == nil && (unfinished == 0 || time.Since(lastPrint) >= time.Second) {
+			fmt.Fprintf(d.status, "%6.1fs  sagas %d: starting %d · running %d · compensating %d · completed %d · compensated %d · failed %d\n",
+				time.Since(start).Seconds(), len(ids), counts.notStarted, counts.byStatus[saga.StatusRunning], counts.byStatus[saga.StatusCompensating],
+				counts.byStatus[saga.StatusCompleted], counts.byStatus[saga.StatusCompensated], counts.byStatus[saga.StatusFailed])
+			lastPrint = time.Now()
+		}
+		if err == nil && unfinished == 0 {
+			return true
+		}
+		select {
+		case <-ctx.Done():
+			fmt.Fprintln(d.status, "interrupted; stopping the workers (run again with -resume to finish)")
+			return false
+		case <-deadline.C:
+			fmt.Fprintf(d.status, "gave up waiting after %s (run again with -resume to finish)\n", d.opts.timeout)
+			return false
+		case <-tick.C:
+		}
+	}
+}
+
+type sagaCounts struct {
+	byStatus   map[saga.Status]int
+	notStarted int
+}
+
+func (d *demo) counts(ctx context.Context, ids []uuid.UUID) (sagaCounts, error) {
+	c := sagaCounts{byStatus: map[saga.Status]int{}}
+	strs := make([]string, len(ids))
+	for i, id := range ids {
+		strs[i] = id.String()
+	}
+	rows, err := d.db.SQL.QueryContext(ctx, `SELECT status, count(*) FROM saga_instances WHERE id::text = ANY ($1::text[]) GROUP BY status`, strs)
+	if err != nil {
+		return c, err
+	}
+	defer rows.Close()
+	total := 0
+	for rows.Next() {
+		var st string
+		var n int
+		if err := rows.Scan(&st, &n); err != nil {
+			return c, err
+		}
+		c.byStatus[saga.Status(st)] = n
+		total += n
+	}
+	c.notStarted = len(ids) - total
+	return c, rows.Err()
+}
+
+// summary is the -json output; its field names are a contract.
+type summary struct {
+	Resumed            bool           `json:"resumed"`
+	Sagas              int            `json:"sagas"`
+	Completed          int            `json:"completed"`
+	Compensated        int            `json:"compensated"`
+	Failed             int            `json:"failed"`
+	Unfinished         int            `json:"unfinished"`
+	CompensatedReasons map[string]int `json:"compensated_reasons"`
+	P50Millis          float64        `json:"p50_ms"`
+	P99Millis          float64        `json:"p99_ms"`
+	DurationMillis     float64        `json:"duration_ms"`
+	GatewayCharges     int            `json:"gateway_charges"`
+	GatewayRefunds     int            `json:"gateway_refunds"`
+	GatewayCalls       int            `json:"gateway_calls"`
+	InvariantsOK       bool           `json:"invariants_ok"`
+	Violations         []string       `json:"violations"`
+}
+
+func (d *demo) report(ids []uuid.UUID, r orderpayment.Report, took time.Duration, finished bool) int {
+	s := summary{
+		Resumed: d.opts.resume, Sagas: len(ids),
+		Completed: r.Sagas[saga.StatusCompleted], Compensated: r.Sagas[saga.StatusCompensated], Failed: r.Sagas[saga.StatusFailed],
+		CompensatedReasons: map[string]int{},
+		P50Millis:          ms(r.P50), P99Millis: ms(r.P99), DurationMillis: ms(took),
+		InvariantsOK: r.OK(), Violations: []string{},
+	}
+	s.Unfinished = len(ids) - s.Completed - s.Compensated - s.Failed
+	for _, v := range r.Violations {
+		s.Violations = append(s.Violations, v.String())
+	}
+	reasons, err := d.reasons(ids)
+	if err == nil {
+		s.CompensatedReasons = reasons
+	}
+	if st, err := fakegateway.ReadStats(context.Background(), d.db.SQL); err == nil {
+		s.GatewayCharges, s.GatewayRefunds, s.GatewayCalls = st.Charges, st.Refunds, st.Calls
+	}
+
+	if d.opts.json {
+		b, _ := json.Marshal(s)
+		fmt.Fprintln(d.out, string(b))
+	} else {
+		d.printTable(s)
+	}
+	if !finished || s.Unfinished > 0 || !r.OK() {
+		return exitFailed
+	}
+	return exitOK
+}
+
+func (d *demo) reasons(ids []uuid.UUID) (map[string]int, error) {
+	strs := make([]string, len(ids))
+	for i, id := range ids {
+		strs[i] = id.String()
+	}
+	rows, err := d.db.SQL.Query(`SELECT coalesce(failure_reason, ''), count(*) FROM saga_instances
+		WHERE id::text = ANY ($1::text[]) AND status = 'compensated' GROUP BY 1`, strs)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	out := map[string]int{}
+	for rows.Next() {
+		var reason string
+		var n int
+		if err := rows.Scan(&reason, &n); err != nil {
+			return nil, err
+		}
+		out[reason] = n
+	}
+	return out, rows.Err()
+}
+
+func (d *demo) printTable(s summary) {
+	w := d.out
+	fmt.Fprintln(w)
+	what := "orders placed this run"
+	if s.Resumed {
+		what = "unfinished sagas resumed"
+	}
+	fmt.Fprintf(w, "  %-12s %d (%s)\n", "sagas", s.Sagas, what)
+	fmt.Fprintf(w, "  %-12s %d (charged and confirmed)\n", "completed", s.Completed)
+	fmt.Fprintf(w, "  %-12s %d%s\n", "compensated", s.Compensated, reasonList(s.CompensatedReasons))
+	fmt.Fprintf(w, "  %-12s %d (parked for an operator)\n", "failed", s.Failed)
+	if s.Unfinished > 0 {
+		fmt.Fprintf(w, "  %-12s %d\n", "unfinished", s.Unfinished)
+	}
+	fmt.Fprintf(w, "  %-12s p50 %s, p99 %s (order placed to saga finished)\n", "latency", fmtMillis(s.P50Millis), fmtMillis(s.P99Millis))
+	fmt.Fprintf(w, "  %-12s %s\n", "time taken", fmtMillis(s.DurationMillis))
+	fmt.Fprintf(w, "  %-12s %d charges, %d refunds, %d calls (all runs)\n", "gateway", s.GatewayCharges, s.GatewayRefunds, s.GatewayCalls)
+	if s.InvariantsOK {
+		fmt.Fprintf(w, "  %-12s all hold: every saga terminal, no pending keys, no account below zero,\n", "invariants")
+		fmt.Fprintf(w, "  %-12s one charge per order at most, completed = charged once, compensated = nothing held\n", "")
+	} else {
+		fmt.Fprintf(w, "  %-12s BROKEN\n", "invariants")
+		for _, v := range s.Violations {
+			fmt.Fprintf(w, "    - %s\n", v)
+		}
+	}
+}
+
+func reasonList(reasons map[string]int) string {
+	if len(reasons) == 0 {
+		return ""
+	}
+	keys := make([]string, 0, len(reasons))
+	for k := range reasons {
+		keys = append(keys, k)
+	}
+	sort.Slice(keys, func(i, j int) bool {
+		return reasons[keys[i]] > reasons[keys[j]] || reasons[keys[i]] == reasons[keys[j]] && keys[i] < keys[j]
+	})
+	parts := make([]string, len(keys))
+	for i, k := range keys {
+		parts[i] = fmt.Sprintf("%s: %d", k, reasons[k])
+	}
+	return " (" + strings.Join(parts, ", ") + ")"
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+func fmtMillis(v float64) string {
+	if v >= 1000 {
+		return fmt.Sprintf("%.2fs", v/1000)
+	}
+	return fmt.Sprintf("%.0fms", v)
+}

@@ -1,0 +1,168 @@
+package orderpayment_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/orders"
+	"github.com/pgsaga/pgsaga/payments/fakegateway"
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/orderpayment"
+	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// The inventory participant's messages.
+
+type ReserveStock struct {
+	OrderID uuid.UUID `json:"order_id"`
+	SKU     string    `json:"sku"`
+}
+
+func (ReserveStock) MessageType() string { return "inventory.ReserveStock" }
+
+type StockReserved struct {
+	OrderID uuid.UUID `json:"order_id"`
+}
+
+func (StockReserved) MessageType() string { return "inventory.StockReserved" }
+
+type OutOfStock struct {
+	SKU string `json:"sku"`
+}
+
+func (OutOfStock) MessageType() string { return "inventory.OutOfStock" }
+
+type ReleaseStock struct {
+	OrderID uuid.UUID `json:"order_id"`
+	SKU     string    `json:"sku"`
+}
+
+func (ReleaseStock) MessageType() string { return "inventory.ReleaseStock" }
+
+type StockReleased struct {
+	OrderID uuid.UUID `json:"order_id"`
+}
+
+func (StockReleased) MessageType() string { return "inventory.StockReleased" }
+
+// inventory is the new participant: two steps over a stock table. The step
+// runtime makes each command run once per key, in the step's transaction.
+type inventory struct{ table string }
+
+func (inv inventory) reserve(ctx context.Context, tx *steps.Tx, cmd ReserveStock) (steps.Message, error) {
+	res, err := tx.ExecContext(ctx, `UPDATE `+inv.table+` SET on_hand = on_hand - 1 WHERE sku = $1 AND on_hand > 0`, cmd.SKU)
+	if err != nil {
+		return nil, err // transient: retried
+	}
+	if n, _ := res.RowsAffected(); n == 0 {
+		return nil, steps.Fail(OutOfStock{SKU: cmd.SKU}, "out of stock") // final: the saga compensates
+	}
+	return StockReserved{OrderID: cmd.OrderID}, nil
+}
+
+func (inv inventory) release(ctx context.Context, tx *steps.Tx, cmd ReleaseStock) (steps.Message, error) {
+	if _, err := tx.ExecContext(ctx, `UPDATE `+inv.table+` SET on_hand = on_hand + 1 WHERE sku = $1`, cmd.SKU); err != nil {
+		return nil, err
+	}
+	return StockReleased{OrderID: cmd.OrderID}, nil
+}
+
+// Adding a third step, reserve inventory (compensation: release it), to the
+// order-payment saga: a participant, a step appended to the saga's steps,
+// and a new definition version. Nothing in saga/, steps/ or idempotency/
+// changes.
+func Example_addInventoryStep() {
+	ctx := context.Background()
+	db := testdb.ForExample().SQL
+	suffix := uuid.NewString()[:8]
+	inv := inventory{table: "stock_" + suffix}
+	mustExec(db, `CREATE TABLE `+inv.table+` (sku text PRIMARY KEY, on_hand int NOT NULL)`)
+	mustExec(db, `INSERT INTO `+inv.table+` VALUES ('the-book', 1)`) // one copy left
+
+	// 1. The participant's steps, on topics of their own.
+	reserveTopic, releaseTopic := "inventory.reserve."+suffix, "inventory.release."+suffix
+	participants := []steps.Step{
+		steps.Define("inventory.reserve", reserveTopic, inv.reserve),
+		steps.Define("inventory.release", releaseTopic, inv.release),
+	}
+
+	// 2. The saga's steps, with reserve inserted before confirm.
+	base := orderpayment.Steps(orderpayment.StepTimeouts{})
+	reserve := saga.Step[orderpayment.Data]{
+		Name: "reserve",
+		Action: &saga.Command[orderpayment.Data]{Topic: reserveTopic, Build: func(d orderpayment.Data) steps.Message {
+			return ReserveStock{OrderID: d.OrderID, SKU: "the-book"}
+		}},
+		Compensation: &saga.Command[orderpayment.Data]{Topic: releaseTopic, Build: func(d orderpayment.Data) steps.Message {
+			return ReleaseStock{OrderID: d.OrderID, SKU: "the-book"}
+		}},
+	}
+	extended := append(append(base[:2:2], reserve), base[2:]...) // order, charge, reserve, confirm
+
+	// 3. The app, as usual, with the new steps and participants.
+	gateway, _ := fakegateway.Start(ctx, fakegateway.Config{DB: db})
+	defer gateway.Close()
+	app, err := orderpayment.New(orderpayment.Config{
+		DB: db, GatewayURL: gateway.URL(),
+		Steps:        extended,
+		Version:      2, // the steps changed
+		Participants: participants,
+		Transport:    transport.Config{PollInterval: 20 * time.Millisecond},
+	})
+	if err != nil {
+		panic(err)
+	}
+	if err := app.Setup(ctx); err != nil {
+		panic(err)
+	}
+	worker, _ := app.NewWorker()
+	go func() { _ = worker.Run(ctx) }()
+	<-worker.Running()
+	defer worker.Close()
+
+	customer := "reader-" + suffix
+	_ = app.Orders.AddCustomer(ctx, customer, "A Reader")
+	_ = app.Payments.OpenAccount(ctx, customer)
+	_ = app.Payments.Deposit(ctx, customer, 10_000, "seed")
+
+	for _, name := range []string{"first order", "second order"} {
+		placed, err := app.Orders.Place(ctx, orders.PlaceRequest{Key: name, CustomerID: customer, AmountCents: 2_000})
+		if err != nil {
+			panic(err)
+		}
+		inst := waitTerminal(ctx, app, saga.ID(orderpayment.Name, placed.OrderID.String()))
+		fmt.Println(strings.TrimSpace(fmt.Sprintf("%s: %s %s", name, inst.Status, inst.FailureReason)))
+	}
+	var onHand int
+	_ = db.QueryRow(`SELECT on_hand FROM ` + inv.table).Scan(&onHand)
+	balance, _ := app.Payments.Balance(ctx, customer)
+	fmt.Printf("copies left: %d; balance: $%.2f (one book paid for, the other refunded)\n", onHand, float64(balance)/100)
+	// Output:
+	// first order: completed
+	// second order: compensated reserve: out of stock
+	// copies left: 0; balance: $80.00 (one book paid for, the other refunded)
+}
+
+func mustExec(db *sql.DB, q string) {
+	if _, err := db.Exec(q); err != nil {
+		panic(err)
+	}
+}
+
+func waitTerminal(ctx context.Context, app *orderpayment.App, id uuid.UUID) saga.Instance {
+	for range 3000 {
+		inst, err := app.Engine.Get(ctx, id)
+		if err == nil && inst.Status.Terminal() {
+			return inst
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	panic("saga did not finish")
+}
