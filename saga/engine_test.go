@@ -371,7 +371,17 @@ func TestSilentParticipantIsResentThenCompensated(t *testing.T) {
 	inst := e.terminal(e.start("kiev"))
 	assert.Equal(t, saga.StatusCompensated, inst.Status)
 	assert.Equal(t, "pay: no reply after 3 attempts", inst.FailureReason)
-	assert.Equal(t, []string{"started", "sent:book", "reply_ok:book", "sent:pay", "deadline:pay", "resent:pay", "deadline:pay", "resent:pay", "gave_up:pay", "sent:book", "reply_ok:book", "compensated"}, kinds(inst.History))
+	// (book may be re-sent too under load: its 50ms deadline is tight.)
+	var pay []string
+	for _, h := range inst.History {
+		if h.Step == "pay" {
+			pay = append(pay, h.Kind)
+		}
+	}
+	assert.Equal(t, []string{"sent", "deadline", "resent", "deadline", "resent", "gave_up"}, pay)
+	all := kinds(inst.History)
+	assert.Equal(t, []string{"sent:book", "reply_ok:book", "compensated"}, all[len(all)-3:], "then book is compensated")
+	assert.Equal(t, saga.PhaseCompensation, inst.History[len(inst.History)-3].Phase)
 
 	var keys, ids int
 	require.NoError(t, e.db.SQL.QueryRow(`SELECT count(DISTINCT metadata->>'idempotency_key'), count(DISTINCT uuid) FROM `+e.tr.MessagesTable(e.topics["pay"])).Scan(&keys, &ids))
