@@ -433,7 +433,7 @@ func TestTwoSweepersNeverDoubleSend(t *testing.T) {
 // cause; once the fault is gone, an operator retry completes it.
 func TestFailingCompensationParksThenOperatorRetry(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, options{deadline: 50 * time.Millisecond, maxAttempts: 2})
+	e := newEnv(t, options{deadline: 200 * time.Millisecond, maxAttempts: 2})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() { _ = e.engine.RunSweeper(ctx) }()
