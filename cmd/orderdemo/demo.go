@@ -61,7 +61,7 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 		return nil, err
 	}
 	d.found = found
-	fmt.Fprintln(d.status, "database:", found.Describe())
+	fmt.Fprintln(d.status, "using", found.Describe())
 	// Each worker holds a connection per busy lane (seven handlers) and a
 	// charge a second one for its gateway lease.
 	d.db, err = pgdb.Open(ctx, pgdb.Config{URL: found.URL, MaxConns: int32(12 + 10*opts.workers), ApplicationName: "orderdemo"})

@@ -26,8 +26,10 @@ var (
 	// ErrNoTransaction is returned when a handler runs on a message that did
 	// not come from a watermill-sql subscriber.
 	ErrNoTransaction = errors.New("transport: message carries no subscriber transaction")
-	// ErrClosing is returned for messages that arrive while the router drains.
-	ErrClosing = errors.New("transport: router is closing")
+	// ErrClosing is returned for messages that arrive while the router
+	// drains. It wraps context.Canceled, which Watermill does not log as a
+	// handler failure.
+	ErrClosing = fmt.Errorf("transport: router is closing: %w", context.Canceled)
 	// ErrRouterClosed is returned when adding handlers to a closed router.
 	ErrRouterClosed = errors.New("transport: router is closed")
 )
