@@ -84,9 +84,17 @@ type env struct {
 }
 
 type options struct {
-	deadline    time.Duration
+	deadline    time.Duration            // of every step unless set below
+	deadlines   map[string]time.Duration // per step
 	maxAttempts int
 	silent      []string // ops without a participant: they never answer
+}
+
+func (o options) deadlineOf(step string) time.Duration {
+	if d, ok := o.deadlines[step]; ok {
+		return d
+	}
+	return o.deadline
 }
 
 func newEnv(t *testing.T, o options) *env {
@@ -124,8 +132,8 @@ func newEnv(t *testing.T, o options) *env {
 			return s.Trip, tripData{Trip: s.Trip}, err
 		}},
 		Steps: []saga.Step[tripData]{
-			{Name: "book", Action: book, Compensation: cmd("cancel"), Deadline: o.deadline, MaxAttempts: o.maxAttempts},
-			{Name: "pay", Action: cmd("pay"), Compensation: cmd("refund"), Deadline: o.deadline, MaxAttempts: o.maxAttempts},
+			{Name: "book", Action: book, Compensation: cmd("cancel"), Deadline: o.deadlineOf("book"), MaxAttempts: o.maxAttempts},
+			{Name: "pay", Action: cmd("pay"), Compensation: cmd("refund"), Deadline: o.deadlineOf("pay"), MaxAttempts: o.maxAttempts},
 		},
 	})
 	require.NoError(t, err)
@@ -364,14 +372,13 @@ func (e *env) waitConsumed(topic, group string) {
 // deadline, with the same key, then the engine gives up and compensates.
 func TestSilentParticipantIsResentThenCompensated(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, options{deadline: 50 * time.Millisecond, maxAttempts: 3, silent: []string{"pay"}})
+	e := newEnv(t, options{deadlines: map[string]time.Duration{"pay": 50 * time.Millisecond}, maxAttempts: 3, silent: []string{"pay"}})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() { _ = e.engine.RunSweeper(ctx) }()
 	inst := e.terminal(e.start("kiev"))
 	assert.Equal(t, saga.StatusCompensated, inst.Status)
 	assert.Equal(t, "pay: no reply after 3 attempts", inst.FailureReason)
-	// (book may be re-sent too under load: its 50ms deadline is tight.)
 	var pay []string
 	for _, h := range inst.History {
 		if h.Step == "pay" {
@@ -433,7 +440,9 @@ func TestTwoSweepersNeverDoubleSend(t *testing.T) {
 // cause; once the fault is gone, an operator retry completes it.
 func TestFailingCompensationParksThenOperatorRetry(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, options{deadline: 200 * time.Millisecond, maxAttempts: 2})
+	// book's compensation never answers: its deadline decides when the saga
+	// is parked; its action must still answer within it.
+	e := newEnv(t, options{deadlines: map[string]time.Duration{"book": 500 * time.Millisecond}, maxAttempts: 2})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() { _ = e.engine.RunSweeper(ctx) }()
