@@ -342,6 +342,9 @@ func isSerializationFailure(err error) bool {
 // work as in a Router; a dead-lettered message returns ErrDeadLettered with
 // the cause. name and topic only label dead letters.
 func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *message.Message, h HandlerFunc, opts ...HandlerOption) error {
+	if t.cfg.Intercept != nil {
+		h = t.cfg.Intercept(name, h)
+	}
 	rt := &route{name: name, topic: topic, group: name, h: h, retry: t.cfg.Retry}
 	for _, opt := range opts {
 		opt(rt)

@@ -315,3 +315,45 @@ func TestNoAttemptStartsAfterCloseBegins(t *testing.T) {
 	assert.EqualValues(t, 1, aCalls.Load(), "no attempt started after Close began")
 	assertNoPartialWork(t, e, "a")
 }
+
+// Intercept wraps every handler inside its attempt: a write it makes is
+// kept with the attempt, a failure it returns rolls the attempt back.
+func TestInterceptRunsInsideTheAttempt(t *testing.T) {
+	t.Parallel()
+	var (
+		mu    sync.Mutex
+		names = map[string]int{}
+	)
+	var e *env
+	e = newEnv(t, func(c *transport.Config) {
+		c.Intercept = func(name string, h transport.HandlerFunc) transport.HandlerFunc {
+			return func(msg *message.Message) error {
+				mu.Lock()
+				names[name]++
+				n := names[name]
+				mu.Unlock()
+				if err := h(msg); err != nil {
+					return err
+				}
+				if err := effect(msg, e.eff, "intercepted"); err != nil {
+					return err
+				}
+				if n == 1 {
+					return errors.New("crash after the handler, before commit")
+				}
+				return nil
+			}
+		}
+	})
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error { return effect(msg, e.eff, "a") }))
+	startRouter(t, r)
+	ids := e.publish(1)
+	waitFor(t, 10*time.Second, "consumed", func() bool { return e.consumed(e.in, "g") == 1 })
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE msg = $1 AND part = 'a'`, ids[0]), "the failed attempt's write was rolled back")
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE msg = $1 AND part = 'intercepted'`, ids[0]))
+	mu.Lock()
+	assert.Equal(t, 2, names["h"])
+	mu.Unlock()
+}

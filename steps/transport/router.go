@@ -92,6 +92,9 @@ func (r *Router) AddHandler(name, topic, consumerGroup string, h HandlerFunc, op
 	if r.handlers[name] {
 		return fmt.Errorf("transport: handler %s is already registered", name)
 	}
+	if r.t.cfg.Intercept != nil {
+		h = r.t.cfg.Intercept(name, h)
+	}
 	rt := &route{r: r, name: name, topic: topic, group: consumerGroup, offsets: r.t.OffsetsTable(topic), h: h, retry: r.t.cfg.Retry}
 	for _, opt := range opts {
 		opt(rt)

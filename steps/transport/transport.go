@@ -107,6 +107,13 @@ type Config struct {
 	// (WithRetry). Default: see RetryPolicy.
 	Retry RetryPolicy
 
+	// Intercept wraps every handler of the transport's routers and of
+	// HandleInTx, inside each attempt (after its savepoint opens, before its
+	// offset is stored): what the wrapper writes or fails is part of the
+	// attempt. Test kits use it to inject faults at commit boundaries. It
+	// receives the handler's name. Default: none.
+	Intercept func(handler string, h HandlerFunc) HandlerFunc
+
 	// CloseTimeout bounds how long Router.Close waits for in-flight handlers.
 	// Handlers still running then are cut off: their attempt's transaction is
 	// made to fail so nothing partial commits. Default: 30s.
