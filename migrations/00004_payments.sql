@@ -39,6 +39,16 @@ CREATE UNIQUE INDEX account_postings_one_charge_idx ON account_postings (order_i
 CREATE UNIQUE INDEX account_postings_one_void_idx ON account_postings (order_id) WHERE kind = 'void';
 CREATE UNIQUE INDEX account_postings_one_refund_idx ON account_postings (order_id) WHERE kind = 'refund';
 
+-- An order whose payment was compensated before any charge was reserved: no
+-- charge may be reserved for it afterwards (a late charge command, a retry
+-- still in flight when the saga gave up on it).
+CREATE TABLE charge_fences (
+    order_id   uuid        PRIMARY KEY,
+    account_id text        NOT NULL REFERENCES accounts,
+    fenced_at  timestamptz NOT NULL DEFAULT now()
+);
+
 -- +goose Down
+DROP TABLE charge_fences;
 DROP TABLE account_postings;
 DROP TABLE accounts;

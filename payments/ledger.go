@@ -90,6 +90,15 @@ func (s *Service) reserve(ctx context.Context, req idempotency.Request, cmd Char
 		if err != nil {
 			return err
 		}
+		var fenced bool
+		if err := tx.QueryRowContext(ctx, fencedSQL, cmd.OrderID).Scan(&fenced); err != nil {
+			return fmt.Errorf("payments: reading the fence of %s: %w", cmd.OrderID, err)
+		}
+		if fenced {
+			// The order's payment was compensated before this charge got
+			// here: it must never happen.
+			return &refusal{reason: ReasonAbandoned}
+		}
 		delta, ref, owner, found, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "charge")
 		switch {
 		case err != nil:
@@ -187,54 +196,139 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 	}
 }
 
-// refund returns what was captured for an order, once. An order never
-// charged, voided, or of an unknown account is a no-op success. A charge
-// still reserved (its gateway call never resolved) is finished first, with
-// its own key, so the gateway's answer decides: captured, then refunded, or
-// declined and voided.
+// refund returns what was charged for an order, once. It fences the order
+// first, so a charge that arrives later (a retry, a re-sent command still
+// queued when the saga gave up on it) is refused. An order never charged,
+// voided, or of an unknown account is a no-op success. A charge still
+// reserved (its gateway call never resolved) is finished first, with its own
+// key, so the gateway's answer decides: captured then refunded, or declined
+// and voided.
+//
+// Like a charge, the refund's ledger work runs in transactions of its own:
+// claim the gateway refund with a lease (keyed by the order, so an operator's
+// retry under a new command key cannot refund twice), call the gateway,
+// then record the refund and its posting together. The step's transaction
+// only carries the reply.
 func (s *Service) refund(ctx context.Context, tx *steps.Tx, cmd RefundPayment) (steps.Message, error) {
-	nothing := PaymentRefunded{OrderID: cmd.OrderID}
 	if cmd.OrderID == uuid.Nil || !accountIDPattern.MatchString(cmd.AccountID) {
-		return nothing, nil
+		return PaymentRefunded{OrderID: cmd.OrderID}, nil
 	}
-	// Before the account is locked here: finishing the charge locks it in
-	// transactions of its own.
 	if err := s.finishReservedCharge(ctx, cmd); err != nil {
 		return nil, err
 	}
-	version, err := lockAccount(ctx, tx, s.cfg.Events, cmd.AccountID)
-	if errors.Is(err, ErrUnknownAccount) {
-		return nothing, nil
+	return s.refundOnce(ctx, cmd)
+}
+
+// RefundKey is the gateway's idempotency key for an order's refund.
+func RefundKey(order uuid.UUID) string { return "refund:" + order.String() }
+
+func (s *Service) refundOnce(ctx context.Context, cmd RefundPayment) (PaymentRefunded, error) {
+	key := RefundKey(cmd.OrderID)
+	giveUp := time.Now().Add(2 * s.cfg.GatewayLease)
+	for {
+		var (
+			result   = PaymentRefunded{OrderID: cmd.OrderID}
+			lease    *idempotency.Lease
+			chargeID string
+			amount   int64
+		)
+		err := s.inTx(ctx, func(tx *sql.Tx) error {
+			version, err := lockAccount(ctx, tx, s.cfg.Events, cmd.AccountID)
+			if errors.Is(err, ErrUnknownAccount) {
+				return nil
+			}
+			if err != nil {
+				return err
+			}
+			if _, err := tx.ExecContext(ctx, fenceSQL, cmd.OrderID, cmd.AccountID); err != nil {
+				return fmt.Errorf("payments: fencing %s: %w", cmd.OrderID, err)
+			}
+			charged, ref, _, found, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "charge")
+			if err != nil || !found {
+				return err
+			}
+			if _, _, _, voided, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "void"); err != nil || voided {
+				return err
+			}
+			if ref == "" {
+				return fmt.Errorf("payments: refunding %s: its charge is still being captured", cmd.OrderID)
+			}
+			if refunded, refundID, _, found, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "refund"); err != nil || found {
+				result = PaymentRefunded{OrderID: cmd.OrderID, AmountCents: refunded, RefundID: refundID, Already: true}
+				return err
+			}
+			chargeID, amount = ref, -charged
+			acq, err := s.cfg.Idempotency.AcquireTx(ctx, tx, GatewayRequest("refund", key, cmd.AccountID, cmd.OrderID, amount), s.cfg.GatewayLease)
+			if err != nil {
+				return err
+			}
+			if rec := acq.Record; rec != nil {
+				if rec.Status == idempotency.StatusFailed {
+					return fmt.Errorf("payments: the gateway refused the refund of %s earlier: %s", cmd.OrderID, rec.Response.Body)
+				}
+				// Refunded at the gateway and recorded, yet not posted:
+				// post it now.
+				result = PaymentRefunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: string(rec.Response.Body)}
+				return s.postRefund(ctx, tx, version, cmd, amount, result.RefundID)
+			}
+			lease = acq.Lease
+			return nil
+		})
+		var busy *idempotency.InProgressError
+		if errors.As(err, &busy) {
+			if err := s.waitLease(ctx, busy, giveUp, "refund", key); err != nil {
+				return PaymentRefunded{}, err
+			}
+			continue
+		}
+		if err != nil || lease == nil {
+			return result, err
+		}
+
+		id, err := s.cfg.Gateway.Refund(ctx, key, cmd.AccountID, chargeID, amount)
+		if err != nil {
+			if rerr := s.cfg.Idempotency.ReleaseLease(ctx, lease); rerr != nil {
+				s.cfg.Logger.Warn("releasing the lease of a failed gateway call", "key", key, "err", rerr)
+			}
+			if errors.Is(err, ErrBadGatewayRequest) {
+				return PaymentRefunded{}, transport.Permanent(err)
+			}
+			// A declined refund needs a person: retried, then dead-lettered,
+			// and the saga parks and reports it.
+			return PaymentRefunded{}, err
+		}
+		err = s.inTx(ctx, func(tx *sql.Tx) error {
+			if err := s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(id)}); err != nil {
+				return err
+			}
+			version, err := lockAccount(ctx, tx, s.cfg.Events, cmd.AccountID)
+			if err != nil {
+				return err
+			}
+			return s.postRefund(ctx, tx, version, cmd, amount, id)
+		})
+		if err != nil {
+			// The gateway refunded; the next attempt asks it again with the
+			// same key and records its answer.
+			if rerr := s.cfg.Idempotency.ReleaseLease(ctx, lease); rerr != nil && !errors.Is(rerr, idempotency.ErrLeaseLost) {
+				s.cfg.Logger.Warn("releasing the lease of a refund not recorded", "key", key, "err", rerr)
+			}
+			return PaymentRefunded{}, fmt.Errorf("payments: recording refund %s of %s: %w", id, cmd.OrderID, err)
+		}
+		return PaymentRefunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: id}, nil
 	}
+}
+
+func (s *Service) postRefund(ctx context.Context, tx *sql.Tx, version int, cmd RefundPayment, amount int64, refundID string) error {
+	md := events.Metadata{CorrelationID: cmd.OrderID.String(), IdempotencyKey: RefundKey(cmd.OrderID)}
+	recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), version, md, Refunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: refundID})
 	if err != nil {
-		return nil, err
+		return err
 	}
-	charged, chargeID, _, found, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "charge")
-	if err != nil || !found {
-		return nothing, err
+	if _, err := tx.ExecContext(ctx, insertPostingSQL, cmd.AccountID, recs[0].ID, amount, cmd.OrderID, "refund", refundID, RefundKey(cmd.OrderID)); err != nil {
+		return fmt.Errorf("payments: posting refund of %s: %w", cmd.OrderID, err)
 	}
-	if _, _, _, voided, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "void"); err != nil || voided {
-		return nothing, err
-	}
-	if chargeID == "" {
-		return nil, fmt.Errorf("payments: refunding %s: its charge is still being captured", cmd.OrderID)
-	}
-	amount := -charged
-	if refunded, refundID, _, found, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "refund"); err != nil || found {
-		return PaymentRefunded{OrderID: cmd.OrderID, AmountCents: refunded, RefundID: refundID, Already: true}, err
-	}
-	refundID, err := s.refundOnce(ctx, tx.Key(), cmd, chargeID, amount)
-	if err != nil {
-		return nil, err
-	}
-	recs, err := tx.Append(ctx, Stream(cmd.AccountID), version, Refunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: refundID})
-	if err != nil {
-		return nil, err
-	}
-	if _, err := tx.ExecContext(ctx, insertPostingSQL, cmd.AccountID, recs[0].ID, amount, cmd.OrderID, "refund", refundID, tx.Key()); err != nil {
-		return nil, fmt.Errorf("payments: posting refund of %s: %w", cmd.OrderID, err)
-	}
-	return PaymentRefunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: refundID}, nil
+	return nil
 }
 
 // finishReservedCharge resolves a charge of the order that was reserved but
@@ -255,49 +349,6 @@ func (s *Service) finishReservedCharge(ctx context.Context, cmd RefundPayment) e
 		return nil // declined and voided: nothing to refund
 	}
 	return err
-}
-
-// refundOnce runs the gateway refund of key at most once. The refund's
-// posting is made in the step's transaction afterwards: a refund only gives
-// money back, so a retry after a rollback can always post it.
-func (s *Service) refundOnce(ctx context.Context, key string, cmd RefundPayment, chargeID string, amount int64) (string, error) {
-	req := GatewayRequest("refund", key, cmd.AccountID, cmd.OrderID, amount)
-	giveUp := time.Now().Add(2 * s.cfg.GatewayLease)
-	for {
-		acq, err := s.cfg.Idempotency.AcquireFor(ctx, req, s.cfg.GatewayLease)
-		var busy *idempotency.InProgressError
-		if errors.As(err, &busy) {
-			if err := s.waitLease(ctx, busy, giveUp, "refund", key); err != nil {
-				return "", err
-			}
-			continue
-		}
-		if err != nil {
-			return "", err
-		}
-		if rec := acq.Record; rec != nil {
-			if rec.Status == idempotency.StatusFailed {
-				return "", fmt.Errorf("payments: the gateway refused the refund of %s earlier: %s", cmd.OrderID, rec.Response.Body)
-			}
-			return string(rec.Response.Body), nil
-		}
-		id, err := s.cfg.Gateway.Refund(ctx, key, cmd.AccountID, chargeID, amount)
-		if err != nil {
-			if rerr := s.cfg.Idempotency.ReleaseLease(ctx, acq.Lease); rerr != nil {
-				s.cfg.Logger.Warn("releasing the lease of a failed gateway call", "key", key, "err", rerr)
-			}
-			if errors.Is(err, ErrBadGatewayRequest) {
-				return "", transport.Permanent(err)
-			}
-			// A declined refund needs a person: retried, then dead-lettered,
-			// and the saga reports it.
-			return "", err
-		}
-		if err := s.cfg.Idempotency.CompleteLease(ctx, acq.Lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(id)}); err != nil {
-			return "", fmt.Errorf("payments: recording refund %s of %s: %w", id, cmd.OrderID, err)
-		}
-		return id, nil
-	}
 }
 
 // waitLease waits for the lease of an earlier call (a worker that died after

@@ -152,6 +152,7 @@ const (
 	ReasonDeclined          = "card declined"
 	ReasonUnknownAccount    = "unknown account"
 	ReasonInvalidCharge     = "invalid charge"
+	ReasonAbandoned         = "payment abandoned: the order was compensated"
 )
 
 // Errors callers can branch on.
@@ -292,6 +293,9 @@ VALUES ($1, $2, $3, $4, $5, $6, $7)`
 	// orderPostingSQL finds an order's posting of one kind.
 	orderPostingSQL = `SELECT delta_cents, coalesce(reference, ''), coalesce(request_key, '') FROM account_postings
 WHERE account_id = $1 AND order_id = $2 AND kind = $3`
+
+	fenceSQL  = `INSERT INTO charge_fences (order_id, account_id) VALUES ($1, $2) ON CONFLICT (order_id) DO NOTHING`
+	fencedSQL = `SELECT EXISTS (SELECT FROM charge_fences WHERE order_id = $1)`
 
 	captureSQL = `UPDATE account_postings SET reference = $3 WHERE account_id = $1 AND order_id = $2 AND kind = 'charge'`
 )

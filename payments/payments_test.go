@@ -217,7 +217,8 @@ func TestChargeThenRefund(t *testing.T) {
 
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM account_postings WHERE order_id = $1 AND kind = 'charge'`, order))
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM account_postings WHERE order_id = $1 AND kind = 'refund'`, order))
-	assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE key = $1 AND op = 'refund'`, refundKey))
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE key = $1 AND op = 'refund'`, payments.RefundKey(order)),
+		"one refund at the gateway, under the order's refund key")
 	assert.Equal(t, 4, e.count(`SELECT count(*) FROM domain_events WHERE stream_id = $1`, payments.Stream(acct)), "deposited, charged, captured, refunded, and nothing more")
 }
 
@@ -475,6 +476,47 @@ func TestRefundFinishesReservedCharge(t *testing.T) {
 	assert.EqualValues(t, 300, r.payload["amount_cents"])
 	assert.Equal(t, int64(1000), e.balance(acct))
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE key = $1 AND op = 'charge' AND outcome = 'succeeded'`, key))
-	assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE key = $1 AND op = 'refund'`, "refund-"+key))
-	assert.Equal(t, 0, e.count(`SELECT count(*) FROM idempotency_keys WHERE status = 'pending' AND key IN ($1, $2)`, key, "refund-"+key))
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE key = $1 AND op = 'refund'`, payments.RefundKey(order)))
+	assert.Equal(t, 0, e.count(`SELECT count(*) FROM idempotency_keys WHERE status = 'pending' AND key IN ($1, $2, $3)`, key, "refund-"+key, payments.RefundKey(order)))
+}
+
+// A refund that finds no charge fences the order: a charge that arrives
+// afterwards (a retry or a re-sent command still queued when the saga gave up
+// on it) is refused and moves no money.
+func TestRefundFencesLateCharges(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	acct := e.account(1000)
+	order := uuid.New()
+	r := e.execute(e.svc.RefundStep(), payments.RefundPayment{OrderID: order, AccountID: acct}, "refund-first-"+order.String())
+	require.Equal(t, steps.OutcomeOK, r.env.Outcome)
+	assert.EqualValues(t, 0, r.payload["amount_cents"])
+
+	key := "late-charge-" + order.String()
+	r = e.execute(e.svc.ChargeStep(), charge(order, acct, 300), key)
+	assert.Equal(t, steps.OutcomeFailed, r.env.Outcome)
+	assert.Equal(t, payments.ReasonAbandoned, r.payload["reason"])
+	assert.Equal(t, int64(1000), e.balance(acct))
+	assert.Zero(t, e.count(`SELECT count(*) FROM account_postings WHERE order_id = $1`, order))
+	_, called, err := e.gw.Operation(context.Background(), key)
+	require.NoError(t, err)
+	assert.False(t, called, "the gateway was never called")
+}
+
+// Several refund commands for one order (an operator retry gets a new
+// command key): the gateway refunds once, keyed by the order.
+func TestRefundOncePerOrderWhateverTheCommandKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	acct := e.account(1000)
+	order := uuid.New()
+	require.Equal(t, steps.OutcomeOK, e.execute(e.svc.ChargeStep(), charge(order, acct, 400), "c-"+order.String()).env.Outcome)
+	for i := range 3 {
+		r := e.execute(e.svc.RefundStep(), payments.RefundPayment{OrderID: order, AccountID: acct}, fmt.Sprintf("refund-%d-%s", i, order))
+		require.Equal(t, steps.OutcomeOK, r.env.Outcome)
+		assert.EqualValues(t, 400, r.payload["amount_cents"])
+	}
+	assert.Equal(t, int64(1000), e.balance(acct))
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE account_id = $1 AND op = 'refund'`, acct))
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM account_postings WHERE order_id = $1 AND kind = 'refund'`, order))
 }

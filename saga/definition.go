@@ -58,16 +58,23 @@ type Step[D any] struct {
 	// already did it: the step is complete from the start, and only its
 	// compensation matters.
 	Action *Command[D]
-	// Compensation undoes the step if a later step fails. Optional.
+	// Compensation undoes the step if a later step fails, or if the engine
+	// gave up waiting for the action's reply. It must succeed whether or not
+	// the action happened (or happens later: fence it). Optional.
 	Compensation *Command[D]
 	// Deadline is how long to wait for a reply before sending the command
 	// again (with the same key). Default: 30s.
 	Deadline time.Duration
 	// MaxAttempts is how many times a command is sent without an answer
 	// before the engine gives up on it: an action is then treated as failed
-	// and the saga compensates; a compensation parks the saga as failed.
-	// Default: 3.
+	// and the saga compensates, this step included, since the action may
+	// have happened; a compensation parks the saga as failed. Default: 3.
 	MaxAttempts int
+	// CompensationDeadline and CompensationAttempts apply to the
+	// compensation instead: a compensation may have to wait for its action
+	// to finish. Defaults: Deadline and MaxAttempts.
+	CompensationDeadline time.Duration
+	CompensationAttempts int
 }
 
 // Command is a message a step sends to a participant.
@@ -97,6 +104,16 @@ type stepDef struct {
 	compensation *commandDef
 	deadline     time.Duration
 	maxAttempts  int
+	compDeadline time.Duration
+	compAttempts int
+}
+
+// limits returns the deadline and attempts of the step's command in phase.
+func (s stepDef) limits(phase Phase) (time.Duration, int) {
+	if phase == PhaseCompensation {
+		return s.compDeadline, s.compAttempts
+	}
+	return s.deadline, s.maxAttempts
 }
 
 type commandDef struct {
@@ -159,10 +176,17 @@ func Define[D any](spec Spec[D]) (*Definition, error) {
 		if s.MaxAttempts == 0 {
 			s.MaxAttempts = 3
 		}
-		if s.Deadline < 0 || s.MaxAttempts < 1 {
-			return nil, fmt.Errorf("saga %s: step %s: Deadline and MaxAttempts must be positive", spec.Name, s.Name)
+		if s.CompensationDeadline == 0 {
+			s.CompensationDeadline = s.Deadline
 		}
-		sd := stepDef{name: s.Name, deadline: s.Deadline, maxAttempts: s.MaxAttempts}
+		if s.CompensationAttempts == 0 {
+			s.CompensationAttempts = s.MaxAttempts
+		}
+		if s.Deadline < 0 || s.MaxAttempts < 1 || s.CompensationDeadline < 0 || s.CompensationAttempts < 1 {
+			return nil, fmt.Errorf("saga %s: step %s: deadlines and attempts must be positive", spec.Name, s.Name)
+		}
+		sd := stepDef{name: s.Name, deadline: s.Deadline, maxAttempts: s.MaxAttempts,
+			compDeadline: s.CompensationDeadline, compAttempts: s.CompensationAttempts}
 		var err error
 		if sd.action, err = compileCommand(s.Action); err != nil {
 			return nil, fmt.Errorf("saga %s: step %s: action: %w", spec.Name, s.Name, err)

@@ -44,6 +44,9 @@ const (
 	PhaseCompensation Phase = "compensation"
 )
 
+// errBadCommand: a command cannot be built from the saga's data.
+var errBadCommand = errors.New("saga: bad command")
+
 // Errors callers can branch on.
 var (
 	ErrNotFound          = errors.New("saga: instance not found")
@@ -416,7 +419,7 @@ func (e *Engine) send(inst *instance, def *Definition, cause string) error {
 	}
 	payload, err := cmd.build(inst.Data)
 	if err != nil {
-		return fmt.Errorf("saga %s: step %s: building its %s: %w", inst.ID, step.name, inst.Phase, err)
+		return fmt.Errorf("%w: saga %s: step %s: building its %s: %w", errBadCommand, inst.ID, step.name, inst.Phase, err)
 	}
 	inst.Attempt++
 	key := inst.key(def)
@@ -433,7 +436,8 @@ func (e *Engine) send(inst *instance, def *Definition, cause string) error {
 		return err
 	}
 	inst.outbox = append(inst.outbox, pendingCommand{topic: cmd.topic, msg: msg})
-	deadline := time.Now().Add(step.deadline)
+	wait, _ := step.limits(inst.Phase)
+	deadline := time.Now().Add(wait)
 	inst.DeadlineAt = &deadline
 	kind := "sent"
 	if inst.Attempt > 1 {

@@ -84,10 +84,18 @@ type env struct {
 }
 
 type options struct {
-	deadline    time.Duration            // of every step unless set below
-	deadlines   map[string]time.Duration // per step
-	maxAttempts int
-	silent      []string // ops without a participant: they never answer
+	deadline      time.Duration            // of every step unless set below
+	deadlines     map[string]time.Duration // per step
+	compDeadlines map[string]time.Duration // of compensations, per step; default 10s
+	maxAttempts   int
+	silent        []string // ops without a participant: they never answer
+}
+
+func (o options) compDeadlineOf(step string) time.Duration {
+	if d, ok := o.compDeadlines[step]; ok {
+		return d
+	}
+	return 10 * time.Second
 }
 
 func (o options) deadlineOf(step string) time.Duration {
@@ -132,8 +140,10 @@ func newEnv(t *testing.T, o options) *env {
 			return s.Trip, tripData{Trip: s.Trip}, err
 		}},
 		Steps: []saga.Step[tripData]{
-			{Name: "book", Action: book, Compensation: cmd("cancel"), Deadline: o.deadlineOf("book"), MaxAttempts: o.maxAttempts},
-			{Name: "pay", Action: cmd("pay"), Compensation: cmd("refund"), Deadline: o.deadlineOf("pay"), MaxAttempts: o.maxAttempts},
+			{Name: "book", Action: book, Compensation: cmd("cancel"), Deadline: o.deadlineOf("book"), MaxAttempts: o.maxAttempts,
+				CompensationDeadline: o.compDeadlineOf("book")},
+			{Name: "pay", Action: cmd("pay"), Compensation: cmd("refund"), Deadline: o.deadlineOf("pay"), MaxAttempts: o.maxAttempts,
+				CompensationDeadline: o.compDeadlineOf("pay")},
 		},
 	})
 	require.NoError(t, err)
@@ -382,13 +392,15 @@ func TestSilentParticipantIsResentThenCompensated(t *testing.T) {
 	var pay []string
 	for _, h := range inst.History {
 		if h.Step == "pay" {
-			pay = append(pay, h.Kind)
+			pay = append(pay, h.Kind+"/"+string(h.Phase))
 		}
 	}
-	assert.Equal(t, []string{"sent", "deadline", "resent", "deadline", "resent", "gave_up"}, pay)
+	assert.Equal(t, []string{"sent/action", "deadline/action", "resent/action", "deadline/action", "resent/action", "gave_up/action",
+		"sent/compensation", "reply_ok/compensation"}, pay, "pay's action may have happened: it is compensated too")
 	all := kinds(inst.History)
 	assert.Equal(t, []string{"sent:book", "reply_ok:book", "compensated"}, all[len(all)-3:], "then book is compensated")
 	assert.Equal(t, saga.PhaseCompensation, inst.History[len(inst.History)-3].Phase)
+	assert.Equal(t, 1, e.callsOf("refund"))
 
 	var keys, ids int
 	require.NoError(t, e.db.SQL.QueryRow(`SELECT count(DISTINCT metadata->>'idempotency_key'), count(DISTINCT uuid) FROM `+e.tr.MessagesTable(e.topics["pay"])).Scan(&keys, &ids))
@@ -441,8 +453,8 @@ func TestTwoSweepersNeverDoubleSend(t *testing.T) {
 func TestFailingCompensationParksThenOperatorRetry(t *testing.T) {
 	t.Parallel()
 	// book's compensation never answers: its deadline decides when the saga
-	// is parked; its action must still answer within it.
-	e := newEnv(t, options{deadlines: map[string]time.Duration{"book": 500 * time.Millisecond}, maxAttempts: 2})
+	// is parked.
+	e := newEnv(t, options{compDeadlines: map[string]time.Duration{"book": 500 * time.Millisecond}, maxAttempts: 2})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() { _ = e.engine.RunSweeper(ctx) }()
@@ -551,4 +563,23 @@ func TestEarlierStepReplyWhileLaterStepInFlight(t *testing.T) {
 	assert.Equal(t, saga.StatusRunning, after.Status)
 	assert.Equal(t, "pay", after.Step)
 	assert.Equal(t, inst.Version, after.Version)
+}
+
+// An instance whose command cannot be built is parked with the cause; it
+// does not stop the sweeper from handling the others.
+func TestBrokenInstanceDoesNotBlockTheSweeper(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{deadlines: map[string]time.Duration{"pay": 50 * time.Millisecond}, maxAttempts: 2, silent: []string{"pay"}})
+	broken := uuid.New()
+	_, err := e.db.SQL.Exec(`INSERT INTO saga_instances (id, saga_type, definition_version, status, data, current_step, phase, attempt, deadline_at)
+		VALUES ($1, $2, 1, 'running', '{"trip": 5}', 1, 'action', 1, now() - interval '1 hour')`, broken, e.def.Name)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = e.engine.RunSweeper(ctx) }()
+	good := e.terminal(e.start("bern"))
+	assert.Equal(t, saga.StatusCompensated, good.Status, "the healthy saga was swept on time")
+	parked := e.terminal(broken)
+	assert.Equal(t, saga.StatusFailed, parked.Status)
+	assert.Contains(t, parked.FailureReason, "cannot send the action of pay")
 }

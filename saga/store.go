@@ -47,6 +47,19 @@ ORDER BY deadline_at
 LIMIT 1
 FOR UPDATE SKIP LOCKED`
 
+	// parkBrokenSQL parks an instance whose command cannot be sent.
+	parkBrokenSQL = `WITH parked AS (
+    UPDATE saga_instances SET status = 'failed', failure_reason = $2, deadline_at = NULL,
+        finished_at = clock_timestamp(), updated_at = clock_timestamp(), version = version + 1
+    WHERE id = $1 AND status IN ('running', 'compensating')
+    RETURNING id)
+INSERT INTO saga_history (saga_id, seq, kind, detail)
+SELECT id, coalesce((SELECT max(seq) FROM saga_history WHERE saga_id = $1), 0) + 1, 'failed', $2 FROM parked`
+
+	// postponeSQL moves an instance's deadline a minute on.
+	postponeSQL = `UPDATE saga_instances SET deadline_at = clock_timestamp() + interval '1 minute'
+WHERE id = $1 AND status IN ('running', 'compensating')`
+
 	historySQL = `SELECT seq, at, kind, coalesce(step, ''), coalesce(phase, ''), coalesce(attempt, 0),
     coalesce(message_id, ''), coalesce(detail, '')
 FROM saga_history WHERE saga_id = $1 ORDER BY seq`

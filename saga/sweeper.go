@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"strconv"
 	"time"
+
+	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // SweepResult says what one sweep did.
@@ -67,32 +69,61 @@ func (e *Engine) sweepOne(ctx context.Context, known []string, res *SweepResult)
 	}
 	def, _ := e.definition(inst.Type, inst.DefVersion)
 	step := def.steps[inst.Step]
+	wait, attempts := step.limits(inst.Phase)
+	var outcome *int
 	switch {
-	case inst.Attempt < step.maxAttempts:
-		inst.note("deadline", inst.Step, def, "", fmt.Sprintf("no reply after %s", step.deadline))
-		err = e.send(inst, def, "")
-		res.Resent++
+	case inst.Attempt < attempts:
+		inst.note("deadline", inst.Step, def, "", fmt.Sprintf("no reply after %s", wait))
+		err, outcome = e.send(inst, def, ""), &res.Resent
 	case inst.Phase == PhaseAction:
+		// The action may or may not have happened: compensate this step too.
 		reason := fmt.Sprintf("%s: no reply after %d attempts", step.name, inst.Attempt)
 		inst.note("gave_up", inst.Step, def, "", reason)
 		inst.FailureReason = reason
-		err = e.compensate(inst, def, inst.Step, "")
-		res.GaveUp++
+		err, outcome = e.compensate(inst, def, inst.Step+1, ""), &res.GaveUp
 	default:
 		e.park(inst, def, fmt.Sprintf("compensation of %s got no reply after %d attempts", step.name, inst.Attempt))
-		res.Parked++
+		outcome = &res.Parked
+	}
+	if err == nil {
+		err = e.save(ctx, tx, inst)
+	}
+	if err == nil {
+		err = tx.Commit()
 	}
 	if err != nil {
-		return false, err
+		// One instance that cannot be handled must not hold up the others.
+		_ = tx.Rollback()
+		if ctx.Err() != nil {
+			return false, err
+		}
+		e.setAside(ctx, inst, step.name, err)
+		return true, nil
 	}
-	if err := e.save(ctx, tx, inst); err != nil {
-		return false, err
-	}
-	if err := tx.Commit(); err != nil {
-		return false, fmt.Errorf("saga: sweeping %s: %w", inst.ID, err)
-	}
+	*outcome++
 	e.log.Info("swept overdue saga command", "saga", inst.ID, "step", step.name, "phase", inst.Phase, "status", inst.Status, "attempt", inst.Attempt)
 	return true, nil
+}
+
+// setAside deals with an instance the sweeper could not handle: one whose
+// command cannot be built or sent at all is parked as failed with the cause;
+// after any other error (the database, say) its deadline moves a minute on,
+// so the sweeper moves on to the others.
+func (e *Engine) setAside(ctx context.Context, inst *instance, step string, cause error) {
+	if errors.Is(cause, errBadCommand) || errors.Is(cause, transport.ErrUnknownTopic) || errors.Is(cause, transport.ErrInvalidTopic) {
+		reason := fmt.Sprintf("cannot send the %s of %s: %v", inst.Phase, step, cause)
+		if _, err := e.cfg.DB.ExecContext(ctx, parkBrokenSQL, inst.ID, reason); err != nil {
+			e.log.Error("parking a saga the sweeper cannot handle", "saga", inst.ID, "cause", cause, "err", err)
+			return
+		}
+		e.log.Error("parked a saga whose command cannot be sent", "saga", inst.ID, "step", step, "cause", cause)
+		return
+	}
+	if _, err := e.cfg.DB.ExecContext(ctx, postponeSQL, inst.ID); err != nil {
+		e.log.Error("postponing a saga the sweeper cannot handle", "saga", inst.ID, "cause", cause, "err", err)
+		return
+	}
+	e.log.Error("sweeping a saga failed; trying it again in a minute", "saga", inst.ID, "step", step, "err", cause)
 }
 
 // RunSweeper sweeps every Config.SweepInterval until ctx is done, and reports

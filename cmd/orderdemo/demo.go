@@ -447,8 +447,9 @@ func (d *demo) printTable(s summary) {
 	fmt.Fprintf(w, "  %-12s %s\n", "time taken", fmtMillis(s.DurationMillis))
 	fmt.Fprintf(w, "  %-12s %d charges, %d refunds, %d calls (all runs)\n", "gateway", s.GatewayCharges, s.GatewayRefunds, s.GatewayCalls)
 	if s.InvariantsOK {
-		fmt.Fprintf(w, "  %-12s all hold: every saga terminal, no pending keys, no account below zero,\n", "invariants")
-		fmt.Fprintf(w, "  %-12s one charge per order at most, completed = charged once, compensated = nothing held\n", "")
+		fmt.Fprintf(w, "  %-12s all hold: every saga finished and none parked, no pending keys, no account below zero,\n", "invariants")
+		fmt.Fprintf(w, "  %-12s one charge per order at most, completed = charged once, compensated = nothing held,\n", "")
+		fmt.Fprintf(w, "  %-12s orders match their sagas, the gateway matches the ledger\n", "")
 	} else {
 		fmt.Fprintf(w, "  %-12s BROKEN\n", "invariants")
 		for _, v := range s.Violations {

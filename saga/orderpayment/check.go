@@ -42,14 +42,17 @@ func (r Report) OK() bool { return len(r.Violations) == 0 }
 // Check checks the invariants of the sample over the sagas ids (all sagas
 // of the type when ids is nil):
 //
-//   - every saga is terminal;
+//   - every saga is terminal, and none is parked as failed (an operator
+//     must look at those);
+//   - every placed order has a saga (when all sagas are checked);
+//   - a completed saga's order is confirmed, a compensated one's cancelled;
 //   - no idempotency key is left pending;
 //   - no account is below zero (a balance is the sum of its postings);
 //   - per order at most one charge, one void and one refund posting;
 //   - a completed saga's order holds exactly one net charge of its amount,
 //     a compensated one none;
 //   - the gateway (when the fake gateway's tables exist) charged and
-//     refunded exactly what the ledger records, by id.
+//     refunded exactly what the ledger records: same ids, accounts, amounts.
 func Check(ctx context.Context, db *sql.DB, ids []uuid.UUID) (Report, error) {
 	r := Report{Sagas: map[saga.Status]int{}}
 	var idArg any
@@ -101,16 +104,22 @@ func Check(ctx context.Context, db *sql.DB, ids []uuid.UUID) (Report, error) {
 		r.P50, r.P99, r.Max = latencies[n*50/100], latencies[min(n-1, n*99/100)], latencies[n-1]
 	}
 
-	checks := []struct {
+	type check struct {
 		name  string
 		query string
 		args  []any
-	}{
+	}
+	checks := []check{
+		{"sagas parked as failed (an operator must look)", failedSagasSQL, []any{Name, idArg}},
+		{"sagas whose order does not match (completed: confirmed; compensated: cancelled)", orderStateSQL, []any{Name, idArg}},
 		{"idempotency keys left pending", pendingKeysSQL, nil},
 		{"accounts below zero", negativeAccountsSQL, nil},
 		{"orders with more than one charge, void or refund posting", duplicatePostingsSQL, nil},
 		{"completed sagas without exactly one net charge of their amount", completedNetSQL, []any{Name, idArg}},
 		{"compensated sagas still holding money", compensatedNetSQL, []any{Name, idArg}},
+	}
+	if ids == nil {
+		checks = append(checks, check{"placed orders without a saga", ordersWithoutSagaSQL, []any{Name}})
 	}
 	var gateway bool
 	if err := db.QueryRowContext(ctx, `SELECT to_regclass('fake_gateway_operations') IS NOT NULL`).Scan(&gateway); err != nil {
@@ -118,16 +127,8 @@ func Check(ctx context.Context, db *sql.DB, ids []uuid.UUID) (Report, error) {
 	}
 	if gateway {
 		checks = append(checks,
-			struct {
-				name  string
-				query string
-				args  []any
-			}{"gateway charges without a captured posting, or postings without a gateway charge", gatewayChargesSQL, nil},
-			struct {
-				name  string
-				query string
-				args  []any
-			}{"gateway refunds without a refund posting, or refund postings without a gateway refund", gatewayRefundsSQL, nil},
+			check{"gateway charges and captured postings that do not match (id, account, amount)", gatewayChargesSQL, nil},
+			check{"gateway refunds and refund postings that do not match (id, account, amount)", gatewayRefundsSQL, nil},
 		)
 	}
 	for _, c := range checks {
@@ -195,13 +196,33 @@ WHERE s.saga_type = $1 AND s.status = 'compensated' AND ($2::text[] IS NULL OR s
 GROUP BY s.id, s.data
 HAVING sum(p.delta_cents) <> 0`
 
-	gatewayChargesSQL = `SELECT coalesce(g.id, p.reference) || ' gateway ' || coalesce(g.outcome, 'none') || ' posting ' || coalesce(p.kind, 'none')
-FROM (SELECT id, outcome FROM fake_gateway_operations WHERE op = 'charge' AND outcome = 'succeeded') g
-FULL JOIN (SELECT reference, kind FROM account_postings WHERE kind = 'charge' AND reference IS NOT NULL) p ON p.reference = g.id
+	failedSagasSQL = `SELECT id::text || ' ' || coalesce(failure_reason, '') FROM saga_instances
+WHERE saga_type = $1 AND status = 'failed' AND ($2::text[] IS NULL OR id::text = ANY ($2::text[]))`
+
+	orderStateSQL = `SELECT s.id::text || ' ' || s.status || ', order ' || coalesce(last.event_type, 'missing')
+FROM saga_instances s
+LEFT JOIN LATERAL (
+    SELECT event_type FROM domain_events
+    WHERE stream_id = 'order-' || (s.data->>'order_id') ORDER BY version DESC LIMIT 1) last ON true
+WHERE s.saga_type = $1 AND ($2::text[] IS NULL OR s.id::text = ANY ($2::text[]))
+  AND ((s.status = 'completed' AND last.event_type IS DISTINCT FROM 'orders.confirmed')
+    OR (s.status = 'compensated' AND last.event_type IS DISTINCT FROM 'orders.cancelled'))`
+
+	ordersWithoutSagaSQL = `SELECT e.payload->>'order_id' FROM domain_events e
+WHERE e.event_type = 'orders.placed'
+  AND NOT EXISTS (SELECT FROM saga_instances s WHERE s.saga_type = $1 AND s.data->>'order_id' = e.payload->>'order_id')`
+
+	gatewayChargesSQL = `SELECT coalesce(g.id, p.reference) || ' gateway ' || coalesce(g.account_id || ' ' || g.amount_cents, 'none')
+    || ' ledger ' || coalesce(p.account_id || ' ' || p.amount, 'none')
+FROM (SELECT id, account_id, amount_cents FROM fake_gateway_operations WHERE op = 'charge' AND outcome = 'succeeded') g
+FULL JOIN (SELECT reference, account_id, -delta_cents AS amount FROM account_postings WHERE kind = 'charge' AND reference IS NOT NULL) p
+    ON p.reference = g.id AND p.account_id = g.account_id AND p.amount = g.amount_cents
 WHERE g.id IS NULL OR p.reference IS NULL`
 
-	gatewayRefundsSQL = `SELECT coalesce(g.id, p.reference) || ' gateway ' || coalesce(g.outcome, 'none') || ' posting ' || coalesce(p.kind, 'none')
-FROM (SELECT id, outcome FROM fake_gateway_operations WHERE op = 'refund' AND outcome = 'succeeded') g
-FULL JOIN (SELECT reference, kind FROM account_postings WHERE kind = 'refund') p ON p.reference = g.id
+	gatewayRefundsSQL = `SELECT coalesce(g.id, p.reference) || ' gateway ' || coalesce(g.account_id || ' ' || g.amount_cents, 'none')
+    || ' ledger ' || coalesce(p.account_id || ' ' || p.amount, 'none')
+FROM (SELECT id, account_id, amount_cents FROM fake_gateway_operations WHERE op = 'refund' AND outcome = 'succeeded') g
+FULL JOIN (SELECT reference, account_id, delta_cents AS amount FROM account_postings WHERE kind = 'refund') p
+    ON p.reference = g.id AND p.account_id = g.account_id AND p.amount = g.amount_cents
 WHERE g.id IS NULL OR p.reference IS NULL`
 )

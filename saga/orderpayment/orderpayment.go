@@ -39,6 +39,11 @@ type StepTimeouts struct {
 	Deadline time.Duration
 	// MaxAttempts of a command before giving up on it. Default: 3.
 	MaxAttempts int
+	// CompensationDeadline and CompensationAttempts of compensations, which
+	// may wait for a slow action to finish first (a refund waits for its
+	// charge). Defaults: 30s and 5.
+	CompensationDeadline time.Duration
+	CompensationAttempts int
 }
 
 // Steps returns the saga's steps, in order: order (done by the trigger;
@@ -51,8 +56,10 @@ func Steps(t StepTimeouts) []saga.Step[Data] {
 	}}
 	return []saga.Step[Data]{
 		{
-			Name:         "order",
-			Compensation: cancel,
+			Name:                 "order",
+			Compensation:         cancel,
+			CompensationDeadline: t.CompensationDeadline,
+			CompensationAttempts: t.CompensationAttempts,
 		},
 		{
 			Name: "charge",
@@ -73,8 +80,10 @@ func Steps(t StepTimeouts) []saga.Step[Data] {
 					return payments.RefundPayment{OrderID: d.OrderID, AccountID: d.AccountID}
 				},
 			},
-			Deadline:    t.Deadline,
-			MaxAttempts: t.MaxAttempts,
+			Deadline:             t.Deadline,
+			MaxAttempts:          t.MaxAttempts,
+			CompensationDeadline: t.CompensationDeadline,
+			CompensationAttempts: t.CompensationAttempts,
 		},
 		{
 			Name: "confirm",
@@ -82,9 +91,11 @@ func Steps(t StepTimeouts) []saga.Step[Data] {
 				Topic: orders.ConfirmTopic,
 				Build: func(d Data) steps.Message { return orders.ConfirmOrder{OrderID: d.OrderID} },
 			},
-			Compensation: cancel,
-			Deadline:     t.Deadline,
-			MaxAttempts:  t.MaxAttempts,
+			Compensation:         cancel,
+			Deadline:             t.Deadline,
+			MaxAttempts:          t.MaxAttempts,
+			CompensationDeadline: t.CompensationDeadline,
+			CompensationAttempts: t.CompensationAttempts,
 		},
 	}
 }
@@ -116,6 +127,12 @@ func applyDefaults(t StepTimeouts) StepTimeouts {
 	}
 	if t.MaxAttempts == 0 {
 		t.MaxAttempts = 3
+	}
+	if t.CompensationDeadline == 0 {
+		t.CompensationDeadline = 30 * time.Second
+	}
+	if t.CompensationAttempts == 0 {
+		t.CompensationAttempts = 5
 	}
 	return t
 }

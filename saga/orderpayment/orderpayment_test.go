@@ -300,3 +300,32 @@ func TestDeclinedCard(t *testing.T) {
 	assert.Equal(t, int64(10_000), e.balance(cust))
 	e.checkInvariants([]uuid.UUID{sagaID})
 }
+
+// The saga gives up on a charge that is slower than its deadline and
+// compensates it; the charge lands at the gateway afterwards. The refund
+// waits for it, then returns the money: no compensated saga holds any.
+func TestGiveUpOnSlowChargeRefundsIt(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1, func(c *orderpayment.Config) {
+		c.Timeouts = orderpayment.StepTimeouts{Deadline: 100 * time.Millisecond, MaxAttempts: 1}
+	})
+	e.mu.Lock()
+	e.faults = func(c fakegateway.Call) fakegateway.Fault {
+		if c.Op == "charge" && c.Attempt == 1 {
+			return fakegateway.Slow // 300ms: past the saga's 100ms deadline
+		}
+		return fakegateway.None
+	}
+	e.mu.Unlock()
+	cust := e.customer(10_000)
+	orderID, sagaID := e.place(cust, 2_000)
+	inst := e.terminal(sagaID)
+	assert.Equal(t, saga.StatusCompensated, inst.Status)
+	assert.Equal(t, "charge: no reply after 1 attempts", inst.FailureReason)
+	assert.Equal(t, orders.StatusCancelled, e.order(orderID).Status)
+	assert.Equal(t, int64(10_000), e.balance(cust), "the late charge was refunded")
+	e.checkInvariants([]uuid.UUID{sagaID})
+	stats, err := e.gw.Stats(context.Background())
+	require.NoError(t, err)
+	assert.Equal(t, stats.Charges, stats.Refunds, "every charge at the gateway was refunded")
+}
