@@ -216,7 +216,13 @@ func (s *Service) refund(ctx context.Context, tx *steps.Tx, cmd RefundPayment) (
 	if err := s.finishReservedCharge(ctx, cmd); err != nil {
 		return nil, err
 	}
-	return s.refundOnce(ctx, cmd)
+	refunded, err := s.refundOnce(ctx, cmd)
+	var ref *refusal
+	if errors.As(err, &ref) {
+		// Final: the saga parks and reports it; a person must act.
+		return nil, steps.Fail(RefundFailed{OrderID: cmd.OrderID, Reason: ref.reason}, ref.reason)
+	}
+	return refunded, err
 }
 
 // RefundKey is the gateway's idempotency key for an order's refund.
@@ -264,7 +270,7 @@ func (s *Service) refundOnce(ctx context.Context, cmd RefundPayment) (PaymentRef
 			}
 			if rec := acq.Record; rec != nil {
 				if rec.Status == idempotency.StatusFailed {
-					return fmt.Errorf("payments: the gateway refused the refund of %s earlier: %s", cmd.OrderID, rec.Response.Body)
+					return &refusal{reason: ReasonRefundDeclined}
 				}
 				// Refunded at the gateway and recorded, yet not posted:
 				// post it now.
@@ -286,6 +292,13 @@ func (s *Service) refundOnce(ctx context.Context, cmd RefundPayment) (PaymentRef
 		}
 
 		id, err := s.cfg.Gateway.Refund(ctx, key, cmd.AccountID, chargeID, amount)
+		if errors.Is(err, ErrDeclined) {
+			// A final answer: record it, never leave the claim pending.
+			if cerr := s.cfg.Idempotency.CompleteLease(ctx, lease, idempotency.StatusFailed, idempotency.Response{Body: []byte(err.Error())}); cerr != nil {
+				return PaymentRefunded{}, fmt.Errorf("payments: recording the declined refund of %s: %w", cmd.OrderID, cerr)
+			}
+			return PaymentRefunded{}, &refusal{reason: ReasonRefundDeclined}
+		}
 		if err != nil {
 			if rerr := s.cfg.Idempotency.ReleaseLease(ctx, lease); rerr != nil {
 				s.cfg.Logger.Warn("releasing the lease of a failed gateway call", "key", key, "err", rerr)
@@ -293,8 +306,6 @@ func (s *Service) refundOnce(ctx context.Context, cmd RefundPayment) (PaymentRef
 			if errors.Is(err, ErrBadGatewayRequest) {
 				return PaymentRefunded{}, transport.Permanent(err)
 			}
-			// A declined refund needs a person: retried, then dead-lettered,
-			// and the saga parks and reports it.
 			return PaymentRefunded{}, err
 		}
 		err = s.inTx(ctx, func(tx *sql.Tx) error {

@@ -135,6 +135,15 @@ type RefundPayment struct {
 
 func (RefundPayment) MessageType() string { return "payments.RefundPayment" }
 
+// RefundFailed answers RefundPayment when the gateway refused the refund:
+// the money stays with the merchant and a person must act.
+type RefundFailed struct {
+	OrderID uuid.UUID `json:"order_id"`
+	Reason  string    `json:"reason"`
+}
+
+func (RefundFailed) MessageType() string { return "payments.RefundFailed" }
+
 // PaymentRefunded answers RefundPayment. AmountCents is 0 when the order was
 // never charged, and Already is set when it had been refunded before.
 type PaymentRefunded struct {
@@ -153,6 +162,7 @@ const (
 	ReasonUnknownAccount    = "unknown account"
 	ReasonInvalidCharge     = "invalid charge"
 	ReasonAbandoned         = "payment abandoned: the order was compensated"
+	ReasonRefundDeclined    = "refund declined by the gateway"
 )
 
 // Errors callers can branch on.

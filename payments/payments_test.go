@@ -520,3 +520,22 @@ func TestRefundOncePerOrderWhateverTheCommandKey(t *testing.T) {
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE account_id = $1 AND op = 'refund'`, acct))
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM account_postings WHERE order_id = $1 AND kind = 'refund'`, order))
 }
+
+// A refund the gateway declines is a final business failure: recorded (no
+// claim left pending), answered with RefundFailed, and replayed.
+func TestDeclinedRefund(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	acct := e.account(1000)
+	order := uuid.New()
+	require.Equal(t, steps.OutcomeOK, e.execute(e.svc.ChargeStep(), charge(order, acct, 300), "c-"+order.String()).env.Outcome)
+	e.plan(payments.RefundKey(order), fakegateway.Decline)
+	r := e.execute(e.svc.RefundStep(), payments.RefundPayment{OrderID: order, AccountID: acct}, "r-"+order.String())
+	assert.Equal(t, steps.OutcomeFailed, r.env.Outcome)
+	assert.Equal(t, "payments.RefundFailed", r.env.Type)
+	assert.Equal(t, payments.ReasonRefundDeclined, r.payload["reason"])
+	assert.Equal(t, int64(700), e.balance(acct), "the money stays charged")
+	assert.Zero(t, e.count(`SELECT count(*) FROM idempotency_keys WHERE status = 'pending' AND key = $1`, payments.RefundKey(order)))
+	again := e.execute(e.svc.RefundStep(), payments.RefundPayment{OrderID: order, AccountID: acct}, "r2-"+order.String())
+	assert.Equal(t, steps.OutcomeFailed, again.env.Outcome, "another refund command gets the recorded answer")
+}

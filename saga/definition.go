@@ -260,6 +260,22 @@ func (d *Definition) StepNames() []string {
 	return out
 }
 
+// CommandTopics lists the topics of the definition's commands (actions and
+// compensations).
+func (d *Definition) CommandTopics() []string {
+	seen := map[string]bool{}
+	var out []string
+	for _, s := range d.steps {
+		for _, c := range []*commandDef{s.action, s.compensation} {
+			if c != nil && !seen[c.topic] {
+				seen[c.topic] = true
+				out = append(out, c.topic)
+			}
+		}
+	}
+	return out
+}
+
 // Topics lists every topic the definition uses: trigger, replies, commands.
 func (d *Definition) Topics() []string {
 	seen := map[string]bool{}

@@ -18,6 +18,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"
+	"github.com/pgsaga/pgsaga/payments/fakegateway"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/steps"
 )
@@ -118,6 +119,22 @@ func Spec(s []saga.Step[Data]) saga.Spec[Data] {
 			},
 		},
 		Steps: s,
+	}
+}
+
+// GatewayFaults returns fake-gateway faults for chaos runs of the sample: a
+// share rate of calls is slow, unavailable, or loses its answer after
+// acting, and charges may be declined. Refunds are never declined: a
+// declined refund is a business dead end that parks the saga for a person,
+// not a fault to recover from.
+func GatewayFaults(seed uint64, rate float64) func(fakegateway.Call) fakegateway.Fault {
+	random := fakegateway.RandomFaults(seed, rate, fakegateway.Slow, fakegateway.Unavailable, fakegateway.Lost, fakegateway.Decline)
+	return func(c fakegateway.Call) fakegateway.Fault {
+		f := random(c)
+		if f == fakegateway.Decline && c.Op != "charge" {
+			return fakegateway.Unavailable
+		}
+		return f
 	}
 }
 

@@ -1,0 +1,178 @@
+package orderpayment_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"os"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/orders"
+	"github.com/pgsaga/pgsaga/payments/fakegateway"
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/orderpayment"
+	"github.com/pgsaga/pgsaga/saga/sagatest"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// chaosSeed is PGSAGA_CHAOS_SEED, or a fresh one.
+func chaosSeed(t *testing.T) uint64 {
+	if s := os.Getenv("PGSAGA_CHAOS_SEED"); s != "" {
+		seed, err := strconv.ParseUint(s, 10, 64)
+		require.NoError(t, err, "PGSAGA_CHAOS_SEED")
+		return seed
+	}
+	return uint64(time.Now().UnixNano())
+}
+
+// DomainInvariants adapts the sample's checker to the kit.
+func domainInvariants() []sagatest.Invariant {
+	return []sagatest.Invariant{{
+		Name: "order-payment ledger, orders and gateway",
+		Check: func(ctx context.Context, db *sql.DB) ([]string, error) {
+			r, err := orderpayment.Check(ctx, db, nil)
+			if err != nil {
+				return nil, err
+			}
+			var rows []string
+			for _, v := range r.Violations {
+				rows = append(rows, v.String())
+			}
+			return rows, nil
+		},
+	}}
+}
+
+// Several hundred orders through the saga while messages are duplicated
+// (30%), attempts crash before and after commit, connections are killed,
+// handlers stall, the gateway fails in every way it can, and three workers
+// are stopped and replaced at random. Afterwards every saga is terminal and
+// every invariant holds.
+func TestChaos(t *testing.T) {
+	seed := chaosSeed(t)
+	t.Logf("chaos seed %d (run again with PGSAGA_CHAOS_SEED=%d)", seed, seed)
+	const orderCount = 300
+	ctx := context.Background()
+	start := time.Now()
+	db := testdb.Fresh(t)
+
+	inj, err := sagatest.NewInjector(testdb.Open(t, db.URL, 4).SQL, sagatest.Faults{
+		Seed:                  seed,
+		DuplicateRate:         0.3,
+		CrashBeforeCommitRate: 0.05,
+		CrashAfterCommitRate:  0.05,
+		KillConnectionRate:    0.02,
+		DelayRate:             0.05,
+		MaxDelay:              50 * time.Millisecond,
+	}, logger())
+	require.NoError(t, err)
+	gwPool := testdb.Open(t, db.URL, 4)
+	gw, err := fakegateway.Start(ctx, fakegateway.Config{DB: gwPool.SQL, Logger: logger(), SlowDelay: 100 * time.Millisecond, LostHang: time.Second,
+		Faults: orderpayment.GatewayFaults(seed, 0.1)})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = gw.Close() })
+	app, err := orderpayment.New(orderpayment.Config{
+		DB:             db.SQL,
+		GatewayURL:     gw.URL(),
+		GatewayTimeout: 300 * time.Millisecond,
+		GatewayLease:   time.Second,
+		Transport: transport.Config{
+			PollInterval: 20 * time.Millisecond, RetryInterval: 20 * time.Millisecond,
+			Retry:     transport.RetryPolicy{MaxAttempts: 8, InitialBackoff: 5 * time.Millisecond, MaxBackoff: 100 * time.Millisecond},
+			Intercept: inj.Intercept,
+		},
+		Timeouts:      orderpayment.StepTimeouts{Deadline: 5 * time.Second, CompensationDeadline: 10 * time.Second},
+		SweepInterval: 200 * time.Millisecond,
+		Logger:        logger(),
+	})
+	require.NoError(t, err)
+	require.NoError(t, app.Setup(ctx))
+	churn, err := sagatest.StartChurn(sagatest.ChurnConfig{Workers: 3, Seed: seed, Logger: logger(),
+		New: func() (sagatest.Worker, error) { return app.NewWorker() }})
+	require.NoError(t, err)
+	defer churn.Stop() //nolint:errcheck // stopped and checked below
+
+	// Customers and orders: some beyond their balance, some cancelled by
+	// the customer a moment later.
+	customers := make([]string, 25)
+	for i := range customers {
+		customers[i] = fmt.Sprintf("chaos-%02d", i)
+		require.NoError(t, app.Orders.AddCustomer(ctx, customers[i], "Chaos "+customers[i]))
+		require.NoError(t, app.Payments.OpenAccount(ctx, customers[i]))
+		require.NoError(t, app.Payments.Deposit(ctx, customers[i], 30_000, "seed"))
+	}
+	var (
+		mu      sync.Mutex
+		ids     []uuid.UUID
+		wg      sync.WaitGroup
+		cancels sync.WaitGroup
+	)
+	for g := range 4 {
+		wg.Go(func() {
+			for i := g; i < orderCount; i += 4 {
+				res, err := app.Orders.Place(ctx, orders.PlaceRequest{Key: "chaos-" + strconv.Itoa(i), CustomerID: customers[i%len(customers)],
+					AmountCents: int64(1_000 + (i*7919)%8_000)})
+				if !assertNoError(t, err) {
+					return
+				}
+				mu.Lock()
+				ids = append(ids, saga.ID(orderpayment.Name, res.OrderID.String()))
+				mu.Unlock()
+				if i%10 == 3 {
+					cancels.Go(func() {
+						time.Sleep(time.Duration(i%50) * 10 * time.Millisecond)
+						_ = app.Orders.CancelByCustomer(ctx, res.OrderID, "chaos")
+					})
+				}
+			}
+		})
+	}
+	wg.Wait()
+	cancels.Wait()
+	require.Len(t, ids, orderCount)
+
+	// Let the churn go on while the sagas run, then let the system settle.
+	time.Sleep(3 * time.Second) // the chaos schedule's last stretch, not a wait for a result
+	churn.Calm()
+	counts, err := sagatest.WaitTerminal(ctx, db.SQL, ids, 3*time.Minute)
+	require.NoError(t, err, "seed %d", seed)
+	require.NoError(t, churn.Stop(), "seed %d", seed)
+	require.NoError(t, inj.Close())
+
+	violations, err := sagatest.Checker{DB: db.SQL, Transport: app.Transport, Definitions: []*saga.Definition{app.Definition},
+		Domain: domainInvariants()}.Check(ctx)
+	require.NoError(t, err)
+	for _, v := range violations {
+		t.Errorf("seed %d: %s", seed, v)
+	}
+
+	st := inj.Stats()
+	gwStats, err := gw.Stats(ctx)
+	require.NoError(t, err)
+	var replayed, ignoredTriggers int
+	require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM `+app.Transport.MessagesTable(app.Definition.ReplyTopic)+
+		` WHERE metadata->>'idempotent_replay' = 'true'`).Scan(&replayed))
+	require.NoError(t, db.SQL.QueryRow(`SELECT count(*) - count(DISTINCT uuid) FROM `+app.Transport.MessagesTable(orders.CreatedTopic)).Scan(&ignoredTriggers))
+	t.Logf("chaos: %d orders in %s: %d completed, %d compensated, %d failed; %d worker restarts",
+		orderCount, time.Since(start).Round(time.Millisecond), counts[saga.StatusCompleted], counts[saga.StatusCompensated], counts[saga.StatusFailed], churn.Restarts())
+	t.Logf("chaos faults: %d messages duplicated (%d copies), %d crashes before commit, %d redeliveries after commit, %d connections killed, %d delays; gateway faults %v over %d calls",
+		st.Duplicated, st.Copies, st.CrashesBefore, st.CrashesAfter, st.ConnectionsKilled, st.Delays, gwStats.Faults, gwStats.Calls)
+	t.Logf("chaos recovery: %d handler attempts, %d retried; %d duplicate commands answered from the store; %d duplicate triggers ignored; gateway %d charges, %d refunds",
+		st.Attempts, st.Retries, replayed, ignoredTriggers, gwStats.Charges, gwStats.Refunds)
+}
+
+func assertNoError(t *testing.T, err error) bool {
+	t.Helper()
+	if err != nil {
+		t.Errorf("%v", err)
+		return false
+	}
+	return true
+}

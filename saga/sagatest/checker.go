@@ -1,0 +1,181 @@
+package sagatest
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// Invariant is a property that must hold once the sagas have settled.
+// Check returns the rows that break it (none when it holds).
+type Invariant struct {
+	Name  string
+	Check func(ctx context.Context, db *sql.DB) ([]string, error)
+}
+
+// Violation is a broken invariant and the rows that break it.
+type Violation struct {
+	Invariant string
+	Rows      []string
+}
+
+func (v Violation) String() string {
+	return fmt.Sprintf("%s: %s", v.Invariant, strings.Join(v.Rows, "; "))
+}
+
+// Checker checks the generic invariants of sagas, and the domain's.
+type Checker struct {
+	// DB is required.
+	DB *sql.DB
+	// Transport names the topic tables. Required.
+	Transport *transport.Transport
+	// Definitions whose sagas and commands are checked. Required.
+	Definitions []*saga.Definition
+	// DeadLetterTopic to look for dead-lettered commands. Default:
+	// steps.DefaultDeadLetterTopic.
+	DeadLetterTopic string
+	// Domain invariants, checked after the generic ones.
+	Domain []Invariant
+}
+
+// Invariants lists the generic invariants:
+//
+//   - every saga is terminal, and none is parked as failed;
+//   - no idempotency key is left pending;
+//   - every command's effect happened at most once: no domain event was
+//     appended twice to a stream under the same idempotency key;
+//   - no command was lost: every command a saga published has a reply, or
+//     a dead-letter entry saying why not.
+func (c Checker) Invariants() []Invariant {
+	types := make([]string, len(c.Definitions))
+	for i, d := range c.Definitions {
+		types[i] = d.Name
+	}
+	dlq := c.DeadLetterTopic
+	if dlq == "" {
+		dlq = steps.DefaultDeadLetterTopic
+	}
+	q := func(query string, args ...any) func(ctx context.Context, db *sql.DB) ([]string, error) {
+		return func(ctx context.Context, db *sql.DB) ([]string, error) { return Rows(ctx, db, query, args...) }
+	}
+	invs := []Invariant{
+		{"sagas not terminal", q(`SELECT id::text || ' ' || saga_type || ' ' || status FROM saga_instances
+WHERE saga_type = ANY ($1::text[]) AND status IN ('running', 'compensating') ORDER BY created_at`, types)},
+		{"sagas parked as failed", q(`SELECT id::text || ' ' || coalesce(failure_reason, '') FROM saga_instances
+WHERE saga_type = ANY ($1::text[]) AND status = 'failed' ORDER BY created_at`, types)},
+		{"idempotency keys left pending", q(`SELECT scope || '/' || key FROM idempotency_keys WHERE status = 'pending' ORDER BY created_at`)},
+		{"effects applied more than once (events appended twice under one key)", q(`SELECT stream_id || ' ' || event_type || ' key ' || (metadata->>'idempotency_key') || ' x' || count(*)
+FROM domain_events WHERE metadata->>'idempotency_key' IS NOT NULL
+GROUP BY stream_id, event_type, metadata->>'idempotency_key' HAVING count(*) > 1`)},
+	}
+	for _, d := range c.Definitions {
+		var sent []string
+		for _, t := range d.CommandTopics() {
+			sent = append(sent, `SELECT metadata->>'idempotency_key' AS key, metadata->>'saga_id' AS saga FROM `+c.Transport.MessagesTable(t))
+		}
+		invs = append(invs, Invariant{
+			Name: "commands of " + d.Name + " with neither a reply nor a dead letter",
+			Check: q(`WITH sent AS (` + strings.Join(sent, " UNION ") + `)
+SELECT DISTINCT s.key FROM sent s
+WHERE NOT EXISTS (SELECT FROM ` + c.Transport.MessagesTable(d.ReplyTopic) + ` r WHERE r.metadata->>'idempotency_key' = s.key)
+  AND NOT EXISTS (SELECT FROM ` + c.Transport.MessagesTable(dlq) + ` x WHERE x.metadata->>'idempotency_key' = s.key)
+ORDER BY 1`),
+		})
+	}
+	return invs
+}
+
+// Check runs every invariant and returns the broken ones.
+func (c Checker) Check(ctx context.Context) ([]Violation, error) {
+	if c.DB == nil || c.Transport == nil || len(c.Definitions) == 0 {
+		return nil, errors.New("sagatest: Checker needs DB, Transport and Definitions")
+	}
+	var out []Violation
+	for _, inv := range append(c.Invariants(), c.Domain...) {
+		rows, err := inv.Check(ctx, c.DB)
+		if err != nil {
+			return out, fmt.Errorf("sagatest: checking %q: %w", inv.Name, err)
+		}
+		if len(rows) > 0 {
+			if len(rows) > 20 {
+				rows = append(rows[:20:20], fmt.Sprintf("… and %d more", len(rows)-20))
+			}
+			out = append(out, Violation{Invariant: inv.Name, Rows: rows})
+		}
+	}
+	return out, nil
+}
+
+// Rows runs a query returning one text column: a helper for invariants.
+func Rows(ctx context.Context, db *sql.DB, query string, args ...any) ([]string, error) {
+	rows, err := db.QueryContext(ctx, query, args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var s sql.NullString
+		if err := rows.Scan(&s); err != nil {
+			return nil, err
+		}
+		out = append(out, s.String)
+	}
+	return out, rows.Err()
+}
+
+// WaitTerminal polls until every saga in ids exists and is terminal, or
+// timeout passes; it returns the count per status, and an error naming the
+// sagas still unfinished.
+func WaitTerminal(ctx context.Context, db *sql.DB, ids []uuid.UUID, timeout time.Duration) (map[saga.Status]int, error) {
+	want := make([]string, len(ids))
+	for i, id := range ids {
+		want[i] = id.String()
+	}
+	deadline := time.Now().Add(timeout)
+	for {
+		counts := map[saga.Status]int{}
+		var unfinished []string
+		rows, err := db.QueryContext(ctx, `SELECT w.id, coalesce(s.status, 'not started') FROM unnest($1::text[]) w(id)
+			LEFT JOIN saga_instances s ON s.id::text = w.id`, want)
+		if err != nil {
+			return nil, err
+		}
+		for rows.Next() {
+			var id, status string
+			if err := rows.Scan(&id, &status); err != nil {
+				rows.Close()
+				return nil, err
+			}
+			st := saga.Status(status)
+			counts[st]++
+			if !st.Terminal() {
+				unfinished = append(unfinished, id+" "+status)
+			}
+		}
+		rows.Close()
+		if len(unfinished) == 0 {
+			return counts, nil
+		}
+		if time.Now().After(deadline) {
+			if len(unfinished) > 10 {
+				unfinished = append(unfinished[:10:10], fmt.Sprintf("… and %d more", len(unfinished)-10))
+			}
+			return counts, fmt.Errorf("sagatest: %d sagas unfinished after %s: %s", len(unfinished), timeout, strings.Join(unfinished, ", "))
+		}
+		select {
+		case <-ctx.Done():
+			return counts, ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}

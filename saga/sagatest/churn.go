@@ -1,0 +1,180 @@
+package sagatest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"time"
+)
+
+// Worker is what Churn starts and stops: a router, or a set of routers and
+// sweepers (orderpayment.Worker is one). Run returns after Close.
+type Worker interface {
+	Run(ctx context.Context) error
+	Close() error
+	Running() chan struct{}
+}
+
+// ChurnConfig configures Churn.
+type ChurnConfig struct {
+	// Workers is how many run at once. Default: 3.
+	Workers int
+	// New builds a worker. Required.
+	New func() (Worker, error)
+	// MinUp and MaxUp bound how long a worker runs before it is stopped
+	// and replaced. Defaults: 200ms and 1.5s.
+	MinUp, MaxUp time.Duration
+	// Seed decides the schedule.
+	Seed uint64
+	// Logger. Default: slog.Default().
+	Logger *slog.Logger
+}
+
+// Churn keeps Workers workers running over the same database, stopping each
+// after a random while and starting a fresh one in its place, until Calm or
+// Stop.
+type Churn struct {
+	cfg  ChurnConfig
+	inj  *Injector // only its chance function
+	calm chan struct{}
+	wg   sync.WaitGroup
+
+	mu       sync.Mutex
+	running  []Worker
+	restarts int
+	errs     []error
+}
+
+// StartChurn starts the workers.
+func StartChurn(cfg ChurnConfig) (*Churn, error) {
+	if cfg.New == nil {
+		return nil, errors.New("sagatest: ChurnConfig.New is required")
+	}
+	if cfg.Workers == 0 {
+		cfg.Workers = 3
+	}
+	if cfg.MinUp == 0 {
+		cfg.MinUp = 200 * time.Millisecond
+	}
+	if cfg.MaxUp == 0 {
+		cfg.MaxUp = 1500 * time.Millisecond
+	}
+	if cfg.Workers < 1 || cfg.MaxUp < cfg.MinUp || cfg.MinUp < 0 {
+		return nil, errors.New("sagatest: Workers must be positive and 0 <= MinUp <= MaxUp")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	c := &Churn{cfg: cfg, inj: &Injector{cfg: Faults{Seed: cfg.Seed}}, calm: make(chan struct{}), running: make([]Worker, cfg.Workers)}
+	for slot := range cfg.Workers {
+		w, err := c.start(slot)
+		if err != nil {
+			_ = c.Stop()
+			return nil, err
+		}
+		c.wg.Go(func() { c.churn(slot, w) })
+	}
+	return c, nil
+}
+
+// start starts a worker in slot and waits until it runs.
+func (c *Churn) start(slot int) (Worker, error) {
+	w, err := c.cfg.New()
+	if err != nil {
+		return nil, fmt.Errorf("sagatest: starting a worker: %w", err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- w.Run(context.Background()) }()
+	select {
+	case <-w.Running():
+	case err := <-done:
+		return nil, fmt.Errorf("sagatest: a worker stopped as it started: %w", err)
+	}
+	c.mu.Lock()
+	c.running[slot] = doneWorker{Worker: w, done: done}
+	c.mu.Unlock()
+	return c.running[slot], nil
+}
+
+type doneWorker struct {
+	Worker
+	done chan error
+}
+
+func (c *Churn) churn(slot int, w Worker) {
+	for round := 0; ; round++ {
+		up := c.cfg.MinUp + time.Duration(c.inj.chance("churn", strconv.Itoa(slot), strconv.Itoa(round))*float64(c.cfg.MaxUp-c.cfg.MinUp))
+		select {
+		case <-time.After(up):
+		case <-c.calm:
+			return
+		}
+		if err := c.stopWorker(w); err != nil {
+			c.fail(err)
+		}
+		next, err := c.start(slot)
+		if err != nil {
+			c.fail(err)
+			return
+		}
+		c.mu.Lock()
+		c.restarts++
+		c.mu.Unlock()
+		w = next
+	}
+}
+
+func (c *Churn) stopWorker(w Worker) error {
+	err := w.Close()
+	if dw, ok := w.(doneWorker); ok {
+		err = errors.Join(err, <-dw.done)
+	}
+	return err
+}
+
+func (c *Churn) fail(err error) {
+	c.cfg.Logger.Error("sagatest: churn", "err", err)
+	c.mu.Lock()
+	c.errs = append(c.errs, err)
+	c.mu.Unlock()
+}
+
+// Calm stops the churn and leaves one worker running in every slot, so the
+// system can settle.
+func (c *Churn) Calm() {
+	select {
+	case <-c.calm:
+	default:
+		close(c.calm)
+	}
+	c.wg.Wait()
+}
+
+// Stop calms the churn, stops every worker, and returns the errors seen.
+func (c *Churn) Stop() error {
+	c.Calm()
+	c.mu.Lock()
+	running := append([]Worker(nil), c.running...)
+	clear(c.running)
+	c.mu.Unlock()
+	for _, w := range running {
+		if w != nil {
+			if err := c.stopWorker(w); err != nil {
+				c.fail(err)
+			}
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return errors.Join(c.errs...)
+}
+
+// Restarts counts workers stopped and replaced so far.
+func (c *Churn) Restarts() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.restarts
+}
