@@ -24,8 +24,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"sort"
-	"strconv"
 	"strings"
 	"time"
 
@@ -33,6 +31,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgsaga/pgsaga/internal/pgbin"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 )
 
@@ -97,7 +96,7 @@ func (c *Config) setDefaults() {
 		c.EmbeddedPort = 54329
 	}
 	if c.BinDirs == nil {
-		c.BinDirs = localBinDirs()
+		c.BinDirs = pgbin.Candidates()
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -220,30 +219,8 @@ func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 	}}, nil
 }
 
-// binDir returns the first configured directory holding pg_ctl and postgres.
-func (c Config) binDir() string {
-	for _, d := range c.BinDirs {
-		if isFile(filepath.Join(d, "pg_ctl")) && isFile(filepath.Join(d, "postgres")) && isFile(filepath.Join(d, "initdb")) {
-			return d
-		}
-	}
-	return ""
-}
-
-func localBinDirs() []string {
-	var dirs []string
-	if out, err := exec.Command("pg_config", "--bindir").Output(); err == nil {
-		dirs = append(dirs, strings.TrimSpace(string(out)))
-	}
-	found, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
-	sort.Slice(found, func(i, j int) bool { return majorOf(found[i]) > majorOf(found[j]) })
-	return append(dirs, found...)
-}
-
-func majorOf(binDir string) int {
-	n, _ := strconv.Atoi(filepath.Base(filepath.Dir(binDir)))
-	return n
-}
+// binDir returns the first configured directory holding the server binaries.
+func (c Config) binDir() string { return pgbin.First(c.BinDirs) }
 
 var versionPattern = regexp.MustCompile(`\(PostgreSQL\) (\d+)`)
 
@@ -267,11 +244,6 @@ func serverVersion(bin string) (embeddedpostgres.PostgresVersion, error) {
 		}
 	}
 	return "", fmt.Errorf("PostgreSQL %s at %s is not supported by the embedded server (12 to 18 are)", m[1], bin)
-}
-
-func isFile(path string) bool {
-	st, err := os.Stat(path)
-	return err == nil && !st.IsDir()
 }
 
 func probe(ctx context.Context, url string, timeout time.Duration) error {

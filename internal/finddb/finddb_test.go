@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgsaga/pgsaga/internal/pgbin"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 )
 
@@ -87,7 +88,7 @@ func TestRootWithNothingAvailableExplainsTheWayOut(t *testing.T) {
 // reads the write back, then finds the server a killed run left behind. PostgreSQL refuses root, so as root the test re-runs
 // itself as the user "nobody".
 func TestEmbeddedServer(t *testing.T) {
-	if (Config{BinDirs: localBinDirs()}).binDir() == "" && os.Getenv("PGSAGA_TEST_EMBEDDED_DOWNLOAD") == "" {
+	if pgbin.Find() == "" && os.Getenv("PGSAGA_TEST_EMBEDDED_DOWNLOAD") == "" {
 		t.Skip("no local PostgreSQL binaries; set PGSAGA_TEST_EMBEDDED_DOWNLOAD=1 to test the download path")
 	}
 	dir, err := os.MkdirTemp("", "pgsaga-embedded-")
