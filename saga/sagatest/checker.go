@@ -135,7 +135,7 @@ func Rows(ctx context.Context, db *sql.DB, query string, args ...any) ([]string,
 
 // WaitTerminal polls until every saga in ids exists and is terminal, or
 // timeout passes; it returns the count per status, and an error naming the
-// sagas still unfinished.
+// sagas still unfinished. It rides out a database that is briefly down.
 func WaitTerminal(ctx context.Context, db *sql.DB, ids []uuid.UUID, timeout time.Duration) (map[saga.Status]int, error) {
 	want := make([]string, len(ids))
 	for i, id := range ids {
@@ -143,30 +143,14 @@ func WaitTerminal(ctx context.Context, db *sql.DB, ids []uuid.UUID, timeout time
 	}
 	deadline := time.Now().Add(timeout)
 	for {
-		counts := map[saga.Status]int{}
-		var unfinished []string
-		rows, err := db.QueryContext(ctx, `SELECT w.id, coalesce(s.status, 'not started') FROM unnest($1::text[]) w(id)
-			LEFT JOIN saga_instances s ON s.id::text = w.id`, want)
-		if err != nil {
-			return nil, err
-		}
-		for rows.Next() {
-			var id, status string
-			if err := rows.Scan(&id, &status); err != nil {
-				rows.Close()
-				return nil, err
-			}
-			st := saga.Status(status)
-			counts[st]++
-			if !st.Terminal() {
-				unfinished = append(unfinished, id+" "+status)
-			}
-		}
-		rows.Close()
-		if len(unfinished) == 0 {
+		counts, unfinished, err := sagaStates(ctx, db, want)
+		if err == nil && len(unfinished) == 0 {
 			return counts, nil
 		}
 		if time.Now().After(deadline) {
+			if err != nil {
+				return counts, fmt.Errorf("sagatest: reading the sagas after %s: %w", timeout, err)
+			}
 			if len(unfinished) > 10 {
 				unfinished = append(unfinished[:10:10], fmt.Sprintf("… and %d more", len(unfinished)-10))
 			}
@@ -178,4 +162,27 @@ func WaitTerminal(ctx context.Context, db *sql.DB, ids []uuid.UUID, timeout time
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
+}
+
+func sagaStates(ctx context.Context, db *sql.DB, want []string) (map[saga.Status]int, []string, error) {
+	rows, err := db.QueryContext(ctx, `SELECT w.id, coalesce(s.status, 'not started') FROM unnest($1::text[]) w(id)
+		LEFT JOIN saga_instances s ON s.id::text = w.id`, want)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer rows.Close()
+	counts := map[saga.Status]int{}
+	var unfinished []string
+	for rows.Next() {
+		var id, status string
+		if err := rows.Scan(&id, &status); err != nil {
+			return nil, nil, err
+		}
+		st := saga.Status(status)
+		counts[st]++
+		if !st.Terminal() {
+			unfinished = append(unfinished, id+" "+status)
+		}
+	}
+	return counts, unfinished, rows.Err()
 }

@@ -69,7 +69,8 @@ type Faults struct {
 	CrashAfterCommitRate float64
 	// KillConnectionRate is the share of attempts whose database connection
 	// is killed (pg_terminate_backend) after the handler's work, before
-	// commit.
+	// commit. A killed connection costs its whole batch (redelivered), so
+	// keep it well below 1/BatchSize or batches never get through.
 	KillConnectionRate float64
 
 	// DelayRate is the share of attempts that wait up to MaxDelay before
@@ -126,7 +127,7 @@ type Stats struct {
 	Duplicated        int // messages that got copies
 	Copies            int // copies published
 	CrashesBefore     int // attempts crashed before commit
-	CrashesAfter      int // messages delivered again after commit
+	CrashesAfter      int // redeliveries after commit queued (some roll back with their batch)
 	ConnectionsKilled int
 	Delays            int
 }
@@ -174,7 +175,10 @@ func (i *Injector) Stats() Stats {
 	return i.stats
 }
 
-// Close stops publishing pending copies and waits for those in progress.
+// Flush waits until every scheduled copy has been published.
+func (i *Injector) Flush() { i.wg.Wait() }
+
+// Close drops the copies not yet published and waits for those in progress.
 func (i *Injector) Close() error {
 	select {
 	case <-i.stop:

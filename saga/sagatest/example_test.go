@@ -1,0 +1,128 @@
+package sagatest_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/sagatest"
+	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// Your saga: reserve a room, then send a confirmation.
+
+type Booked struct {
+	Guest string `json:"guest"`
+}
+
+func (Booked) MessageType() string { return "hotel.Booked" }
+
+type ReserveRoom struct {
+	Guest string `json:"guest"`
+}
+
+func (ReserveRoom) MessageType() string { return "hotel.ReserveRoom" }
+
+type RoomReserved struct{}
+
+func (RoomReserved) MessageType() string { return "hotel.RoomReserved" }
+
+type booking struct {
+	Guest string `json:"guest"`
+}
+
+// Testing your own saga's failure recovery: build your app with the
+// Injector as the transport's Intercept, run it on churning workers, wait
+// for the sagas, and check the invariants, yours included.
+func Example() {
+	ctx := context.Background()
+	db := testdb.ForExample().SQL
+	suffix := uuid.NewString()[:8]
+	rooms := "rooms_" + suffix
+	if _, err := db.Exec(`CREATE TABLE ` + rooms + ` (guest text NOT NULL)`); err != nil {
+		panic(err)
+	}
+
+	// 1. Faults: duplicates, crashes at both commit boundaries, killed
+	// connections; reproducible from the seed.
+	injector, err := sagatest.NewInjector(db, sagatest.Faults{
+		Seed: 42, DuplicateRate: 0.5, CrashBeforeCommitRate: 0.1, CrashAfterCommitRate: 0.1, KillConnectionRate: 0.05,
+	}, quiet)
+	if err != nil {
+		panic(err)
+	}
+
+	// 2. Your app, as you build it, with the injector installed.
+	tr, _ := transport.New(transport.Config{DB: db, PollInterval: 20 * time.Millisecond, Intercept: injector.Intercept, Logger: quiet})
+	store, _ := idempotency.NewStore(idempotency.Config{DB: db})
+	runtime, _ := steps.New(steps.Config{Transport: tr, Store: store, Logger: quiet})
+	reserve := steps.Define("hotel.reserve-"+suffix, "hotel.reserve."+suffix, func(ctx context.Context, tx *steps.Tx, cmd ReserveRoom) (steps.Message, error) {
+		_, err := tx.ExecContext(ctx, `INSERT INTO `+rooms+` VALUES ($1)`, cmd.Guest)
+		return RoomReserved{}, err
+	})
+	def := saga.MustDefine(saga.Spec[booking]{
+		Name: "hotel-" + suffix,
+		Trigger: saga.Trigger[booking]{Topic: "hotel.booked." + suffix, Start: func(msg *message.Message) (string, booking, error) {
+			b, err := steps.Decode[Booked](msg)
+			return b.Guest, booking(b), err
+		}},
+		Steps: []saga.Step[booking]{{Name: "reserve", Action: &saga.Command[booking]{
+			Topic: reserve.Topic, Build: func(b booking) steps.Message { return ReserveRoom(b) }}}},
+	})
+	engine, _ := saga.NewEngine(saga.Config{DB: db, Transport: tr, Logger: quiet})
+	_ = engine.Register(def)
+	_ = tr.CreateTopics(ctx, append(def.Topics(), runtime.DeadLetterTopic())...)
+	newWorker := func() (sagatest.Worker, error) {
+		r, err := tr.NewRouter()
+		if err != nil {
+			return nil, err
+		}
+		if err := runtime.Register(r, reserve); err != nil {
+			return nil, err
+		}
+		return r, engine.AddHandlers(r)
+	}
+
+	// 3. Two workers, stopped and replaced at random.
+	churn, _ := sagatest.StartChurn(sagatest.ChurnConfig{Workers: 2, New: newWorker, Seed: 42, Logger: quiet})
+	var ids []uuid.UUID
+	for _, guest := range []string{"ada", "bob", "cy"} {
+		msg, _ := steps.NewMessage(Booked{Guest: guest}, steps.Envelope{})
+		_ = tr.Publisher(db).Publish(def.Trigger, msg)
+		ids = append(ids, saga.ID(def.Name, guest))
+	}
+
+	// 4. Wait for every saga, stop, and check.
+	counts, err := sagatest.WaitTerminal(ctx, db, ids, time.Minute)
+	if err != nil {
+		panic(err)
+	}
+	churn.Calm()
+	_ = churn.Stop()
+	_ = injector.Close()
+	violations, err := sagatest.Checker{
+		DB: db, Transport: tr, Definitions: []*saga.Definition{def},
+		Domain: []sagatest.Invariant{{
+			Name: "one room per guest",
+			Check: func(ctx context.Context, db *sql.DB) ([]string, error) {
+				return sagatest.Rows(ctx, db, `SELECT guest FROM `+rooms+` GROUP BY guest HAVING count(*) <> 1`)
+			},
+		}},
+	}.Check(ctx)
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println("completed:", counts[saga.StatusCompleted])
+	fmt.Println("violations:", violations)
+	// Output:
+	// completed: 3
+	// violations: []
+}

@@ -1,0 +1,222 @@
+package sagatest_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/sagatest"
+	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// The same seed makes the same decisions for the same messages, whatever
+// the order they come in.
+func TestFaultsAreReproducible(t *testing.T) {
+	t.Parallel()
+	db := testdb.Fresh(t)
+	decide := func(order []string) map[string]error {
+		inj, err := sagatest.NewInjector(db.SQL, sagatest.Faults{Seed: 7, CrashBeforeCommitRate: 0.5}, nil)
+		require.NoError(t, err)
+		h := inj.Intercept("h", func(*message.Message) error { return nil })
+		out := map[string]error{}
+		for _, id := range order {
+			out[id] = h(message.NewMessage(id, nil))
+		}
+		return out
+	}
+	ids := []string{"a", "b", "c", "d", "e", "f", "g", "h"}
+	forward := decide(ids)
+	backward := decide([]string{"h", "g", "f", "e", "d", "c", "b", "a"})
+	assert.Equal(t, forward, backward)
+	crashed := 0
+	for _, err := range forward {
+		if errors.Is(err, sagatest.ErrInjectedCrash) {
+			crashed++
+		}
+	}
+	assert.True(t, crashed > 0 && crashed < len(ids), "about half crash: %d of %d", crashed, len(ids))
+}
+
+func TestFaultsValidate(t *testing.T) {
+	t.Parallel()
+	db := testdb.Shared(t)
+	for _, f := range []sagatest.Faults{
+		{DuplicateRate: 1.5},
+		{CrashBeforeCommitRate: -0.1},
+		{CrashBeforeCommitRate: 0.6, CrashAfterCommitRate: 0.6},
+	} {
+		_, err := sagatest.NewInjector(db.SQL, f, nil)
+		require.Error(t, err)
+	}
+	_, err := sagatest.NewInjector(nil, sagatest.Faults{}, nil)
+	require.Error(t, err)
+}
+
+// Duplicates arrive later, as copies with the same UUID; crashes after
+// commit deliver the message again; a killed connection is recovered.
+func TestInjectorOnARouter(t *testing.T) {
+	t.Parallel()
+	db := testdb.Fresh(t)
+	// A killed connection abandons its whole batch: keep batches small and
+	// kills rare enough that batches get through.
+	inj, err := sagatest.NewInjector(testdb.Open(t, db.URL, 4).SQL, sagatest.Faults{
+		Seed: 3, DuplicateRate: 1, MaxCopies: 2, MaxCopyDelay: 50 * time.Millisecond,
+		CrashAfterCommitRate: 0.3, KillConnectionRate: 0.05, CrashBeforeCommitRate: 0.2,
+	}, quiet)
+	require.NoError(t, err)
+	tr, err := transport.New(transport.Config{DB: db.SQL, PollInterval: 20 * time.Millisecond, BatchSize: 5, Intercept: inj.Intercept, Logger: quiet})
+	require.NoError(t, err)
+	topic := "t_" + uuid.NewString()[:8]
+	require.NoError(t, tr.CreateTopics(context.Background(), topic))
+	_, err = db.SQL.Exec(`CREATE TABLE seen (uuid text, copy text)`)
+	require.NoError(t, err)
+	r, err := tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", topic, "", func(msg *message.Message) error {
+		tx, _ := transport.TxFromContext(msg.Context())
+		_, err := tx.ExecContext(msg.Context(), `INSERT INTO seen VALUES ($1, $2)`, msg.UUID, msg.Metadata.Get(sagatest.CopyMetadata))
+		return err
+	}))
+	done := make(chan error, 1)
+	go func() { done <- r.Run(context.Background()) }()
+	<-r.Running()
+	var msgs []*message.Message
+	for range 20 {
+		msgs = append(msgs, message.NewMessage(uuid.NewString(), []byte(`{}`)))
+	}
+	require.NoError(t, tr.Publisher(db.SQL).Publish(topic, msgs...))
+
+	// Every committed row of the topic (originals, copies, redeliveries
+	// after commit) is handled exactly once: one committed effect per row.
+	waitUntil := func(what string, cond func() bool) {
+		deadline := time.Now().Add(30 * time.Second)
+		for !cond() {
+			require.True(t, time.Now().Before(deadline), "timed out waiting for %s (%+v)", what, inj.Stats())
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	count := func(q string) int {
+		var n int
+		require.NoError(t, db.SQL.QueryRow(q).Scan(&n))
+		return n
+	}
+	waitUntil("the originals", func() bool { return count(`SELECT count(DISTINCT uuid) FROM seen`) == 20 })
+	inj.Flush()
+	consumed := `SELECT count(*) FROM ` + tr.MessagesTable(topic) + ` m JOIN ` + tr.OffsetsTable(topic) + ` o ON o.consumer_group = 'h'
+		WHERE m.transaction_id < o.last_processed_transaction_id
+		   OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked)`
+	waitUntil("every row consumed", func() bool { return count(consumed) == count(`SELECT count(*) FROM `+tr.MessagesTable(topic)) })
+	require.NoError(t, r.Close())
+	<-done
+	require.NoError(t, inj.Close())
+	assert.Equal(t, count(`SELECT count(*) FROM `+tr.MessagesTable(topic)), count(`SELECT count(*) FROM seen`), "one effect per delivered row")
+	st := inj.Stats()
+	assert.Equal(t, 20, st.Duplicated, "every message was duplicated")
+	assert.Positive(t, st.CrashesAfter)
+	assert.Positive(t, st.CrashesBefore)
+	assert.Positive(t, st.ConnectionsKilled)
+	var copies int
+	require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM seen WHERE copy <> ''`).Scan(&copies))
+	assert.Positive(t, copies, "copies were delivered with the copy mark")
+}
+
+type fakeWorker struct {
+	running chan struct{}
+	stop    chan struct{}
+	once    sync.Once
+	started *atomic.Int32
+}
+
+func (w *fakeWorker) Run(ctx context.Context) error {
+	w.started.Add(1)
+	close(w.running)
+	<-w.stop
+	return nil
+}
+func (w *fakeWorker) Close() error           { w.once.Do(func() { close(w.stop) }); return nil }
+func (w *fakeWorker) Running() chan struct{} { return w.running }
+
+func TestChurnRestartsWorkers(t *testing.T) {
+	t.Parallel()
+	var started atomic.Int32
+	c, err := sagatest.StartChurn(sagatest.ChurnConfig{Workers: 3, MinUp: 5 * time.Millisecond, MaxUp: 20 * time.Millisecond, Seed: 1,
+		New: func() (sagatest.Worker, error) {
+			return &fakeWorker{running: make(chan struct{}), stop: make(chan struct{}), started: &started}, nil
+		}})
+	require.NoError(t, err)
+	deadline := time.Now().Add(10 * time.Second)
+	for c.Restarts() < 10 {
+		require.True(t, time.Now().Before(deadline))
+		time.Sleep(5 * time.Millisecond)
+	}
+	require.NoError(t, c.Stop())
+	require.NoError(t, c.Stop(), "stopping twice is fine")
+	assert.GreaterOrEqual(t, int(started.Load()), 13)
+	_, err = sagatest.StartChurn(sagatest.ChurnConfig{})
+	require.Error(t, err)
+}
+
+// The checker names each broken generic invariant and its rows.
+func TestCheckerReportsRows(t *testing.T) {
+	t.Parallel()
+	db := testdb.Fresh(t)
+	tr, err := transport.New(transport.Config{DB: db.SQL})
+	require.NoError(t, err)
+	def := saga.MustDefine(saga.Spec[struct{}]{
+		Name:    "probe",
+		Trigger: saga.Trigger[struct{}]{Topic: "probe.start", Start: func(*message.Message) (string, struct{}, error) { return "k", struct{}{}, nil }},
+		Steps:   []saga.Step[struct{}]{{Name: "do", Action: &saga.Command[struct{}]{Topic: "probe.do", Build: func(struct{}) steps.Message { return probeCmd{} }}}},
+	})
+	require.NoError(t, tr.CreateTopics(context.Background(), append(def.Topics(), "pgsaga_dead_letters")...))
+	running := uuid.New()
+	_, err = db.SQL.Exec(`INSERT INTO saga_instances (id, saga_type, definition_version, status, data, current_step) VALUES ($1, 'probe', 1, 'running', '{}', 0)`, running)
+	require.NoError(t, err)
+	_, err = db.SQL.Exec(`INSERT INTO idempotency_keys (scope, key, request_hash) VALUES ('s', 'k', '\x01')`)
+	require.NoError(t, err)
+	_, err = db.SQL.Exec(`INSERT INTO domain_events (event_id, stream_id, version, event_type, payload, metadata) VALUES
+		($1, 'x', 1, 'e', '{}', '{"idempotency_key": "dup"}'), ($2, 'x', 2, 'e', '{}', '{"idempotency_key": "dup"}')`, uuid.New(), uuid.New())
+	require.NoError(t, err)
+	cmd := message.NewMessage(uuid.NewString(), []byte(`{}`))
+	cmd.Metadata.Set("idempotency_key", "lost-command")
+	require.NoError(t, tr.Publisher(db.SQL).Publish("probe.do", cmd))
+
+	violations, err := sagatest.Checker{DB: db.SQL, Transport: tr, Definitions: []*saga.Definition{def}}.Check(context.Background())
+	require.NoError(t, err)
+	got := map[string][]string{}
+	for _, v := range violations {
+		got[v.Invariant] = v.Rows
+	}
+	assert.Equal(t, []string{running.String() + " probe running"}, got["sagas not terminal"])
+	assert.Equal(t, []string{"s/k"}, got["idempotency keys left pending"])
+	assert.Equal(t, []string{"x e key dup x2"}, got["effects applied more than once (events appended twice under one key)"])
+	assert.Equal(t, []string{"lost-command"}, got["commands of probe with neither a reply nor a dead letter"])
+}
+
+func TestWaitTerminalNamesTheUnfinished(t *testing.T) {
+	t.Parallel()
+	db := testdb.Fresh(t)
+	missing := uuid.New()
+	_, err := sagatest.WaitTerminal(context.Background(), db.SQL, []uuid.UUID{missing}, 50*time.Millisecond)
+	require.ErrorContains(t, err, missing.String()+" not started")
+}
+
+type probeCmd struct{}
+
+func (probeCmd) MessageType() string { return "probe.Do" }
