@@ -21,6 +21,7 @@ import (
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
+	"github.com/pgsaga/pgsaga/saga/sagatest"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -30,17 +31,25 @@ type demo struct {
 	status io.Writer // progress: stdout, or stderr with -json
 	log    *slog.Logger
 
-	found   *finddb.Found
-	db      *pgdb.DB
-	gwDB    *pgdb.DB
-	gateway *fakegateway.Gateway
-	app     *orderpayment.App
-	workers []*orderpayment.Worker
-	done    []chan error
+	found    *finddb.Found
+	db       *pgdb.DB
+	gwDB     *pgdb.DB
+	chaosDB  *pgdb.DB
+	injector *sagatest.Injector
+	gateway  *fakegateway.Gateway
+	app      *orderpayment.App
+	workers  []*orderpayment.Worker
+	done     []chan error
 }
 
 func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo, error) {
 	level := slog.LevelWarn
+	if opts.chaos() {
+		// Injected crashes and killed connections make retries and
+		// abandoned batches routine: the report and the invariants tell
+		// what matters. -v shows everything.
+		level = slog.LevelError + 4
+	}
 	if opts.verbose {
 		level = slog.LevelDebug
 	}
@@ -48,6 +57,9 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 		log: slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))}
 	if opts.json {
 		d.status = stderr
+	}
+	if !opts.seedSet {
+		d.opts.seed = uint64(time.Now().UnixNano())
 	}
 	ok := false
 	defer func() {
@@ -80,17 +92,40 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 	if err != nil {
 		return nil, err
 	}
-	d.gateway, err = fakegateway.Start(ctx, fakegateway.Config{DB: d.gwDB.SQL, Logger: d.log})
+	gwCfg := fakegateway.Config{DB: d.gwDB.SQL, Logger: d.log}
+	tcfg := transport.Config{PollInterval: 50 * time.Millisecond, RetryInterval: 50 * time.Millisecond}
+	if d.opts.chaos() {
+		fmt.Fprintf(d.status, "chaos: duplicates %.0f%%, crashes %.0f%%, gateway faults %.0f%%, seed %d (repeat with -seed %d)\n",
+			100*d.opts.duplicateRate, 100*d.opts.crashRate, 100*d.opts.gatewayFaultRate, d.opts.seed, d.opts.seed)
+		gwCfg.Faults = orderpayment.GatewayFaults(d.opts.seed, d.opts.gatewayFaultRate)
+		gwCfg.SlowDelay, gwCfg.LostHang = 200*time.Millisecond, 3*time.Second
+		d.chaosDB, err = pgdb.Open(ctx, pgdb.Config{URL: found.URL, MaxConns: 4, ApplicationName: "orderdemo-chaos"})
+		if err != nil {
+			return nil, err
+		}
+		d.injector, err = sagatest.NewInjector(d.chaosDB.SQL, sagatest.Faults{
+			Seed:                  d.opts.seed,
+			DuplicateRate:         d.opts.duplicateRate,
+			CrashBeforeCommitRate: 0.45 * d.opts.crashRate,
+			CrashAfterCommitRate:  0.45 * d.opts.crashRate,
+			KillConnectionRate:    0.1 * d.opts.crashRate,
+		}, d.log)
+		if err != nil {
+			return nil, err
+		}
+		tcfg.Intercept = d.injector.Intercept
+		// A killed connection costs its whole batch: smaller batches keep
+		// each kill's cost small.
+		tcfg.BatchSize = 10
+	}
+	d.gateway, err = fakegateway.Start(ctx, gwCfg)
 	if err != nil {
 		return nil, err
 	}
 	d.app, err = orderpayment.New(orderpayment.Config{
-		DB:         d.db.SQL,
-		GatewayURL: d.gateway.URL(),
-		Transport: transport.Config{
-			PollInterval:  50 * time.Millisecond,
-			RetryInterval: 50 * time.Millisecond,
-		},
+		DB:            d.db.SQL,
+		GatewayURL:    d.gateway.URL(),
+		Transport:     tcfg,
 		SweepInterval: 500 * time.Millisecond,
 		Logger:        d.log,
 	})
@@ -129,6 +164,13 @@ func (d *demo) stopWorkers() {
 
 func (d *demo) close() {
 	d.stopWorkers()
+	if d.injector != nil {
+		_ = d.injector.Close()
+	}
+	if d.chaosDB != nil {
+		d.chaosDB.Close()
+		d.chaosDB = nil
+	}
 	if d.gateway != nil {
 		_ = d.gateway.Close()
 	}
@@ -183,7 +225,7 @@ func (d *demo) placeOrders(ctx context.Context) ([]uuid.UUID, error) {
 		return nil, nil
 	}
 	run := uuid.NewString()[:6]
-	rng := rand.New(rand.NewPCG(1, 2))
+	rng := rand.New(rand.NewPCG(d.opts.seed, 2))
 	customers := max(4, d.opts.orders/6)
 	ids := make([]string, customers)
 	for i := range ids {
@@ -370,8 +412,23 @@ type summary struct {
 	GatewayCharges     int            `json:"gateway_charges"`
 	GatewayRefunds     int            `json:"gateway_refunds"`
 	GatewayCalls       int            `json:"gateway_calls"`
+	Seed               uint64         `json:"seed"`
+	Chaos              *chaosSummary  `json:"chaos,omitempty"`
 	InvariantsOK       bool           `json:"invariants_ok"`
 	Violations         []string       `json:"violations"`
+}
+
+// chaosSummary says what was injected and how it was absorbed.
+type chaosSummary struct {
+	Duplicated        int            `json:"duplicated"`
+	Copies            int            `json:"copies"`
+	CrashesBefore     int            `json:"crashes_before_commit"`
+	CrashesAfter      int            `json:"crashes_after_commit"`
+	ConnectionsKilled int            `json:"connections_killed"`
+	GatewayFaults     map[string]int `json:"gateway_faults"`
+	Attempts          int            `json:"handler_attempts"`
+	Retries           int            `json:"handler_retries"`
+	Replayed          int            `json:"replies_replayed"`
 }
 
 func (d *demo) report(ids []uuid.UUID, r orderpayment.Report, took time.Duration, finished bool) int {
@@ -390,8 +447,21 @@ func (d *demo) report(ids []uuid.UUID, r orderpayment.Report, took time.Duration
 	if err == nil {
 		s.CompensatedReasons = reasons
 	}
-	if st, err := fakegateway.ReadStats(context.Background(), d.db.SQL); err == nil {
-		s.GatewayCharges, s.GatewayRefunds, s.GatewayCalls = st.Charges, st.Refunds, st.Calls
+	s.Seed = d.opts.seed
+	gw, gwErr := fakegateway.ReadStats(context.Background(), d.db.SQL)
+	if gwErr == nil {
+		s.GatewayCharges, s.GatewayRefunds, s.GatewayCalls = gw.Charges, gw.Refunds, gw.Calls
+	}
+	if d.injector != nil {
+		st := d.injector.Stats()
+		c := &chaosSummary{Duplicated: st.Duplicated, Copies: st.Copies, CrashesBefore: st.CrashesBefore, CrashesAfter: st.CrashesAfter,
+			ConnectionsKilled: st.ConnectionsKilled, Attempts: st.Attempts, Retries: st.Retries, GatewayFaults: map[string]int{}}
+		for f, n := range gw.Faults {
+			c.GatewayFaults[string(f)] = n
+		}
+		_ = d.db.SQL.QueryRow(`SELECT count(*) FROM ` + d.app.Transport.MessagesTable(d.app.Definition.ReplyTopic) +
+			` WHERE metadata->>'idempotent_replay' = 'true'`).Scan(&c.Replayed)
+		s.Chaos = c
 	}
 
 	if d.opts.json {
@@ -446,6 +516,13 @@ func (d *demo) printTable(s summary) {
 	fmt.Fprintf(w, "  %-12s p50 %s, p99 %s (order placed to saga finished)\n", "latency", fmtMillis(s.P50Millis), fmtMillis(s.P99Millis))
 	fmt.Fprintf(w, "  %-12s %s\n", "time taken", fmtMillis(s.DurationMillis))
 	fmt.Fprintf(w, "  %-12s %d charges, %d refunds, %d calls (all runs)\n", "gateway", s.GatewayCharges, s.GatewayRefunds, s.GatewayCalls)
+	if c := s.Chaos; c != nil {
+		fmt.Fprintf(w, "  %-12s %d messages duplicated (%d copies), %d crashes before commit, %d after commit, %d connections killed\n",
+			"chaos", c.Duplicated, c.Copies, c.CrashesBefore, c.CrashesAfter, c.ConnectionsKilled)
+		fmt.Fprintf(w, "  %-12s gateway faults %v (all runs); %d handler attempts, %d of them retries; %d duplicate commands answered from the store\n",
+			"", c.GatewayFaults, c.Attempts, c.Retries, c.Replayed)
+		fmt.Fprintf(w, "  %-12s seed %d\n", "", s.Seed)
+	}
 	if s.InvariantsOK {
 		fmt.Fprintf(w, "  %-12s all hold: every saga finished and none parked, no pending keys, no account below zero,\n", "invariants")
 		fmt.Fprintf(w, "  %-12s one charge per order at most, completed = charged once, compensated = nothing held,\n", "")

@@ -18,6 +18,17 @@ type options struct {
 	resume  bool
 	json    bool
 	verbose bool
+
+	duplicateRate    float64
+	crashRate        float64
+	gatewayFaultRate float64
+	seed             uint64
+	seedSet          bool
+}
+
+// chaos reports whether any fault is injected.
+func (o options) chaos() bool {
+	return o.duplicateRate > 0 || o.crashRate > 0 || o.gatewayFaultRate > 0
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -30,6 +41,10 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.BoolVar(&o.resume, "resume", false, "place no new orders: drive every unfinished saga in the database to a terminal state, then exit")
 	fs.BoolVar(&o.json, "json", false, "print the final summary as one JSON object on the last line of stdout")
 	fs.BoolVar(&o.verbose, "v", false, "log what the workers do (to stderr)")
+	fs.Float64Var(&o.duplicateRate, "duplicate-rate", 0, "chaos: share of messages delivered again (copies arrive late and out of order)")
+	fs.Float64Var(&o.crashRate, "crash-rate", 0, "chaos: share of handler attempts crashed at a commit boundary (45% of them before commit, 45% after commit before the ack, 10% by killing the database connection)")
+	fs.Float64Var(&o.gatewayFaultRate, "gateway-fault-rate", 0, "chaos: share of payment gateway calls that are slow, fail with 503, lose their answer after acting, or decline a charge")
+	fs.Uint64Var(&o.seed, "seed", 0, "seed of the order plan and the chaos (default: random, printed)")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), `Usage: orderdemo [flags]
 
@@ -64,6 +79,12 @@ Flags:
 	case o.resume && flagSet(fs, "orders"):
 		return o, errors.New("-resume places no orders; drop -orders")
 	}
+	for name, r := range map[string]float64{"-duplicate-rate": o.duplicateRate, "-crash-rate": o.crashRate, "-gateway-fault-rate": o.gatewayFaultRate} {
+		if r < 0 || r > 1 || r != r {
+			return o, fmt.Errorf("%s must be between 0 and 1, got %v", name, r)
+		}
+	}
+	o.seedSet = flagSet(fs, "seed")
 	return o, nil
 }
 

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"strings"
@@ -16,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
 )
 
@@ -76,6 +79,10 @@ func TestBadFlags(t *testing.T) {
 		"-orders ten":           "invalid value",
 		"-no-such-flag":         "flag provided but not defined",
 		"-workers 2 -orders 1e": "invalid value",
+		"-duplicate-rate 1.5":   "-duplicate-rate must be between 0 and 1",
+		"-crash-rate -0.1":      "-crash-rate must be between 0 and 1",
+		"-gateway-fault-rate 2": "-gateway-fault-rate must be between 0 and 1",
+		"-seed -1":              "invalid value",
 	} {
 		var stdout, stderr bytes.Buffer
 		code := run(context.Background(), strings.Fields(args), &stdout, &stderr)
@@ -87,57 +94,63 @@ func TestBadFlags(t *testing.T) {
 	assert.Contains(t, stderr.String(), "Usage: orderdemo")
 }
 
-// The runner is killed with SIGKILL in the middle of a run, then run again
-// with -resume: it finishes every saga and every invariant holds.
+// The runner is killed with SIGKILL several times at random moments (the
+// first run, then the resumes), under chaos; a last -resume finishes every
+// saga with every invariant intact.
 func TestKillAndResume(t *testing.T) {
 	db := testdb.Fresh(t)
-	child := func(args string) *exec.Cmd {
+	seed := uint64(time.Now().UnixNano())
+	t.Logf("seed %d", seed)
+	rng := rand.New(rand.NewPCG(seed, 9))
+	chaos := fmt.Sprintf("-duplicate-rate 0.2 -crash-rate 0.1 -gateway-fault-rate 0.05 -seed %d", seed)
+	child := func(args string) (*exec.Cmd, *lockedBuffer) {
 		cmd := exec.Command(os.Args[0], "-test.run=^$")
 		cmd.Env = append(os.Environ(), "ORDERDEMO_ARGS="+args, "DATABASE_URL="+db.URL)
-		return cmd
+		out := &lockedBuffer{}
+		cmd.Stdout, cmd.Stderr = out, out
+		return cmd, out
+	}
+	sagas := func() (total, running int) {
+		_ = db.SQL.QueryRow(`SELECT count(*), count(*) FILTER (WHERE status IN ('running', 'compensating')) FROM saga_instances`).Scan(&total, &running)
+		return total, running
 	}
 
-	first := child("-orders 120 -workers 2")
-	out := &lockedBuffer{}
-	first.Stdout, first.Stderr = out, out
-	require.NoError(t, first.Start())
-	// Kill it once some sagas have started and most are still going.
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		var n int
-		_ = db.SQL.QueryRow(`SELECT count(*) FROM saga_instances`).Scan(&n)
-		if n >= 10 {
-			break
+	args := "-orders 120 -workers 2 " + chaos
+	for kill := range 3 {
+		_, runningBefore := sagas()
+		cmd, out := child(args)
+		require.NoError(t, cmd.Start())
+		// Wait until this process has made progress (started sagas, or
+		// finished some it resumed), then a random moment more.
+		deadline := time.Now().Add(60 * time.Second)
+		for {
+			total, running := sagas()
+			if kill == 0 && total >= 10 && running > 0 || kill > 0 && running < runningBefore-5 {
+				break
+			}
+			require.True(t, time.Now().Before(deadline), "kill %d: no work in progress:\n%s", kill, out.String())
+			time.Sleep(5 * time.Millisecond)
 		}
-		require.True(t, time.Now().Before(deadline), "no saga started:\n%s", out.String())
-		time.Sleep(5 * time.Millisecond)
+		time.Sleep(time.Duration(rng.IntN(800)) * time.Millisecond)
+		require.NoError(t, cmd.Process.Signal(syscall.SIGKILL))
+		_ = cmd.Wait()
+		total, running := sagas()
+		t.Logf("kill %d: %d sagas, %d running", kill+1, total, running)
+		args = "-resume " + chaos
 	}
-	require.NoError(t, first.Process.Signal(syscall.SIGKILL))
-	err := first.Wait()
-	require.Error(t, err, "killed")
-	var running int
-	require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM saga_instances WHERE status IN ('running', 'compensating')`).Scan(&running))
-	t.Logf("killed with %d sagas running", running)
 
-	resume := child("-resume -json -timeout 90s")
-	var rout, rerr bytes.Buffer
-	resume.Stdout, resume.Stderr = &rout, &rerr
-	err = resume.Run()
-	require.NoError(t, err, "resume failed:\nstdout:\n%s\nstderr:\n%s", rout.String(), rerr.String())
-	s := lastJSON(t, rout.String())
+	resume, out := child("-resume -json -timeout 90s " + chaos)
+	require.NoError(t, resume.Run(), "resume failed:\n%s", out.String())
+	s := lastJSON(t, out.String())
 	assert.True(t, s.Resumed)
 	assert.True(t, s.InvariantsOK, "%v", s.Violations)
 	assert.Zero(t, s.Unfinished)
+	assert.NotNil(t, s.Chaos)
 
-	// Every order placed before the kill has a terminal saga, and the
-	// invariants hold over all of them.
 	r, err := orderpayment.Check(context.Background(), db.SQL, nil)
 	require.NoError(t, err)
 	assert.True(t, r.OK(), "%v", r.Violations)
-	var orphans int
-	require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM domain_events e WHERE e.event_type = 'orders.placed'
-		AND NOT EXISTS (SELECT FROM saga_instances s WHERE s.data->>'order_id' = e.payload->>'order_id' AND s.status IN ('completed', 'compensated'))`).Scan(&orphans))
-	assert.Zero(t, orphans, "every placed order's saga finished")
+	assert.Zero(t, r.Sagas[saga.StatusRunning]+r.Sagas[saga.StatusCompensating])
 }
 
 // lockedBuffer is a buffer a child process writes while the test reads it.
