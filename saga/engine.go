@@ -73,6 +73,15 @@ type Config struct {
 	SweepInterval time.Duration
 	// SweepBatch bounds the instances one sweep handles. Default: 100.
 	SweepBatch int
+	// FinishedChannel, if set, is a PostgreSQL notification channel: every
+	// instance that reaches a terminal state (completed, compensated,
+	// failed) sends a notification on it, with its id as the payload, in
+	// the transaction that finishes it, so it is delivered when, and only
+	// if, that transaction commits. Waiters (a client holding a request
+	// open until its saga ends, a benchmark) LISTEN on it; see
+	// ListenFinished. Each notification adds a little to the finishing
+	// commit, so it is off by default. Default: "" (none).
+	FinishedChannel string
 	// Logger. Default: slog.Default().
 	Logger *slog.Logger
 }
@@ -214,8 +223,9 @@ type instance struct {
 	UpdatedAt     time.Time
 	FinishedAt    *time.Time
 
-	history []historyEntry   // to write
-	outbox  []pendingCommand // to publish
+	history  []historyEntry   // to write
+	outbox   []pendingCommand // to publish
+	finished bool             // reached a terminal state in this reaction
 }
 
 type historyEntry struct {
@@ -407,6 +417,7 @@ func (e *Engine) finish(inst *instance, status Status, reason string) {
 	inst.DeadlineAt = nil
 	now := time.Now()
 	inst.FinishedAt = &now
+	inst.finished = true
 }
 
 // send queues the in-flight command (again, on a re-send) and sets its
@@ -478,5 +489,11 @@ func (e *Engine) flush(ctx context.Context, tx transport.Tx, inst *instance) err
 		}
 	}
 	inst.outbox = nil
+	if inst.finished && e.cfg.FinishedChannel != "" {
+		if _, err := tx.ExecContext(ctx, notifyFinishedSQL, e.cfg.FinishedChannel, inst.ID.String()); err != nil {
+			return fmt.Errorf("saga %s: notifying %s: %w", inst.ID, e.cfg.FinishedChannel, err)
+		}
+		inst.finished = false
+	}
 	return nil
 }

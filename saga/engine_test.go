@@ -89,6 +89,7 @@ type options struct {
 	compDeadlines map[string]time.Duration // of compensations, per step; default 10s
 	maxAttempts   int
 	silent        []string // ops without a participant: they never answer
+	finished      string   // the engine's FinishedChannel
 }
 
 func (o options) compDeadlineOf(step string) time.Duration {
@@ -123,7 +124,8 @@ func newEnv(t *testing.T, o options) *env {
 	require.NoError(t, err)
 	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Logger: logger()})
 	require.NoError(t, err)
-	engine, err := saga.NewEngine(saga.Config{DB: db.SQL, Transport: tr, Logger: logger(), SweepInterval: 20 * time.Millisecond})
+	engine, err := saga.NewEngine(saga.Config{DB: db.SQL, Transport: tr, Logger: logger(), SweepInterval: 20 * time.Millisecond,
+		FinishedChannel: o.finished})
 	require.NoError(t, err)
 	cmd := func(op string) *saga.Command[tripData] {
 		return &saga.Command[tripData]{Topic: e.topics[op], Build: func(d tripData) steps.Message { return tripCmd{Trip: d.Trip, Op: op} }}
@@ -253,6 +255,66 @@ func TestHappyPath(t *testing.T) {
 	assert.NotNil(t, inst.FinishedAt)
 	assert.Nil(t, inst.DeadlineAt)
 	assert.Equal(t, 0, e.callsOf("cancel")+e.callsOf("refund"))
+}
+
+// With a FinishedChannel, every instance that ends is announced once, when
+// its last transaction commits, whether it completed or compensated.
+func TestFinishedInstancesAreAnnounced(t *testing.T) {
+	t.Parallel()
+	channel := "finished_" + uuid.NewString()[:8]
+	e := newEnv(t, options{finished: channel})
+	var (
+		mu    sync.Mutex
+		heard = map[uuid.UUID]int{}
+	)
+	listening := make(chan struct{})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- saga.ListenFinished(ctx, e.db.SQL, channel, func(id uuid.UUID) {
+			mu.Lock()
+			heard[id]++
+			mu.Unlock()
+		}, nil, logger())
+	}()
+	// Wait until the listener is in place: announce a dummy and hear it.
+	go func() {
+		dummy := uuid.New()
+		for {
+			_, _ = e.db.SQL.Exec(`SELECT pg_notify($1, $2)`, channel, dummy.String())
+			mu.Lock()
+			ok := heard[dummy] > 0
+			mu.Unlock()
+			if ok {
+				close(listening)
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}()
+	<-listening
+	ok := e.start("oslo")
+	assert.Equal(t, saga.StatusCompleted, e.terminal(ok).Status)
+	e.set("pay", refuse)
+	refused := e.start("lima")
+	assert.Equal(t, saga.StatusCompensated, e.terminal(refused).Status)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		mu.Lock()
+		n := heard[ok] + heard[refused]
+		mu.Unlock()
+		if n == 2 {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "not announced: %v", heard)
+		time.Sleep(5 * time.Millisecond)
+	}
+	cancel()
+	require.NoError(t, <-done)
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Equal(t, 1, heard[ok])
+	assert.Equal(t, 1, heard[refused])
 }
 
 // A failure compensates the steps before it, last first.

@@ -47,14 +47,21 @@ ORDER BY deadline_at
 LIMIT 1
 FOR UPDATE SKIP LOCKED`
 
-	// parkBrokenSQL parks an instance whose command cannot be sent.
+	// parkBrokenSQL parks an instance whose command cannot be sent, and tells
+	// the finished channel ($3) if there is one.
 	parkBrokenSQL = `WITH parked AS (
     UPDATE saga_instances SET status = 'failed', failure_reason = $2, deadline_at = NULL,
         finished_at = clock_timestamp(), updated_at = clock_timestamp(), version = version + 1
     WHERE id = $1 AND status IN ('running', 'compensating')
-    RETURNING id)
-INSERT INTO saga_history (saga_id, seq, kind, detail)
-SELECT id, coalesce((SELECT max(seq) FROM saga_history WHERE saga_id = $1), 0) + 1, 'failed', $2 FROM parked`
+    RETURNING id),
+timeline AS (
+    INSERT INTO saga_history (saga_id, seq, kind, detail)
+    SELECT id, coalesce((SELECT max(seq) FROM saga_history WHERE saga_id = $1), 0) + 1, 'failed', $2 FROM parked)
+SELECT count(pg_notify($3, id::text)) FROM parked WHERE $3 <> ''`
+
+	// notifyFinishedSQL tells Config.FinishedChannel's listeners that an
+	// instance finished; delivered on commit.
+	notifyFinishedSQL = `SELECT pg_notify($1, $2)`
 
 	// postponeSQL moves an instance's deadline a minute on.
 	postponeSQL = `UPDATE saga_instances SET deadline_at = clock_timestamp() + interval '1 minute'
