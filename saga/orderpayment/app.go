@@ -50,6 +50,9 @@ type Config struct {
 	RegisterEvents func(*events.Registry) error
 	// SweepInterval of the saga engine's deadline sweeper. Default: 1s.
 	SweepInterval time.Duration
+	// FinishedChannel is the saga engine's notification channel for
+	// finished sagas (saga.Config.FinishedChannel). Default: none.
+	FinishedChannel string
 	// Logger. Default: slog.Default().
 	Logger *slog.Logger
 }
@@ -120,7 +123,8 @@ func New(cfg Config) (*App, error) {
 	if err != nil {
 		return nil, err
 	}
-	engine, err := saga.NewEngine(saga.Config{DB: cfg.DB, Transport: tr, SweepInterval: cfg.SweepInterval, Logger: cfg.Logger})
+	engine, err := saga.NewEngine(saga.Config{DB: cfg.DB, Transport: tr, SweepInterval: cfg.SweepInterval,
+		FinishedChannel: cfg.FinishedChannel, Logger: cfg.Logger})
 	if err != nil {
 		return nil, err
 	}
@@ -157,6 +161,15 @@ func (a *App) Topics() []string {
 		}
 	}
 	sort.Strings(out)
+	return out
+}
+
+// StepNames lists the participants' step names (their idempotency scopes).
+func (a *App) StepNames() []string {
+	out := make([]string, len(a.participants))
+	for i, s := range a.participants {
+		out[i] = s.Name
+	}
 	return out
 }
 

@@ -1,0 +1,345 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"log/slog"
+	mrand "math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgsaga/pgsaga/internal/finddb"
+	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/pglisten"
+	"github.com/pgsaga/pgsaga/migrations"
+	"github.com/pgsaga/pgsaga/orders"
+	"github.com/pgsaga/pgsaga/payments/fakegateway"
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/orderpayment"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// Defaults of the tuning flags.
+const (
+	defaultBatch = 50
+)
+
+// The workload: customers, a tenth of them with no money (their orders are
+// refused and compensated), orders of $10 to $90.
+const (
+	customers       = 1_000
+	refusedEvery    = 10
+	fundedCents     = 1_000_000_000
+	placers         = 32 // concurrent clients placing orders
+	finishedChannel = "pgsaga_bench_finished"
+)
+
+type bench struct {
+	opts   options
+	out    io.Writer
+	status io.Writer
+	log    *slog.Logger
+
+	found   *finddb.Found
+	admin   *pgdb.DB // the found database, to create and drop the bench's
+	dbName  string
+	db      *pgdb.DB // the workers'
+	clients *pgdb.DB // the clients placing orders
+	gwDB    *pgdb.DB // the gateway's
+	gateway *fakegateway.Gateway
+	app     *orderpayment.App
+	front   *orderpayment.App // the clients' view: places orders
+	workers []*orderpayment.Worker
+	done    []chan error
+
+	tracker      *tracker
+	stopListener context.CancelFunc
+	listenerDone chan struct{}
+	cpu          *cpuMeter
+}
+
+func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*bench, error) {
+	level := slog.LevelWarn
+	if opts.verbose {
+		level = slog.LevelDebug
+	}
+	b := &bench{opts: opts, out: stdout, status: stderr,
+		log: slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))}
+	ok := false
+	defer func() {
+		if !ok {
+			b.close()
+		}
+	}()
+
+	found, err := finddb.Find(ctx, finddb.Config{Logger: b.log})
+	if err != nil {
+		return nil, err
+	}
+	b.found = found
+	b.admin, err = pgdb.Open(ctx, pgdb.Config{URL: found.URL, MaxConns: 2, ApplicationName: "sagabench-admin"})
+	if err != nil {
+		return nil, err
+	}
+	suffix := make([]byte, 4)
+	_, _ = rand.Read(suffix)
+	b.dbName = "pgsaga_bench_" + hex.EncodeToString(suffix)
+	if _, err := b.admin.SQL.ExecContext(ctx, "CREATE DATABASE "+pgx.Identifier{b.dbName}.Sanitize()); err != nil {
+		b.dbName = ""
+		return nil, fmt.Errorf("creating the benchmark database: %w", err)
+	}
+	url, err := pgdb.WithDatabase(found.URL, b.dbName)
+	if err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(b.status, "using a fresh database %s on %s\n", b.dbName, found.Describe())
+
+	perWorker := len(topicsHint) + 2 // a connection per busy lane, plus charge leases
+	maxConns := int32(perWorker*opts.workers + 8)
+	if err := b.checkConnections(ctx, int(maxConns)+placers+8); err != nil {
+		return nil, err
+	}
+	if b.db, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: maxConns, ApplicationName: "sagabench"}); err != nil {
+		return nil, err
+	}
+	if _, err := migrations.Apply(ctx, b.db.SQL); err != nil {
+		return nil, err
+	}
+	if b.clients, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: placers, ApplicationName: "sagabench-clients"}); err != nil {
+		return nil, err
+	}
+	if b.gwDB, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: 8, ApplicationName: "sagabench-gateway"}); err != nil {
+		return nil, err
+	}
+	if b.gateway, err = fakegateway.Start(ctx, fakegateway.Config{DB: b.gwDB.SQL, Logger: b.log}); err != nil {
+		return nil, err
+	}
+	tcfg := transport.Config{BatchSize: opts.batch}
+	b.app, err = orderpayment.New(orderpayment.Config{DB: b.db.SQL, GatewayURL: b.gateway.URL(), Transport: tcfg,
+		FinishedChannel: finishedChannel, Logger: b.log})
+	if err != nil {
+		return nil, err
+	}
+	if err := b.app.Setup(ctx); err != nil {
+		return nil, err
+	}
+	b.front, err = orderpayment.New(orderpayment.Config{DB: b.clients.SQL, GatewayURL: b.gateway.URL(), Transport: tcfg, Logger: b.log})
+	if err != nil {
+		return nil, err
+	}
+	if b.cpu, err = newCPUMeter(ctx, b.db.SQL); err != nil {
+		return nil, err
+	}
+	if err := b.startListener(ctx); err != nil {
+		return nil, err
+	}
+	if err := b.seed(ctx); err != nil {
+		return nil, err
+	}
+	for range opts.workers {
+		w, err := b.app.NewWorker()
+		if err != nil {
+			return nil, err
+		}
+		done := make(chan error, 1)
+		go func() { done <- w.Run(context.WithoutCancel(ctx)) }()
+		<-w.Running()
+		b.workers = append(b.workers, w)
+		b.done = append(b.done, done)
+	}
+	ok = true
+	return b, nil
+}
+
+// topicsHint is the number of topics the sample's worker consumes, for
+// sizing the pool: trigger, charge, refund, confirm, cancel, replies,
+// projection.
+var topicsHint = [7]struct{}{}
+
+// checkConnections fails early, and clearly, when the server cannot take
+// the connections the run needs.
+func (b *bench) checkConnections(ctx context.Context, need int) error {
+	var maxConns, used int
+	err := b.admin.SQL.QueryRowContext(ctx, `SELECT current_setting('max_connections')::int, (SELECT count(*) FROM pg_stat_activity)`).Scan(&maxConns, &used)
+	if err != nil {
+		return fmt.Errorf("reading max_connections: %w", err)
+	}
+	if free := maxConns - used - 3; need > free {
+		return fmt.Errorf("this run needs up to %d connections but the server has %d free (max_connections %d): use fewer -lanes or -workers, or raise max_connections", need, free, maxConns)
+	}
+	return nil
+}
+
+func (b *bench) startListener(ctx context.Context) error {
+	b.tracker = newTracker()
+	listening := make(chan struct{})
+	var once sync.Once
+	l, err := pglisten.New(pglisten.Config{
+		DB:       b.db.SQL,
+		Channels: []string{finishedChannel},
+		OnNotify: func(_, payload string) {
+			if id, err := uuid.Parse(payload); err == nil {
+				b.tracker.finish(id, time.Now())
+			}
+		},
+		OnListen: func() {
+			first := false
+			once.Do(func() { first = true; close(listening) })
+			if !first {
+				// Notifications sent while the connection was down are
+				// lost: look for sagas that finished meanwhile.
+				go b.recheck(ctx)
+			}
+		},
+		Logger: b.log,
+	})
+	if err != nil {
+		return err
+	}
+	lctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	b.stopListener = cancel
+	b.listenerDone = make(chan struct{})
+	go func() {
+		defer close(b.listenerDone)
+		_ = l.Run(lctx)
+	}()
+	// Sagas must not finish unheard: wait for the first LISTEN.
+	select {
+	case <-listening:
+		return nil
+	case <-time.After(30 * time.Second):
+		return fmt.Errorf("could not LISTEN on %s", finishedChannel)
+	}
+}
+
+// recheck finishes the tracked sagas that ended while nobody listened.
+func (b *bench) recheck(ctx context.Context) {
+	ids := b.tracker.pendingIDs()
+	if len(ids) == 0 {
+		return
+	}
+	rows, err := b.db.SQL.QueryContext(ctx, `SELECT id FROM saga_instances WHERE id = ANY ($1::uuid[]) AND finished_at IS NOT NULL`, ids)
+	if err != nil {
+		b.log.Warn("rechecking finished sagas", "err", err)
+		return
+	}
+	defer rows.Close()
+	now := time.Now()
+	for rows.Next() {
+		var id uuid.UUID
+		if rows.Scan(&id) == nil {
+			b.tracker.finish(id, now)
+		}
+	}
+}
+
+// seed creates the customers, in parallel.
+func (b *bench) seed(ctx context.Context) error {
+	fmt.Fprintf(b.status, "seeding %d customers (every %dth with no money)\n", customers, refusedEvery)
+	var (
+		wg       sync.WaitGroup
+		next     atomic.Int64
+		firstErr error
+		mu       sync.Mutex
+	)
+	for range 8 {
+		wg.Go(func() {
+			for {
+				i := int(next.Add(1)) - 1
+				if i >= customers {
+					return
+				}
+				id := customerID(i)
+				err := b.front.Orders.AddCustomer(ctx, id, "Customer "+id)
+				if err == nil {
+					err = b.front.Payments.OpenAccount(ctx, id)
+				}
+				if err == nil && i%refusedEvery != 0 {
+					err = b.front.Payments.Deposit(ctx, id, fundedCents, "bench-seed")
+				}
+				if err != nil {
+					mu.Lock()
+					firstErr = cmpErr(firstErr, fmt.Errorf("seeding customer %s: %w", id, err))
+					mu.Unlock()
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	return firstErr
+}
+
+func cmpErr(first, err error) error {
+	if first != nil {
+		return first
+	}
+	return err
+}
+
+func customerID(i int) string { return fmt.Sprintf("bench-%04d", i) }
+
+// place places one order and registers its saga with the tracker under
+// phase, timed from start.
+func (b *bench) place(ctx context.Context, phase string, i int, rng *mrand.Rand, start time.Time) error {
+	res, err := b.front.Orders.Place(ctx, orders.PlaceRequest{
+		Key:         fmt.Sprintf("%s-%d", phase, i),
+		CustomerID:  customerID(rng.IntN(customers)),
+		AmountCents: int64(1_000 + 100*rng.IntN(81)),
+	})
+	if err != nil {
+		return err
+	}
+	b.tracker.add(saga.ID(orderpayment.Name, res.OrderID.String()), phase, start)
+	return nil
+}
+
+// stopWorkers drains and stops the workers.
+func (b *bench) stopWorkers() {
+	for i, w := range b.workers {
+		if err := w.Close(); err != nil {
+			b.log.Error("closing worker", "err", err)
+		}
+		<-b.done[i]
+	}
+	b.workers = nil
+}
+
+func (b *bench) close() {
+	b.stopWorkers()
+	if b.stopListener != nil {
+		b.stopListener()
+		<-b.listenerDone
+	}
+	if b.gateway != nil {
+		_ = b.gateway.Close()
+	}
+	for _, db := range []*pgdb.DB{b.gwDB, b.clients, b.db} {
+		if db != nil {
+			db.Close()
+		}
+	}
+	if b.admin != nil {
+		if b.dbName != "" && !b.opts.keep {
+			_, err := b.admin.SQL.Exec("DROP DATABASE IF EXISTS " + pgx.Identifier{b.dbName}.Sanitize() + " WITH (FORCE)")
+			if err != nil {
+				b.log.Error("dropping the benchmark database", "database", b.dbName, "err", err)
+			}
+		} else if b.dbName != "" {
+			fmt.Fprintf(b.status, "kept database %s\n", b.dbName)
+		}
+		b.admin.Close()
+	}
+	if b.found != nil {
+		if err := b.found.Close(); err != nil {
+			b.log.Error("stopping the embedded PostgreSQL", "err", err)
+		}
+	}
+}

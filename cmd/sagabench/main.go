@@ -1,0 +1,65 @@
+// Command sagabench measures the order-payment saga on a fresh database and
+// prints the figures as one JSON object on the last line of stdout.
+//
+// It runs, in order:
+//
+//   - a baseline: PostgreSQL's own single-insert commit rate at 16
+//     connections on the same database (commit_tps), so the saga figures
+//     read as a fraction of what the machine can commit;
+//   - the throughput phase: a closed loop of -sagas sagas, at most
+//     -inflight in flight at once (sagas_per_s, steps_per_s);
+//   - the latency phase: an open loop offering -rate sagas a second for
+//     -duration, each timed from its scheduled placement to the moment its
+//     saga's end is visible (p50_ms, p95_ms, p99_ms);
+//   - an idle phase: CPU used while nothing happens, for -idle;
+//
+// and then checks the same invariants as cmd/orderdemo over every saga. A
+// run that breaks them reports failure (exit status 1), whatever its speed.
+//
+// Usage:
+//
+//	go run ./cmd/sagabench [-sagas 20000] [-rate 100] [-duration 30s] [-workers 1] [-batch 50]
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// Exit codes.
+const (
+	exitOK        = 0
+	exitFailed    = 1 // an invariant broken, or sagas left unfinished
+	exitUsage     = 2
+	exitNoService = 3 // no database, gateway could not start, …
+)
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	opts, err := parseFlags(args, stderr)
+	if err != nil {
+		if errors.Is(err, errHelp) {
+			return exitOK
+		}
+		fmt.Fprintln(stderr, "sagabench:", err)
+		return exitUsage
+	}
+	b, err := newBench(ctx, opts, stdout, stderr)
+	if err != nil {
+		fmt.Fprintln(stderr, "sagabench:", err)
+		return exitNoService
+	}
+	defer b.close()
+	return b.run(ctx)
+}

@@ -1,0 +1,83 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+// A small run reports every figure of the JSON contract, with every
+// invariant checked, and drops its database.
+func TestSmallRun(t *testing.T) {
+	db := testdb.Shared(t)
+	t.Setenv("DATABASE_URL", db.URL)
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), []string{"-sagas", "120", "-inflight", "40", "-rate", "40", "-duration", "1s",
+		"-baseline", "300ms", "-idle", "500ms", "-batch", "20"}, &stdout, &stderr)
+	require.Equal(t, exitOK, code, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
+
+	lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
+	var raw map[string]any
+	require.NoError(t, json.Unmarshal([]byte(lines[len(lines)-1]), &raw), "last line: %q", lines[len(lines)-1])
+	for _, field := range []string{"ok", "sagas", "sagas_per_s", "steps_per_s", "p50_ms", "p95_ms", "p99_ms", "commit_tps",
+		"cpu_s_per_1k_sagas", "idle_cpu_pct", "invariants_ok", "violations", "config", "machine"} {
+		assert.Contains(t, raw, field)
+	}
+	var r result
+	require.NoError(t, json.Unmarshal([]byte(lines[len(lines)-1]), &r))
+	assert.True(t, r.OK)
+	assert.True(t, r.InvariantsOK)
+	assert.Equal(t, 120, r.Sagas)
+	assert.Equal(t, 40, r.LatencySagas)
+	assert.Equal(t, 160, r.Completed+r.Compensated)
+	assert.Positive(t, r.Compensated, "a tenth of the customers have no money")
+	assert.Positive(t, r.SagasPerS)
+	assert.InDelta(t, 5, r.StepsPerSaga, 0.01, "trigger, charge, reply, confirm or cancel, reply")
+	assert.Positive(t, r.P50Ms)
+	assert.GreaterOrEqual(t, r.P95Ms, r.P50Ms)
+	assert.GreaterOrEqual(t, r.P99Ms, r.P95Ms)
+	assert.Positive(t, r.CommitTPS)
+	assert.Positive(t, r.CPUPer1kSagas.Process)
+	assert.Equal(t, 20, r.Config.Batch)
+
+	name := regexp.MustCompile(`pgsaga_bench_[0-9a-f]+`).FindString(stderr.String())
+	require.NotEmpty(t, name, stderr.String())
+	var exists bool
+	require.NoError(t, db.SQL.QueryRow(`SELECT EXISTS (SELECT FROM pg_database WHERE datname = $1)`, name).Scan(&exists))
+	assert.False(t, exists, "the benchmark database is dropped")
+}
+
+func TestBadFlags(t *testing.T) {
+	t.Parallel()
+	for args, want := range map[string]string{
+		"-sagas -1":        "-sagas must be between 0 and 1000000",
+		"-inflight 0":      "-inflight must be positive",
+		"-rate -5":         "-rate must be between 0 and 10000",
+		"-duration 0s":     "-duration must be positive",
+		"-workers 17":      "-workers must be between 1 and 16",
+		"-batch 0":         "-batch must be between 1 and 1000",
+		"-idle -1s":        "must not be negative",
+		"-timeout 0s":      "-timeout must be positive",
+		"-sagas 0 -rate 0": "nothing to measure",
+		"extra":            "unexpected arguments",
+		"-no-such-flag":    "flag provided but not defined",
+	} {
+		var stdout, stderr bytes.Buffer
+		code := run(context.Background(), strings.Fields(args), &stdout, &stderr)
+		assert.Equal(t, exitUsage, code, args)
+		assert.Contains(t, stderr.String(), want, args)
+	}
+	var stdout, stderr bytes.Buffer
+	assert.Equal(t, exitOK, run(context.Background(), []string{"-h"}, &stdout, &stderr))
+	assert.Contains(t, stderr.String(), "Usage: sagabench")
+}

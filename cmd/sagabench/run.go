@@ -1,0 +1,401 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	mrand "math/rand/v2"
+	"runtime"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/orderpayment"
+)
+
+// result is the JSON on the last line of stdout. Its field names are a
+// contract.
+type result struct {
+	OK bool `json:"ok"`
+
+	// Throughput phase.
+	Sagas        int     `json:"sagas"`
+	SagasPerS    float64 `json:"sagas_per_s"`
+	StepsPerS    float64 `json:"steps_per_s"`
+	StepsPerSaga float64 `json:"steps_per_saga"`
+	ThroughputS  float64 `json:"throughput_s"`
+
+	// Latency phase.
+	Rate         float64 `json:"rate"`
+	LatencySagas int     `json:"latency_sagas"`
+	P50Ms        float64 `json:"p50_ms"`
+	P95Ms        float64 `json:"p95_ms"`
+	P99Ms        float64 `json:"p99_ms"`
+	MaxMs        float64 `json:"max_ms"`
+
+	// Baseline: single-insert commits per second at 16 connections.
+	CommitTPS float64 `json:"commit_tps"`
+	// StepsPerCommit is steps_per_s / commit_tps.
+	StepsPerCommit float64 `json:"steps_per_commit"`
+
+	// CPU seconds per 1,000 sagas in the throughput phase, and CPU use
+	// while idle in percent of one core. Postgres figures are null when the
+	// server's processes cannot be read.
+	CPUPer1kSagas cpuFigures `json:"cpu_s_per_1k_sagas"`
+	IdleCPUPct    cpuFigures `json:"idle_cpu_pct"`
+
+	Completed    int      `json:"completed"`
+	Compensated  int      `json:"compensated"`
+	Failed       int      `json:"failed"`
+	Unfinished   int      `json:"unfinished"`
+	InvariantsOK bool     `json:"invariants_ok"`
+	Violations   []string `json:"violations"`
+
+	Config  benchConfig `json:"config"`
+	Machine machine     `json:"machine"`
+}
+
+type cpuFigures struct {
+	Process  float64  `json:"process"`
+	Postgres *float64 `json:"postgres"`
+}
+
+type benchConfig struct {
+	Lanes     int     `json:"lanes"`
+	Workers   int     `json:"workers"`
+	Batch     int     `json:"batch"`
+	Inflight  int     `json:"inflight"`
+	DurationS float64 `json:"duration_s"`
+	BaselineS float64 `json:"baseline_s"`
+	IdleS     float64 `json:"idle_s"`
+}
+
+type machine struct {
+	Cores    int    `json:"cores"`
+	GOOS     string `json:"goos"`
+	GOARCH   string `json:"goarch"`
+	Go       string `json:"go"`
+	Postgres string `json:"postgres"`
+}
+
+func (b *bench) run(ctx context.Context) int {
+	r := result{Violations: []string{}, Rate: b.opts.rate,
+		Config: benchConfig{Lanes: 1, Workers: b.opts.workers, Batch: b.opts.batch, Inflight: b.opts.inflight,
+			DurationS: b.opts.duration.Seconds(), BaselineS: b.opts.baseline.Seconds(), IdleS: b.opts.idle.Seconds()},
+		Machine: machine{Cores: runtime.NumCPU(), GOOS: runtime.GOOS, GOARCH: runtime.GOARCH, Go: runtime.Version()}}
+	_ = b.db.SQL.QueryRowContext(ctx, `SELECT current_setting('server_version')`).Scan(&r.Machine.Postgres)
+	finished := true
+
+	if b.opts.baseline > 0 {
+		tps, err := b.commitBaseline(ctx)
+		if err != nil {
+			fmt.Fprintln(b.status, "sagabench: baseline:", err)
+			return exitFailed
+		}
+		r.CommitTPS = tps
+		fmt.Fprintf(b.status, "baseline     %.0f single-insert commits/s at 16 connections\n", tps)
+	}
+
+	if b.opts.sagas > 0 {
+		ok, err := b.throughput(ctx, &r)
+		if err != nil {
+			fmt.Fprintln(b.status, "sagabench: throughput phase:", err)
+			return exitFailed
+		}
+		finished = finished && ok
+	}
+	if b.opts.rate > 0 && ctx.Err() == nil {
+		ok, err := b.latency(ctx, &r)
+		if err != nil {
+			fmt.Fprintln(b.status, "sagabench: latency phase:", err)
+			return exitFailed
+		}
+		finished = finished && ok
+	}
+	if b.opts.idle > 0 && ctx.Err() == nil {
+		fmt.Fprintf(b.status, "idle         measuring for %s\n", b.opts.idle)
+		start := b.cpu.read()
+		select {
+		case <-ctx.Done():
+		case <-time.After(b.opts.idle):
+		}
+		u := since(start, b.cpu.read())
+		r.IdleCPUPct = figures(u, func(d time.Duration) float64 { return 100 * d.Seconds() / u.wall.Seconds() })
+	}
+
+	// Stop the workers before checking, so nothing moves under the check.
+	b.stopWorkers()
+	report, err := orderpayment.Check(context.WithoutCancel(ctx), b.db.SQL, nil)
+	if err != nil {
+		fmt.Fprintln(b.status, "sagabench: checking invariants:", err)
+		return exitFailed
+	}
+	r.Completed, r.Compensated, r.Failed = report.Sagas[saga.StatusCompleted], report.Sagas[saga.StatusCompensated], report.Sagas[saga.StatusFailed]
+	r.Unfinished = report.Total - r.Completed - r.Compensated - r.Failed
+	for _, v := range report.Violations {
+		r.Violations = append(r.Violations, v.String())
+	}
+	r.InvariantsOK = report.OK()
+	if r.CommitTPS > 0 {
+		r.StepsPerCommit = r.StepsPerS / r.CommitTPS
+	}
+	r.OK = finished && r.InvariantsOK && r.Unfinished == 0 && ctx.Err() == nil
+	b.print(r)
+	if !r.OK {
+		return exitFailed
+	}
+	return exitOK
+}
+
+func figures(u usage, f func(time.Duration) float64) cpuFigures {
+	c := cpuFigures{Process: round(f(u.process))}
+	if u.pgOK {
+		v := round(f(u.postgres))
+		c.Postgres = &v
+	}
+	return c
+}
+
+func round(v float64) float64 { return float64(int64(v*100+0.5)) / 100 }
+
+// commitBaseline measures single-row insert commits per second with 16
+// connections, each in autocommit.
+func (b *bench) commitBaseline(ctx context.Context) (float64, error) {
+	url := b.db.Pool.Config().ConnString()
+	pool, err := pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: 16, ApplicationName: "sagabench-baseline"})
+	if err != nil {
+		return 0, err
+	}
+	defer pool.Close()
+	if _, err := pool.SQL.ExecContext(ctx, `CREATE TABLE bench_commits (id bigserial PRIMARY KEY, v integer NOT NULL)`); err != nil {
+		return 0, err
+	}
+	defer func() { _, _ = pool.SQL.Exec(`DROP TABLE bench_commits`) }()
+	var n atomic.Int64
+	var wg sync.WaitGroup
+	deadline := time.Now().Add(b.opts.baseline)
+	errs := make(chan error, 16)
+	for w := range 16 {
+		wg.Go(func() {
+			for i := 0; time.Now().Before(deadline); i++ {
+				if _, err := pool.Pool.Exec(ctx, `INSERT INTO bench_commits (v) VALUES ($1)`, w*1_000_000+i); err != nil {
+					errs <- err
+					return
+				}
+				n.Add(1)
+			}
+		})
+	}
+	start := time.Now()
+	wg.Wait()
+	elapsed := time.Since(start)
+	close(errs)
+	if err := <-errs; err != nil {
+		return 0, err
+	}
+	return float64(n.Load()) / elapsed.Seconds(), nil
+}
+
+// throughput runs the closed loop.
+func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
+	const phase = "throughput"
+	n := b.opts.sagas
+	fmt.Fprintf(b.status, "throughput   %d sagas, at most %d in flight, %d workers, batch %d\n", n, b.opts.inflight, b.opts.workers, b.opts.batch)
+	slots := make(chan struct{}, b.opts.inflight)
+	b.tracker.setWindow(phase, slots)
+	cpuStart := b.cpu.read()
+	next := make(chan int)
+	errs := make(chan error, placers)
+	var wg sync.WaitGroup
+	for p := range placers {
+		rng := mrand.New(mrand.NewPCG(uint64(p), 1))
+		wg.Go(func() {
+			for i := range next {
+				start := time.Now()
+				if err := b.place(ctx, phase, i, rng, start); err != nil {
+					<-slots
+					errs <- err
+					return
+				}
+			}
+		})
+	}
+	go func() {
+		defer close(next)
+		for i := range n {
+			select {
+			case slots <- struct{}{}:
+			case <-ctx.Done():
+				return
+			}
+			select {
+			case next <- i:
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	ok := b.waitPhase(ctx, phase, n, errs)
+	wg.Wait()
+	close(errs)
+	if err := <-errs; err != nil {
+		return false, err
+	}
+	cpu := since(cpuStart, b.cpu.read())
+	res := b.tracker.result(phase)
+	took := res.last.Sub(res.first)
+	r.Sagas = len(res.latencies)
+	r.ThroughputS = round(took.Seconds())
+	if took > 0 {
+		r.SagasPerS = round(float64(r.Sagas) / took.Seconds())
+	}
+	steps, err := b.countSteps(context.WithoutCancel(ctx))
+	if err != nil {
+		return false, err
+	}
+	if took > 0 && r.Sagas > 0 {
+		r.StepsPerS = round(float64(steps) / took.Seconds())
+		r.StepsPerSaga = round(float64(steps) / float64(r.Sagas))
+	}
+	if r.Sagas > 0 {
+		per := 1000 / float64(r.Sagas)
+		r.CPUPer1kSagas = figures(cpu, func(d time.Duration) float64 { return d.Seconds() * per })
+	}
+	fmt.Fprintf(b.status, "throughput   %d sagas in %.1fs: %.0f sagas/s, %.0f steps/s\n", r.Sagas, took.Seconds(), r.SagasPerS, r.StepsPerS)
+	return ok, nil
+}
+
+// countSteps counts the idempotent steps run so far: every saga reaction
+// (a start, a reply applied) and every participant step.
+func (b *bench) countSteps(ctx context.Context) (int, error) {
+	var n int
+	err := b.db.SQL.QueryRowContext(ctx, `SELECT
+    (SELECT count(*) FROM saga_history WHERE kind IN ('started', 'reply_ok', 'reply_failed')) +
+    (SELECT count(*) FROM idempotency_keys WHERE scope = ANY ($1) AND status <> 'pending')`, b.app.StepNames()).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("counting steps: %w", err)
+	}
+	return n, nil
+}
+
+// latency runs the open loop.
+func (b *bench) latency(ctx context.Context, r *result) (bool, error) {
+	const phase = "latency"
+	n := int(b.opts.rate * b.opts.duration.Seconds())
+	fmt.Fprintf(b.status, "latency      %.0f sagas/s offered for %s (%d sagas)\n", b.opts.rate, b.opts.duration, n)
+	errs := make(chan error, n)
+	var wg sync.WaitGroup
+	go func() {
+		start := time.Now()
+		interval := time.Duration(float64(time.Second) / b.opts.rate)
+		for i := range n {
+			at := start.Add(time.Duration(i) * interval)
+			if d := time.Until(at); d > 0 {
+				select {
+				case <-time.After(d):
+				case <-ctx.Done():
+					return
+				}
+			}
+			rng := mrand.New(mrand.NewPCG(uint64(i), 2))
+			wg.Go(func() {
+				if err := b.place(ctx, phase, i, rng, at); err != nil {
+					errs <- err
+				}
+			})
+		}
+	}()
+	ok := b.waitPhase(ctx, phase, n, errs)
+	wg.Wait()
+	close(errs)
+	if err := <-errs; err != nil {
+		return false, err
+	}
+	res := b.tracker.result(phase)
+	lat := res.latencies
+	slices.Sort(lat)
+	r.LatencySagas = len(lat)
+	r.P50Ms = ms(percentile(lat, 0.50))
+	r.P95Ms = ms(percentile(lat, 0.95))
+	r.P99Ms = ms(percentile(lat, 0.99))
+	if len(lat) > 0 {
+		r.MaxMs = ms(lat[len(lat)-1])
+	}
+	fmt.Fprintf(b.status, "latency      p50 %.1fms, p95 %.1fms, p99 %.1fms, max %.1fms\n", r.P50Ms, r.P95Ms, r.P99Ms, r.MaxMs)
+	return ok, nil
+}
+
+func ms(d time.Duration) float64 { return round(float64(d.Microseconds()) / 1000) }
+
+// waitPhase shows progress until n sagas of phase ended, a placement
+// failed, the timeout passed or ctx was cancelled.
+func (b *bench) waitPhase(ctx context.Context, phase string, n int, errs chan error) bool {
+	deadline := time.NewTimer(b.opts.timeout)
+	defer deadline.Stop()
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	start, lastPrint, lastEnded := time.Now(), time.Now(), 0
+	for {
+		placed, ended := b.tracker.progress(phase)
+		if ended >= n {
+			return true
+		}
+		if since := time.Since(lastPrint); since >= time.Second {
+			fmt.Fprintf(b.status, "%-12s %5.1fs  placed %d, ended %d of %d (%.0f/s)\n", phase, time.Since(start).Seconds(), placed, ended, n, float64(ended-lastEnded)/since.Seconds())
+			lastPrint, lastEnded = time.Now(), ended
+		}
+		select {
+		case <-ctx.Done():
+			fmt.Fprintln(b.status, "interrupted")
+			return false
+		case <-deadline.C:
+			fmt.Fprintf(b.status, "gave up waiting after %s: %d of %d sagas ended\n", b.opts.timeout, ended, n)
+			return false
+		case err := <-errs:
+			errs <- err // for the caller
+			return false
+		case <-tick.C:
+		}
+	}
+}
+
+func (b *bench) print(r result) {
+	w := b.out
+	fmt.Fprintln(w)
+	fmt.Fprintf(w, "  %-18s %s, %d cores, Go %s, PostgreSQL %s\n", "machine", r.Machine.GOOS+"/"+r.Machine.GOARCH, r.Machine.Cores, r.Machine.Go, r.Machine.Postgres)
+	fmt.Fprintf(w, "  %-18s lanes %d, workers %d, batch %d\n", "config", r.Config.Lanes, r.Config.Workers, r.Config.Batch)
+	if r.CommitTPS > 0 {
+		fmt.Fprintf(w, "  %-18s %.0f single-insert commits/s (16 connections)\n", "baseline", r.CommitTPS)
+	}
+	if r.Sagas > 0 {
+		fmt.Fprintf(w, "  %-18s %.0f sagas/s, %.0f steps/s (%.1f steps a saga; %.2f steps per baseline commit)\n", "throughput", r.SagasPerS, r.StepsPerS, r.StepsPerSaga, r.StepsPerCommit)
+		fmt.Fprintf(w, "  %-18s process %.2f s%s\n", "CPU per 1k sagas", r.CPUPer1kSagas.Process, pgFigure(r.CPUPer1kSagas.Postgres, " s"))
+	}
+	if r.LatencySagas > 0 {
+		fmt.Fprintf(w, "  %-18s p50 %.1f ms, p95 %.1f ms, p99 %.1f ms, max %.1f ms at %.0f sagas/s offered\n", "latency", r.P50Ms, r.P95Ms, r.P99Ms, r.MaxMs, r.Rate)
+	}
+	if r.Config.IdleS > 0 {
+		fmt.Fprintf(w, "  %-18s process %.2f%% of a core%s\n", "idle CPU", r.IdleCPUPct.Process, pgFigure(r.IdleCPUPct.Postgres, "%"))
+	}
+	fmt.Fprintf(w, "  %-18s %d completed, %d compensated, %d failed, %d unfinished\n", "sagas", r.Completed, r.Compensated, r.Failed, r.Unfinished)
+	if r.InvariantsOK {
+		fmt.Fprintf(w, "  %-18s all hold\n", "invariants")
+	} else {
+		fmt.Fprintf(w, "  %-18s BROKEN\n", "invariants")
+		for _, v := range r.Violations {
+			fmt.Fprintf(w, "    - %s\n", v)
+		}
+	}
+	j, _ := json.Marshal(r)
+	fmt.Fprintln(w, string(j))
+}
+
+func pgFigure(v *float64, unit string) string {
+	if v == nil {
+		return ", PostgreSQL not readable"
+	}
+	return fmt.Sprintf(", PostgreSQL %.2f%s", *v, unit)
+}
