@@ -35,7 +35,7 @@ import (
 )
 
 // DefaultDeadLetterTopic receives commands a step gave up on.
-const DefaultDeadLetterTopic = "pgsaga_dead_letters"
+const DefaultDeadLetterTopic = transport.DefaultDeadLetterTopic
 
 // Handler handles one command of type C in the step's transaction.
 type Handler[C Message] func(ctx context.Context, tx *Tx, cmd C) (Message, error)

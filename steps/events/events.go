@@ -28,6 +28,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Event is a domain event: a JSON-encodable value with a stable type name.
@@ -262,6 +263,8 @@ func (s *Store) publish(tx DBTX, recorded []Recorded, payloads []string) error {
 			"type": r.Type, "correlation_id": r.Metadata.CorrelationID, "causation_id": r.Metadata.CausationID,
 			"saga_id": r.Metadata.SagaID, "idempotency_key": r.Metadata.IdempotencyKey,
 			MetaStreamID: r.StreamID, MetaVersion: strconv.Itoa(r.Version),
+			// One stream's events stay in one lane, in order.
+			transport.MetaPartitionKey: r.StreamID,
 		} {
 			if v != "" {
 				m.Metadata.Set(k, v)

@@ -1,6 +1,8 @@
 package transport
 
 import (
+	"database/sql"
+	"encoding/json"
 	"fmt"
 	"regexp"
 	"strconv"
@@ -16,24 +18,80 @@ import (
 const positionKey = "_pgsaga_position"
 
 // schemaAdapter is watermill-sql's PostgreSQL schema with a BYTEA payload,
-// recording each consumed message's position in its metadata.
+// recording each consumed message's position in its metadata. With a
+// notification channel, every insert also notifies the topic's subscribers,
+// in the inserting transaction (delivered only if it commits). A
+// subscription's adapter (poll set) also answers an empty poll with a
+// sentinel row that tells the subscription where its group stands and
+// where the visibility fence is (see selectBatchSQL).
 type schemaAdapter struct {
 	wsql.DefaultPostgreSQLSchema
+	notifyChannel string     // "" when notifications are off
+	poll          *pollState // the subscription's, nil for publishers
+	offsets       offsetsAdapter
+}
+
+// InsertQuery inserts msgs and, with notifications on, announces the topic
+// and the inserting transaction's id: "<topic> <xid>". Identical
+// notifications of one transaction are sent once.
+func (s schemaAdapter) InsertQuery(topic string, msgs message.Messages) (wsql.Query, error) {
+	q, err := s.DefaultPostgreSQLSchema.InsertQuery(topic, msgs)
+	if err != nil || s.notifyChannel == "" {
+		return q, err
+	}
+	n := len(q.Args)
+	q.Query = fmt.Sprintf(insertNotifySQL, q.Query, n+1, n+2)
+	q.Args = append(q.Args, s.notifyChannel, topic)
+	return q, nil
+}
+
+// SelectQuery reads the next batch for consumerGroup, or the sentinel row
+// when there is none.
+func (s schemaAdapter) SelectQuery(topic string, consumerGroup string, _ wsql.OffsetsAdapter) wsql.Query {
+	return wsql.Query{
+		Query: fmt.Sprintf(selectBatchSQL, s.offsets.MessagesOffsetsTable(topic), s.MessagesTable(topic), s.SubscribeBatchSize),
+		Args:  []any{consumerGroup},
+	}
 }
 
 func (s schemaAdapter) UnmarshalMessage(row wsql.Scanner) (wsql.Row, error) {
-	r, err := s.DefaultPostgreSQLSchema.UnmarshalMessage(row)
-	if err != nil {
-		return r, err
+	var (
+		r   wsql.Row
+		xid int64
+	)
+	if err := row.Scan(&r.Offset, &xid, &r.UUID, &r.Payload, &r.Metadata); err != nil {
+		return wsql.Row{}, fmt.Errorf("transport: scanning a message row: %w", err)
 	}
-	xid, ok := r.ExtraData["transaction_id"].(int64)
-	if !ok {
-		return r, fmt.Errorf("transport: message %s has no transaction id", r.UUID)
+	if r.Offset < 0 {
+		// The sentinel: no message for the group. Its position and the
+		// fence go to the subscription's backoff.
+		var fence struct {
+			Xmin string `json:"xmin"`
+		}
+		if err := json.Unmarshal(r.Metadata, &fence); err != nil {
+			return wsql.Row{}, fmt.Errorf("transport: reading the poll's sentinel: %w", err)
+		}
+		xmin, err := strconv.ParseUint(fence.Xmin, 10, 64)
+		if err != nil {
+			return wsql.Row{}, fmt.Errorf("transport: reading the poll's sentinel: %w", err)
+		}
+		if s.poll != nil {
+			s.poll.empty(uint64(xid), xmin)
+		}
+		return wsql.Row{}, sql.ErrNoRows
 	}
-	if r.Msg.Metadata == nil { // stored as JSON null
-		r.Msg.Metadata = message.Metadata{}
+	msg := message.NewMessage(string(r.UUID), r.Payload)
+	if r.Metadata != nil {
+		if err := json.Unmarshal(r.Metadata, &msg.Metadata); err != nil {
+			return wsql.Row{}, fmt.Errorf("transport: message %s: decoding metadata: %w", r.UUID, err)
+		}
 	}
-	r.Msg.Metadata.Set(positionKey, strconv.FormatInt(xid, 10)+"/"+strconv.FormatInt(r.Offset, 10))
+	if msg.Metadata == nil { // stored as JSON null
+		msg.Metadata = message.Metadata{}
+	}
+	msg.Metadata.Set(positionKey, strconv.FormatInt(xid, 10)+"/"+strconv.FormatInt(r.Offset, 10))
+	r.Msg = msg
+	r.ExtraData = map[string]any{"transaction_id": xid}
 	return r, nil
 }
 

@@ -149,9 +149,10 @@ func AttemptFromContext(ctx context.Context) int {
 type route struct {
 	r       *Router
 	name    string
-	topic   string
+	topic   string // the logical topic
+	lane    string // the physical topic read
 	group   string
-	offsets string // quoted offsets table of topic
+	offsets string // quoted offsets table of lane
 	h       HandlerFunc
 	retry   RetryPolicy
 }

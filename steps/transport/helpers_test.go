@@ -56,7 +56,12 @@ type env struct {
 
 func newEnv(t *testing.T, mutate func(*transport.Config)) *env {
 	t.Helper()
-	db := testdb.Shared(t)
+	return newEnvOn(t, testdb.Shared(t), mutate)
+}
+
+// newEnvOn is newEnv on a database of the test's choosing.
+func newEnvOn(t *testing.T, db *testdb.DB, mutate func(*transport.Config)) *env {
+	t.Helper()
 	cfg := fastConfig(db)
 	if mutate != nil {
 		mutate(&cfg)

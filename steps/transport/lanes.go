@@ -4,56 +4,98 @@ import (
 	"fmt"
 	"hash/fnv"
 	"strconv"
+
+	"github.com/ThreeDotsLabs/watermill/message"
 )
 
-// Lanes spreads one logical topic over Count physical topics. A consumer
-// group on one topic is a single serial lane; n lanes give n of them. All
-// messages with the same key (a saga id) go to the same lane, so per-key
-// order holds.
-//
-// With Count 0 or 1 the logical topic is used as is; otherwise lane i is
-// "<Topic>.<i>". Changing Count moves keys between lanes: drain the old lanes
-// first.
-type Lanes struct {
-	Topic string
-	Count int
-}
+// Lanes: one consumer group on one watermill-sql topic is a single serial
+// lane, however many subscribers it has. A topic spread over n lanes is
+// stored as n physical topics, "<topic>.0" … "<topic>.<n-1>"; a message goes
+// to the lane of a stable hash of its lane key, so all messages of one key
+// (one saga) stay in one lane, in order, and a Router handler reads every
+// lane in parallel.
 
-// Validate checks that every lane name is a valid topic.
-func (l Lanes) Validate() error {
-	if l.Count < 0 {
-		return fmt.Errorf("transport: lanes of %s: count must not be negative, got %d", l.Topic, l.Count)
+// MaxLanes bounds a topic's lane count.
+const MaxLanes = 256
+
+// MetaPartitionKey is the metadata that, when set, is a message's lane key
+// (see Config.LaneKey). Event streams set it to the stream id, so one
+// stream's events keep their order.
+const MetaPartitionKey = "partition_key"
+
+// DefaultDeadLetterTopic receives what the step runtime and the saga engine
+// give up on. Dead-letter topics keep a single lane unless
+// Config.TopicLanes says otherwise.
+const DefaultDeadLetterTopic = "pgsaga_dead_letters"
+
+// defaultLaneKey is MetaPartitionKey, else the saga id, else the UUID.
+func defaultLaneKey(_ string, msg *message.Message) string {
+	if k := msg.Metadata.Get(MetaPartitionKey); k != "" {
+		return k
 	}
-	return ValidateTopic(l.Name(max(l.Count, 1) - 1))
+	if k := msg.Metadata.Get("saga_id"); k != "" {
+		return k
+	}
+	return msg.UUID
 }
 
-// Of returns the lane of key: a stable FNV-1a hash of key modulo Count.
-func (l Lanes) Of(key string) int {
-	if l.Count <= 1 {
+// LanesOf returns how many lanes topic is spread over.
+func (t *Transport) LanesOf(topic string) int {
+	if n, ok := t.cfg.TopicLanes[topic]; ok {
+		return n
+	}
+	if topic == DefaultDeadLetterTopic || topic == t.cfg.Retry.DeadLetterTopic {
+		return 1
+	}
+	return t.cfg.Lanes
+}
+
+// LaneTopics returns the physical topics of topic's lanes: topic itself when
+// it has one lane.
+func (t *Transport) LaneTopics(topic string) []string {
+	return laneNames(topic, t.LanesOf(topic))
+}
+
+// LaneOf returns the physical topic msg goes to when published to topic.
+func (t *Transport) LaneOf(topic string, msg *message.Message) string {
+	n := t.LanesOf(topic)
+	return laneName(topic, laneIndex(t.cfg.LaneKey(topic, msg), n), n)
+}
+
+// validateLanes checks that every lane of topic has a valid name.
+func (t *Transport) validateLanes(topic string) error {
+	if err := ValidateTopic(topic); err != nil {
+		return err
+	}
+	n := t.LanesOf(topic)
+	if err := ValidateTopic(laneName(topic, n-1, n)); err != nil {
+		return fmt.Errorf("%w (with its %d lanes)", err, n)
+	}
+	return nil
+}
+
+// laneIndex is a stable FNV-1a hash of key modulo n.
+func laneIndex(key string, n int) int {
+	if n <= 1 {
 		return 0
 	}
 	h := fnv.New32a()
 	h.Write([]byte(key))
-	return int(h.Sum32() % uint32(l.Count))
+	return int(h.Sum32() % uint32(n))
 }
 
-// For returns the topic of key's lane.
-func (l Lanes) For(key string) string { return l.Name(l.Of(key)) }
-
-// Name returns the topic of lane i.
-func (l Lanes) Name(i int) string {
-	if l.Count <= 1 {
-		return l.Topic
+func laneName(topic string, i, n int) string {
+	if n <= 1 {
+		return topic
 	}
-	return l.Topic + "." + strconv.Itoa(i)
+	return topic + "." + strconv.Itoa(i)
 }
 
-// All returns the topics of every lane.
-func (l Lanes) All() []string {
-	n := max(l.Count, 1)
+func laneNames(topic string, n int) []string {
+	n = max(n, 1)
 	out := make([]string, n)
 	for i := range out {
-		out[i] = l.Name(i)
+		out[i] = laneName(topic, i, n)
 	}
 	return out
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime/debug"
+	"strconv"
 	"sync"
 	"time"
 
@@ -95,19 +96,31 @@ func (r *Router) AddHandler(name, topic, consumerGroup string, h HandlerFunc, op
 	if r.t.cfg.Intercept != nil {
 		h = r.t.cfg.Intercept(name, h)
 	}
-	rt := &route{r: r, name: name, topic: topic, group: consumerGroup, offsets: r.t.OffsetsTable(topic), h: h, retry: r.t.cfg.Retry}
-	for _, opt := range opts {
-		opt(rt)
-	}
-	if err := rt.retry.validate(r.t.cfg.AckDeadline); err != nil {
+	if err := ValidateConsumerGroup(consumerGroup); err != nil {
 		return fmt.Errorf("transport: handler %s: %w", name, err)
 	}
-	sub, err := r.t.subscriber(topic, consumerGroup)
-	if err != nil {
+	if err := r.t.validateLanes(topic); err != nil {
+		return fmt.Errorf("transport: handler %s: %w", name, err)
+	}
+	proto := route{r: r, name: name, topic: topic, group: consumerGroup, h: h, retry: r.t.cfg.Retry}
+	for _, opt := range opts {
+		opt(&proto)
+	}
+	if err := proto.retry.validate(r.t.cfg.AckDeadline); err != nil {
 		return fmt.Errorf("transport: handler %s: %w", name, err)
 	}
 	r.handlers[name] = true
-	r.router.AddConsumerHandler(name, topic, sub, rt.deliver)
+	// One subscription per lane, each a serial lane of its own.
+	lanes := r.t.LaneTopics(topic)
+	for i, lane := range lanes {
+		rt := proto
+		rt.lane, rt.offsets = lane, r.t.OffsetsTable(lane)
+		handlerName := name
+		if len(lanes) > 1 {
+			handlerName = name + "[" + strconv.Itoa(i) + "]"
+		}
+		r.router.AddConsumerHandler(handlerName, lane, &subscriber{t: r.t, group: consumerGroup}, rt.deliver)
+	}
 	return nil
 }
 

@@ -40,6 +40,89 @@ WHERE (o.last_processed_transaction_id, o.offset_acked) < (excluded.last_process
 	// subscriber cannot store its offset and rolls the whole batch back.
 	doomBatchSQL = `DO $$BEGIN RAISE EXCEPTION 'pgsaga: delivery batch abandoned; it will be redelivered'; END$$`
 
+	// insertNotifySQL wraps watermill-sql's insert (%[1]s) so that it also
+	// notifies the topic's subscribers: channel $%[2]d, payload "<topic>
+	// <xid>" with topic $%[3]d. pg_notify is delivered on commit only, and
+	// PostgreSQL sends identical notifications of one transaction once.
+	insertNotifySQL = `WITH inserted AS (%[1]s RETURNING transaction_id)
+SELECT pg_notify($%[2]d, $%[3]d || ' ' || (SELECT transaction_id FROM inserted LIMIT 1)::text)`
+
+	// selectBatchSQL is watermill-sql's batch query (the group's offset row
+	// locked FOR UPDATE, messages past it below the visibility fence, in
+	// order) with one addition: when there is no message it returns a
+	// sentinel row instead, offset -1, carrying the group's position as its
+	// transaction id and the snapshot's xmin (the fence) in its metadata.
+	// The subscription's backoff uses them to tell "nothing for us" from "a
+	// message it was told about is still behind the fence" (see
+	// pollState). OFFSET 0 keeps the filter apart from the ORDER BY … LIMIT,
+	// as watermill-sql's subquery does, so the planner sorts the few rows
+	// past the offset instead of walking the index from its start.
+	// %[1]s offsets table, %[2]s messages table, %[3]d batch size.
+	selectBatchSQL = `WITH last_processed AS (
+    SELECT offset_acked, last_processed_transaction_id FROM %[1]s WHERE consumer_group = $1 FOR UPDATE
+), batch AS (
+    SELECT * FROM (
+        SELECT "offset", transaction_id, uuid, payload, metadata FROM %[2]s
+        WHERE ((transaction_id = (SELECT last_processed_transaction_id FROM last_processed)
+                AND "offset" > (SELECT offset_acked FROM last_processed))
+               OR transaction_id > (SELECT last_processed_transaction_id FROM last_processed))
+          AND transaction_id < pg_snapshot_xmin(pg_current_snapshot())
+        OFFSET 0
+    ) AS m
+    ORDER BY transaction_id, "offset"
+    LIMIT %[3]d
+)
+SELECT "offset", transaction_id, uuid, payload, metadata FROM (
+    SELECT * FROM batch
+    UNION ALL
+    SELECT -1, coalesce((SELECT last_processed_transaction_id FROM last_processed), '0'::xid8), '', NULL::bytea,
+        json_build_object('xmin', pg_snapshot_xmin(pg_current_snapshot())::text)
+    WHERE NOT EXISTS (SELECT FROM batch)
+) AS rows
+ORDER BY transaction_id, "offset"`
+
+	// lanesOfTopicSQL reads a topic's recorded lane count, locking it.
+	lanesOfTopicSQL = `SELECT lanes FROM pgsaga_topic_lanes WHERE topic = $1 FOR UPDATE`
+
+	// recordLanesSQL records a topic's lane count.
+	recordLanesSQL = `INSERT INTO pgsaga_topic_lanes AS l (topic, lanes) VALUES ($1, $2)
+ON CONFLICT (topic) DO UPDATE SET lanes = excluded.lanes, updated_at = clock_timestamp()`
+
+	tableExistsSQL = `SELECT to_regclass($1) IS NOT NULL`
+
+	// unconsumedSQL counts the messages of a physical topic that some
+	// consumer group has not passed yet; with no consumer group, all of
+	// them. %[1]s messages table, %[2]s offsets table.
+	unconsumedSQL = `SELECT count(*) FROM %[1]s m
+WHERE NOT EXISTS (SELECT FROM %[2]s)
+   OR (m.transaction_id, m."offset") > (
+        SELECT last_processed_transaction_id, offset_acked FROM %[2]s
+        ORDER BY last_processed_transaction_id, offset_acked LIMIT 1)`
+
+	// pruneSQL deletes up to $2 messages of one physical topic that every
+	// consumer group has passed and that are older than $1 (an interval),
+	// in position order; rows another pruner holds are skipped. With no
+	// consumer group, "passed" has no row and nothing is deleted.
+	// %[1]s messages table, %[2]s offsets table.
+	pruneSQL = `WITH passed AS (
+    SELECT last_processed_transaction_id AS xid, offset_acked AS off FROM %[2]s
+    ORDER BY last_processed_transaction_id, offset_acked LIMIT 1
+), doomed AS (
+    SELECT m.ctid FROM %[1]s m, passed p
+    WHERE (m.transaction_id, m."offset") <= (p.xid, p.off)
+      AND m.created_at < localtimestamp - $1::interval
+    ORDER BY m.transaction_id, m."offset"
+    LIMIT $2
+    FOR UPDATE OF m SKIP LOCKED
+)
+DELETE FROM %[1]s WHERE ctid IN (SELECT ctid FROM doomed)`
+
+	// recordedTopicsSQL lists the topics CreateTopics recorded.
+	recordedTopicsSQL = `SELECT topic, lanes FROM pgsaga_topic_lanes ORDER BY topic`
+
+	// dropGroupSQL forgets a consumer group's position. %s offsets table.
+	dropGroupSQL = `DELETE FROM %s WHERE consumer_group = $1`
+
 	// lockTopicsSQL serialises CreateTopics across processes.
 	lockTopicsSQL = "SELECT pg_advisory_xact_lock($1)"
 )

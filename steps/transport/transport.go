@@ -38,6 +38,7 @@ import (
 	"log/slog"
 	"regexp"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -66,22 +67,52 @@ type Config struct {
 	// Default: 50.
 	BatchSize int
 
-	// PollInterval is how long a subscriber waits after finding no message.
-	// Ignored when NewBackoff is set. Default: 1s.
+	// DisableNotify turns wake-ups off: subscribers then poll every
+	// PollInterval. By default every publish sends a notification in its
+	// transaction (delivered only if it commits) and idle subscribers wait
+	// for one on their lane instead of polling; the process holds one
+	// LISTEN connection of the pool for all its subscribers while any runs.
+	DisableNotify bool
+
+	// NotifyChannel is the notification channel of wake-ups. Default:
+	// DefaultNotifyChannel.
+	NotifyChannel string
+
+	// PollInterval is how long an idle subscriber waits before polling
+	// again when wake-ups are off or the listening connection is down.
+	// Default: 1s.
 	PollInterval time.Duration
+
+	// IdlePollInterval is how long an idle subscriber waits for a wake-up
+	// before polling anyway: a safety net, not the normal path. Default: 10s.
+	IdlePollInterval time.Duration
 
 	// RetryInterval is the first wait after a failed poll (a lost
 	// connection, an abandoned batch); it doubles up to MaxRetryInterval.
-	// Ignored when NewBackoff is set. Default: 100ms.
+	// Default: 100ms.
 	RetryInterval time.Duration
 
 	// MaxRetryInterval caps RetryInterval's growth. Default: 5s.
 	MaxRetryInterval time.Duration
 
-	// NewBackoff builds the backoff manager of one subscription, for example
-	// one woken by LISTEN/NOTIFY. Default: PollInterval after an empty poll,
-	// exponential from RetryInterval after an error.
-	NewBackoff func(topic, consumerGroup string) wsql.BackoffManager
+	// Lanes spreads every topic over this many lanes. A consumer group on
+	// one watermill-sql topic is a single serial lane; a topic with n lanes
+	// is stored as n topics, "<topic>.0" … "<topic>.<n-1>", each with its
+	// own offsets, and a Router handler reads all of them in parallel.
+	// Messages with the same lane key (LaneKey) always go to the same lane,
+	// in order. Dead-letter topics (DefaultDeadLetterTopic and
+	// Retry.DeadLetterTopic) keep one lane unless TopicLanes says otherwise.
+	// CreateTopics records each topic's count and refuses to change it while
+	// the old lanes hold unconsumed messages. Default: 1.
+	Lanes int
+
+	// TopicLanes overrides Lanes for the topics it names.
+	TopicLanes map[string]int
+
+	// LaneKey returns the key that picks msg's lane on topic. Default: the
+	// metadata MetaPartitionKey, else "saga_id", else the message UUID: all
+	// messages of one saga stay in one lane.
+	LaneKey func(topic string, msg *message.Message) string
 
 	// ResendInterval is how long a subscriber waits before redelivering a
 	// nacked message (in the same transaction). Default: 100ms.
@@ -127,8 +158,20 @@ func (c *Config) setDefaults() {
 	if c.BatchSize == 0 {
 		c.BatchSize = 50
 	}
+	if c.NotifyChannel == "" {
+		c.NotifyChannel = DefaultNotifyChannel
+	}
 	if c.PollInterval == 0 {
 		c.PollInterval = time.Second
+	}
+	if c.IdlePollInterval == 0 {
+		c.IdlePollInterval = 10 * time.Second
+	}
+	if c.Lanes == 0 {
+		c.Lanes = 1
+	}
+	if c.LaneKey == nil {
+		c.LaneKey = defaultLaneKey
 	}
 	if c.RetryInterval == 0 {
 		c.RetryInterval = 100 * time.Millisecond
@@ -162,8 +205,19 @@ func (c *Config) validate() error {
 	if c.BatchSize < 1 {
 		errs = append(errs, fmt.Errorf("BatchSize must be positive, got %d", c.BatchSize))
 	}
+	if c.Lanes < 1 || c.Lanes > MaxLanes {
+		errs = append(errs, fmt.Errorf("Lanes must be between 1 and %d, got %d", MaxLanes, c.Lanes))
+	}
+	for topic, n := range c.TopicLanes {
+		if n < 1 || n > MaxLanes {
+			errs = append(errs, fmt.Errorf("TopicLanes[%q] must be between 1 and %d, got %d", topic, MaxLanes, n))
+		}
+	}
+	if c.NotifyChannel != "" && (len(c.NotifyChannel) > 63 || !topicPattern.MatchString(c.NotifyChannel)) {
+		errs = append(errs, fmt.Errorf("NotifyChannel must be 1 to 63 characters from [A-Za-z0-9-$:._], got %q", c.NotifyChannel))
+	}
 	for name, d := range map[string]time.Duration{
-		"PollInterval": c.PollInterval, "RetryInterval": c.RetryInterval,
+		"PollInterval": c.PollInterval, "IdlePollInterval": c.IdlePollInterval, "RetryInterval": c.RetryInterval,
 		"MaxRetryInterval": c.MaxRetryInterval, "ResendInterval": c.ResendInterval,
 		"StatementTimeout": c.StatementTimeout, "AckDeadline": c.AckDeadline, "LockTimeout": c.LockTimeout,
 		"CloseTimeout": c.CloseTimeout,
@@ -203,8 +257,9 @@ type Transport struct {
 	db      *sql.DB
 	log     *slog.Logger
 	wlog    watermill.LoggerAdapter
-	schema  schemaAdapter
+	schema  schemaAdapter // for publishing and naming tables
 	offsets offsetsAdapter
+	hub     *wakeHub // nil when wake-ups are off
 
 	beginAttempt string // SAVEPOINT + SET LOCAL timeouts, prebuilt
 	beginOwn     string // SET LOCAL timeouts, prebuilt
@@ -219,18 +274,23 @@ func New(cfg Config) (*Transport, error) {
 	wlog := watermill.NewSlogLoggerWithLevelMapping(cfg.Logger, map[slog.Level]slog.Level{
 		slog.LevelInfo: slog.LevelDebug,
 	})
-	return &Transport{
+	t := &Transport{
 		cfg:  cfg,
 		db:   cfg.DB,
 		log:  cfg.Logger,
 		wlog: wlog,
-		schema: schemaAdapter{wsql.DefaultPostgreSQLSchema{
+		schema: schemaAdapter{DefaultPostgreSQLSchema: wsql.DefaultPostgreSQLSchema{
 			GeneratePayloadType: func(string) string { return "BYTEA" },
 			SubscribeBatchSize:  cfg.BatchSize,
 		}},
 		beginAttempt: fmt.Sprintf(beginAttemptSQL, ms(cfg.StatementTimeout), ms(cfg.LockTimeout)),
 		beginOwn:     fmt.Sprintf(beginOwnSQL, ms(cfg.StatementTimeout), ms(cfg.LockTimeout)),
-	}, nil
+	}
+	if !cfg.DisableNotify {
+		t.schema.notifyChannel = cfg.NotifyChannel
+		t.hub = newWakeHub(t)
+	}
+	return t, nil
 }
 
 func ms(d time.Duration) string { return strconv.FormatInt(d.Milliseconds(), 10) }
@@ -268,14 +328,16 @@ func ValidateTopic(topic string) error {
 	return nil
 }
 
-// CreateTopics creates the message and offset tables of topics if they do
-// not exist. It is idempotent and safe to run from several processes at once
+// CreateTopics creates the message and offset tables of topics, of every
+// lane of each, if they do not exist, and records each topic's lane count.
+// It is idempotent and safe to run from several processes at once
 // (concurrent CREATE TABLE IF NOT EXISTS can otherwise fail on PostgreSQL's
 // catalog), and must run before anything publishes to a topic inside a
-// transaction.
+// transaction. A topic whose lane count changed is refused with
+// ErrLanesChanged while its old lanes hold unconsumed messages.
 func (t *Transport) CreateTopics(ctx context.Context, topics ...string) error {
 	for _, topic := range topics {
-		if err := ValidateTopic(topic); err != nil {
+		if err := t.validateLanes(topic); err != nil {
 			return err
 		}
 	}
@@ -288,10 +350,15 @@ func (t *Transport) CreateTopics(ctx context.Context, topics ...string) error {
 		return fmt.Errorf("transport: creating topics: %w", err)
 	}
 	for _, topic := range topics {
-		queries := append(t.schema.SchemaInitializingQueries(topic), t.offsets.SchemaInitializingQueries(topic)...)
-		for _, q := range queries {
-			if _, err := tx.ExecContext(ctx, q.Query, q.Args...); err != nil {
-				return fmt.Errorf("transport: creating topic %s: %w", topic, err)
+		if err := t.recordLanes(ctx, tx, topic); err != nil {
+			return err
+		}
+		for _, lane := range t.LaneTopics(topic) {
+			queries := append(t.schema.SchemaInitializingQueries(lane), t.offsets.SchemaInitializingQueries(lane)...)
+			for _, q := range queries {
+				if _, err := tx.ExecContext(ctx, q.Query, q.Args...); err != nil {
+					return fmt.Errorf("transport: creating topic %s: %w", lane, err)
+				}
 			}
 		}
 	}
@@ -301,28 +368,110 @@ func (t *Transport) CreateTopics(ctx context.Context, topics ...string) error {
 	return nil
 }
 
-// MessagesTable returns the quoted name of topic's message table.
-func (t *Transport) MessagesTable(topic string) string { return t.schema.MessagesTable(topic) }
+// ErrLanesChanged is returned by CreateTopics for a topic whose lane count
+// differs from the one recorded while its old lanes still hold messages not
+// every consumer group has consumed: they would be stranded, and keys would
+// change lanes under running sagas. Drain the topic with the old count
+// first.
+var ErrLanesChanged = errors.New("transport: lane count changed while the old lanes hold unconsumed messages")
 
-// OffsetsTable returns the quoted name of topic's consumer offsets table.
-func (t *Transport) OffsetsTable(topic string) string { return t.offsets.MessagesOffsetsTable(topic) }
-
-// Subscriber returns a subscriber for consumerGroup. Every subscriber of one
-// group on one topic shares one serial lane, wherever it runs.
-func (t *Transport) Subscriber(consumerGroup string) (message.Subscriber, error) {
-	return t.subscriber("", consumerGroup)
+// recordLanes records topic's lane count, refusing a change while the old
+// lanes hold unconsumed messages.
+func (t *Transport) recordLanes(ctx context.Context, tx *sql.Tx, topic string) error {
+	n := t.LanesOf(topic)
+	var old int
+	err := tx.QueryRowContext(ctx, lanesOfTopicSQL, topic).Scan(&old)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		if _, err := tx.ExecContext(ctx, recordLanesSQL, topic, n); err != nil {
+			return fmt.Errorf("transport: recording the lanes of %s: %w", topic, lanesTableHint(err))
+		}
+		return nil
+	case err != nil:
+		return fmt.Errorf("transport: reading the lanes of %s: %w", topic, lanesTableHint(err))
+	case old == n:
+		return nil
+	}
+	pending := 0
+	for _, lane := range laneNames(topic, old) {
+		var exists bool
+		if err := tx.QueryRowContext(ctx, tableExistsSQL, t.MessagesTable(lane)).Scan(&exists); err != nil {
+			return fmt.Errorf("transport: checking the lanes of %s: %w", topic, err)
+		}
+		if !exists {
+			continue
+		}
+		var c int
+		q := fmt.Sprintf(unconsumedSQL, t.MessagesTable(lane), t.OffsetsTable(lane))
+		if err := tx.QueryRowContext(ctx, q).Scan(&c); err != nil {
+			return fmt.Errorf("transport: checking the lanes of %s: %w", topic, err)
+		}
+		pending += c
+	}
+	if pending > 0 {
+		return fmt.Errorf("%w: topic %s has %d lanes (configured: %d) holding %d unconsumed messages; run with %d lanes until they are consumed",
+			ErrLanesChanged, topic, old, n, pending, old)
+	}
+	t.log.Info("changing a drained topic's lane count", "topic", topic, "from", old, "to", n)
+	if _, err := tx.ExecContext(ctx, recordLanesSQL, topic, n); err != nil {
+		return fmt.Errorf("transport: recording the lanes of %s: %w", topic, err)
+	}
+	return nil
 }
 
-func (t *Transport) subscriber(topic, consumerGroup string) (message.Subscriber, error) {
+func lanesTableHint(err error) error {
+	if isUndefinedTable(err) {
+		return fmt.Errorf("%w (apply the migrations first: migrations.Apply)", err)
+	}
+	return err
+}
+
+// MessagesTable returns the quoted name of a physical topic's message
+// table. For a topic spread over several lanes, see LaneTopics and
+// MessagesFrom.
+func (t *Transport) MessagesTable(topic string) string { return t.schema.MessagesTable(topic) }
+
+// OffsetsTable returns the quoted name of a physical topic's consumer
+// offsets table.
+func (t *Transport) OffsetsTable(topic string) string { return t.offsets.MessagesOffsetsTable(topic) }
+
+// MessagesFrom returns a FROM item, aliased alias, holding the messages of
+// every lane of topic (the columns of watermill-sql's message table), for
+// inspection and tests. alias must be a plain identifier.
+func (t *Transport) MessagesFrom(topic, alias string) string {
+	lanes := t.LaneTopics(topic)
+	if len(lanes) == 1 {
+		return t.MessagesTable(lanes[0]) + " " + alias
+	}
+	parts := make([]string, len(lanes))
+	for i, l := range lanes {
+		parts[i] = "SELECT * FROM " + t.MessagesTable(l)
+	}
+	return "(" + strings.Join(parts, " UNION ALL ") + ") " + alias
+}
+
+// Subscriber returns a subscriber for consumerGroup. Every subscriber of one
+// group on one topic shares one serial lane, wherever it runs. It reads
+// physical topics: for a topic spread over lanes, subscribe to each of
+// LaneTopics, or use a Router, which does.
+func (t *Transport) Subscriber(consumerGroup string) (message.Subscriber, error) {
 	if err := ValidateConsumerGroup(consumerGroup); err != nil {
 		return nil, err
 	}
-	var backoff wsql.BackoffManager
-	if t.cfg.NewBackoff != nil {
-		backoff = t.cfg.NewBackoff(topic, consumerGroup)
-	} else {
-		backoff = newBackoff(t.cfg.PollInterval, t.cfg.RetryInterval, t.cfg.MaxRetryInterval)
-	}
+	return &subscriber{t: t, group: consumerGroup}, nil
+}
+
+// subscription is one watermill-sql subscriber reading one physical topic,
+// with the backoff manager (and wake-ups) of that topic.
+type subscription struct {
+	inner *wsql.Subscriber
+	poll  *pollState
+}
+
+func (t *Transport) subscribe(topic, consumerGroup string) (*subscription, error) {
+	poll := newPollState(t.cfg, t.hub, topic)
+	schema := t.schema
+	schema.poll, schema.offsets = poll, t.offsets
 	ack := t.cfg.AckDeadline
 	sub, err := wsql.NewSubscriber(t.db, wsql.SubscriberConfig{
 		ConsumerGroup:  consumerGroup,
@@ -330,17 +479,25 @@ func (t *Transport) subscriber(topic, consumerGroup string) (message.Subscriber,
 		PollInterval:   t.cfg.PollInterval,
 		ResendInterval: t.cfg.ResendInterval,
 		RetryInterval:  t.cfg.RetryInterval,
-		BackoffManager: backoff,
-		SchemaAdapter:  t.schema,
+		BackoffManager: poll,
+		SchemaAdapter:  schema,
 		OffsetsAdapter: t.offsets,
 	}, t.wlog)
 	if err != nil {
-		return nil, fmt.Errorf("transport: creating subscriber for %s: %w", consumerGroup, err)
+		poll.close()
+		return nil, fmt.Errorf("transport: creating subscriber for %s on %s: %w", consumerGroup, topic, err)
 	}
-	return &subscriber{inner: sub}, nil
+	return &subscription{inner: sub, poll: poll}, nil
 }
 
-// subscriber adapts a watermill-sql subscriber to the Router's shutdown.
+func (s *subscription) close() {
+	// First end the backoff's wait: the subscriber waits for its polling
+	// goroutine, which may be in it.
+	s.poll.close()
+	_ = s.inner.Close()
+}
+
+// subscriber adapts watermill-sql subscribers to the Router's shutdown.
 //
 // watermill-sql begins each batch transaction with the subscription context,
 // and database/sql rolls a transaction back the moment that context is
@@ -351,33 +508,58 @@ func (t *Transport) subscriber(topic, consumerGroup string) (message.Subscriber,
 // stopped through Close instead, after which it commits what was acked. It
 // also turns "relation does not exist" into ErrUnknownTopic.
 type subscriber struct {
-	inner *wsql.Subscriber
-	once  sync.Once
+	t     *Transport
+	group string
+
+	mu     sync.Mutex
+	subs   []*subscription
+	closed bool
 }
 
 func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	if err := ValidateTopic(topic); err != nil {
 		return nil, err
 	}
-	ch, err := s.inner.Subscribe(context.WithoutCancel(ctx), topic)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, errors.New("transport: subscriber is closed")
+	}
+	sub, err := s.t.subscribe(topic, s.group)
 	if err != nil {
+		return nil, err
+	}
+	ch, err := sub.inner.Subscribe(context.WithoutCancel(ctx), topic)
+	if err != nil {
+		sub.close()
 		if isUndefinedTable(err) {
+			if n := s.t.LanesOf(topic); n > 1 {
+				return nil, fmt.Errorf("%w: %s is spread over %d lanes: subscribe to each of LaneTopics(%q), or use a Router", ErrUnknownTopic, topic, n, topic)
+			}
 			return nil, fmt.Errorf("%w: %s: %w", ErrUnknownTopic, topic, err)
 		}
 		return nil, err
 	}
+	s.subs = append(s.subs, sub)
 	context.AfterFunc(ctx, func() { _ = s.Close() })
 	return ch, nil
 }
 
 func (s *subscriber) Close() error {
-	s.once.Do(func() { _ = s.inner.Close() })
+	s.mu.Lock()
+	subs := s.subs
+	s.subs, s.closed = nil, true
+	s.mu.Unlock()
+	for _, sub := range subs {
+		sub.close()
+	}
 	return nil
 }
 
 // Publisher returns a publisher that inserts messages through tx: they exist
-// if and only if tx commits. This is the outbox. It is cheap; make one per
-// transaction.
+// if and only if tx commits. This is the outbox. Messages to a topic spread
+// over lanes go to the lane of their key, in order. It is cheap; make one
+// per transaction.
 func (t *Transport) Publisher(tx Tx) message.Publisher {
 	return &txPublisher{t: t, tx: tx}
 }
@@ -402,6 +584,28 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 			m.Metadata = message.Metadata{}
 		}
 	}
+	n := p.t.LanesOf(topic)
+	if n == 1 {
+		return p.insert(topic, msgs)
+	}
+	byLane := make([][]*message.Message, n)
+	for _, m := range msgs {
+		i := laneIndex(p.t.cfg.LaneKey(topic, m), n)
+		byLane[i] = append(byLane[i], m)
+	}
+	for i, lane := range byLane {
+		if len(lane) == 0 {
+			continue
+		}
+		if err := p.insert(laneName(topic, i, n), lane); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// insert inserts msgs into one physical topic.
+func (p *txPublisher) insert(topic string, msgs []*message.Message) error {
 	pub, err := wsql.NewPublisher(executor{p.tx}, wsql.PublisherConfig{SchemaAdapter: p.t.schema}, p.t.wlog)
 	if err != nil {
 		return fmt.Errorf("transport: publishing to %s: %w", topic, err)
@@ -435,49 +639,4 @@ func (e executor) QueryRow(query string, args ...any) *sql.Row {
 func isUndefinedTable(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == "42P01"
-}
-
-// backoff waits pollInterval after an empty poll and, after errors, an
-// interval that doubles from retry up to maxRetry; one success resets it.
-type backoff struct {
-	poll, retry, maxRetry time.Duration
-
-	mu      sync.Mutex
-	current time.Duration
-}
-
-func newBackoff(poll, retry, maxRetry time.Duration) *backoff {
-	return &backoff{poll: poll, retry: retry, maxRetry: maxRetry}
-}
-
-func (b *backoff) HandleError(logger watermill.LoggerAdapter, noMsg bool, err error) time.Duration {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if err == nil {
-		b.current = 0
-		if noMsg {
-			return b.poll
-		}
-		return 0
-	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && (pgErr.Code == "40001" || pgErr.Code == "40P01") {
-		// Another subscriber of the same consumer group held the lane and
-		// moved its offset: expected when several processes share a lane.
-		logger.Debug("Lane taken by another subscriber; polling again", watermill.LogFields{"err": err.Error()})
-		return 0
-	}
-	if errors.As(err, &pgErr) && pgErr.Code == "25P02" {
-		// The Router abandoned the batch (its offset update fails on the
-		// aborted transaction): redeliver it at once.
-		logger.Debug("Batch abandoned; redelivering", watermill.LogFields{"err": err.Error()})
-		return 0
-	}
-	if b.current == 0 {
-		b.current = b.retry
-	} else {
-		b.current = min(2*b.current, b.maxRetry)
-	}
-	logger.Error("Polling for messages failed; backing off", err, watermill.LogFields{"wait": b.current.String()})
-	return b.current
 }
