@@ -645,3 +645,58 @@ func TestBrokenInstanceDoesNotBlockTheSweeper(t *testing.T) {
 	assert.Equal(t, saga.StatusFailed, parked.Status)
 	assert.Contains(t, parked.FailureReason, "cannot send the action of pay")
 }
+
+// Pruning deletes the timelines, then the instances, of sagas that
+// completed or compensated long enough ago; failed sagas and recent ones
+// stay.
+func TestPruneFinishedSagas(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{})
+	done := e.start("old-done")
+	assert.Equal(t, saga.StatusCompleted, e.terminal(done).Status)
+	e.set("pay", refuse)
+	undone := e.start("old-undone")
+	assert.Equal(t, saga.StatusCompensated, e.terminal(undone).Status)
+	e.set("pay", succeed)
+	recent := e.start("recent")
+	assert.Equal(t, saga.StatusCompleted, e.terminal(recent).Status)
+	failed := uuid.New()
+	_, err := e.db.SQL.Exec(`INSERT INTO saga_instances (id, saga_type, definition_version, status, data, current_step, finished_at)
+		VALUES ($1, $2, 1, 'failed', '{}', 0, clock_timestamp() - interval '2 days')`, failed, e.def.Name)
+	require.NoError(t, err)
+	_, err = e.db.SQL.Exec(`UPDATE saga_instances SET finished_at = finished_at - interval '2 days' WHERE id = ANY ($1::uuid[])`,
+		[]string{done.String(), undone.String()})
+	require.NoError(t, err)
+	historyOf := func(id uuid.UUID) int {
+		var n int
+		require.NoError(t, e.db.SQL.QueryRow(`SELECT count(*) FROM saga_history WHERE saga_id = $1`, id).Scan(&n))
+		return n
+	}
+	doneHistory := historyOf(done)
+	require.Positive(t, doneHistory)
+
+	res, err := e.engine.Prune(context.Background(), saga.PruneConfig{History: 24 * time.Hour, BatchSize: 2})
+	require.NoError(t, err)
+	assert.GreaterOrEqual(t, res.HistoryEntries, doneHistory)
+	assert.Zero(t, historyOf(done))
+	assert.Zero(t, historyOf(undone))
+	assert.Positive(t, historyOf(recent), "recent timelines stay")
+	assert.Zero(t, res.Instances)
+	_, err = e.engine.Get(context.Background(), done)
+	require.NoError(t, err, "the instance stays")
+
+	res, err = e.engine.Prune(context.Background(), saga.PruneConfig{Instances: 24 * time.Hour})
+	require.NoError(t, err)
+	_, err = e.engine.Get(context.Background(), done)
+	assert.ErrorIs(t, err, saga.ErrNotFound)
+	_, err = e.engine.Get(context.Background(), undone)
+	assert.ErrorIs(t, err, saga.ErrNotFound)
+	_, err = e.engine.Get(context.Background(), recent)
+	assert.NoError(t, err)
+	_, err = e.engine.Get(context.Background(), failed)
+	assert.NoError(t, err, "failed sagas wait for an operator")
+	assert.GreaterOrEqual(t, res.Instances, 2)
+
+	_, err = e.engine.Prune(context.Background(), saga.PruneConfig{History: -time.Second})
+	assert.Error(t, err)
+}

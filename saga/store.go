@@ -63,6 +63,24 @@ SELECT count(pg_notify($3, id::text)) FROM parked WHERE $3 <> ''`
 	// instance finished; delivered on commit.
 	notifyFinishedSQL = `SELECT pg_notify($1, $2)`
 
+	// pruneHistorySQL deletes up to $2 timeline entries of sagas that
+	// completed or compensated more than $1 seconds ago.
+	pruneHistorySQL = `DELETE FROM saga_history WHERE (saga_id, seq) IN (
+    SELECT h.saga_id, h.seq FROM saga_instances s JOIN saga_history h ON h.saga_id = s.id
+    WHERE s.status IN ('completed', 'compensated')
+      AND s.finished_at < clock_timestamp() - make_interval(secs => $1)
+    LIMIT $2
+    FOR UPDATE OF h SKIP LOCKED)`
+
+	// pruneInstancesSQL deletes up to $2 sagas (their timelines cascade)
+	// that completed or compensated more than $1 seconds ago.
+	pruneInstancesSQL = `DELETE FROM saga_instances WHERE id IN (
+    SELECT id FROM saga_instances
+    WHERE status IN ('completed', 'compensated')
+      AND finished_at < clock_timestamp() - make_interval(secs => $1)
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED)`
+
 	// postponeSQL moves an instance's deadline a minute on.
 	postponeSQL = `UPDATE saga_instances SET deadline_at = clock_timestamp() + interval '1 minute'
 WHERE id = $1 AND status IN ('running', 'compensating')`

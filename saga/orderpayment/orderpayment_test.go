@@ -329,3 +329,46 @@ func TestGiveUpOnSlowChargeRefundsIt(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, stats.Charges, stats.Refunds, "every charge at the gateway was refunded")
 }
+
+// With retention running and sagas spread over lanes, the topics end up
+// empty once everything is consumed, while sagas, keys and invariants are
+// untouched.
+func TestRetentionKeepsTopicsSmall(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2, func(c *orderpayment.Config) { c.Transport.Lanes = 3 })
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- e.app.RunRetention(ctx, orderpayment.Retention{Messages: transport.RetentionConfig{Interval: 20 * time.Millisecond}})
+	}()
+	customer := e.customer(1_000_000)
+	var ids []uuid.UUID
+	for range 30 {
+		_, id := e.place(customer, 1_000)
+		ids = append(ids, id)
+	}
+	for _, id := range ids {
+		assert.Equal(t, saga.StatusCompleted, e.terminal(id).Status)
+	}
+	left := func() int {
+		total := 0
+		for _, topic := range e.app.Topics() {
+			var n int
+			require.NoError(t, e.db.SQL.QueryRow(`SELECT count(*) FROM `+e.app.Transport.MessagesFrom(topic, "m")).Scan(&n))
+			total += n
+		}
+		return total
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for left() > 0 {
+		require.True(t, time.Now().Before(deadline), "%d messages left", left())
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	require.NoError(t, <-done)
+	r := e.checkInvariants(ids)
+	assert.Equal(t, 30, r.Sagas[saga.StatusCompleted])
+	var keys int
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT count(*) FROM idempotency_keys`).Scan(&keys))
+	assert.Positive(t, keys, "keys are kept for their TTL")
+}
