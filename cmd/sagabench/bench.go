@@ -28,6 +28,7 @@ import (
 
 // Defaults of the tuning flags.
 const (
+	defaultLanes = 4
 	defaultBatch = 50
 )
 
@@ -58,6 +59,9 @@ type bench struct {
 	front   *orderpayment.App // the clients' view: places orders
 	workers []*orderpayment.Worker
 	done    []chan error
+
+	stopRetention context.CancelFunc
+	retentionDone chan error
 
 	tracker      *tracker
 	stopListener context.CancelFunc
@@ -101,7 +105,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	}
 	fmt.Fprintf(b.status, "using a fresh database %s on %s\n", b.dbName, found.Describe())
 
-	perWorker := len(topicsHint) + 2 // a connection per busy lane, plus charge leases
+	perWorker := opts.lanes * (len(topicsHint) + 2) // a connection per busy lane, plus charge leases
 	maxConns := int32(perWorker*opts.workers + 8)
 	if err := b.checkConnections(ctx, int(maxConns)+placers+8); err != nil {
 		return nil, err
@@ -121,7 +125,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	if b.gateway, err = fakegateway.Start(ctx, fakegateway.Config{DB: b.gwDB.SQL, Logger: b.log}); err != nil {
 		return nil, err
 	}
-	tcfg := transport.Config{BatchSize: opts.batch}
+	tcfg := transport.Config{BatchSize: opts.batch, Lanes: opts.lanes}
 	b.app, err = orderpayment.New(orderpayment.Config{DB: b.db.SQL, GatewayURL: b.gateway.URL(), Transport: tcfg,
 		FinishedChannel: finishedChannel, Logger: b.log})
 	if err != nil {
@@ -143,6 +147,11 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	if err := b.seed(ctx); err != nil {
 		return nil, err
 	}
+	rctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	b.stopRetention, b.retentionDone = cancel, make(chan error, 1)
+	go func() {
+		b.retentionDone <- b.app.RunRetention(rctx, orderpayment.Retention{Messages: transport.RetentionConfig{Interval: time.Second}})
+	}()
 	for range opts.workers {
 		w, err := b.app.NewWorker()
 		if err != nil {
@@ -314,6 +323,12 @@ func (b *bench) stopWorkers() {
 
 func (b *bench) close() {
 	b.stopWorkers()
+	if b.stopRetention != nil {
+		b.stopRetention()
+		if err := <-b.retentionDone; err != nil {
+			b.log.Error("retention", "err", err)
+		}
+	}
 	if b.stopListener != nil {
 		b.stopListener()
 		<-b.listenerDone

@@ -34,6 +34,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.IntVar(&o.inflight, "inflight", 500, "throughput phase: sagas in flight at most")
 	fs.Float64Var(&o.rate, "rate", 100, "latency phase: sagas offered per second (open loop); 0 skips the phase")
 	fs.DurationVar(&o.duration, "duration", 30*time.Second, "latency phase: how long to offer them")
+	fs.IntVar(&o.lanes, "lanes", defaultLanes, "lanes each saga topic is spread over (by saga id)")
 	fs.IntVar(&o.workers, "workers", 1, "independent workers (routers) in this process")
 	fs.IntVar(&o.batch, "batch", defaultBatch, "messages a subscriber reads per transaction")
 	fs.DurationVar(&o.baseline, "baseline", 5*time.Second, "how long to measure PostgreSQL's own commit rate; 0 skips it")
@@ -71,6 +72,8 @@ Flags:
 		return o, fmt.Errorf("-rate must be between 0 and 10000, got %v", o.rate)
 	case o.rate > 0 && o.duration <= 0:
 		return o, fmt.Errorf("-duration must be positive, got %s", o.duration)
+	case o.lanes < 1 || o.lanes > 64:
+		return o, fmt.Errorf("-lanes must be between 1 and 64, got %d", o.lanes)
 	case o.workers < 1 || o.workers > 16:
 		return o, fmt.Errorf("-workers must be between 1 and 16, got %d", o.workers)
 	case o.batch < 1 || o.batch > 1000:

@@ -23,7 +23,7 @@ func TestSmallRun(t *testing.T) {
 	t.Setenv("DATABASE_URL", db.URL)
 	var stdout, stderr bytes.Buffer
 	code := run(context.Background(), []string{"-sagas", "120", "-inflight", "40", "-rate", "40", "-duration", "1s",
-		"-baseline", "300ms", "-idle", "500ms", "-batch", "20"}, &stdout, &stderr)
+		"-baseline", "300ms", "-idle", "500ms", "-lanes", "2", "-batch", "20"}, &stdout, &stderr)
 	require.Equal(t, exitOK, code, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
 
 	lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
@@ -49,6 +49,7 @@ func TestSmallRun(t *testing.T) {
 	assert.Positive(t, r.CommitTPS)
 	assert.Positive(t, r.CPUPer1kSagas.Process)
 	assert.Equal(t, 20, r.Config.Batch)
+	assert.Equal(t, 2, r.Config.Lanes)
 
 	name := regexp.MustCompile(`pgsaga_bench_[0-9a-f]+`).FindString(stderr.String())
 	require.NotEmpty(t, name, stderr.String())
@@ -64,6 +65,7 @@ func TestBadFlags(t *testing.T) {
 		"-inflight 0":      "-inflight must be positive",
 		"-rate -5":         "-rate must be between 0 and 10000",
 		"-duration 0s":     "-duration must be positive",
+		"-lanes 0":         "-lanes must be between 1 and 64",
 		"-workers 17":      "-workers must be between 1 and 16",
 		"-batch 0":         "-batch must be between 1 and 1000",
 		"-idle -1s":        "must not be negative",

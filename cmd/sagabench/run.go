@@ -27,6 +27,12 @@ type result struct {
 	StepsPerS    float64 `json:"steps_per_s"`
 	StepsPerSaga float64 `json:"steps_per_saga"`
 	ThroughputS  float64 `json:"throughput_s"`
+	// SagasPerSByQuarter is the rate in each quarter of the phase: flat
+	// when nothing degrades as the tables see traffic.
+	SagasPerSByQuarter [4]float64 `json:"sagas_per_s_by_quarter"`
+	// TopicRowsLeft is how many messages the saga topics still hold at the
+	// end of the phase, retention running.
+	TopicRowsLeft int `json:"topic_rows_left"`
 
 	// Latency phase.
 	Rate         float64 `json:"rate"`
@@ -83,7 +89,7 @@ type machine struct {
 
 func (b *bench) run(ctx context.Context) int {
 	r := result{Violations: []string{}, Rate: b.opts.rate,
-		Config: benchConfig{Lanes: 1, Workers: b.opts.workers, Batch: b.opts.batch, Inflight: b.opts.inflight,
+		Config: benchConfig{Lanes: b.opts.lanes, Workers: b.opts.workers, Batch: b.opts.batch, Inflight: b.opts.inflight,
 			DurationS: b.opts.duration.Seconds(), BaselineS: b.opts.baseline.Seconds(), IdleS: b.opts.idle.Seconds()},
 		Machine: machine{Cores: runtime.NumCPU(), GOOS: runtime.GOOS, GOARCH: runtime.GOARCH, Go: runtime.Version()}}
 	_ = b.db.SQL.QueryRowContext(ctx, `SELECT current_setting('server_version')`).Scan(&r.Machine.Postgres)
@@ -203,7 +209,7 @@ func (b *bench) commitBaseline(ctx context.Context) (float64, error) {
 func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 	const phase = "throughput"
 	n := b.opts.sagas
-	fmt.Fprintf(b.status, "throughput   %d sagas, at most %d in flight, %d workers, batch %d\n", n, b.opts.inflight, b.opts.workers, b.opts.batch)
+	fmt.Fprintf(b.status, "throughput   %d sagas, at most %d in flight, %d lanes, %d workers, batch %d\n", n, b.opts.inflight, b.opts.lanes, b.opts.workers, b.opts.batch)
 	slots := make(chan struct{}, b.opts.inflight)
 	b.tracker.setWindow(phase, slots)
 	cpuStart := b.cpu.read()
@@ -260,12 +266,28 @@ func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 		r.StepsPerS = round(float64(steps) / took.Seconds())
 		r.StepsPerSaga = round(float64(steps) / float64(r.Sagas))
 	}
+	for i, q := range res.byQuarter() {
+		r.SagasPerSByQuarter[i] = round(q)
+	}
+	r.TopicRowsLeft = b.topicRows(context.WithoutCancel(ctx))
 	if r.Sagas > 0 {
 		per := 1000 / float64(r.Sagas)
 		r.CPUPer1kSagas = figures(cpu, func(d time.Duration) float64 { return d.Seconds() * per })
 	}
 	fmt.Fprintf(b.status, "throughput   %d sagas in %.1fs: %.0f sagas/s, %.0f steps/s\n", r.Sagas, took.Seconds(), r.SagasPerS, r.StepsPerS)
 	return ok, nil
+}
+
+// topicRows counts the messages the App's topics hold, every lane.
+func (b *bench) topicRows(ctx context.Context) int {
+	total := 0
+	for _, topic := range b.app.Topics() {
+		var n int
+		if err := b.db.SQL.QueryRowContext(ctx, `SELECT count(*) FROM `+b.app.Transport.MessagesFrom(topic, "m")).Scan(&n); err == nil {
+			total += n
+		}
+	}
+	return total
 }
 
 // countSteps counts the idempotent steps run so far: every saga reaction
@@ -372,6 +394,8 @@ func (b *bench) print(r result) {
 	}
 	if r.Sagas > 0 {
 		fmt.Fprintf(w, "  %-18s %.0f sagas/s, %.0f steps/s (%.1f steps a saga; %.2f steps per baseline commit)\n", "throughput", r.SagasPerS, r.StepsPerS, r.StepsPerSaga, r.StepsPerCommit)
+		fmt.Fprintf(w, "  %-18s %.0f, %.0f, %.0f, %.0f sagas/s by quarter; %d messages left in the topics (retention on)\n", "steadiness",
+			r.SagasPerSByQuarter[0], r.SagasPerSByQuarter[1], r.SagasPerSByQuarter[2], r.SagasPerSByQuarter[3], r.TopicRowsLeft)
 		fmt.Fprintf(w, "  %-18s process %.2f s%s\n", "CPU per 1k sagas", r.CPUPer1kSagas.Process, pgFigure(r.CPUPer1kSagas.Postgres, " s"))
 	}
 	if r.LatencySagas > 0 {

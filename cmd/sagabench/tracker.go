@@ -25,6 +25,7 @@ type tracked struct {
 type phaseStats struct {
 	placed    int
 	latencies []time.Duration
+	ends      []time.Time
 	first     time.Time // first placement
 	last      time.Time // last end
 }
@@ -97,6 +98,7 @@ func (t *tracker) finish(id uuid.UUID, at time.Time) {
 
 func (t *tracker) record(s *phaseStats, start, at time.Time) {
 	s.latencies = append(s.latencies, at.Sub(start))
+	s.ends = append(s.ends, at)
 	if at.After(s.last) {
 		s.last = at
 	}
@@ -116,6 +118,7 @@ func (t *tracker) result(phase string) phaseStats {
 	defer t.mu.Unlock()
 	s := *t.stats(phase)
 	s.latencies = slices.Clone(s.latencies)
+	s.ends = slices.Clone(s.ends)
 	return s
 }
 
@@ -136,4 +139,23 @@ func percentile(sorted []time.Duration, p float64) time.Duration {
 	}
 	i := int(float64(len(sorted))*p+0.5) - 1
 	return sorted[min(max(i, 0), len(sorted)-1)]
+}
+
+// byQuarter splits the phase into four equal spans of time and returns the
+// sagas per second that ended in each: a flat series means the rate held.
+func (s phaseStats) byQuarter() [4]float64 {
+	var out [4]float64
+	span := s.last.Sub(s.first)
+	if span <= 0 {
+		return out
+	}
+	var counts [4]int
+	for _, at := range s.ends {
+		q := min(int(4*at.Sub(s.first)/span), 3)
+		counts[max(q, 0)]++
+	}
+	for i, c := range counts {
+		out[i] = float64(c) / (span.Seconds() / 4)
+	}
+	return out
 }
