@@ -222,7 +222,7 @@ func (d *demo) run(ctx context.Context) int {
 // customer's balance, some cancelled by the customer a moment later.
 func (d *demo) placeOrders(ctx context.Context) ([]uuid.UUID, error) {
 	if d.opts.orders == 0 {
-		return nil, nil
+		return []uuid.UUID{}, nil
 	}
 	run := uuid.NewString()[:6]
 	rng := rand.New(rand.NewPCG(d.opts.seed, 2))
@@ -309,7 +309,7 @@ func (d *demo) unfinished(ctx context.Context) ([]uuid.UUID, error) {
 		return nil, fmt.Errorf("listing unfinished sagas: %w", err)
 	}
 	defer rows.Close()
-	var ids []uuid.UUID
+	ids := []uuid.UUID{} // not nil: nil means "every saga" to the checker
 	for rows.Next() {
 		var sagaID, orderID *string
 		if err := rows.Scan(&sagaID, &orderID); err != nil {
