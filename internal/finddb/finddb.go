@@ -53,7 +53,7 @@ type Config struct {
 	// Getenv reads the environment. Default: os.Getenv.
 	Getenv func(string) string
 	// ProbeURL is the local server tried when DATABASE_URL is unset.
-	// Default: postgres://postgres@127.0.0.1:5432/postgres.
+	// Default: postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable.
 	ProbeURL string
 	// Database is the database used on a probed or embedded server; it is
 	// created if missing. Default: "pgsaga".
@@ -80,7 +80,7 @@ func (c *Config) setDefaults() {
 		c.Getenv = os.Getenv
 	}
 	if c.ProbeURL == "" {
-		c.ProbeURL = "postgres://postgres@127.0.0.1:5432/postgres"
+		c.ProbeURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
 	}
 	if c.Database == "" {
 		c.Database = "pgsaga"

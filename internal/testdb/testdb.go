@@ -8,7 +8,7 @@
 // when the package's tests end.
 //
 // The server is found through TEST_DATABASE_URL, then DATABASE_URL, then
-// postgres://postgres@127.0.0.1:5432/postgres. When none answers, the tests
+// postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable. When none answers, the tests
 // fail with one sentence saying how to get one; they never skip.
 //
 // Use it from TestMain:
@@ -48,7 +48,7 @@ import (
 
 // DefaultURL is the server tried when neither TEST_DATABASE_URL nor
 // DATABASE_URL is set; it matches docker-compose.yml.
-const DefaultURL = "postgres://postgres@127.0.0.1:5432/postgres"
+const DefaultURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
 
 const (
 	templatePrefix = "pgsaga_tpl_"
