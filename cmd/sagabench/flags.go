@@ -24,6 +24,7 @@ type options struct {
 	timeout  time.Duration
 	keep     bool
 	verbose  bool
+	profile  string
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -40,6 +41,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.DurationVar(&o.baseline, "baseline", 5*time.Second, "how long to measure PostgreSQL's own commit rate; 0 skips it")
 	fs.DurationVar(&o.idle, "idle", 10*time.Second, "how long to measure CPU use while idle; 0 skips it")
 	fs.DurationVar(&o.timeout, "timeout", 10*time.Minute, "give up waiting for a phase's sagas after this long")
+	fs.StringVar(&o.profile, "cpuprofile", "", "write a CPU profile of the throughput phase to this file (go tool pprof)")
 	fs.BoolVar(&o.keep, "keep", false, "keep the benchmark database instead of dropping it")
 	fs.BoolVar(&o.verbose, "v", false, "log what the workers do (to stderr)")
 	fs.Usage = func() {

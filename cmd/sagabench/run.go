@@ -5,7 +5,9 @@ import (
 	"encoding/json"
 	"fmt"
 	mrand "math/rand/v2"
+	"os"
 	"runtime"
+	"runtime/pprof"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -212,6 +214,17 @@ func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 	fmt.Fprintf(b.status, "throughput   %d sagas, at most %d in flight, %d lanes, %d workers, batch %d\n", n, b.opts.inflight, b.opts.lanes, b.opts.workers, b.opts.batch)
 	slots := make(chan struct{}, b.opts.inflight)
 	b.tracker.setWindow(phase, slots)
+	if b.opts.profile != "" {
+		f, err := os.Create(b.opts.profile)
+		if err != nil {
+			return false, fmt.Errorf("creating the CPU profile: %w", err)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return false, fmt.Errorf("starting the CPU profile: %w", err)
+		}
+		defer pprof.StopCPUProfile()
+	}
 	cpuStart := b.cpu.read()
 	next := make(chan int)
 	errs := make(chan error, placers)
