@@ -63,20 +63,16 @@ func (s schemaAdapter) UnmarshalMessage(row wsql.Scanner) (wsql.Row, error) {
 		return wsql.Row{}, fmt.Errorf("transport: scanning a message row: %w", err)
 	}
 	if r.Offset < 0 {
-		// The sentinel: no message for the group. Its position and the
-		// fence go to the subscription's backoff.
-		var fence struct {
-			Xmin string `json:"xmin"`
+		// The sentinel: no message for the group. Whether some wait
+		// behind the fence goes to the subscription's backoff.
+		var sentinel struct {
+			Fenced bool `json:"fenced"`
 		}
-		if err := json.Unmarshal(r.Metadata, &fence); err != nil {
-			return wsql.Row{}, fmt.Errorf("transport: reading the poll's sentinel: %w", err)
-		}
-		xmin, err := strconv.ParseUint(fence.Xmin, 10, 64)
-		if err != nil {
+		if err := json.Unmarshal(r.Metadata, &sentinel); err != nil {
 			return wsql.Row{}, fmt.Errorf("transport: reading the poll's sentinel: %w", err)
 		}
 		if s.poll != nil {
-			s.poll.empty(uint64(xid), xmin)
+			s.poll.empty(sentinel.Fenced)
 		}
 		return wsql.Row{}, sql.ErrNoRows
 	}
@@ -139,11 +135,10 @@ func ValidateConsumerGroup(group string) error {
 	return nil
 }
 
-// attemptAck builds the statement that ends a successful attempt: store the
-// message's offset for the group (never backwards), then release the
-// savepoint, in one round trip. The table name comes from the validated
-// topic, the group from a validated name with no quote characters, and the
-// position from integers the database produced.
+// attemptAck builds the statements that keep a successful attempt (see
+// keepAttemptSQL). The table name comes from the validated topic, the group
+// from a validated name with no quote characters, and the position from
+// integers the database produced.
 func attemptAck(offsetsTable, consumerGroup string, xid, offset int64) string {
-	return fmt.Sprintf(ackAttemptSQL, offsetsTable, strconv.FormatInt(offset, 10), strconv.FormatInt(xid, 10), "'"+consumerGroup+"'")
+	return fmt.Sprintf(keepAttemptSQL, offsetsTable, strconv.FormatInt(offset, 10), strconv.FormatInt(xid, 10), "'"+consumerGroup+"'")
 }

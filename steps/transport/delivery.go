@@ -155,6 +155,11 @@ type route struct {
 	offsets string // quoted offsets table of lane
 	h       HandlerFunc
 	retry   RetryPolicy
+
+	// The batch transaction the last attempt ran in, and whether an
+	// attempt savepoint is open in it (see openSavepoint).
+	batch *sql.Tx
+	open  bool
 }
 
 // outcome of one attempt.
@@ -234,8 +239,9 @@ func (rt *route) deliver(msg *message.Message) error {
 	}
 }
 
-// attempt runs h once inside a savepoint and, if it succeeds, stores the
-// message's offset for the group in the same savepoint (see ackAttemptSQL).
+// attempt runs h once inside a savepoint and, if it succeeds, sends its
+// deferred statements and keeps it, storing the message's offset for the
+// group in the same round trip (see keepAttemptSQL).
 func (rt *route) attempt(ctx context.Context, raw *sql.Tx, msg *message.Message, n int, ack string, h HandlerFunc) (outcome, error) {
 	// Registered before it touches the transaction: once Close has begun,
 	// no new attempt starts, so the attempts Close may have to cut off are
@@ -245,7 +251,7 @@ func (rt *route) attempt(ctx context.Context, raw *sql.Tx, msg *message.Message,
 		return failed, ErrClosing
 	}
 	defer rt.r.gate.untrack(att)
-	if _, err := raw.ExecContext(ctx, rt.r.t.beginAttempt); err != nil {
+	if err := rt.openSavepoint(ctx, raw); err != nil {
 		return rt.abandonOutcome(ctx, raw, msg, fmt.Errorf("opening attempt savepoint: %w", err))
 	}
 	// The handler gets a copy: an Ack or Nack it sends must not reach the
@@ -256,18 +262,45 @@ func (rt *route) attempt(ctx context.Context, raw *sql.Tx, msg *message.Message,
 	att.revoke()
 
 	if herr == nil {
-		_, err := raw.ExecContext(ctx, ack)
+		q, args := composeStatements(att.takeDeferred(), ack)
+		_, err := raw.ExecContext(ctx, q, args...)
 		if err == nil {
 			return kept, nil
 		}
-		// The handler reported success over a failed statement it ignored:
-		// the attempt failed.
+		if isUndefinedTable(err) {
+			err = fmt.Errorf("%w: %w", ErrUnknownTopic, err)
+		}
+		// A deferred statement failed, or the handler reported success
+		// over a failed statement it ignored: the attempt failed.
 		herr = fmt.Errorf("transport: handler %s succeeded but its attempt could not be kept: %w", rt.name, err)
 	}
 	if _, err := raw.ExecContext(ctx, rollbackAttemptSQL); err != nil {
 		return rt.abandonOutcome(ctx, raw, msg, errors.Join(herr, fmt.Errorf("rolling back attempt: %w", err)))
 	}
+	// ROLLBACK TO keeps the savepoint: the next attempt starts in it.
 	return failed, herr
+}
+
+// openSavepoint makes sure an attempt savepoint is open in raw. The first
+// attempt of a batch also bounds the batch's statements; later ones find
+// the savepoint their predecessor opened when it was kept or rolled back.
+// A route's deliveries run one at a time (a subscription hands out one
+// message at a time), so this state needs no lock; holding the batch's
+// *sql.Tx also keeps its address from being reused by a later batch.
+func (rt *route) openSavepoint(ctx context.Context, raw *sql.Tx) error {
+	if rt.batch == raw && rt.open {
+		return nil
+	}
+	q := openAttemptSQL
+	if rt.batch != raw {
+		q = rt.r.t.beginBatch
+	}
+	rt.batch, rt.open = raw, false
+	if _, err := raw.ExecContext(ctx, q); err != nil {
+		return err
+	}
+	rt.open = true
+	return nil
 }
 
 // abandon gives up on the batch transaction, returning what the handler
@@ -290,6 +323,7 @@ func (rt *route) abandon(ctx context.Context, raw *sql.Tx, msg *message.Message,
 // message is nacked and the lane waits for the ack deadline, which is slow
 // but never commits a partial attempt on purpose.
 func (rt *route) abandonOutcome(ctx context.Context, raw *sql.Tx, msg *message.Message, cause error) (outcome, error) {
+	rt.open = false
 	_, err := raw.ExecContext(ctx, doomBatchSQL)
 	if doomed(err) {
 		level := slog.LevelWarn

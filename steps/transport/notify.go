@@ -3,7 +3,6 @@ package transport
 import (
 	"context"
 	"errors"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -30,11 +29,10 @@ type wakeHub struct {
 	stop    func() // stops the running listener; nil when none runs
 }
 
-// laneState is what is known about one physical topic.
+// laneState is the subscriptions of one physical topic.
 type laneState struct {
-	notified atomic.Uint64 // highest transaction id announced for it
-	mu       sync.Mutex
-	waiters  map[*pollState]struct{}
+	mu      sync.Mutex
+	waiters map[*pollState]struct{}
 }
 
 func newWakeHub(t *Transport) *wakeHub {
@@ -104,29 +102,18 @@ func (h *wakeHub) start() func() {
 	return func() { cancel(); <-done }
 }
 
-// notified handles "<topic> <xid>".
+// notified handles "<topic> <xid>": it wakes the topic's subscriptions.
 func (h *wakeHub) notified(_, payload string) {
-	topic, x, ok := strings.Cut(payload, " ")
+	topic, _, ok := strings.Cut(payload, " ")
 	if !ok {
-		return
-	}
-	xid, err := strconv.ParseUint(x, 10, 64)
-	if err != nil {
 		return
 	}
 	h.mu.Lock()
 	lane := h.lanes[topic]
 	h.mu.Unlock()
-	if lane == nil {
-		return // nobody here reads it
+	if lane != nil { // else nobody here reads it
+		lane.wake()
 	}
-	for {
-		old := lane.notified.Load()
-		if xid <= old || lane.notified.CompareAndSwap(old, xid) {
-			break
-		}
-	}
-	lane.wake()
 }
 
 func (h *wakeHub) wakeAll() {
@@ -158,14 +145,13 @@ func (l *laneState) wake() {
 //   - after messages: poll again at once (a busy lane never sleeps);
 //   - after an error: wait, doubling from RetryInterval up to
 //     MaxRetryInterval (none after a lost race for the lane);
-//   - after an empty poll, with notifications: if a message was announced
-//     past the group's position but is still behind the visibility fence
-//     (its transaction id is not below the poll snapshot's xmin: an older
-//     transaction is still running), poll again soon, backing off from 1ms;
-//     otherwise wait for the next announcement on the lane, or
-//     IdlePollInterval as a safety net;
-//   - after an empty poll without notifications (off, or the listening
-//     connection is down): wait PollInterval, or less if woken.
+//   - after an empty poll that saw messages waiting behind the visibility
+//     fence (committed, but an older transaction is still running): poll
+//     again soon, backing off from 1ms to 50ms, until the fence moves;
+//   - after any other empty poll, with wake-ups: wait for a publish on the
+//     lane to wake it, or IdlePollInterval as a safety net;
+//   - without wake-ups (off, or the listening connection is down): wait
+//     PollInterval, or less if woken.
 //
 // The subscriber calls it synchronously between polls; a wait ends early
 // when the subscription closes.
@@ -177,15 +163,13 @@ type pollState struct {
 	closed chan struct{}
 	once   sync.Once
 
-	// Set by the poll (the sentinel row), read after it, on the
+	// Set by the poll (its sentinel row), read after it, on the
 	// subscriber's goroutine.
-	polled   bool
-	position uint64 // the group's last processed transaction id
-	xmin     uint64 // the poll snapshot's fence
+	polled bool
+	fenced bool
 
 	errWait   time.Duration
 	fenceWait time.Duration
-	misses    int
 }
 
 const (
@@ -212,43 +196,27 @@ func (p *pollState) close() {
 }
 
 // empty records what the sentinel row of an empty poll said.
-func (p *pollState) empty(position, xmin uint64) {
-	p.polled, p.position, p.xmin = true, position, xmin
-}
+func (p *pollState) empty(fenced bool) { p.polled, p.fenced = true, fenced }
 
 func (p *pollState) HandleError(logger watermill.LoggerAdapter, noMsg bool, err error) time.Duration {
-	polled := p.polled
-	p.polled = false
+	fenced := p.polled && p.fenced
+	p.polled, p.fenced = false, false
 	if err != nil {
 		p.fenceWait = 0
 		return p.errorWait(logger, err)
 	}
 	p.errWait = 0
 	if !noMsg {
-		p.fenceWait, p.misses = 0, 0
+		p.fenceWait = 0
 		return 0
 	}
-	if p.hub == nil {
-		p.sleep(p.cfg.PollInterval)
+	if fenced {
+		p.fenceWait = min(max(2*p.fenceWait, minFenceWait), maxFenceWait)
+		p.sleep(p.fenceWait)
 		return 0
 	}
-	notified := p.lane.notified.Load()
-	if polled && notified > p.position {
-		if notified >= p.xmin {
-			// Announced, committed, but not yet visible to a poll.
-			p.fenceWait = min(max(2*p.fenceWait, minFenceWait), maxFenceWait)
-			p.sleep(p.fenceWait)
-			return 0
-		}
-		// Visible by the fence yet not returned: the announcement raced
-		// the poll. Look again, a few times at most.
-		if p.misses < 3 {
-			p.misses++
-			return 0
-		}
-	}
-	p.fenceWait, p.misses = 0, 0
-	if !p.hub.up.Load() {
+	p.fenceWait = 0
+	if p.hub == nil || !p.hub.up.Load() {
 		p.sleep(p.cfg.PollInterval)
 		return 0
 	}

@@ -128,6 +128,25 @@ func TestFencedMessageIsDeliveredWhenTheFenceMoves(t *testing.T) {
 	waitFor(t, 10*time.Second, "delivery once the fence moved", func() bool { return handled.Load() == 1 })
 }
 
+// A message committed before its subscriber started, so announced to
+// nobody, but behind the fence at the subscriber's first poll, is delivered
+// when the fence moves.
+func TestFencedMessageFromBeforeTheSubscriber(t *testing.T) {
+	t.Parallel()
+	e, _ := wakeEnv(t, nil)
+	older, err := e.db.SQL.Begin()
+	require.NoError(t, err)
+	defer older.Rollback() //nolint:errcheck
+	_, err = older.Exec(`SELECT pg_current_xact_id()`)
+	require.NoError(t, err)
+	e.publish(1)
+	var handled atomic.Int32
+	e.countingRouter(&handled)
+	assert.Never(t, func() bool { return handled.Load() > 0 }, 300*time.Millisecond, 10*time.Millisecond, "delivered across the fence")
+	require.NoError(t, older.Commit())
+	waitFor(t, 10*time.Second, "delivery once the fence moved", func() bool { return handled.Load() == 1 })
+}
+
 // The listening connection lost: a message published meanwhile (its
 // notification lost with the connection) is found when the listener comes
 // back, and wake-ups work again.

@@ -3,25 +3,39 @@ package transport
 // Statements the transport runs itself. Topic and consumer-group table
 // statements come from watermill-sql's schema and offsets adapters.
 const (
-	// beginAttemptSQL opens the savepoint of one delivery attempt and bounds
-	// its statements and lock waits; %[1]s and %[2]s are the timeouts in
-	// milliseconds, formatted once from the validated Config. One round trip
-	// (simple protocol).
-	beginAttemptSQL = "SAVEPOINT pgsaga_attempt; SET LOCAL statement_timeout = %[1]s; SET LOCAL lock_timeout = %[2]s"
+	// beginBatchSQL bounds the statements and lock waits of a delivery
+	// batch's attempts (SET LOCAL at the top level lasts for the whole
+	// transaction) and opens the savepoint of its first attempt; %[1]s and
+	// %[2]s are the timeouts in milliseconds, formatted once from the
+	// validated Config. One round trip (simple protocol).
+	beginBatchSQL = "SET LOCAL statement_timeout = %[1]s; SET LOCAL lock_timeout = %[2]s; SAVEPOINT pgsaga_attempt"
+
+	// openAttemptSQL opens the savepoint of an attempt when none is open.
+	openAttemptSQL = "SAVEPOINT pgsaga_attempt"
 
 	// beginOwnSQL bounds a transaction the transport opened itself.
 	beginOwnSQL = "SET LOCAL statement_timeout = %[1]s; SET LOCAL lock_timeout = %[2]s"
 
-	// ackAttemptSQL ends a successful attempt: it stores the message's
-	// offset for the consumer group, in the attempt, so the work and the ack
-	// commit together even if the subscriber never sees the ack (it may stop
-	// first when the router closes), then keeps the attempt's work. The
-	// offset only moves forward. %[1]s offsets table, %[2]s offset, %[3]s
-	// transaction id, %[4]s quoted consumer group.
-	ackAttemptSQL = `UPDATE %[1]s SET offset_acked = %[2]s, last_processed_transaction_id = '%[3]s'::xid8
+	// keepAttemptSQL ends a successful attempt, after its deferred
+	// statements: it keeps the attempt's work, stores the message's offset
+	// for the consumer group in the same transaction, so the work and the
+	// ack commit together even if the subscriber never sees the ack (it may
+	// stop first when the router closes), and opens the savepoint of the
+	// batch's next attempt ahead of time. The offset only moves forward. It
+	// runs at the top level of the transaction, which holds the offset row's
+	// lock (FOR UPDATE in the batch's poll): an update from inside the
+	// savepoint would turn that lock into a MultiXact for every message.
+	// %[1]s offsets table, %[2]s offset, %[3]s transaction id, %[4]s quoted
+	// consumer group.
+	keepAttemptSQL = `RELEASE SAVEPOINT pgsaga_attempt;
+UPDATE %[1]s SET offset_acked = %[2]s, last_processed_transaction_id = '%[3]s'::xid8
 WHERE consumer_group = %[4]s
   AND (last_processed_transaction_id, offset_acked) < ('%[3]s'::xid8, %[2]s);
-RELEASE SAVEPOINT pgsaga_attempt`
+SAVEPOINT pgsaga_attempt`
+
+	// notifySQL wakes a topic's subscribers from a deferred publish: the
+	// payload is the topic and the transaction's id, as insertNotifySQL's.
+	notifySQL = `SELECT pg_notify($1, $2 || ' ' || pg_current_xact_id()::text)`
 
 	// ackBatchSQL is the subscriber's ack of a batch prefix; like
 	// ackAttemptSQL it never moves an offset backwards. %s offsets table.
@@ -33,8 +47,9 @@ ON CONFLICT (consumer_group) DO UPDATE SET
 WHERE (o.last_processed_transaction_id, o.offset_acked) < (excluded.last_processed_transaction_id, excluded.offset_acked)`
 
 	// rollbackAttemptSQL discards the attempt's work and revives the batch
-	// transaction if a statement of the attempt failed.
-	rollbackAttemptSQL = "ROLLBACK TO SAVEPOINT pgsaga_attempt; RELEASE SAVEPOINT pgsaga_attempt"
+	// transaction if a statement of the attempt failed. The savepoint stays
+	// open for the next attempt.
+	rollbackAttemptSQL = "ROLLBACK TO SAVEPOINT pgsaga_attempt"
 
 	// doomBatchSQL makes the batch transaction fail for certain, so that the
 	// subscriber cannot store its offset and rolls the whole batch back.
@@ -50,11 +65,13 @@ SELECT pg_notify($%[2]d, $%[3]d || ' ' || (SELECT transaction_id FROM inserted L
 	// selectBatchSQL is watermill-sql's batch query (the group's offset row
 	// locked FOR UPDATE, messages past it below the visibility fence, in
 	// order) with one addition: when there is no message it returns a
-	// sentinel row instead, offset -1, carrying the group's position as its
-	// transaction id and the snapshot's xmin (the fence) in its metadata.
-	// The subscription's backoff uses them to tell "nothing for us" from "a
-	// message it was told about is still behind the fence" (see
-	// pollState). OFFSET 0 keeps the filter apart from the ORDER BY … LIMIT,
+	// sentinel row instead, offset -1, whose metadata says whether messages
+	// are waiting behind the fence: committed, visible to this snapshot, but
+	// not below its xmin because an older transaction is still running.
+	// Every such message is unconsumed (a group only ever passes messages
+	// below the fence, and the fence only rises). The subscription's backoff
+	// polls again soon when there are, and waits for a wake-up otherwise
+	// (see pollState). OFFSET 0 keeps the filter apart from the ORDER BY … LIMIT,
 	// as watermill-sql's subquery does, so the planner sorts the few rows
 	// past the offset instead of walking the index from its start.
 	// %[1]s offsets table, %[2]s messages table, %[3]d batch size.
@@ -76,7 +93,8 @@ SELECT "offset", transaction_id, uuid, payload, metadata FROM (
     SELECT * FROM batch
     UNION ALL
     SELECT -1, coalesce((SELECT last_processed_transaction_id FROM last_processed), '0'::xid8), '', NULL::bytea,
-        json_build_object('xmin', pg_snapshot_xmin(pg_current_snapshot())::text)
+        json_build_object('fenced', EXISTS (
+            SELECT FROM %[2]s WHERE transaction_id >= pg_snapshot_xmin(pg_current_snapshot())))
     WHERE NOT EXISTS (SELECT FROM batch)
 ) AS rows
 ORDER BY transaction_id, "offset"`

@@ -33,6 +33,7 @@ package transport
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -261,8 +262,8 @@ type Transport struct {
 	offsets offsetsAdapter
 	hub     *wakeHub // nil when wake-ups are off
 
-	beginAttempt string // SAVEPOINT + SET LOCAL timeouts, prebuilt
-	beginOwn     string // SET LOCAL timeouts, prebuilt
+	beginBatch string // SET LOCAL timeouts + SAVEPOINT, prebuilt
+	beginOwn   string // SET LOCAL timeouts, prebuilt
 }
 
 // New validates cfg and returns a Transport.
@@ -283,8 +284,8 @@ func New(cfg Config) (*Transport, error) {
 			GeneratePayloadType: func(string) string { return "BYTEA" },
 			SubscribeBatchSize:  cfg.BatchSize,
 		}},
-		beginAttempt: fmt.Sprintf(beginAttemptSQL, ms(cfg.StatementTimeout), ms(cfg.LockTimeout)),
-		beginOwn:     fmt.Sprintf(beginOwnSQL, ms(cfg.StatementTimeout), ms(cfg.LockTimeout)),
+		beginBatch: fmt.Sprintf(beginBatchSQL, ms(cfg.StatementTimeout), ms(cfg.LockTimeout)),
+		beginOwn:   fmt.Sprintf(beginOwnSQL, ms(cfg.StatementTimeout), ms(cfg.LockTimeout)),
 	}
 	if !cfg.DisableNotify {
 		t.schema.notifyChannel = cfg.NotifyChannel
@@ -604,8 +605,12 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 	return nil
 }
 
-// insert inserts msgs into one physical topic.
+// insert inserts msgs into one physical topic: at the end of the attempt
+// when tx is a Router attempt's (see Deferrer), at once otherwise.
 func (p *txPublisher) insert(topic string, msgs []*message.Message) error {
+	if a, ok := p.tx.(*attemptTx); ok {
+		return p.deferInsert(a, topic, msgs)
+	}
 	pub, err := wsql.NewPublisher(executor{p.tx}, wsql.PublisherConfig{SchemaAdapter: p.t.schema}, p.t.wlog)
 	if err != nil {
 		return fmt.Errorf("transport: publishing to %s: %w", topic, err)
@@ -615,6 +620,24 @@ func (p *txPublisher) insert(topic string, msgs []*message.Message) error {
 			return fmt.Errorf("%w: %s", ErrUnknownTopic, topic)
 		}
 		return fmt.Errorf("transport: publishing to %s: %w", topic, err)
+	}
+	return nil
+}
+
+func (p *txPublisher) deferInsert(a *attemptTx, topic string, msgs []*message.Message) error {
+	args := make([]any, 0, 3*len(msgs))
+	for _, m := range msgs {
+		md, err := json.Marshal(m.Metadata)
+		if err != nil {
+			return fmt.Errorf("transport: publishing to %s: encoding metadata of %s: %w", topic, m.UUID, err)
+		}
+		args = append(args, m.UUID, []byte(m.Payload), string(md))
+	}
+	if err := a.DeferExec(context.Background(), insertMessagesSQL(p.t.MessagesTable(topic), len(msgs)), args...); err != nil {
+		return fmt.Errorf("transport: publishing to %s: %w", topic, err)
+	}
+	if p.t.schema.notifyChannel != "" {
+		return a.deferNotify(p.t.schema.notifyChannel, topic)
 	}
 	return nil
 }

@@ -56,6 +56,10 @@ type attemptTx struct {
 
 	rowsMu sync.Mutex
 	rows   []*sql.Rows // result sets to close when the attempt ends
+
+	defMu    sync.Mutex
+	deferred []deferredStmt  // see DeferExec
+	notified map[string]bool // topics whose wake-up is queued
 }
 
 var _ Tx = (*attemptTx)(nil)
@@ -67,6 +71,11 @@ func (a *attemptTx) ExecContext(ctx context.Context, query string, args ...any) 
 	defer a.mu.RUnlock()
 	if a.over {
 		return nil, ErrAttemptOver
+	}
+	if isSavepointCommand(query) {
+		if err := a.flushDeferred(ctx); err != nil {
+			return nil, err
+		}
 	}
 	return a.raw.ExecContext(context.WithoutCancel(ctx), query, args...)
 }

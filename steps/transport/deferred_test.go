@@ -1,0 +1,128 @@
+package transport_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// Inside an attempt, publishes and deferred statements land at the end of
+// the attempt: with the offset when it succeeds, not at all when it fails,
+// byte for byte, in order.
+func TestDeferredStatementsCommitWithTheAttempt(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	var attempt atomic.Int32
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		tx, _ := transport.TxFromContext(msg.Context())
+		n := attempt.Add(1)
+		_, isDeferrer := tx.(transport.Deferrer)
+		require.True(t, isDeferrer)
+		out := []*message.Message{message.NewMessage(replyID(msg), []byte{0, 1, 2, 255, '\'', '$'}), message.NewMessage(replyID(msg)[:30]+"second", nil)}
+		out[0].Metadata.Set("quote", `it's "$1"`)
+		if err := e.tr.Publisher(tx).Publish(e.out, out...); err != nil {
+			return err
+		}
+		if err := transport.ExecOrDefer(msg.Context(), tx, `INSERT INTO `+e.eff+` (msg, part, attempt) VALUES ($1, $2, $3)`, msg.UUID, "deferred", n); err != nil {
+			return err
+		}
+		if n == 1 {
+			return errors.New("first attempt fails after queueing")
+		}
+		return nil
+	}))
+	startRouter(t, r)
+	e.publish(1)
+	waitFor(t, 10*time.Second, "the message consumed", func() bool { return e.consumed(e.in, "g") == 1 })
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff), "only the second attempt's deferred insert")
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE attempt = 2`))
+	rows, err := e.db.SQL.Query(`SELECT uuid, payload, metadata->>'quote' FROM ` + e.tr.MessagesTable(e.out) + ` ORDER BY "offset"`)
+	require.NoError(t, err)
+	defer rows.Close()
+	var got []string
+	for rows.Next() {
+		var id string
+		var payload []byte
+		var quote *string
+		require.NoError(t, rows.Scan(&id, &payload, &quote))
+		if quote != nil {
+			assert.Equal(t, `it's "$1"`, *quote)
+			assert.Equal(t, []byte{0, 1, 2, 255, '\'', '$'}, payload)
+		} else {
+			assert.Nil(t, payload)
+		}
+		got = append(got, id)
+	}
+	require.Len(t, got, 2, "the failed attempt's messages are gone")
+	assert.True(t, strings.HasSuffix(got[1], "second"), "in publish order")
+}
+
+// A handler's own savepoint takes back what was published after it, as it
+// would without deferral: queued statements are sent before any savepoint
+// command.
+func TestDeferralRespectsTheHandlersSavepoints(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		ctx := msg.Context()
+		tx, _ := transport.TxFromContext(ctx)
+		pub := e.tr.Publisher(tx)
+		if err := pub.Publish(e.out, message.NewMessage("kept-"+msg.UUID[:20], nil)); err != nil {
+			return err
+		}
+		if _, err := tx.ExecContext(ctx, `SAVEPOINT mine`); err != nil {
+			return err
+		}
+		if err := pub.Publish(e.out, message.NewMessage("undone-"+msg.UUID[:20], nil)); err != nil {
+			return err
+		}
+		_, err := tx.ExecContext(ctx, `ROLLBACK TO SAVEPOINT mine`)
+		return err
+	}))
+	startRouter(t, r)
+	e.publish(1)
+	waitFor(t, 10*time.Second, "the message consumed", func() bool { return e.consumed(e.in, "g") == 1 })
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.tr.MessagesTable(e.out)+` WHERE uuid LIKE 'kept-%'`))
+	assert.Zero(t, e.count(`SELECT count(*) FROM `+e.tr.MessagesTable(e.out)+` WHERE uuid LIKE 'undone-%'`))
+}
+
+// A deferred publish to a topic with no table fails its attempt (at the
+// end, where it runs) with ErrUnknownTopic; the message is dead-lettered
+// after its attempts and the lane moves on.
+func TestDeferredPublishToAnUnknownTopic(t *testing.T) {
+	t.Parallel()
+	dlq := "dlq_" + randomID()
+	e := newEnv(t, func(c *transport.Config) {
+		c.Retry = transport.RetryPolicy{MaxAttempts: 2, InitialBackoff: time.Millisecond, DeadLetterTopic: dlq}
+	})
+	require.NoError(t, e.tr.CreateTopics(context.Background(), dlq))
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		tx, _ := transport.TxFromContext(msg.Context())
+		if err := effect(msg, e.eff, "row"); err != nil {
+			return err
+		}
+		return e.tr.Publisher(tx).Publish("nowhere_"+e.id, message.NewMessage(replyID(msg), nil))
+	}))
+	startRouter(t, r)
+	e.publish(1)
+	waitFor(t, 10*time.Second, "the message dead-lettered", func() bool { return e.messagesIn(dlq) == 1 })
+	var reason string
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT metadata->>'dead_letter_reason' FROM `+e.tr.MessagesTable(dlq)).Scan(&reason))
+	assert.Contains(t, reason, "topic table does not exist")
+	assert.Zero(t, e.count(`SELECT count(*) FROM `+e.eff), "nothing of the failed attempts stays")
+}
