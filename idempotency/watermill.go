@@ -128,7 +128,24 @@ func (s *Store) handleMessage(cfg MiddlewareConfig, h message.HandlerFunc, msg *
 	if !claim.Execute {
 		return replay(cfg, tx, claim.Record)
 	}
+	status, body, err := runHandler(cfg, h, msg, tx)
+	if err != nil {
+		return err
+	}
+	if d, ok := tx.(deferrer); ok {
+		// The key was claimed in this transaction a moment ago, so the
+		// completion cannot miss: it can wait for the end of the attempt.
+		if err := d.DeferExec(ctx, completeSQL, req.Scope, req.Key, string(status), 0, body, nil); err != nil {
+			return fmt.Errorf("idempotency: completing %s/%s: %w", req.Scope, req.Key, err)
+		}
+		return nil
+	}
+	return s.CompleteTx(ctx, tx, req, status, Response{Body: body})
+}
 
+// runHandler runs h on msg, publishes its replies through tx, and returns
+// the outcome to store.
+func runHandler(cfg MiddlewareConfig, h message.HandlerFunc, msg *message.Message, tx DBTX) (Status, []byte, error) {
 	replies, herr := h(msg)
 	status, outcome := StatusCompleted, storedOutcome{}
 	var rej *Rejection
@@ -136,18 +153,18 @@ func (s *Store) handleMessage(cfg MiddlewareConfig, h message.HandlerFunc, msg *
 	case errors.As(herr, &rej):
 		status, outcome.Reason, replies = StatusFailed, rej.Reason, rej.Replies
 	case herr != nil:
-		return herr
+		return "", nil, herr
 	}
 	if len(replies) > 0 {
 		topic := cfg.ReplyTopic(msg)
 		if topic == "" {
-			return fmt.Errorf("idempotency: handler %s returned %d replies but message %s names no reply topic", cfg.Scope, len(replies), msg.UUID)
+			return "", nil, fmt.Errorf("idempotency: handler %s returned %d replies but message %s names no reply topic", cfg.Scope, len(replies), msg.UUID)
 		}
 		if cfg.Publisher == nil {
-			return fmt.Errorf("idempotency: handler %s returned replies but MiddlewareConfig.Publisher is nil", cfg.Scope)
+			return "", nil, fmt.Errorf("idempotency: handler %s returned replies but MiddlewareConfig.Publisher is nil", cfg.Scope)
 		}
 		if err := cfg.Publisher(tx).Publish(topic, replies...); err != nil {
-			return fmt.Errorf("idempotency: publishing replies of %s: %w", msg.UUID, err)
+			return "", nil, fmt.Errorf("idempotency: publishing replies of %s: %w", msg.UUID, err)
 		}
 		for _, r := range replies {
 			outcome.Replies = append(outcome.Replies, storedReply{UUID: r.UUID, Topic: topic, Metadata: r.Metadata, Payload: r.Payload})
@@ -155,9 +172,16 @@ func (s *Store) handleMessage(cfg MiddlewareConfig, h message.HandlerFunc, msg *
 	}
 	body, err := json.Marshal(outcome)
 	if err != nil {
-		return fmt.Errorf("idempotency: encoding outcome of %s: %w", msg.UUID, err)
+		return "", nil, fmt.Errorf("idempotency: encoding outcome of %s: %w", msg.UUID, err)
 	}
-	return s.CompleteTx(ctx, tx, req, status, Response{Body: body})
+	return status, body, nil
+}
+
+// deferrer is offered by the transaction of a pgsaga Router attempt
+// (transport.Deferrer): statements whose result is not needed run at the end
+// of the attempt, in the same round trip as its bookkeeping.
+type deferrer interface {
+	DeferExec(ctx context.Context, query string, args ...any) error
 }
 
 func replay(cfg MiddlewareConfig, tx DBTX, rec Record) error {

@@ -490,7 +490,7 @@ func (e *Engine) flush(ctx context.Context, tx transport.Tx, inst *instance) err
 	}
 	inst.outbox = nil
 	if inst.finished && e.cfg.FinishedChannel != "" {
-		if _, err := tx.ExecContext(ctx, notifyFinishedSQL, e.cfg.FinishedChannel, inst.ID.String()); err != nil {
+		if err := transport.ExecOrDefer(ctx, tx, notifyFinishedSQL, e.cfg.FinishedChannel, inst.ID.String()); err != nil {
 			return fmt.Errorf("saga %s: notifying %s: %w", inst.ID, e.cfg.FinishedChannel, err)
 		}
 		inst.finished = false

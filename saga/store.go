@@ -24,19 +24,22 @@ ON CONFLICT (id) DO NOTHING`
 
 	// updateInstanceSQL writes an instance's new state if nobody changed it
 	// since it was read.
-	updateInstanceSQL = `UPDATE saga_instances SET status = $2, data = $3, current_step = $4, phase = $5,
+	updateInstanceSQL = `UPDATE saga_instances SET status = $2, data = $3::jsonb, current_step = $4, phase = $5,
     attempt = $6, generation = $7, version = version + 1, failure_reason = nullif($8, ''),
     deadline_at = $9, finished_at = $10, updated_at = clock_timestamp()
-WHERE id = $1 AND version = $11`
+WHERE id = $1::uuid AND version = $11`
 
 	loadInstanceSQL       = `SELECT ` + instanceColumns + ` FROM saga_instances WHERE id = $1`
 	loadInstanceLockedSQL = loadInstanceSQL + ` FOR UPDATE`
 
-	// appendHistorySQL numbers timeline entries per instance; writers hold
-	// the instance's row lock.
+	// appendHistorySQL appends timeline entries, numbered per instance
+	// after the last one; writers hold the instance's row lock.
 	appendHistorySQL = `INSERT INTO saga_history (saga_id, seq, kind, step, phase, attempt, message_id, detail)
-SELECT $1, coalesce((SELECT max(seq) FROM saga_history WHERE saga_id = $1), 0) + 1,
-    $2, nullif($3, ''), nullif($4, ''), nullif($5, 0), nullif($6, ''), nullif($7, '')`
+SELECT $1::uuid, last.seq + e.ord, e.kind, nullif(e.step, ''), nullif(e.phase, ''), nullif(e.attempt, 0),
+    nullif(e.message_id, ''), nullif(e.detail, '')
+FROM (SELECT coalesce(max(seq), 0) AS seq FROM saga_history WHERE saga_id = $1::uuid) AS last,
+    unnest($2::text[], $3::text[], $4::text[], $5::int[], $6::text[], $7::text[])
+        WITH ORDINALITY AS e(kind, step, phase, attempt, message_id, detail, ord)`
 
 	// overdueSQL picks one instance whose command is overdue, skipping
 	// instances another sweeper or a reply handler holds.
@@ -113,9 +116,21 @@ func insertInstance(ctx context.Context, tx transport.Tx, inst *instance) (bool,
 	return n == 1, nil
 }
 
+// updateInstance writes inst's new state. Every caller holds the
+// instance's row lock (it loaded it FOR UPDATE in tx), so inside a Router
+// attempt the statement is deferred to the end of the attempt (see
+// transport.Deferrer); elsewhere it runs at once and checks the version.
 func updateInstance(ctx context.Context, tx transport.Tx, inst *instance) error {
-	res, err := tx.ExecContext(ctx, updateInstanceSQL, inst.ID, string(inst.Status), []byte(inst.Data), inst.Step, string(inst.Phase),
-		inst.Attempt, inst.Generation, inst.FailureReason, inst.DeadlineAt, inst.FinishedAt, inst.Version)
+	args := []any{inst.ID.String(), string(inst.Status), string(inst.Data), inst.Step, string(inst.Phase),
+		inst.Attempt, inst.Generation, inst.FailureReason, inst.DeadlineAt, inst.FinishedAt, inst.Version}
+	if d, ok := tx.(transport.Deferrer); ok {
+		if err := d.DeferExec(ctx, updateInstanceSQL, args...); err != nil {
+			return fmt.Errorf("saga %s: saving: %w", inst.ID, err)
+		}
+		inst.Version++
+		return nil
+	}
+	res, err := tx.ExecContext(ctx, updateInstanceSQL, args...)
 	if err != nil {
 		return fmt.Errorf("saga %s: saving: %w", inst.ID, err)
 	}
@@ -160,11 +175,20 @@ func loadInstance(ctx context.Context, tx transport.Tx, id uuid.UUID, lock bool)
 	return inst, nil
 }
 
+// appendHistory appends entries to the instance's timeline in one
+// statement, deferred inside a Router attempt.
 func appendHistory(ctx context.Context, tx transport.Tx, id uuid.UUID, entries []historyEntry) error {
-	for _, h := range entries {
-		if _, err := tx.ExecContext(ctx, appendHistorySQL, id, h.Kind, h.Step, string(h.Phase), h.Attempt, h.MessageID, h.Detail); err != nil {
-			return fmt.Errorf("saga %s: writing its timeline: %w", id, err)
-		}
+	if len(entries) == 0 {
+		return nil
+	}
+	n := len(entries)
+	kinds, steps, phases, messages, details := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	attempts := make([]int32, n)
+	for i, h := range entries {
+		kinds[i], steps[i], phases[i], attempts[i], messages[i], details[i] = h.Kind, h.Step, string(h.Phase), int32(h.Attempt), h.MessageID, h.Detail
+	}
+	if err := transport.ExecOrDefer(ctx, tx, appendHistorySQL, id.String(), kinds, steps, phases, attempts, messages, details); err != nil {
+		return fmt.Errorf("saga %s: writing its timeline: %w", id, err)
 	}
 	return nil
 }
