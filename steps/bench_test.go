@@ -20,7 +20,8 @@ import (
 // same business work per command: one insert and one reply message.
 //
 //   - bare: watermill-sql v3 as documented, handler on the subscriber's
-//     transaction, no protections, no idempotency;
+//     transaction, its publisher on that transaction; no protections, no
+//     wake-ups, no idempotency;
 //   - transport: pgsaga's Router (savepoint per attempt, own offset ack);
 //   - runtime: the full step runtime (decode, idempotency claim, handler,
 //     reply, completion) on the Router.
@@ -61,7 +62,7 @@ func benchStepLane(b *testing.B, variant string) {
 		_, err := tx.ExecContext(ctx, `INSERT INTO bench_ledger VALUES ($1, $2)`, cmd.Account, cmd.Amount)
 		return added{Account: cmd.Account, Total: cmd.Amount}, err
 	}
-	plain := func(tx transport.Tx, msg *message.Message) error {
+	plain := func(tx transport.Tx, pub message.Publisher, msg *message.Message) error {
 		cmd, err := steps.Decode[addCmd](msg)
 		if err != nil {
 			return err
@@ -74,7 +75,7 @@ func benchStepLane(b *testing.B, variant string) {
 		if err != nil {
 			return err
 		}
-		return tr.Publisher(tx).Publish(replies, out)
+		return pub.Publish(replies, out)
 	}
 
 	b.ResetTimer()
@@ -92,7 +93,13 @@ func benchStepLane(b *testing.B, variant string) {
 		require.NoError(b, err)
 		wr.AddConsumerHandler("h", cmds, sub, func(msg *message.Message) error {
 			tx, _ := wsql.TxFromContext(msg.Context())
-			return plain(tx, msg)
+			pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: wsql.DefaultPostgreSQLSchema{
+				GeneratePayloadType: func(string) string { return "BYTEA" },
+			}}, nil)
+			if err != nil {
+				return err
+			}
+			return plain(tx, pub, msg)
 		})
 		go func() { _ = wr.Run(ctx) }()
 		<-wr.Running()
@@ -103,7 +110,7 @@ func benchStepLane(b *testing.B, variant string) {
 		if variant == "transport" {
 			require.NoError(b, r.AddHandler("h", cmds, "g", func(msg *message.Message) error {
 				tx, _ := transport.TxFromContext(msg.Context())
-				return plain(tx, msg)
+				return plain(tx, tr.Publisher(tx), msg)
 			}))
 		} else {
 			require.NoError(b, rt.Register(r, steps.Define("h", cmds, func(ctx context.Context, tx *steps.Tx, cmd addCmd) (steps.Message, error) {

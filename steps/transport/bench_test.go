@@ -23,7 +23,8 @@ import (
 //   - protected: the Router (savepoint per attempt, bounded statements, the
 //     attempt's own offset ack, drain on close);
 //   - bare: watermill-sql v3 as documented, handler on the subscriber's
-//     transaction, no protections.
+//     transaction, its publisher on that transaction; no protections, no
+//     wake-ups.
 //
 // Run: go test -run '^$' -bench Lane -benchtime 5000x ./steps/transport/
 func BenchmarkLane(b *testing.B) {
@@ -51,11 +52,11 @@ func benchLane(b *testing.B, protected bool) {
 		require.NoError(b, tr.Publisher(db.SQL).Publish(in, msgs...))
 	}
 
-	work := func(ctx context.Context, tx transport.Tx, msg *message.Message) error {
+	work := func(ctx context.Context, tx transport.Tx, pub message.Publisher, msg *message.Message) error {
 		if _, err := tx.ExecContext(ctx, `INSERT INTO bench_effects (msg, n) VALUES ($1, 1)`, msg.UUID); err != nil {
 			return err
 		}
-		return tr.Publisher(tx).Publish(out, message.NewMessage(replyID(msg), msg.Payload))
+		return pub.Publish(out, message.NewMessage(replyID(msg), msg.Payload))
 	}
 
 	var stop func()
@@ -66,7 +67,7 @@ func benchLane(b *testing.B, protected bool) {
 		require.NoError(b, err)
 		require.NoError(b, r.AddHandler("h", in, "g", func(msg *message.Message) error {
 			tx, _ := transport.TxFromContext(msg.Context())
-			return work(msg.Context(), tx, msg)
+			return work(msg.Context(), tx, tr.Publisher(tx), msg)
 		}))
 		stop = startRouter(b, r)
 	} else {
@@ -84,7 +85,7 @@ func benchLane(b *testing.B, protected bool) {
 		require.NoError(b, err)
 		wr.AddConsumerHandler("h", in, sub, func(msg *message.Message) error {
 			tx, _ := wsql.TxFromContext(msg.Context())
-			return work(msg.Context(), tx, msg)
+			return work(msg.Context(), tx, barePublisher(b, tx), msg)
 		})
 		go func() { _ = wr.Run(context.Background()) }()
 		<-wr.Running()
@@ -100,4 +101,15 @@ func benchLane(b *testing.B, protected bool) {
 	stop()
 	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "msgs/s")
 	b.ReportMetric(float64(batch), "batch")
+}
+
+// barePublisher is watermill-sql's own publisher on tx, with the BYTEA
+// payloads of pgsaga's topic tables (which it can write to: a one-lane
+// topic's table is watermill-sql's default name).
+func barePublisher(tb testing.TB, tx wsql.ContextExecutor) message.Publisher {
+	pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: wsql.DefaultPostgreSQLSchema{
+		GeneratePayloadType: func(string) string { return "BYTEA" },
+	}}, nil)
+	require.NoError(tb, err)
+	return pub
 }
