@@ -22,9 +22,14 @@ import (
 // back like any other, so what they write still commits with the step or
 // not at all.
 //
+// A handler's own savepoints keep their meaning: queued statements are sent
+// before its SAVEPOINT or RELEASE, and taken back by its ROLLBACK TO. If
+// they cannot be sent, the attempt fails even if the handler carries on.
+//
 // Arguments are interpolated client-side by pgx (quoted and escaped, as
-// QueryExecModeSimpleProtocol does); pass JSON as a string, not []byte
-// ([]byte is sent as bytea).
+// QueryExecModeSimpleProtocol does) when the attempt ends, so they must not
+// change after DeferExec; pass JSON and text as strings, not []byte
+// ([]byte is sent as bytea, which a text column stores as \x… hex).
 
 // Deferrer is implemented by the Tx of a Router attempt. Code that writes
 // through a Tx may check for it and defer statements whose result it does
@@ -95,8 +100,25 @@ func (a *attemptTx) flushDeferred(ctx context.Context) error {
 		return nil
 	}
 	q, args := composeStatements(stmts, "")
-	_, err := a.raw.ExecContext(context.WithoutCancel(ctx), q, args...)
-	return err
+	if _, err := a.raw.ExecContext(context.WithoutCancel(ctx), q, args...); err != nil {
+		// The statements are gone from the queue whether or not the server
+		// saw them: the attempt must not be kept, even if the handler goes
+		// on as if nothing happened.
+		a.defMu.Lock()
+		if a.flushErr == nil {
+			a.flushErr = err
+		}
+		a.defMu.Unlock()
+		return fmt.Errorf("transport: sending deferred statements: %w", err)
+	}
+	return nil
+}
+
+// failedFlush returns the error of a failed send of queued statements.
+func (a *attemptTx) failedFlush() error {
+	a.defMu.Lock()
+	defer a.defMu.Unlock()
+	return a.flushErr
 }
 
 // composeStatements joins stmts, then tail (no placeholders), into one
@@ -115,39 +137,36 @@ func composeStatements(stmts []deferredStmt, tail string) (string, []any) {
 }
 
 // appendRenumbered writes query to b with every placeholder $n turned into
-// $(n+offset). Quoted identifiers, string literals and comments are copied
-// as they are.
+// $(n+offset). It reads SQL the way pgx's client-side interpolation does
+// (which later binds the composed query's arguments): string literals ('…',
+// E'…' with backslash escapes, $tag$…$tag$), quoted identifiers and comments
+// (--…, nested /* … */) are copied as they are.
 func appendRenumbered(b *strings.Builder, query string, offset int) {
 	if offset == 0 {
 		b.WriteString(query)
 		return
 	}
-	for i := 0; i < len(query); {
+	i := 0
+	for i < len(query) {
 		c := query[i]
+		var next byte
+		if i+1 < len(query) {
+			next = query[i+1]
+		}
+		var end int // end of a span copied as it is
 		switch {
+		case (c == 'e' || c == 'E') && next == '\'':
+			end = quotedEnd(query, i+2, '\'', true)
 		case c == '\'' || c == '"':
-			j := i + 1
-			for j < len(query) {
-				if query[j] == c {
-					if j+1 < len(query) && query[j+1] == c { // doubled quote
-						j += 2
-						continue
-					}
-					break
-				}
-				j++
+			end = quotedEnd(query, i+1, c, false)
+		case c == '-' && next == '-':
+			end = len(query)
+			if j := strings.IndexAny(query[i:], "\n\r"); j >= 0 {
+				end = i + j + 1
 			}
-			end := min(j+1, len(query))
-			b.WriteString(query[i:end])
-			i = end
-		case c == '-' && i+1 < len(query) && query[i+1] == '-':
-			j := strings.IndexByte(query[i:], '\n')
-			if j < 0 {
-				j = len(query) - i
-			}
-			b.WriteString(query[i : i+j])
-			i += j
-		case c == '$' && i+1 < len(query) && query[i+1] >= '0' && query[i+1] <= '9':
+		case c == '/' && next == '*':
+			end = commentEnd(query, i+2)
+		case c == '$' && next >= '0' && next <= '9':
 			j := i + 1
 			for j < len(query) && query[j] >= '0' && query[j] <= '9' {
 				j++
@@ -156,25 +175,141 @@ func appendRenumbered(b *strings.Builder, query string, offset int) {
 			b.WriteByte('$')
 			b.WriteString(strconv.Itoa(n + offset))
 			i = j
+			continue
+		case c == '$':
+			tag, ok := dollarTag(query[i+1:])
+			if !ok {
+				end = i + 1
+				break
+			}
+			closer := "$" + tag + "$"
+			body := i + len(closer)
+			end = len(query)
+			if j := strings.Index(query[body:], closer); j >= 0 {
+				end = body + j + len(closer)
+			}
 		default:
-			b.WriteByte(c)
-			i++
+			end = i + 1
 		}
+		b.WriteString(query[i:end])
+		i = end
 	}
 }
 
-// isSavepointCommand reports whether query is a SAVEPOINT, ROLLBACK TO or
-// RELEASE statement: queued statements are flushed before it, so that a
-// handler's own savepoints take back exactly what they would without
-// deferral.
-func isSavepointCommand(query string) bool {
-	q := strings.TrimSpace(query)
-	for _, kw := range []string{"SAVEPOINT", "ROLLBACK", "RELEASE"} {
-		if len(q) >= len(kw) && strings.EqualFold(q[:len(kw)], kw) {
-			return true
+// quotedEnd returns the index just past the quote that closes a literal or
+// identifier whose body starts at i; a doubled quote is part of the body,
+// and so is a backslash-escaped character in an E” string.
+func quotedEnd(query string, i int, quote byte, backslash bool) int {
+	for i < len(query) {
+		switch c := query[i]; {
+		case backslash && c == '\\':
+			i += 2
+		case c == quote:
+			if i+1 < len(query) && query[i+1] == quote {
+				i += 2
+				continue
+			}
+			return i + 1
+		default:
+			i++
 		}
 	}
-	return false
+	return len(query)
+}
+
+// commentEnd returns the index just past the */ that closes a comment whose
+// body starts at i; comments nest.
+func commentEnd(query string, i int) int {
+	depth := 0
+	for i+1 < len(query) {
+		switch query[i : i+2] {
+		case "/*":
+			depth++
+			i += 2
+		case "*/":
+			if depth == 0 {
+				return i + 2
+			}
+			depth--
+			i += 2
+		default:
+			i++
+		}
+	}
+	return len(query)
+}
+
+// dollarTag reports whether s (just past a '$') opens a dollar-quoted
+// string, and its tag: empty, or a letter or underscore (or a non-ASCII
+// byte) followed by those and digits, then '$'.
+func dollarTag(s string) (string, bool) {
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case c == '$':
+			return s[:i], true
+		case c == '_' || c >= 0x80 || (c|0x20 >= 'a' && c|0x20 <= 'z'):
+		case i > 0 && c >= '0' && c <= '9':
+		default:
+			return "", false
+		}
+	}
+	return "", false
+}
+
+// A savepoint command a handler runs in its attempt, and what it means for
+// the queued statements: they were all queued after the most recent
+// savepoint command (every one is handled here), so before a SAVEPOINT or a
+// RELEASE they are sent, and a successful ROLLBACK (TO) takes them back
+// without sending them. Sending them first would also fail in a transaction
+// an error has aborted, which is exactly when handlers roll back.
+type savepointCommand int
+
+const (
+	notSavepointCommand savepointCommand = iota
+	flushBefore                          // SAVEPOINT, RELEASE
+	discardAfter                         // ROLLBACK, ROLLBACK TO
+)
+
+// classify reads the first keyword of query, after white space and
+// comments.
+func classify(query string) savepointCommand {
+	q := skipSpaceAndComments(query)
+	keyword := func(kw string) bool {
+		if len(q) < len(kw) || !strings.EqualFold(q[:len(kw)], kw) {
+			return false
+		}
+		if len(q) == len(kw) {
+			return true
+		}
+		c := q[len(kw)]
+		return !(c == '_' || c == '$' || c >= 0x80 || (c >= '0' && c <= '9') || (c|0x20 >= 'a' && c|0x20 <= 'z'))
+	}
+	switch {
+	case keyword("SAVEPOINT"), keyword("RELEASE"):
+		return flushBefore
+	case keyword("ROLLBACK"):
+		return discardAfter
+	}
+	return notSavepointCommand
+}
+
+func skipSpaceAndComments(q string) string {
+	for {
+		q = strings.TrimLeft(q, " \t\r\n\f")
+		switch {
+		case strings.HasPrefix(q, "--"):
+			j := strings.IndexAny(q, "\n\r")
+			if j < 0 {
+				return ""
+			}
+			q = q[j+1:]
+		case strings.HasPrefix(q, "/*"):
+			q = q[commentEnd(q, 2):]
+		default:
+			return q
+		}
+	}
 }
 
 // insertMessagesSQL is watermill-sql's insert of msgs into a topic table,

@@ -126,3 +126,126 @@ func TestDeferredPublishToAnUnknownTopic(t *testing.T) {
 	assert.Contains(t, reason, "topic table does not exist")
 	assert.Zero(t, e.count(`SELECT count(*) FROM `+e.eff), "nothing of the failed attempts stays")
 }
+
+// A handler that rolls back to its own savepoint after a failed statement
+// recovers, as it would without deferral: the rollback takes back what was
+// queued after the savepoint instead of sending it into the aborted
+// transaction.
+func TestHandlerRollsBackToItsSavepointAfterAnError(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	var attempts atomic.Int32
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		attempts.Add(1)
+		ctx := msg.Context()
+		tx, _ := transport.TxFromContext(ctx)
+		if _, err := tx.ExecContext(ctx, `SAVEPOINT mine`); err != nil {
+			return err
+		}
+		if err := e.tr.Publisher(tx).Publish(e.out, message.NewMessage("undone-"+msg.UUID[:20], nil)); err != nil {
+			return err
+		}
+		if _, err := tx.ExecContext(ctx, `SELECT 1/0`); err == nil {
+			return errors.New("division by zero succeeded")
+		}
+		if _, err := tx.ExecContext(ctx, `ROLLBACK TO SAVEPOINT mine`); err != nil {
+			return err
+		}
+		return effect(msg, e.eff, "after-recovery")
+	}))
+	startRouter(t, r)
+	e.publish(1)
+	waitFor(t, 10*time.Second, "the message consumed", func() bool { return e.consumed(e.in, "g") == 1 })
+	assert.Equal(t, int32(1), attempts.Load(), "the handler recovered in its first attempt")
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'after-recovery'`))
+	assert.Zero(t, e.messagesIn(e.out), "the publish after the savepoint was taken back")
+}
+
+// Savepoint commands are recognised behind comments and white space, and
+// through QueryContext too.
+func TestSavepointCommandsBehindComments(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		ctx := msg.Context()
+		tx, _ := transport.TxFromContext(ctx)
+		pub := e.tr.Publisher(tx)
+		if err := pub.Publish(e.out, message.NewMessage("kept-"+msg.UUID[:20], nil)); err != nil {
+			return err
+		}
+		rows, err := tx.QueryContext(ctx, "/* take a /* nested */ mark */ savepoint s")
+		if err != nil {
+			return err
+		}
+		_ = rows.Close()
+		if err := pub.Publish(e.out, message.NewMessage("undone-"+msg.UUID[:20], nil)); err != nil {
+			return err
+		}
+		_, err = tx.ExecContext(ctx, "-- undo\n  ROLLBACK TO SAVEPOINT s")
+		return err
+	}))
+	startRouter(t, r)
+	e.publish(1)
+	waitFor(t, 10*time.Second, "the message consumed", func() bool { return e.consumed(e.in, "g") == 1 })
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.tr.MessagesTable(e.out)+` WHERE uuid LIKE 'kept-%'`))
+	assert.Zero(t, e.count(`SELECT count(*) FROM `+e.tr.MessagesTable(e.out)+` WHERE uuid LIKE 'undone-%'`))
+}
+
+// Placeholders are renumbered only where pgx and PostgreSQL see them: not
+// in comments, E” strings or dollar-quoted strings.
+func TestDeferredSQLWithQuotesAndComments(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		ctx := msg.Context()
+		tx, _ := transport.TxFromContext(ctx)
+		if err := transport.ExecOrDefer(ctx, tx, `INSERT INTO `+e.eff+` (msg, part) VALUES ($1, $2)`, msg.UUID, "first"); err != nil {
+			return err
+		}
+		return transport.ExecOrDefer(ctx, tx, `INSERT INTO `+e.eff+` (msg, part, attempt) VALUES ($1 /* it's $2 /* nested $3 */ */,
+			E'\'$1' || $$ $2 $$ || $tag$ '$1 $tag$ || $2, -- $1 isn't here
+			$3)`, msg.UUID, "x", 7)
+	}))
+	startRouter(t, r)
+	e.publish(1)
+	waitFor(t, 10*time.Second, "the message consumed", func() bool { return e.consumed(e.in, "g") == 1 })
+	var part string
+	var attempt int
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT part, attempt FROM `+e.eff+` WHERE part <> 'first'`).Scan(&part, &attempt))
+	assert.Equal(t, `'$1 $2  '$1 x`, part)
+	assert.Equal(t, 7, attempt)
+}
+
+// When queued statements cannot be sent (here pgx cannot encode an
+// argument, so nothing reaches the server and the transaction is not
+// aborted), the attempt fails even if the handler ignores the error: what
+// was queued is gone and must not be missing from a kept attempt.
+func TestFailedSendOfQueuedStatementsFailsTheAttempt(t *testing.T) {
+	t.Parallel()
+	dlq := "dlq_" + randomID()
+	e := newEnv(t, func(c *transport.Config) {
+		c.Retry = transport.RetryPolicy{MaxAttempts: 2, InitialBackoff: time.Millisecond, DeadLetterTopic: dlq}
+	})
+	require.NoError(t, e.tr.CreateTopics(context.Background(), dlq))
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		ctx := msg.Context()
+		tx, _ := transport.TxFromContext(ctx)
+		if err := tx.(transport.Deferrer).DeferExec(ctx, `INSERT INTO `+e.eff+` (msg, part) VALUES ($1, $2)`, msg.UUID, make(chan int)); err != nil {
+			return err
+		}
+		_, _ = tx.ExecContext(ctx, `SAVEPOINT ignored`) // fails to send the queue; ignored
+		return effect(msg, e.eff, "kept-anyway")
+	}))
+	startRouter(t, r)
+	e.publish(1)
+	waitFor(t, 10*time.Second, "the message dead-lettered", func() bool { return e.messagesIn(dlq) == 1 })
+	assert.Zero(t, e.count(`SELECT count(*) FROM `+e.eff), "no attempt was kept")
+}

@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
+	"sync"
 	"time"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
@@ -156,10 +158,7 @@ type route struct {
 	h       HandlerFunc
 	retry   RetryPolicy
 
-	// The batch transaction the last attempt ran in, and whether an
-	// attempt savepoint is open in it (see openSavepoint).
-	batch *sql.Tx
-	open  bool
+	sp *savepointState // shared by the copies of a route; see openSavepoint
 }
 
 // outcome of one attempt.
@@ -262,6 +261,9 @@ func (rt *route) attempt(ctx context.Context, raw *sql.Tx, msg *message.Message,
 	att.revoke()
 
 	if herr == nil {
+		herr = att.failedFlush()
+	}
+	if herr == nil {
 		q, args := composeStatements(att.takeDeferred(), ack)
 		_, err := raw.ExecContext(ctx, q, args...)
 		if err == nil {
@@ -284,23 +286,67 @@ func (rt *route) attempt(ctx context.Context, raw *sql.Tx, msg *message.Message,
 // openSavepoint makes sure an attempt savepoint is open in raw. The first
 // attempt of a batch also bounds the batch's statements; later ones find
 // the savepoint their predecessor opened when it was kept or rolled back.
-// A route's deliveries run one at a time (a subscription hands out one
-// message at a time), so this state needs no lock; holding the batch's
-// *sql.Tx also keeps its address from being reused by a later batch.
 func (rt *route) openSavepoint(ctx context.Context, raw *sql.Tx) error {
-	if rt.batch == raw && rt.open {
-		return nil
+	q, err := rt.sp.begin(raw, rt.r.t.beginBatch)
+	if err != nil || q == "" {
+		return err
 	}
-	q := openAttemptSQL
-	if rt.batch != raw {
-		q = rt.r.t.beginBatch
-	}
-	rt.batch, rt.open = raw, false
 	if _, err := raw.ExecContext(ctx, q); err != nil {
 		return err
 	}
-	rt.open = true
+	rt.sp.set(raw, true)
 	return nil
+}
+
+// savepointState tracks whether an attempt savepoint is open in a route's
+// current batch transaction, so that an attempt opens one only when none is:
+// two nested savepoints of one name would let the ROLLBACK TO of a failed
+// keep (after its RELEASE) land on the older one and silently take back a
+// message already kept. A subscription hands out one message at a time, but
+// a handler that outlives the ack deadline still runs while the subscriber
+// commits its batch and starts the next, so the state is locked, belongs to
+// the current batch only, and a batch that has been replaced can no longer
+// change it or become current again.
+type savepointState struct {
+	mu      sync.Mutex
+	current *sql.Tx
+	open    bool
+	past    [8]*sql.Tx // recent batches, kept so their addresses are not reused meanwhile
+	next    int
+}
+
+// errBatchReplaced is returned to an attempt whose batch transaction is no
+// longer its route's current one.
+var errBatchReplaced = errors.New("transport: the delivery batch has been replaced (ack deadline passed)")
+
+// begin returns the statement that opens an attempt savepoint in raw: none
+// if one is open, beginBatch if raw is a new batch.
+func (s *savepointState) begin(raw *sql.Tx, beginBatch string) (string, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch {
+	case raw == s.current && s.open:
+		return "", nil
+	case raw == s.current:
+		return openAttemptSQL, nil
+	case slices.Contains(s.past[:], raw):
+		return "", errBatchReplaced
+	}
+	if s.current != nil {
+		s.past[s.next] = s.current
+		s.next = (s.next + 1) % len(s.past)
+	}
+	s.current, s.open = raw, false
+	return beginBatch, nil
+}
+
+// set records whether a savepoint is open in raw, if raw is current.
+func (s *savepointState) set(raw *sql.Tx, open bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if raw == s.current {
+		s.open = open
+	}
 }
 
 // abandon gives up on the batch transaction, returning what the handler
@@ -323,7 +369,7 @@ func (rt *route) abandon(ctx context.Context, raw *sql.Tx, msg *message.Message,
 // message is nacked and the lane waits for the ack deadline, which is slow
 // but never commits a partial attempt on purpose.
 func (rt *route) abandonOutcome(ctx context.Context, raw *sql.Tx, msg *message.Message, cause error) (outcome, error) {
-	rt.open = false
+	rt.sp.set(raw, false)
 	_, err := raw.ExecContext(ctx, doomBatchSQL)
 	if doomed(err) {
 		level := slog.LevelWarn
@@ -380,7 +426,7 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 	if t.cfg.Intercept != nil {
 		h = t.cfg.Intercept(name, h)
 	}
-	rt := &route{name: name, topic: topic, group: name, h: h, retry: t.cfg.Retry}
+	rt := &route{name: name, topic: topic, group: name, h: h, retry: t.cfg.Retry, sp: &savepointState{}}
 	for _, opt := range opts {
 		opt(rt)
 	}

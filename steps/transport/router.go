@@ -114,7 +114,7 @@ func (r *Router) AddHandler(name, topic, consumerGroup string, h HandlerFunc, op
 	lanes := r.t.LaneTopics(topic)
 	for i, lane := range lanes {
 		rt := proto
-		rt.lane, rt.offsets = lane, r.t.OffsetsTable(lane)
+		rt.lane, rt.offsets, rt.sp = lane, r.t.OffsetsTable(lane), &savepointState{}
 		handlerName := name
 		if len(lanes) > 1 {
 			handlerName = name + "[" + strconv.Itoa(i) + "]"

@@ -31,6 +31,7 @@
 package transport
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"encoding/json"
@@ -631,7 +632,9 @@ func (p *txPublisher) deferInsert(a *attemptTx, topic string, msgs []*message.Me
 		if err != nil {
 			return fmt.Errorf("transport: publishing to %s: encoding metadata of %s: %w", topic, m.UUID, err)
 		}
-		args = append(args, m.UUID, []byte(m.Payload), string(md))
+		// Copied: the statement is sent after Publish returns, and the
+		// caller may reuse the payload's memory by then.
+		args = append(args, m.UUID, bytes.Clone(m.Payload), string(md))
 	}
 	if err := a.DeferExec(context.Background(), insertMessagesSQL(p.t.MessagesTable(topic), len(msgs)), args...); err != nil {
 		return fmt.Errorf("transport: publishing to %s: %w", topic, err)

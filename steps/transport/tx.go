@@ -60,6 +60,7 @@ type attemptTx struct {
 	defMu    sync.Mutex
 	deferred []deferredStmt  // see DeferExec
 	notified map[string]bool // topics whose wake-up is queued
+	flushErr error           // a failed send of queued statements: the attempt cannot be kept
 }
 
 var _ Tx = (*attemptTx)(nil)
@@ -72,12 +73,17 @@ func (a *attemptTx) ExecContext(ctx context.Context, query string, args ...any) 
 	if a.over {
 		return nil, ErrAttemptOver
 	}
-	if isSavepointCommand(query) {
+	cmd := classify(query)
+	if cmd == flushBefore {
 		if err := a.flushDeferred(ctx); err != nil {
 			return nil, err
 		}
 	}
-	return a.raw.ExecContext(context.WithoutCancel(ctx), query, args...)
+	res, err := a.raw.ExecContext(context.WithoutCancel(ctx), query, args...)
+	if err == nil && cmd == discardAfter {
+		a.takeDeferred()
+	}
+	return res, err
 }
 
 func (a *attemptTx) QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error) {
@@ -86,7 +92,16 @@ func (a *attemptTx) QueryContext(ctx context.Context, query string, args ...any)
 	if a.over {
 		return nil, ErrAttemptOver
 	}
+	cmd := classify(query)
+	if cmd == flushBefore {
+		if err := a.flushDeferred(ctx); err != nil {
+			return nil, err
+		}
+	}
 	rows, err := a.raw.QueryContext(context.WithoutCancel(ctx), query, args...)
+	if err == nil && cmd == discardAfter {
+		a.takeDeferred()
+	}
 	if err == nil {
 		a.rowsMu.Lock()
 		a.rows = append(a.rows, rows)
@@ -105,6 +120,15 @@ func (a *attemptTx) QueryRowContext(ctx context.Context, query string, args ...a
 		dead, cancel := context.WithCancel(ctx)
 		cancel()
 		return a.raw.QueryRowContext(dead, query, args...)
+	}
+	// A savepoint command has no place in a QueryRow: queued statements are
+	// sent first all the same (a failure makes the attempt fail), and a
+	// rollback takes them back whatever it returns.
+	switch classify(query) {
+	case flushBefore:
+		_ = a.flushDeferred(ctx)
+	case discardAfter:
+		a.takeDeferred()
 	}
 	return a.raw.QueryRowContext(context.WithoutCancel(ctx), query, args...)
 }
