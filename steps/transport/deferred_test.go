@@ -22,9 +22,7 @@ func TestDeferredStatementsCommitWithTheAttempt(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	var attempt atomic.Int32
-	r, err := e.tr.NewRouter()
-	require.NoError(t, err)
-	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+	handleOne(t, e, func(msg *message.Message) error {
 		tx, _ := transport.TxFromContext(msg.Context())
 		n := attempt.Add(1)
 		_, isDeferrer := tx.(transport.Deferrer)
@@ -41,9 +39,7 @@ func TestDeferredStatementsCommitWithTheAttempt(t *testing.T) {
 			return errors.New("first attempt fails after queueing")
 		}
 		return nil
-	}))
-	startRouter(t, r)
-	e.publish(1)
+	})
 	waitFor(t, 10*time.Second, "the message consumed", func() bool { return e.consumed(e.in, "g") == 1 })
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff), "only the second attempt's deferred insert")
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE attempt = 2`))
@@ -74,9 +70,7 @@ func TestDeferredStatementsCommitWithTheAttempt(t *testing.T) {
 func TestDeferralRespectsTheHandlersSavepoints(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
-	r, err := e.tr.NewRouter()
-	require.NoError(t, err)
-	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+	handleOne(t, e, func(msg *message.Message) error {
 		ctx := msg.Context()
 		tx, _ := transport.TxFromContext(ctx)
 		pub := e.tr.Publisher(tx)
@@ -91,12 +85,10 @@ func TestDeferralRespectsTheHandlersSavepoints(t *testing.T) {
 		}
 		_, err := tx.ExecContext(ctx, `ROLLBACK TO SAVEPOINT mine`)
 		return err
-	}))
-	startRouter(t, r)
-	e.publish(1)
+	})
 	waitFor(t, 10*time.Second, "the message consumed", func() bool { return e.consumed(e.in, "g") == 1 })
-	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.tr.MessagesTable(e.out)+` WHERE uuid LIKE 'kept-%'`))
-	assert.Zero(t, e.count(`SELECT count(*) FROM `+e.tr.MessagesTable(e.out)+` WHERE uuid LIKE 'undone-%'`))
+	assert.Equal(t, 1, e.outWithPrefix("kept-"))
+	assert.Zero(t, e.outWithPrefix("undone-"))
 }
 
 // A deferred publish to a topic with no table fails its attempt (at the
@@ -109,17 +101,13 @@ func TestDeferredPublishToAnUnknownTopic(t *testing.T) {
 		c.Retry = transport.RetryPolicy{MaxAttempts: 2, InitialBackoff: time.Millisecond, DeadLetterTopic: dlq}
 	})
 	require.NoError(t, e.tr.CreateTopics(context.Background(), dlq))
-	r, err := e.tr.NewRouter()
-	require.NoError(t, err)
-	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+	handleOne(t, e, func(msg *message.Message) error {
 		tx, _ := transport.TxFromContext(msg.Context())
 		if err := effect(msg, e.eff, "row"); err != nil {
 			return err
 		}
 		return e.tr.Publisher(tx).Publish("nowhere_"+e.id, message.NewMessage(replyID(msg), nil))
-	}))
-	startRouter(t, r)
-	e.publish(1)
+	})
 	waitFor(t, 10*time.Second, "the message dead-lettered", func() bool { return e.messagesIn(dlq) == 1 })
 	var reason string
 	require.NoError(t, e.db.SQL.QueryRow(`SELECT metadata->>'dead_letter_reason' FROM `+e.tr.MessagesTable(dlq)).Scan(&reason))
@@ -135,9 +123,7 @@ func TestHandlerRollsBackToItsSavepointAfterAnError(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	var attempts atomic.Int32
-	r, err := e.tr.NewRouter()
-	require.NoError(t, err)
-	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+	handleOne(t, e, func(msg *message.Message) error {
 		attempts.Add(1)
 		ctx := msg.Context()
 		tx, _ := transport.TxFromContext(ctx)
@@ -154,9 +140,7 @@ func TestHandlerRollsBackToItsSavepointAfterAnError(t *testing.T) {
 			return err
 		}
 		return effect(msg, e.eff, "after-recovery")
-	}))
-	startRouter(t, r)
-	e.publish(1)
+	})
 	waitFor(t, 10*time.Second, "the message consumed", func() bool { return e.consumed(e.in, "g") == 1 })
 	assert.Equal(t, int32(1), attempts.Load(), "the handler recovered in its first attempt")
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'after-recovery'`))
@@ -168,9 +152,7 @@ func TestHandlerRollsBackToItsSavepointAfterAnError(t *testing.T) {
 func TestSavepointCommandsBehindComments(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
-	r, err := e.tr.NewRouter()
-	require.NoError(t, err)
-	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+	handleOne(t, e, func(msg *message.Message) error {
 		ctx := msg.Context()
 		tx, _ := transport.TxFromContext(ctx)
 		pub := e.tr.Publisher(tx)
@@ -187,12 +169,10 @@ func TestSavepointCommandsBehindComments(t *testing.T) {
 		}
 		_, err = tx.ExecContext(ctx, "-- undo\n  ROLLBACK TO SAVEPOINT s")
 		return err
-	}))
-	startRouter(t, r)
-	e.publish(1)
+	})
 	waitFor(t, 10*time.Second, "the message consumed", func() bool { return e.consumed(e.in, "g") == 1 })
-	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.tr.MessagesTable(e.out)+` WHERE uuid LIKE 'kept-%'`))
-	assert.Zero(t, e.count(`SELECT count(*) FROM `+e.tr.MessagesTable(e.out)+` WHERE uuid LIKE 'undone-%'`))
+	assert.Equal(t, 1, e.outWithPrefix("kept-"))
+	assert.Zero(t, e.outWithPrefix("undone-"))
 }
 
 // Placeholders are renumbered only where pgx and PostgreSQL see them: not
@@ -200,9 +180,7 @@ func TestSavepointCommandsBehindComments(t *testing.T) {
 func TestDeferredSQLWithQuotesAndComments(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
-	r, err := e.tr.NewRouter()
-	require.NoError(t, err)
-	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+	handleOne(t, e, func(msg *message.Message) error {
 		ctx := msg.Context()
 		tx, _ := transport.TxFromContext(ctx)
 		if err := transport.ExecOrDefer(ctx, tx, `INSERT INTO `+e.eff+` (msg, part) VALUES ($1, $2)`, msg.UUID, "first"); err != nil {
@@ -211,9 +189,7 @@ func TestDeferredSQLWithQuotesAndComments(t *testing.T) {
 		return transport.ExecOrDefer(ctx, tx, `INSERT INTO `+e.eff+` (msg, part, attempt) VALUES ($1 /* it's $2 /* nested $3 */ */,
 			E'\'$1' || $$ $2 $$ || $tag$ '$1 $tag$ || $2, -- $1 isn't here
 			$3)`, msg.UUID, "x", 7)
-	}))
-	startRouter(t, r)
-	e.publish(1)
+	})
 	waitFor(t, 10*time.Second, "the message consumed", func() bool { return e.consumed(e.in, "g") == 1 })
 	var part string
 	var attempt int
@@ -233,9 +209,7 @@ func TestFailedSendOfQueuedStatementsFailsTheAttempt(t *testing.T) {
 		c.Retry = transport.RetryPolicy{MaxAttempts: 2, InitialBackoff: time.Millisecond, DeadLetterTopic: dlq}
 	})
 	require.NoError(t, e.tr.CreateTopics(context.Background(), dlq))
-	r, err := e.tr.NewRouter()
-	require.NoError(t, err)
-	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+	handleOne(t, e, func(msg *message.Message) error {
 		ctx := msg.Context()
 		tx, _ := transport.TxFromContext(ctx)
 		if err := tx.(transport.Deferrer).DeferExec(ctx, `INSERT INTO `+e.eff+` (msg, part) VALUES ($1, $2)`, msg.UUID, make(chan int)); err != nil {
@@ -243,9 +217,23 @@ func TestFailedSendOfQueuedStatementsFailsTheAttempt(t *testing.T) {
 		}
 		_, _ = tx.ExecContext(ctx, `SAVEPOINT ignored`) // fails to send the queue; ignored
 		return effect(msg, e.eff, "kept-anyway")
-	}))
-	startRouter(t, r)
-	e.publish(1)
+	})
 	waitFor(t, 10*time.Second, "the message dead-lettered", func() bool { return e.messagesIn(dlq) == 1 })
 	assert.Zero(t, e.count(`SELECT count(*) FROM `+e.eff), "no attempt was kept")
+}
+
+// handleOne runs h as handler "h" of group "g" on e.in in a started Router,
+// and publishes one message to it.
+func handleOne(t *testing.T, e *env, h func(*message.Message) error) {
+	t.Helper()
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", h))
+	startRouter(t, r)
+	e.publish(1)
+}
+
+// outWithPrefix counts the messages on e.out whose UUID starts with prefix.
+func (e *env) outWithPrefix(prefix string) int {
+	return e.count(`SELECT count(*) FROM `+e.tr.MessagesTable(e.out)+` WHERE starts_with(uuid, $1)`, prefix)
 }
