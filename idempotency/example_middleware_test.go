@@ -21,7 +21,8 @@ func ExampleStore_Middleware() {
 	tr, _ := transport.New(transport.Config{DB: db, PollInterval: 20 * time.Millisecond})
 	suffix := uuid.NewString()[:8]
 	commands, replies := "greet_"+suffix, "greeted_"+suffix
-	if err := tr.CreateTopics(ctx, commands, replies); err != nil {
+	// Replies stay queued for a reader that does not run here.
+	if err := tr.Subscribe(ctx, transport.Subscription{Topic: replies, ConsumerGroup: "reader"}); err != nil {
 		panic(err)
 	}
 	store, _ := idempotency.NewStore(idempotency.Config{DB: db})
@@ -56,7 +57,7 @@ func ExampleStore_Middleware() {
 	_ = router.Close()
 
 	var n, ids int
-	_ = db.QueryRow(`SELECT count(*), count(DISTINCT uuid) FROM `+tr.MessagesTable(replies)).Scan(&n, &ids)
+	_ = db.QueryRow(`SELECT count(*), count(DISTINCT uuid) FROM pgsaga_queue WHERE topic = $1`, replies).Scan(&n, &ids)
 	fmt.Println(n, "replies,", ids, "distinct id")
 	// Output:
 	// greeting "world"

@@ -132,10 +132,10 @@ func (s *Store) handleMessage(cfg MiddlewareConfig, h message.HandlerFunc, msg *
 	if err != nil {
 		return err
 	}
-	if d, ok := tx.(deferrer); ok {
+	if q, ok := tx.(queuer); ok {
 		// The key was claimed in this transaction a moment ago, so the
-		// completion cannot miss: it can wait for the end of the attempt.
-		if err := d.DeferExec(ctx, completeSQL, req.Scope, req.Key, string(status), 0, body, nil); err != nil {
+		// completion cannot miss: it can go with the attempt's other writes.
+		if err := q.QueueExec("completing idempotency key "+req.Scope+"/"+req.Key, completeSQL, req.Scope, req.Key, string(status), 0, body, nil); err != nil {
 			return fmt.Errorf("idempotency: completing %s/%s: %w", req.Scope, req.Key, err)
 		}
 		return nil
@@ -177,11 +177,11 @@ func runHandler(cfg MiddlewareConfig, h message.HandlerFunc, msg *message.Messag
 	return status, body, nil
 }
 
-// deferrer is offered by the transaction of a pgsaga Router attempt
-// (transport.Deferrer): statements whose result is not needed run at the end
-// of the attempt, in the same round trip as its bookkeeping.
-type deferrer interface {
-	DeferExec(ctx context.Context, query string, args ...any) error
+// queuer is offered by the transaction of a pgsaga delivery attempt
+// (transport.Queuer): statements whose result is not needed are sent with
+// the attempt's other writes, in one round trip.
+type queuer interface {
+	QueueExec(name, query string, args ...any) error
 }
 
 func replay(cfg MiddlewareConfig, tx DBTX, rec Record) error {

@@ -16,6 +16,8 @@ import (
 	"io/fs"
 
 	"github.com/pressly/goose/v3"
+
+	"github.com/pgsaga/pgsaga/internal/pgserver"
 )
 
 //go:embed *.sql
@@ -31,8 +33,13 @@ const lockID int64 = 0x7067736167610001
 func FS() fs.FS { return files }
 
 // Apply brings the schema of db up to date and returns the versions it
-// applied (none when the schema was already current).
+// applied (none when the schema was already current). A database whose
+// encoding is not UTF8 is refused, before anything is applied, with an
+// error wrapping pgserver.ErrNotUTF8 that says how to fix it.
 func Apply(ctx context.Context, db *sql.DB) ([]int64, error) {
+	if err := pgserver.RequireUTF8(ctx, db); err != nil {
+		return nil, fmt.Errorf("applying migrations: %w", err)
+	}
 	p, err := provider(db)
 	if err != nil {
 		return nil, err

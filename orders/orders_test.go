@@ -61,7 +61,12 @@ func newEnv(t *testing.T, db *testdb.DB) *env {
 	svc, err := orders.New(orders.Config{DB: db.SQL, Transport: tr, Idempotency: store, Events: es, Logger: logger()})
 	require.NoError(t, err)
 	e := &env{t: t, db: db, tr: tr, es: es, rt: rt, svc: svc, replies: "replies_" + uuid.NewString()[:8]}
-	require.NoError(t, tr.CreateTopics(context.Background(), append(svc.Topics(), rt.DeadLetterTopic(), e.replies)...))
+	// "reader" keeps what the tests read queued; "archive" keeps a copy of
+	// every order event for replays.
+	require.NoError(t, tr.Subscribe(context.Background(), append(svc.Subscriptions(),
+		transport.Subscription{Topic: e.replies, ConsumerGroup: "reader"},
+		transport.Subscription{Topic: orders.CreatedTopic, ConsumerGroup: "reader"},
+		transport.Subscription{Topic: orders.EventsTopic, ConsumerGroup: "archive"})...))
 	return e
 }
 
@@ -95,8 +100,8 @@ func (e *env) run(step steps.Step, cmd steps.Message, key string) (steps.Envelop
 	var (
 		id, meta, payload string
 	)
-	require.NoError(e.t, e.db.SQL.QueryRow(`SELECT uuid, metadata::text, convert_from(payload, 'UTF8') FROM `+e.tr.MessagesTable(e.replies)+
-		` WHERE metadata->>'idempotency_key' = $1 ORDER BY "offset" DESC LIMIT 1`, key).Scan(&id, &meta, &payload))
+	require.NoError(e.t, e.db.SQL.QueryRow(`SELECT uuid, metadata::text, convert_from(payload, 'UTF8') FROM pgsaga_queue
+		WHERE topic = $1 AND consumer_group = 'reader' AND metadata->>'idempotency_key' = $2 ORDER BY id DESC LIMIT 1`, e.replies, key).Scan(&id, &meta, &payload))
 	m := message.NewMessage(id, nil)
 	require.NoError(e.t, jsonUnmarshal(meta, &m.Metadata))
 	return steps.EnvelopeOf(m), payload
@@ -121,11 +126,11 @@ func TestPlaceIsIdempotentByClientKey(t *testing.T) {
 	assert.Equal(t, orders.StatusPlaced, o.Status)
 	assert.Equal(t, int64(1999), o.AmountCents)
 	assert.Equal(t, 1, o.Version)
-	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.tr.MessagesTable(orders.CreatedTopic)+` WHERE convert_from(payload, 'UTF8') LIKE '%' || $1 || '%'`, first.OrderID.String()),
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1 AND consumer_group = 'reader' AND convert_from(payload, 'UTF8') LIKE '%' || $2 || '%'`, orders.CreatedTopic, first.OrderID.String()),
 		"one OrderCreated, published with the order")
 	var created orders.OrderCreated
 	var raw string
-	require.NoError(t, e.db.SQL.QueryRow(`SELECT convert_from(payload, 'UTF8') FROM `+e.tr.MessagesTable(orders.CreatedTopic)+` WHERE convert_from(payload, 'UTF8') LIKE '%' || $1 || '%'`, first.OrderID.String()).Scan(&raw))
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT convert_from(payload, 'UTF8') FROM pgsaga_queue WHERE topic = $1 AND consumer_group = 'reader' AND convert_from(payload, 'UTF8') LIKE '%' || $2 || '%'`, orders.CreatedTopic, first.OrderID.String()).Scan(&raw))
 	require.NoError(t, jsonUnmarshal(raw, &created))
 	assert.Equal(t, orders.OrderCreated{OrderID: first.OrderID, CustomerID: cust, AmountCents: 1999}, created)
 
@@ -181,7 +186,7 @@ func snapshotCounts(t *testing.T, e *env) string {
 	return fmt.Sprint(
 		e.count(`SELECT count(*) FROM domain_events`),
 		e.count(`SELECT count(*) FROM idempotency_keys`),
-		e.count(`SELECT count(*) FROM `+e.tr.MessagesTable(orders.CreatedTopic)),
+		e.count(`SELECT count(*) FROM pgsaga_queue`),
 	)
 }
 

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -54,7 +55,8 @@ func (s *Service) Project(msg *message.Message) error {
 	}
 	stream := msg.Metadata.Get(events.MetaStreamID)
 	version, err := strconv.Atoi(msg.Metadata.Get(events.MetaVersion))
-	if StreamTopic(stream) == "" || err != nil || version < 1 {
+	id, idErr := uuid.Parse(strings.TrimPrefix(stream, "order-"))
+	if idErr != nil || stream != Stream(id) || err != nil || version < 1 {
 		return transport.Permanent(fmt.Errorf("orders: projection: message %s is not an order event (stream %q, version %q)",
 			msg.UUID, stream, msg.Metadata.Get(events.MetaVersion)))
 	}
@@ -64,7 +66,10 @@ func (s *Service) Project(msg *message.Message) error {
 		return err
 	}
 	if v < version {
-		return fmt.Errorf("orders: projection: %s version %d is not visible yet", stream, version)
+		// An event message is delivered only once the transaction that
+		// appended the event has committed: this one names an event that
+		// does not exist.
+		return transport.Permanent(fmt.Errorf("orders: projection: message %s names %s version %d, which does not exist", msg.UUID, stream, version))
 	}
 	return upsertView(ctx, tx, o)
 }

@@ -162,9 +162,10 @@ func New(cfg Config) (*Service, error) {
 	return &Service{cfg: cfg}, nil
 }
 
-// Topics lists the topics the domain publishes to and consumes.
-func (s *Service) Topics() []string {
-	return []string{CreatedTopic, ConfirmTopic, CancelTopic, EventsTopic}
+// Subscriptions lists what the domain consumes besides its steps (see
+// ConfirmStep, CancelStep): the order_views projection of EventsTopic.
+func (s *Service) Subscriptions() []transport.Subscription {
+	return []transport.Subscription{{Topic: EventsTopic, ConsumerGroup: ProjectionName}}
 }
 
 // AddCustomer registers a customer who may place orders; adding one twice is

@@ -222,9 +222,6 @@ func New(cfg Config) (*Service, error) {
 	return &Service{cfg: cfg}, nil
 }
 
-// Topics lists the topics the domain consumes.
-func (s *Service) Topics() []string { return []string{ChargeTopic, RefundTopic} }
-
 // ChargeStep returns the step that charges payments for the saga.
 func (s *Service) ChargeStep() steps.Step {
 	return steps.Define("payments.charge", ChargeTopic, s.charge)

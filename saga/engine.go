@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sort"
 	"strconv"
 	"sync"
 	"time"
@@ -64,9 +65,8 @@ type Config struct {
 	// Required.
 	Transport *transport.Transport
 	// Retry is the policy of the engine's handlers. Default: the
-	// transport's, with DeadLetterTopic set to steps.DefaultDeadLetterTopic
-	// if empty (a trigger or reply the engine cannot use goes there, with the
-	// reason).
+	// transport's. A trigger or reply the engine cannot use goes to
+	// pgsaga_dead_letters, with the reason.
 	Retry *transport.RetryPolicy
 	// SweepInterval is how often RunSweeper looks for overdue commands.
 	// Default: 1s.
@@ -118,9 +118,6 @@ func NewEngine(cfg Config) (*Engine, error) {
 	if cfg.Retry != nil {
 		retry = *cfg.Retry
 	}
-	if retry.DeadLetterTopic == "" {
-		retry.DeadLetterTopic = steps.DefaultDeadLetterTopic
-	}
 	return &Engine{cfg: cfg, log: cfg.Logger, retry: retry, defs: map[string]map[int]*Definition{}, latest: map[string]*Definition{}}, nil
 }
 
@@ -155,24 +152,29 @@ func (e *Engine) definition(name string, version int) (*Definition, bool) {
 	return d, ok
 }
 
-// Topics lists the topics of every registered definition.
-func (e *Engine) Topics() []string {
+// Subscriptions lists what the engine consumes, for Transport.Subscribe:
+// the trigger and reply topics of every registered saga, each under the
+// consumer group of its handler.
+func (e *Engine) Subscriptions() []transport.Subscription {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
-	seen := map[string]bool{e.retry.DeadLetterTopic: true}
-	out := []string{e.retry.DeadLetterTopic}
-	for _, vs := range e.defs {
-		for _, d := range vs {
-			for _, t := range d.Topics() {
-				if !seen[t] {
-					seen[t] = true
-					out = append(out, t)
-				}
-			}
-		}
+	names := make([]string, 0, len(e.latest))
+	for name := range e.latest {
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	var out []transport.Subscription
+	for _, name := range names {
+		d := e.latest[name]
+		out = append(out,
+			transport.Subscription{Topic: d.Trigger, ConsumerGroup: triggerHandler(name)},
+			transport.Subscription{Topic: d.ReplyTopic, ConsumerGroup: replyHandler(name)})
 	}
 	return out
 }
+
+func triggerHandler(saga string) string { return "saga." + saga + ".trigger" }
+func replyHandler(saga string) string   { return "saga." + saga + ".replies" }
 
 // AddHandlers subscribes the engine to the trigger and reply topics of every
 // registered saga on r.
@@ -185,12 +187,12 @@ func (e *Engine) AddHandlers(r *transport.Router) error {
 	e.mu.RUnlock()
 	for _, d := range latest {
 		name := d.Name
-		if err := r.AddHandler("saga."+name+".trigger", d.Trigger, "", func(msg *message.Message) error {
+		if err := r.AddHandler(triggerHandler(name), d.Trigger, "", func(msg *message.Message) error {
 			return e.HandleTrigger(name, msg)
 		}, transport.WithRetry(e.retry)); err != nil {
 			return err
 		}
-		if err := r.AddHandler("saga."+name+".replies", d.ReplyTopic, "", e.HandleReply, transport.WithRetry(e.retry)); err != nil {
+		if err := r.AddHandler(replyHandler(name), d.ReplyTopic, "", e.HandleReply, transport.WithRetry(e.retry)); err != nil {
 			return err
 		}
 	}
@@ -229,12 +231,13 @@ type instance struct {
 }
 
 type historyEntry struct {
-	Kind      string
-	Step      string
-	Phase     Phase
-	Attempt   int
-	MessageID string
-	Detail    string
+	Kind       string
+	Step       string
+	Phase      Phase
+	Attempt    int
+	MessageID  string
+	Detail     string
+	CommandKey string
 }
 
 type pendingCommand struct {
@@ -462,6 +465,7 @@ func (inst *instance) note(kind string, step int, def *Definition, msgID, detail
 	h := historyEntry{Kind: kind, MessageID: msgID, Detail: detail}
 	if step >= 0 {
 		h.Step, h.Phase, h.Attempt = def.steps[step].name, inst.Phase, inst.Attempt
+		h.CommandKey = CommandKey(inst.ID, h.Step, inst.Phase, inst.Generation)
 	}
 	inst.history = append(inst.history, h)
 }
@@ -490,7 +494,7 @@ func (e *Engine) flush(ctx context.Context, tx transport.Tx, inst *instance) err
 	}
 	inst.outbox = nil
 	if inst.finished && e.cfg.FinishedChannel != "" {
-		if err := transport.ExecOrDefer(ctx, tx, notifyFinishedSQL, e.cfg.FinishedChannel, inst.ID.String()); err != nil {
+		if err := transport.Queue(ctx, tx, "announcing the end of saga "+inst.ID.String(), notifyFinishedSQL, e.cfg.FinishedChannel, inst.ID.String()); err != nil {
 			return fmt.Errorf("saga %s: notifying %s: %w", inst.ID, e.cfg.FinishedChannel, err)
 		}
 		inst.finished = false

@@ -151,7 +151,12 @@ func newEnv(t *testing.T, o options) *env {
 	require.NoError(t, err)
 	require.NoError(t, engine.Register(def))
 	e.tr, e.rt, e.engine, e.def = tr, rt, engine, def
-	require.NoError(t, tr.CreateTopics(context.Background(), append(def.Topics(), rt.DeadLetterTopic())...))
+	// "archive" keeps a copy of every message of the saga for the tests.
+	var archive []transport.Subscription
+	for _, topic := range def.Topics() {
+		archive = append(archive, transport.Subscription{Topic: topic, ConsumerGroup: "archive"})
+	}
+	require.NoError(t, tr.Subscribe(context.Background(), archive...))
 
 	r, err := tr.NewRouter()
 	require.NoError(t, err)
@@ -363,7 +368,7 @@ func TestDuplicateAndLateRepliesChangeNothing(t *testing.T) {
 
 	// Replay every reply the saga received, twice, plus a reply to the
 	// book step claiming failure after the saga moved on.
-	rows, err := e.db.SQL.Query(`SELECT uuid, payload, metadata::text FROM `+e.tr.MessagesTable(e.def.ReplyTopic)+` WHERE metadata->>'saga_id' = $1`, id.String())
+	rows, err := e.db.SQL.Query(`SELECT uuid, payload, metadata::text FROM `+archived(e.def.ReplyTopic)+` WHERE metadata->>'saga_id' = $1`, id.String())
 	require.NoError(t, err)
 	var replies []*message.Message
 	for rows.Next() {
@@ -403,7 +408,7 @@ func TestReplyForUnknownSagaIsDeadLettered(t *testing.T) {
 	var reason string
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		err := e.db.SQL.QueryRow(`SELECT metadata->>'dead_letter_reason' FROM `+e.tr.MessagesTable(e.rt.DeadLetterTopic())+` WHERE uuid = $1`, msg.UUID).Scan(&reason)
+		err := e.db.SQL.QueryRow(`SELECT metadata->>'dead_letter_reason' FROM pgsaga_dead_letters WHERE uuid = $1`, msg.UUID).Scan(&reason)
 		if err == nil {
 			break
 		}
@@ -417,22 +422,25 @@ func (e *env) commandsSent(id uuid.UUID) int {
 	n := 0
 	for _, topic := range e.topics {
 		var c int
-		require.NoError(e.t, e.db.SQL.QueryRow(`SELECT count(*) FROM `+e.tr.MessagesTable(topic)+` WHERE metadata->>'saga_id' = $1`, id.String()).Scan(&c))
+		require.NoError(e.t, e.db.SQL.QueryRow(`SELECT count(*) FROM `+archived(topic)+` WHERE metadata->>'saga_id' = $1`, id.String()).Scan(&c))
 		n += c
 	}
 	return n
+}
+
+// archived is a FROM item, aliased m, holding every message published to
+// topic, as the "archive" consumer group keeps them.
+func archived(topic string) string {
+	return `(SELECT * FROM pgsaga_queue WHERE consumer_group = 'archive' AND topic = '` + topic + `') m`
 }
 
 func (e *env) waitConsumed(topic, group string) {
 	e.t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		var total, done int
-		require.NoError(e.t, e.db.SQL.QueryRow(`SELECT count(*) FROM `+e.tr.MessagesTable(topic)).Scan(&total))
-		require.NoError(e.t, e.db.SQL.QueryRow(`SELECT count(*) FROM `+e.tr.MessagesTable(topic)+` m JOIN `+e.tr.OffsetsTable(topic)+` o
-			ON o.consumer_group = $1 WHERE m.transaction_id < o.last_processed_transaction_id
-			OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked)`, group).Scan(&done))
-		if done == total {
+		var waiting int
+		require.NoError(e.t, e.db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1 AND consumer_group = $2`, topic, group).Scan(&waiting))
+		if waiting == 0 {
 			return
 		}
 		require.True(e.t, time.Now().Before(deadline), "%s not consumed", topic)
@@ -465,7 +473,7 @@ func TestSilentParticipantIsResentThenCompensated(t *testing.T) {
 	assert.Equal(t, 1, e.callsOf("refund"))
 
 	var keys, ids int
-	require.NoError(t, e.db.SQL.QueryRow(`SELECT count(DISTINCT metadata->>'idempotency_key'), count(DISTINCT uuid) FROM `+e.tr.MessagesTable(e.topics["pay"])).Scan(&keys, &ids))
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT count(DISTINCT metadata->>'idempotency_key'), count(DISTINCT uuid) FROM `+archived(e.topics["pay"])).Scan(&keys, &ids))
 	assert.Equal(t, 1, keys, "every re-send carries the same key")
 	assert.Equal(t, 3, ids, "three sends")
 }
@@ -500,7 +508,7 @@ func TestTwoSweepersNeverDoubleSend(t *testing.T) {
 	}
 	wg.Wait()
 	var total, distinct int
-	require.NoError(t, e.db.SQL.QueryRow(`SELECT count(*), count(DISTINCT uuid) FROM `+e.tr.MessagesTable(e.topics["book"])).Scan(&total, &distinct))
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT count(*), count(DISTINCT uuid) FROM `+archived(e.topics["book"])).Scan(&total, &distinct))
 	assert.Equal(t, distinct, total, "no send of the same attempt twice")
 	assert.Equal(t, 30+int(resent.Load()), total, "every sweep's re-send, and only those")
 	var sent int
@@ -614,7 +622,7 @@ func TestEarlierStepReplyWhileLaterStepInFlight(t *testing.T) {
 	inst := e.wait(id, "pay in flight", func(i saga.Instance) bool { return i.Step == "pay" && i.Attempt == 1 })
 	var u, meta string
 	var payload []byte
-	require.NoError(t, e.db.SQL.QueryRow(`SELECT uuid, payload, metadata::text FROM `+e.tr.MessagesTable(e.def.ReplyTopic)+
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT uuid, payload, metadata::text FROM `+archived(e.def.ReplyTopic)+
 		` WHERE metadata->>'saga_id' = $1 AND metadata->>'step' = 'book'`, id.String()).Scan(&u, &payload, &meta))
 	reply := message.NewMessage(u, payload)
 	require.NoError(t, json.Unmarshal([]byte(meta), &reply.Metadata))

@@ -34,12 +34,12 @@ WHERE id = $1::uuid AND version = $11`
 
 	// appendHistorySQL appends timeline entries, numbered per instance
 	// after the last one; writers hold the instance's row lock.
-	appendHistorySQL = `INSERT INTO saga_history (saga_id, seq, kind, step, phase, attempt, message_id, detail)
+	appendHistorySQL = `INSERT INTO saga_history (saga_id, seq, kind, step, phase, attempt, message_id, detail, command_key)
 SELECT $1::uuid, last.seq + e.ord, e.kind, nullif(e.step, ''), nullif(e.phase, ''), nullif(e.attempt, 0),
-    nullif(e.message_id, ''), nullif(e.detail, '')
+    nullif(e.message_id, ''), nullif(e.detail, ''), nullif(e.command_key, '')
 FROM (SELECT coalesce(max(seq), 0) AS seq FROM saga_history WHERE saga_id = $1::uuid) AS last,
-    unnest($2::text[], $3::text[], $4::text[], $5::int[], $6::text[], $7::text[])
-        WITH ORDINALITY AS e(kind, step, phase, attempt, message_id, detail, ord)`
+    unnest($2::text[], $3::text[], $4::text[], $5::int[], $6::text[], $7::text[], $8::text[])
+        WITH ORDINALITY AS e(kind, step, phase, attempt, message_id, detail, command_key, ord)`
 
 	// overdueSQL picks one instance whose command is overdue, skipping
 	// instances another sweeper or a reply handler holds.
@@ -117,14 +117,14 @@ func insertInstance(ctx context.Context, tx transport.Tx, inst *instance) (bool,
 }
 
 // updateInstance writes inst's new state. Every caller holds the
-// instance's row lock (it loaded it FOR UPDATE in tx), so inside a Router
-// attempt the statement is deferred to the end of the attempt (see
-// transport.Deferrer); elsewhere it runs at once and checks the version.
+// instance's row lock (it loaded it FOR UPDATE in tx), so inside a delivery
+// attempt the statement is queued with the attempt's other writes (see
+// transport.Queuer); elsewhere it runs at once and checks the version.
 func updateInstance(ctx context.Context, tx transport.Tx, inst *instance) error {
 	args := []any{inst.ID.String(), string(inst.Status), string(inst.Data), inst.Step, string(inst.Phase),
 		inst.Attempt, inst.Generation, inst.FailureReason, inst.DeadlineAt, inst.FinishedAt, inst.Version}
-	if d, ok := tx.(transport.Deferrer); ok {
-		if err := d.DeferExec(ctx, updateInstanceSQL, args...); err != nil {
+	if q, ok := tx.(transport.Queuer); ok {
+		if err := q.QueueExec("saving saga "+inst.ID.String(), updateInstanceSQL, args...); err != nil {
 			return fmt.Errorf("saga %s: saving: %w", inst.ID, err)
 		}
 		inst.Version++
@@ -176,18 +176,18 @@ func loadInstance(ctx context.Context, tx transport.Tx, id uuid.UUID, lock bool)
 }
 
 // appendHistory appends entries to the instance's timeline in one
-// statement, deferred inside a Router attempt.
+// statement, queued inside a delivery attempt.
 func appendHistory(ctx context.Context, tx transport.Tx, id uuid.UUID, entries []historyEntry) error {
 	if len(entries) == 0 {
 		return nil
 	}
 	n := len(entries)
-	kinds, steps, phases, messages, details := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	kinds, steps, phases, messages, details, keys := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 	attempts := make([]int32, n)
 	for i, h := range entries {
-		kinds[i], steps[i], phases[i], attempts[i], messages[i], details[i] = h.Kind, h.Step, string(h.Phase), int32(h.Attempt), h.MessageID, h.Detail
+		kinds[i], steps[i], phases[i], attempts[i], messages[i], details[i], keys[i] = h.Kind, h.Step, string(h.Phase), int32(h.Attempt), h.MessageID, h.Detail, h.CommandKey
 	}
-	if err := transport.ExecOrDefer(ctx, tx, appendHistorySQL, id.String(), kinds, steps, phases, attempts, messages, details); err != nil {
+	if err := transport.Queue(ctx, tx, "writing the timeline of saga "+id.String(), appendHistorySQL, id.String(), kinds, steps, phases, attempts, messages, details, keys); err != nil {
 		return fmt.Errorf("saga %s: writing its timeline: %w", id, err)
 	}
 	return nil

@@ -110,7 +110,7 @@ func (e *Engine) sweepOne(ctx context.Context, known []string, res *SweepResult)
 // after any other error (the database, say) its deadline moves a minute on,
 // so the sweeper moves on to the others.
 func (e *Engine) setAside(ctx context.Context, inst *instance, step string, cause error) {
-	if errors.Is(cause, errBadCommand) || errors.Is(cause, transport.ErrUnknownTopic) || errors.Is(cause, transport.ErrInvalidTopic) {
+	if errors.Is(cause, errBadCommand) || errors.Is(cause, transport.ErrInvalidTopic) || transport.IsPermanent(cause) {
 		reason := fmt.Sprintf("cannot send the %s of %s: %v", inst.Phase, step, cause)
 		if _, err := e.cfg.DB.ExecContext(ctx, parkBrokenSQL, inst.ID, reason, e.cfg.FinishedChannel); err != nil {
 			e.log.Error("parking a saga the sweeper cannot handle", "saga", inst.ID, "cause", cause, "err", err)

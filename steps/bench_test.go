@@ -16,18 +16,19 @@ import (
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
-// BenchmarkStepLane drains b.N commands from one lane. Every variant does the
-// same business work per command: one insert and one reply message.
+// BenchmarkStep drains b.N commands with one consumer. Every variant does
+// the same business work per command: one insert and one reply message.
 //
-//   - bare: watermill-sql v3 as documented, handler on the subscriber's
-//     transaction, its publisher on that transaction; no protections, no
-//     wake-ups, no idempotency;
-//   - transport: pgsaga's Router (savepoint per attempt, own offset ack);
+//   - bare: watermill-sql v3's offset log as documented, handler on the
+//     subscriber's transaction, its publisher on that transaction; no
+//     protections, no wake-ups, no idempotency;
+//   - transport: pgsaga's Router (queue claim, savepoint and deadline per
+//     attempt, commit guard, queued writes);
 //   - runtime: the full step runtime (decode, idempotency claim, handler,
 //     reply, completion) on the Router.
 //
-// Run: go test -run '^$' -bench StepLane -benchtime 5000x ./steps/
-func BenchmarkStepLane(b *testing.B) {
+// Run: go test -run '^$' -bench Step -benchtime 5000x ./steps/
+func BenchmarkStep(b *testing.B) {
 	for _, variant := range []string{"bare", "transport", "runtime"} {
 		b.Run(variant, func(b *testing.B) { benchStepLane(b, variant) })
 	}
@@ -43,9 +44,16 @@ func benchStepLane(b *testing.B, variant string) {
 	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Logger: logger()})
 	require.NoError(b, err)
 	cmds, replies := "bench_cmds", "bench_replies"
-	require.NoError(b, tr.CreateTopics(ctx, cmds, replies, rt.DeadLetterTopic()))
 	_, err = db.SQL.Exec(`CREATE TABLE bench_ledger (account text, amount int)`)
 	require.NoError(b, err)
+	pubIn := tr.Publisher(db.SQL)
+	if variant == "bare" {
+		pubIn = barePublisher(b, db.SQL, true)
+		require.NoError(b, pubIn.Publish(replies, message.NewMessage("init", nil)))
+	} else {
+		require.NoError(b, tr.Subscribe(ctx, transport.Subscription{Topic: cmds, ConsumerGroup: "h"},
+			transport.Subscription{Topic: replies, ConsumerGroup: "sink"}))
+	}
 
 	for start := 0; start < b.N; start += 1000 {
 		var msgs []*message.Message
@@ -54,7 +62,7 @@ func benchStepLane(b *testing.B, variant string) {
 			require.NoError(b, err)
 			msgs = append(msgs, m)
 		}
-		require.NoError(b, tr.Publisher(db.SQL).Publish(cmds, msgs...))
+		require.NoError(b, pubIn.Publish(cmds, msgs...))
 	}
 
 	// The business work, the same in every variant.
@@ -84,7 +92,7 @@ func benchStepLane(b *testing.B, variant string) {
 	switch variant {
 	case "bare":
 		sub, err := wsql.NewSubscriber(db.SQL, wsql.SubscriberConfig{
-			ConsumerGroup: "g", PollInterval: 10 * time.Millisecond,
+			ConsumerGroup: "g", PollInterval: 10 * time.Millisecond, InitializeSchema: true,
 			SchemaAdapter:  wsql.DefaultPostgreSQLSchema{GeneratePayloadType: func(string) string { return "BYTEA" }, SubscribeBatchSize: tr.Config().BatchSize},
 			OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{},
 		}, nil)
@@ -93,13 +101,7 @@ func benchStepLane(b *testing.B, variant string) {
 		require.NoError(b, err)
 		wr.AddConsumerHandler("h", cmds, sub, func(msg *message.Message) error {
 			tx, _ := wsql.TxFromContext(msg.Context())
-			pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: wsql.DefaultPostgreSQLSchema{
-				GeneratePayloadType: func(string) string { return "BYTEA" },
-			}}, nil)
-			if err != nil {
-				return err
-			}
-			return plain(tx, pub, msg)
+			return plain(tx, barePublisher(b, tx, false), msg)
 		})
 		go func() { _ = wr.Run(ctx) }()
 		<-wr.Running()
@@ -108,7 +110,7 @@ func benchStepLane(b *testing.B, variant string) {
 		r, err := tr.NewRouter()
 		require.NoError(b, err)
 		if variant == "transport" {
-			require.NoError(b, r.AddHandler("h", cmds, "g", func(msg *message.Message) error {
+			require.NoError(b, r.AddHandler("h", cmds, "h", func(msg *message.Message) error {
 				tx, _ := transport.TxFromContext(msg.Context())
 				return plain(tx, tr.Publisher(tx), msg)
 			}))
@@ -135,4 +137,13 @@ func benchStepLane(b *testing.B, variant string) {
 	b.StopTimer()
 	require.NoError(b, stop())
 	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "msgs/s")
+}
+
+// barePublisher is watermill-sql's own publisher on tx, with BYTEA payloads.
+func barePublisher(tb testing.TB, tx wsql.ContextExecutor, initialize bool) message.Publisher {
+	pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{AutoInitializeSchema: initialize, SchemaAdapter: wsql.DefaultPostgreSQLSchema{
+		GeneratePayloadType: func(string) string { return "BYTEA" },
+	}}, nil)
+	require.NoError(tb, err)
+	return pub
 }

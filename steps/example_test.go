@@ -45,7 +45,8 @@ func ExampleDefine() {
 			return SeatReserved(cmd), nil
 		})
 	replies := "seat_replies_" + suffix
-	if err := tr.CreateTopics(ctx, append(rt.Topics(reserve), replies)...); err != nil {
+	// Replies stay queued for a reader that does not run here.
+	if err := tr.Subscribe(ctx, transport.Subscription{Topic: replies, ConsumerGroup: "reader"}); err != nil {
 		panic(err)
 	}
 
@@ -62,7 +63,7 @@ func ExampleDefine() {
 
 	var payload string
 	for range 500 {
-		if db.QueryRow(`SELECT convert_from(payload, 'UTF8') FROM `+tr.MessagesTable(replies)).Scan(&payload) == nil {
+		if db.QueryRow(`SELECT convert_from(payload, 'UTF8') FROM pgsaga_queue WHERE topic = $1`, replies).Scan(&payload) == nil {
 			break
 		}
 		time.Sleep(10 * time.Millisecond)

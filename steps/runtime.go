@@ -34,9 +34,6 @@ import (
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
-// DefaultDeadLetterTopic receives commands a step gave up on.
-const DefaultDeadLetterTopic = transport.DefaultDeadLetterTopic
-
 // Handler handles one command of type C in the step's transaction.
 type Handler[C Message] func(ctx context.Context, tx *Tx, cmd C) (Message, error)
 
@@ -108,8 +105,9 @@ type Config struct {
 	Store *idempotency.Store
 	// Events is the event store behind Tx.Append and Tx.Fold. Optional.
 	Events *events.Store
-	// Retry is the steps' retry policy. Default: the transport's, with
-	// DeadLetterTopic set to DefaultDeadLetterTopic if empty.
+	// Retry is the steps' retry policy. Default: the transport's. A command
+	// whose attempts run out, or that fails permanently, goes to
+	// pgsaga_dead_letters.
 	Retry *transport.RetryPolicy
 	// Logger. Default: slog.Default().
 	Logger *slog.Logger
@@ -136,20 +134,15 @@ func New(cfg Config) (*Runtime, error) {
 	if cfg.Retry != nil {
 		retry = *cfg.Retry
 	}
-	if retry.DeadLetterTopic == "" {
-		retry.DeadLetterTopic = DefaultDeadLetterTopic
-	}
 	return &Runtime{tr: cfg.Transport, store: cfg.Store, events: cfg.Events, retry: retry, log: cfg.Logger}, nil
 }
 
-// DeadLetterTopic is where the runtime sends commands it gave up on.
-func (rt *Runtime) DeadLetterTopic() string { return rt.retry.DeadLetterTopic }
-
-// Topics lists the topics the steps need, for Transport.CreateTopics.
-func (rt *Runtime) Topics(steps ...Step) []string {
-	out := []string{rt.retry.DeadLetterTopic}
-	for _, s := range steps {
-		out = append(out, s.Topic)
+// Subscriptions lists what the steps consume, for Transport.Subscribe: each
+// step's topic, as a consumer group named after the step.
+func (rt *Runtime) Subscriptions(steps ...Step) []transport.Subscription {
+	out := make([]transport.Subscription, len(steps))
+	for i, s := range steps {
+		out[i] = transport.Subscription{Topic: s.Topic, ConsumerGroup: s.Name}
 	}
 	return out
 }
@@ -318,6 +311,20 @@ func (t *Tx) Fold(ctx context.Context, stream string, agg events.Aggregate) (int
 		return 0, ErrNoEventStore
 	}
 	return t.rt.events.FoldTx(ctx, t.Tx, stream, 0, agg)
+}
+
+// Savepoint runs fn in a savepoint of the step's transaction: if fn fails,
+// what it wrote and published is taken back and the step goes on (see
+// transport.Savepoint). A handler must not run SAVEPOINT, ROLLBACK or
+// COMMIT itself.
+func (t *Tx) Savepoint(ctx context.Context, fn func(tx *Tx) error) error {
+	return transport.Savepoint(ctx, t.Tx, func(inner transport.Tx) error {
+		nested := *t
+		nested.Tx = inner
+		err := fn(&nested)
+		t.sent = nested.sent
+		return err
+	})
 }
 
 // Publish sends m to topic through the step's transaction: it exists if and

@@ -73,7 +73,6 @@ type env struct {
 	cmds    string
 	replies string
 	events  string
-	dlq     string
 	ledger  string
 
 	mu       sync.Mutex
@@ -86,10 +85,10 @@ func newEnv(t *testing.T) *env {
 	db := testdb.Shared(t)
 	id := uuid.NewString()[:8]
 	e := &env{t: t, db: db, id: id, cmds: "cmds_" + id, replies: "replies_" + id, events: "events_" + id,
-		dlq: "dlq_" + id, ledger: "ledger_" + id, attempts: map[string]int{}, failN: 2}
+		ledger: "ledger_" + id, attempts: map[string]int{}, failN: 2}
 	tr, err := transport.New(transport.Config{
-		DB: db.SQL, Logger: logger(), PollInterval: 20 * time.Millisecond, RetryInterval: 20 * time.Millisecond, ResendInterval: 20 * time.Millisecond,
-		Retry: transport.RetryPolicy{MaxAttempts: 4, InitialBackoff: 10 * time.Millisecond, DeadLetterTopic: e.dlq},
+		DB: db.SQL, Logger: logger(), PollInterval: 20 * time.Millisecond, RetryInterval: 20 * time.Millisecond,
+		Retry: transport.RetryPolicy{MaxAttempts: 4, InitialBackoff: 10 * time.Millisecond},
 	})
 	require.NoError(t, err)
 	store, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})
@@ -102,7 +101,10 @@ func newEnv(t *testing.T) *env {
 	require.NoError(t, err)
 	e.tr, e.rt, e.es = tr, rt, es
 	e.step = steps.Define("add-"+id, e.cmds, e.handle)
-	require.NoError(t, tr.CreateTopics(context.Background(), append(rt.Topics(e.step), e.replies, e.events)...))
+	// "reader" keeps what the tests read queued.
+	require.NoError(t, tr.Subscribe(context.Background(), append(rt.Subscriptions(e.step),
+		transport.Subscription{Topic: e.replies, ConsumerGroup: "reader"},
+		transport.Subscription{Topic: e.events, ConsumerGroup: "reader"})...))
 	_, err = db.SQL.Exec(`CREATE TABLE ` + e.ledger + ` (account text, amount int)`)
 	require.NoError(t, err)
 	return e
@@ -158,12 +160,11 @@ var modes = []mode{
 		go func() { done <- r.Run(context.Background()) }()
 		<-r.Running()
 		defer func() { require.NoError(e.t, r.Close()); <-done }()
-		before := e.consumed()
 		for range times {
 			require.NoError(e.t, e.tr.Publisher(e.db.SQL).Publish(e.cmds, msg))
 		}
 		deadline := time.Now().Add(15 * time.Second)
-		for e.consumed() < before+times {
+		for e.waiting() > 0 {
 			require.True(e.t, time.Now().Before(deadline), "commands not consumed")
 			time.Sleep(10 * time.Millisecond)
 		}
@@ -178,17 +179,9 @@ var modes = []mode{
 	}},
 }
 
-func (e *env) consumed() int {
-	var n int
-	err := e.db.SQL.QueryRow(`
-		SELECT count(*) FROM `+e.tr.MessagesTable(e.cmds)+` m
-		JOIN `+e.tr.OffsetsTable(e.cmds)+` o ON o.consumer_group = $1
-		WHERE m.transaction_id < o.last_processed_transaction_id
-		   OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked)`, e.step.Name).Scan(&n)
-	if err != nil {
-		return 0
-	}
-	return n
+// waiting counts the commands still queued for the step (retries included).
+func (e *env) waiting() int {
+	return e.count(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1 AND consumer_group = $2`, e.cmds, e.step.Name)
 }
 
 func (e *env) count(query string, args ...any) int {
@@ -204,9 +197,23 @@ type storedMsg struct {
 	Payload  string
 }
 
+// messages lists what was published to topic (kept queued for "reader").
 func (e *env) messages(topic string) []storedMsg {
 	e.t.Helper()
-	rows, err := e.db.SQL.Query(`SELECT uuid, metadata::text, convert_from(payload, 'UTF8') FROM ` + e.tr.MessagesTable(topic) + ` ORDER BY "offset"`)
+	return e.query(`SELECT uuid, metadata::text, convert_from(payload, 'UTF8') FROM pgsaga_queue
+		WHERE topic = $1 AND consumer_group = 'reader' ORDER BY id`, topic)
+}
+
+// deadLetters lists the commands dead-lettered.
+func (e *env) deadLetters() []storedMsg {
+	e.t.Helper()
+	return e.query(`SELECT uuid, metadata::text, convert_from(payload, 'UTF8') FROM pgsaga_dead_letters
+		WHERE topic = $1 ORDER BY id`, e.cmds)
+}
+
+func (e *env) query(q string, args ...any) []storedMsg {
+	e.t.Helper()
+	rows, err := e.db.SQL.Query(q, args...)
 	require.NoError(e.t, err)
 	defer rows.Close()
 	var out []storedMsg
@@ -304,7 +311,7 @@ func TestTransientFailureRetried(t *testing.T) {
 	}
 }
 
-// When the retry budget runs out the command goes to the dead-letter topic
+// When the retry budget runs out the command goes to pgsaga_dead_letters
 // with its error, attempt count and original topic; no key is left behind.
 func TestRetryBudgetThenDeadLetter(t *testing.T) {
 	t.Parallel()
@@ -316,7 +323,7 @@ func TestRetryBudgetThenDeadLetter(t *testing.T) {
 			msg := e.command("zero", 0)
 			m.deliver(e, msg, 1)
 			assert.Equal(t, 4, e.attempts["zero"], "MaxAttempts")
-			dead := e.messages(e.dlq)
+			dead := e.deadLetters()
 			require.Len(t, dead, 1)
 			assert.Equal(t, msg.UUID, dead[0].UUID)
 			assert.Equal(t, "4", dead[0].Metadata[transport.DeadLetterAttempts])
@@ -349,7 +356,7 @@ func TestPoisonMessageDeadLetteredAtOnce(t *testing.T) {
 				e := newEnv(t)
 				m.deliver(e, msg, 1)
 				assert.Empty(t, e.attempts, "%s: the handler never ran", name)
-				dead := e.messages(e.dlq)
+				dead := e.deadLetters()
 				require.Len(t, dead, 1, name)
 				assert.Equal(t, "1", dead[0].Metadata[transport.DeadLetterAttempts], name)
 				assert.Contains(t, dead[0].Metadata[transport.DeadLetterReason], "test.Add", name)
@@ -369,7 +376,7 @@ func TestKeyReusedWithDifferentCommand(t *testing.T) {
 			m.deliver(e, e.command("acct", 100), 1)
 			m.deliver(e, e.command("acct", 999), 1) // same key "key-acct"
 			assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.ledger))
-			dead := e.messages(e.dlq)
+			dead := e.deadLetters()
 			require.Len(t, dead, 1)
 			assert.Contains(t, dead[0].Metadata[transport.DeadLetterReason], "key reused")
 			assert.Equal(t, "1", dead[0].Metadata[transport.DeadLetterAttempts], "refused at once, not retried")
@@ -397,24 +404,23 @@ func TestEnvelopeRoundTrip(t *testing.T) {
 	require.Error(t, err)
 }
 
-// The same command arrives on two lanes at once (two routers, two consumer
-// groups, two REPEATABLE READ batch transactions). One executes; the other
-// waits on its claim, gets a serialization failure when the first commits,
-// and its batch is redelivered in a new transaction, where it replays.
-func TestConcurrentDuplicatesAcrossLanes(t *testing.T) {
+// The same command arrives twice at once, on two topics whose consumers run
+// in two routers (two batch transactions). One executes; the other waits on
+// its claim of the key and, once the first commits, replays its reply.
+func TestConcurrentDuplicatesInTwoBatches(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	other := "cmds2_" + e.id
-	require.NoError(t, e.tr.CreateTopics(context.Background(), other))
 	slow := steps.Define(e.step.Name, e.cmds, func(ctx context.Context, tx *steps.Tx, cmd addCmd) (steps.Message, error) {
-		time.Sleep(300 * time.Millisecond) // hold the claim while the other lane arrives
+		time.Sleep(300 * time.Millisecond) // hold the claim while the other copy arrives
 		return e.handle(ctx, tx, cmd)
 	})
-	lane2 := slow
-	lane2.Topic = other
+	second := slow
+	second.Topic = other
+	require.NoError(t, e.tr.Subscribe(context.Background(), e.rt.Subscriptions(second)...))
 	var stops []func()
-	for _, s := range []steps.Step{slow, lane2} {
-		// Same step name, so same key scope; each lane has its own offsets.
+	for _, s := range []steps.Step{slow, second} {
+		// Same step name, so same key scope.
 		r, err := e.tr.NewRouter()
 		require.NoError(t, err)
 		require.NoError(t, e.rt.Register(r, s))
@@ -437,14 +443,14 @@ func TestConcurrentDuplicatesAcrossLanes(t *testing.T) {
 
 	deadline := time.Now().Add(20 * time.Second)
 	for len(e.messages(e.replies)) < 2 {
-		require.True(t, time.Now().Before(deadline), "both lanes must answer")
+		require.True(t, time.Now().Before(deadline), "both copies must be answered")
 		time.Sleep(20 * time.Millisecond)
 	}
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.ledger), "one effect")
 	assert.Equal(t, 1, e.attempts["acct"], "the handler ran once")
 	replies := e.messages(e.replies)
-	assert.Equal(t, replies[0].UUID, replies[1].UUID, "the same reply on both lanes")
-	assert.Empty(t, e.messages(e.dlq))
+	assert.Equal(t, replies[0].UUID, replies[1].UUID, "the same reply to both copies")
+	assert.Empty(t, e.deadLetters())
 }
 
 type deposit struct {
@@ -523,7 +529,7 @@ func TestRacingWriterCausesOneRetry(t *testing.T) {
 			replies := e.messages(e.replies)
 			require.Len(t, replies, 1)
 			assert.JSONEq(t, `{"account":"acct","total":111}`, replies[0].Payload, "the retry saw the racer's write")
-			assert.Empty(t, e.messages(e.dlq))
+			assert.Empty(t, e.deadLetters())
 			recs, err := e.es.LoadTx(ctx, e.db.SQL, stream, 0)
 			require.NoError(t, err)
 			assert.Equal(t, "key-acct", recs[2].Metadata.IdempotencyKey, "the step's event carries the command's key")

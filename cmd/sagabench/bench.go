@@ -26,13 +26,12 @@ import (
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
-// Defaults of the tuning flags: the best throughput measured on the 2-core
-// development machine (1, 2 and 4 lanes; batches of 10, 20 and 50; see
-// BENCHMARKS.md). More lanes than cores only add open transactions, which
-// hold back every lane's visibility fence.
+// Defaults of the tuning flags: consumers per handler and batch size (see
+// BENCHMARKS.md for what other values measured on the 2-core development
+// machine).
 const (
-	defaultLanes = 2
-	defaultBatch = 50
+	defaultConsumers = 2
+	defaultBatch     = 50
 )
 
 // The workload: customers, a tenth of them with no money (their orders are
@@ -108,7 +107,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	}
 	fmt.Fprintf(b.status, "using a fresh database %s on %s\n", b.dbName, found.Describe())
 
-	perWorker := opts.lanes * (len(topicsHint) + 2) // a connection per busy lane, plus charge leases
+	perWorker := opts.consumers * (len(topicsHint) + 2) // a connection per busy consumer, plus charge leases
 	maxConns := int32(perWorker*opts.workers + 8)
 	if err := b.checkConnections(ctx, int(maxConns)+placers+8); err != nil {
 		return nil, err
@@ -128,7 +127,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	if b.gateway, err = fakegateway.Start(ctx, fakegateway.Config{DB: b.gwDB.SQL, Logger: b.log}); err != nil {
 		return nil, err
 	}
-	tcfg := transport.Config{BatchSize: opts.batch, Lanes: opts.lanes}
+	tcfg := transport.Config{BatchSize: opts.batch, Consumers: opts.consumers}
 	b.app, err = orderpayment.New(orderpayment.Config{DB: b.db.SQL, GatewayURL: b.gateway.URL(), Transport: tcfg,
 		FinishedChannel: finishedChannel, Logger: b.log})
 	if err != nil {
@@ -153,7 +152,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	rctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	b.stopRetention, b.retentionDone = cancel, make(chan error, 1)
 	go func() {
-		b.retentionDone <- b.app.RunRetention(rctx, orderpayment.Retention{Messages: transport.RetentionConfig{Interval: time.Second}})
+		b.retentionDone <- b.app.RunRetention(rctx, orderpayment.Retention{})
 	}()
 	for range opts.workers {
 		w, err := b.app.NewWorker()
@@ -184,7 +183,7 @@ func (b *bench) checkConnections(ctx context.Context, need int) error {
 		return fmt.Errorf("reading max_connections: %w", err)
 	}
 	if free := maxConns - used - 3; need > free {
-		return fmt.Errorf("this run needs up to %d connections but the server has %d free (max_connections %d): use fewer -lanes or -workers, or raise max_connections", need, free, maxConns)
+		return fmt.Errorf("this run needs up to %d connections but the server has %d free (max_connections %d): use fewer -consumers or -workers, or raise max_connections", need, free, maxConns)
 	}
 	return nil
 }

@@ -12,19 +12,19 @@ var errHelp = errors.New("help requested")
 
 // options are the command's flags. Their names are a contract.
 type options struct {
-	sagas    int
-	inflight int
-	rate     float64
-	duration time.Duration
-	lanes    int
-	workers  int
-	batch    int
-	baseline time.Duration
-	idle     time.Duration
-	timeout  time.Duration
-	keep     bool
-	verbose  bool
-	profile  string
+	sagas     int
+	inflight  int
+	rate      float64
+	duration  time.Duration
+	consumers int
+	workers   int
+	batch     int
+	baseline  time.Duration
+	idle      time.Duration
+	timeout   time.Duration
+	keep      bool
+	verbose   bool
+	profile   string
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -35,7 +35,8 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.IntVar(&o.inflight, "inflight", 500, "throughput phase: sagas in flight at most")
 	fs.Float64Var(&o.rate, "rate", 100, "latency phase: sagas offered per second (open loop); 0 skips the phase")
 	fs.DurationVar(&o.duration, "duration", 30*time.Second, "latency phase: how long to offer them")
-	fs.IntVar(&o.lanes, "lanes", defaultLanes, "lanes each saga topic is spread over (by saga id)")
+	fs.IntVar(&o.consumers, "consumers", defaultConsumers, "consumers each handler of the worker runs in parallel")
+	fs.IntVar(&o.consumers, "lanes", defaultConsumers, "old name of -consumers (delivery no longer has lanes)")
 	fs.IntVar(&o.workers, "workers", 1, "independent workers (routers) in this process")
 	fs.IntVar(&o.batch, "batch", defaultBatch, "messages a subscriber reads per transaction")
 	fs.DurationVar(&o.baseline, "baseline", 5*time.Second, "how long to measure PostgreSQL's own commit rate; 0 skips it")
@@ -74,8 +75,8 @@ Flags:
 		return o, fmt.Errorf("-rate must be between 0 and 10000, got %v", o.rate)
 	case o.rate > 0 && o.duration <= 0:
 		return o, fmt.Errorf("-duration must be positive, got %s", o.duration)
-	case o.lanes < 1 || o.lanes > 64:
-		return o, fmt.Errorf("-lanes must be between 1 and 64, got %d", o.lanes)
+	case o.consumers < 1 || o.consumers > 64:
+		return o, fmt.Errorf("-consumers must be between 1 and 64, got %d", o.consumers)
 	case o.workers < 1 || o.workers > 16:
 		return o, fmt.Errorf("-workers must be between 1 and 16, got %d", o.workers)
 	case o.batch < 1 || o.batch > 1000:

@@ -18,7 +18,7 @@
 //
 // Usage:
 //
-//	go run ./cmd/sagabench [-sagas 20000] [-rate 100] [-duration 30s] [-lanes 2] [-workers 1] [-batch 50]
+//	go run ./cmd/sagabench [-sagas 20000] [-rate 100] [-duration 30s] [-consumers 2] [-workers 1] [-batch 50]
 package main
 
 import (

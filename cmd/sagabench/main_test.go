@@ -49,7 +49,7 @@ func TestSmallRun(t *testing.T) {
 	assert.Positive(t, r.CommitTPS)
 	assert.Positive(t, r.CPUPer1kSagas.Process)
 	assert.Equal(t, 20, r.Config.Batch)
-	assert.Equal(t, 2, r.Config.Lanes)
+	assert.Equal(t, 2, r.Config.Consumers)
 
 	name := regexp.MustCompile(`pgsaga_bench_[0-9a-f]+`).FindString(stderr.String())
 	require.NotEmpty(t, name, stderr.String())
@@ -65,7 +65,8 @@ func TestBadFlags(t *testing.T) {
 		"-inflight 0":      "-inflight must be positive",
 		"-rate -5":         "-rate must be between 0 and 10000",
 		"-duration 0s":     "-duration must be positive",
-		"-lanes 0":         "-lanes must be between 1 and 64",
+		"-consumers 0":     "-consumers must be between 1 and 64",
+		"-lanes 65":        "-consumers must be between 1 and 64",
 		"-workers 17":      "-workers must be between 1 and 16",
 		"-batch 0":         "-batch must be between 1 and 1000",
 		"-idle -1s":        "must not be negative",

@@ -72,6 +72,8 @@ type cpuFigures struct {
 }
 
 type benchConfig struct {
+	Consumers int `json:"consumers"`
+	// Lanes is the old name of Consumers, kept for readers of earlier runs.
 	Lanes     int     `json:"lanes"`
 	Workers   int     `json:"workers"`
 	Batch     int     `json:"batch"`
@@ -91,7 +93,7 @@ type machine struct {
 
 func (b *bench) run(ctx context.Context) int {
 	r := result{Violations: []string{}, Rate: b.opts.rate,
-		Config: benchConfig{Lanes: b.opts.lanes, Workers: b.opts.workers, Batch: b.opts.batch, Inflight: b.opts.inflight,
+		Config: benchConfig{Consumers: b.opts.consumers, Lanes: b.opts.consumers, Workers: b.opts.workers, Batch: b.opts.batch, Inflight: b.opts.inflight,
 			DurationS: b.opts.duration.Seconds(), BaselineS: b.opts.baseline.Seconds(), IdleS: b.opts.idle.Seconds()},
 		Machine: machine{Cores: runtime.NumCPU(), GOOS: runtime.GOOS, GOARCH: runtime.GOARCH, Go: runtime.Version()}}
 	_ = b.db.SQL.QueryRowContext(ctx, `SELECT current_setting('server_version')`).Scan(&r.Machine.Postgres)
@@ -211,7 +213,7 @@ func (b *bench) commitBaseline(ctx context.Context) (float64, error) {
 func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 	const phase = "throughput"
 	n := b.opts.sagas
-	fmt.Fprintf(b.status, "throughput   %d sagas, at most %d in flight, %d lanes, %d workers, batch %d\n", n, b.opts.inflight, b.opts.lanes, b.opts.workers, b.opts.batch)
+	fmt.Fprintf(b.status, "throughput   %d sagas, at most %d in flight, %d consumers a handler, %d workers, batch %d\n", n, b.opts.inflight, b.opts.consumers, b.opts.workers, b.opts.batch)
 	slots := make(chan struct{}, b.opts.inflight)
 	b.tracker.setWindow(phase, slots)
 	if b.opts.profile != "" {
@@ -291,16 +293,13 @@ func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 	return ok, nil
 }
 
-// topicRows counts the messages the App's topics hold, every lane.
+// topicRows counts the messages waiting in the queues.
 func (b *bench) topicRows(ctx context.Context) int {
-	total := 0
-	for _, topic := range b.app.Topics() {
-		var n int
-		if err := b.db.SQL.QueryRowContext(ctx, `SELECT count(*) FROM `+b.app.Transport.MessagesFrom(topic, "m")).Scan(&n); err == nil {
-			total += n
-		}
+	var n int
+	if err := b.db.SQL.QueryRowContext(ctx, `SELECT count(*) FROM pgsaga_queue`).Scan(&n); err != nil {
+		return -1
 	}
-	return total
+	return n
 }
 
 // countSteps counts the idempotent steps run so far: every saga reaction
@@ -401,7 +400,7 @@ func (b *bench) print(r result) {
 	w := b.out
 	fmt.Fprintln(w)
 	fmt.Fprintf(w, "  %-18s %s, %d cores, Go %s, PostgreSQL %s\n", "machine", r.Machine.GOOS+"/"+r.Machine.GOARCH, r.Machine.Cores, r.Machine.Go, r.Machine.Postgres)
-	fmt.Fprintf(w, "  %-18s lanes %d, workers %d, batch %d\n", "config", r.Config.Lanes, r.Config.Workers, r.Config.Batch)
+	fmt.Fprintf(w, "  %-18s consumers %d a handler, workers %d, batch %d\n", "config", r.Config.Consumers, r.Config.Workers, r.Config.Batch)
 	if r.CommitTPS > 0 {
 		fmt.Fprintf(w, "  %-18s %.0f single-insert commits/s (16 connections)\n", "baseline", r.CommitTPS)
 	}

@@ -24,6 +24,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"strings"
 	"time"
 
@@ -33,6 +34,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/pgbin"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/pgserver"
 )
 
 // Source says where the database came from.
@@ -157,12 +159,16 @@ func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 	if probe(ctx, url, cfg.Timeout) == nil {
 		cfg.Logger.Info("reusing the embedded PostgreSQL left running by an earlier run", "data", dataDir)
 		bin := cfg.binDir()
-		return &Found{URL: url, Source: FromEmbedded, Detail: dataDir, stop: func() error {
+		found := &Found{URL: url, Source: FromEmbedded, Detail: dataDir, stop: func() error {
 			if bin == "" {
 				return nil
 			}
 			return exec.Command(filepath.Join(bin, "pg_ctl"), "stop", "-w", "-D", dataDir).Run()
-		}}, nil
+		}}
+		if err := embeddedUTF8(ctx, found, dataDir, cfg.Timeout); err != nil {
+			return nil, err
+		}
+		return found, nil
 	}
 	if cfg.IsRoot() {
 		return nil, fmt.Errorf("%w: nothing answered at %s and an embedded PostgreSQL cannot run as root; "+
@@ -193,6 +199,10 @@ func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 		// default, which an ordinary user cannot write.
 		StartParameters(map[string]string{"unix_socket_directories": socketDir}).
 		StartTimeout(60 * time.Second).
+		// pgsaga needs UTF8; without these initdb takes the environment's
+		// locale, which is often POSIX, and so SQL_ASCII.
+		Encoding("UTF8").
+		Locale(utf8Locale()).
 		Logger(logFile)
 	detail := dataDir
 	if bin := cfg.binDir(); bin != "" {
@@ -213,10 +223,48 @@ func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 		_ = logFile.Close()
 		return nil, fmt.Errorf("%w: starting embedded PostgreSQL (log %s): %w", ErrNoDatabase, logPath, err)
 	}
-	return &Found{URL: url, Source: FromEmbedded, Detail: detail, stop: func() error {
+	found := &Found{URL: url, Source: FromEmbedded, Detail: detail, stop: func() error {
 		defer logFile.Close()
 		return pg.Stop()
-	}}, nil
+	}}
+	if err := embeddedUTF8(ctx, found, dataDir, cfg.Timeout); err != nil {
+		return nil, err
+	}
+	return found, nil
+}
+
+// embeddedUTF8 stops an embedded server whose data is not UTF8 (initialised
+// by an earlier release) and says how to start afresh.
+func embeddedUTF8(ctx context.Context, found *Found, dataDir string, timeout time.Duration) error {
+	if err := requireUTF8(ctx, found.URL, timeout); err != nil {
+		_ = found.Close()
+		return fmt.Errorf("%w: the embedded PostgreSQL's data in %s was initialised without UTF8 (%w); remove that directory and run again to initialise a UTF8 one",
+			ErrNoDatabase, dataDir, err)
+	}
+	return nil
+}
+
+// utf8Locale is a UTF-8 locale initdb accepts on this system.
+func utf8Locale() string {
+	switch runtime.GOOS {
+	case "linux":
+		return "C.UTF-8"
+	case "darwin", "freebsd":
+		return "en_US.UTF-8"
+	}
+	return "C" // any encoding goes with it
+}
+
+// requireUTF8 checks the database at url (see pgserver.RequireUTF8).
+func requireUTF8(ctx context.Context, url string, timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	db, err := pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: 2, ApplicationName: "pgsaga-finddb"})
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	return pgserver.RequireUTF8(ctx, db.SQL)
 }
 
 // binDir returns the first configured directory holding the server binaries.

@@ -20,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/pgbin"
+	"github.com/pgsaga/pgsaga/internal/pgserver"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 )
 
@@ -149,6 +150,10 @@ func embeddedChild() int {
 		if err != nil {
 			return fail("round %d: connecting: %v", round, err)
 		}
+		var encoding string
+		if err := conn.QueryRow(ctx, "SELECT pg_encoding_to_char(encoding) FROM pg_database WHERE datname = current_database()").Scan(&encoding); err != nil || encoding != "UTF8" {
+			return fail("round %d: encoding %q, want UTF8 (%v)", round, encoding, err)
+		}
 		if round == 0 {
 			_, err = conn.Exec(ctx, "CREATE TABLE kept (v int); INSERT INTO kept VALUES (42)")
 		} else {
@@ -173,6 +178,16 @@ func embeddedChild() int {
 	}
 	fmt.Println("embedded ok")
 	return 0
+}
+
+// Data an embedded server was once initialised with in another encoding is
+// refused, naming the fix.
+func TestEmbeddedDataWithoutUTF8IsRefused(t *testing.T) {
+	t.Parallel()
+	db := testdb.Custom(t, "TEMPLATE template0 ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C'")
+	err := requireUTF8(context.Background(), db.URL, 5*time.Second)
+	require.ErrorIs(t, err, pgserver.ErrNotUTF8)
+	require.NoError(t, requireUTF8(context.Background(), testdb.Shared(t).URL, 5*time.Second))
 }
 
 func freePort(t *testing.T) uint32 {

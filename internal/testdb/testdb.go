@@ -170,14 +170,22 @@ func Fresh(t testing.TB) *DB {
 // Empty returns an unmigrated database of the test's own, dropped when the test ends.
 func Empty(t testing.TB) *DB {
 	t.Helper()
-	return own(t, false)
+	return own(t, false, "")
 }
 
-func own(t testing.TB, migrated bool) *DB {
+// Custom returns an unmigrated database of the test's own created with the
+// given options of CREATE DATABASE (an encoding, say), dropped when the test
+// ends.
+func Custom(t testing.TB, options string) *DB {
+	t.Helper()
+	return own(t, false, options)
+}
+
+func own(t testing.TB, migrated bool, options ...string) *DB {
 	mu.Lock()
 	requireMain(t)
 	mu.Unlock()
-	db, err := create(context.Background(), migrated)
+	db, err := create(context.Background(), migrated, options...)
 	if err != nil {
 		t.Fatalf("testdb: %v", err)
 	}
@@ -196,6 +204,61 @@ func requireMain(t testing.TB) {
 	}
 }
 
+// serverWideLockID is the advisory lock tests that act on the whole server
+// take turns on.
+const serverWideLockID int64 = 0x7067736167610004
+
+// ServerWide makes the test wait its turn among tests, in every package of
+// the run, that do something the whole server feels (hold a long
+// transaction, restart a server, saturate it), and holds the turn until the
+// test ends.
+func ServerWide(t testing.TB) {
+	t.Helper()
+	mu.Lock()
+	requireMain(t)
+	srv := server
+	mu.Unlock()
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, srv)
+	if err != nil {
+		t.Fatalf("testdb: connecting to %s: %v", pgdb.Redact(srv), err)
+	}
+	if _, err := conn.Exec(ctx, "SELECT pg_advisory_lock($1)", serverWideLockID); err != nil {
+		_ = conn.Close(ctx)
+		t.Fatalf("testdb: waiting for a server-wide turn: %v", err)
+	}
+	t.Cleanup(func() { _ = conn.Close(context.Background()) }) // releases the lock
+}
+
+// LongWriteElsewhere takes the server-wide turn, then opens a write
+// transaction in a new empty database of the same server and keeps it open
+// until the test ends. It returns a function that reports whether that
+// transaction is still open, for tests to prove it was open throughout.
+func LongWriteElsewhere(t testing.TB) (stillOpen func() bool) {
+	t.Helper()
+	ServerWide(t)
+	other := Empty(t)
+	long, err := other.SQL.Begin()
+	if err != nil {
+		t.Fatalf("testdb: beginning the long transaction: %v", err)
+	}
+	t.Cleanup(func() { _ = long.Rollback() })
+	var xid string
+	if _, err := long.Exec(`CREATE TABLE nightly_report (x int); INSERT INTO nightly_report VALUES (1)`); err != nil {
+		t.Fatalf("testdb: writing in the long transaction: %v", err)
+	}
+	if err := long.QueryRow(`SELECT pg_current_xact_id()::text`).Scan(&xid); err != nil {
+		t.Fatalf("testdb: reading the long transaction's id: %v", err)
+	}
+	return func() bool {
+		var open bool
+		if err := other.SQL.QueryRow(`SELECT EXISTS (SELECT FROM pg_stat_activity WHERE backend_xid::text = $1)`, xid).Scan(&open); err != nil {
+			t.Fatalf("testdb: looking for the long transaction: %v", err)
+		}
+		return open
+	}
+}
+
 // Open connects to the database at url with a pool of at most maxConns.
 // Tests use it to simulate a second process.
 func Open(t testing.TB, url string, maxConns int32) *pgdb.DB {
@@ -208,7 +271,7 @@ func Open(t testing.TB, url string, maxConns int32) *pgdb.DB {
 	return db
 }
 
-func create(ctx context.Context, migrated bool) (*DB, error) {
+func create(ctx context.Context, migrated bool, options ...string) (*DB, error) {
 	name := testPrefix + strconv.FormatInt(time.Now().Unix(), 10) + "_" + randomHex(4)
 	admin, err := pgx.Connect(ctx, server)
 	if err != nil {
@@ -217,6 +280,9 @@ func create(ctx context.Context, migrated bool) (*DB, error) {
 	defer admin.Close(ctx)
 
 	stmt := "CREATE DATABASE " + pgx.Identifier{name}.Sanitize()
+	for _, o := range options {
+		stmt += " " + o
+	}
 	if migrated {
 		tpl, err := templateName(ctx, admin)
 		if err != nil {

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
-	"sort"
 	"sync"
 	"time"
 
@@ -148,20 +147,12 @@ func New(cfg Config) (*App, error) {
 		Engine: engine, Definition: def, participants: participants, log: cfg.Logger}, nil
 }
 
-// Topics lists every topic the App uses.
-func (a *App) Topics() []string {
-	seen := map[string]bool{}
-	var out []string
-	for _, group := range [][]string{a.Orders.Topics(), a.Payments.Topics(), a.Engine.Topics(), a.Runtime.Topics(a.participants...)} {
-		for _, t := range group {
-			if !seen[t] {
-				seen[t] = true
-				out = append(out, t)
-			}
-		}
-	}
-	sort.Strings(out)
-	return out
+// Subscriptions lists what the App's workers consume: the participants'
+// steps, the order projection and the saga engine.
+func (a *App) Subscriptions() []transport.Subscription {
+	subs := a.Runtime.Subscriptions(a.participants...)
+	subs = append(subs, a.Orders.Subscriptions()...)
+	return append(subs, a.Engine.Subscriptions()...)
 }
 
 // StepNames lists the participants' step names (their idempotency scopes).
@@ -173,14 +164,16 @@ func (a *App) StepNames() []string {
 	return out
 }
 
-// Setup creates the topic tables; safe to run from several processes.
+// Setup records the App's subscriptions, so that nothing published before
+// the first worker starts goes unrouted; safe to run from several processes.
 func (a *App) Setup(ctx context.Context) error {
-	return a.Transport.CreateTopics(ctx, a.Topics()...)
+	return a.Transport.Subscribe(ctx, a.Subscriptions()...)
 }
 
 // Worker is one router with every handler of the App (the participants'
 // steps, the order projection, the saga engine) and a deadline sweeper.
-// Several workers share the work: each handler's consumer group is one lane.
+// Several workers, in one process or many, share the work: the consumers of
+// a handler's group claim different messages.
 type Worker struct {
 	app    *App
 	router *transport.Router

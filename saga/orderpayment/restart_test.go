@@ -104,7 +104,7 @@ func TestDatabaseRestart(t *testing.T) {
 	for _, w := range workers {
 		require.NoError(t, w.Close())
 	}
-	violations, err := sagatest.Checker{DB: db.SQL, Transport: app.Transport, Definitions: []*saga.Definition{app.Definition},
+	violations, err := sagatest.Checker{DB: db.SQL, Definitions: []*saga.Definition{app.Definition},
 		Domain: domainInvariants()}.Check(ctx)
 	require.NoError(t, err)
 	for _, v := range violations {

@@ -8,14 +8,11 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/saga"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Retention says how long the sample keeps what it no longer needs. Zero
 // values take the documented defaults.
 type Retention struct {
-	// Messages prunes consumed messages. Default Topics: the App's.
-	Messages transport.RetentionConfig
 	// KeyTTL is how long finished idempotency keys are kept: a duplicate
 	// arriving later runs again. Default: 7 days.
 	KeyTTL time.Duration
@@ -24,19 +21,13 @@ type Retention struct {
 	Sagas saga.PruneConfig
 }
 
-// RunRetention runs the three retention jobs (consumed messages, finished
-// idempotency keys, finished sagas) until ctx is done. Every job is safe to
-// run in several processes; one per process is plenty.
+// RunRetention runs the retention jobs (finished idempotency keys, finished
+// sagas) until ctx is done. Every job is safe to run in several processes;
+// one per process is plenty. (Delivered messages need none: a queue row is
+// deleted with the transaction that handled it.)
 func (a *App) RunRetention(ctx context.Context, r Retention) error {
-	if r.Messages.Topics == nil {
-		r.Messages.Topics = a.Topics()
-	}
 	if r.Sagas.History == 0 && r.Sagas.Instances == 0 {
 		r.Sagas.History = 30 * 24 * time.Hour
-	}
-	messages, err := a.Transport.NewRetention(r.Messages)
-	if err != nil {
-		return err
 	}
 	keys, err := idempotency.NewReaper(idempotency.ReaperConfig{DB: a.DB, TTL: r.KeyTTL, Logger: a.log})
 	if err != nil {
@@ -48,7 +39,6 @@ func (a *App) RunRetention(ctx context.Context, r Retention) error {
 		errs []error
 	)
 	for _, job := range []func(context.Context) error{
-		messages.Run,
 		keys.Run,
 		func(ctx context.Context) error { return a.Engine.RunPrune(ctx, r.Sagas) },
 	} {

@@ -79,7 +79,8 @@ func Example() {
 	})
 	engine, _ := saga.NewEngine(saga.Config{DB: db, Transport: tr, Logger: quiet})
 	_ = engine.Register(def)
-	_ = tr.CreateTopics(ctx, append(def.Topics(), runtime.DeadLetterTopic())...)
+	// Record who consumes what before anything is published.
+	_ = tr.Subscribe(ctx, append(runtime.Subscriptions(reserve), engine.Subscriptions()...)...)
 	newWorker := func() (sagatest.Worker, error) {
 		r, err := tr.NewRouter()
 		if err != nil {
@@ -109,7 +110,7 @@ func Example() {
 	_ = churn.Stop()
 	_ = injector.Close()
 	violations, err := sagatest.Checker{
-		DB: db, Transport: tr, Definitions: []*saga.Definition{def},
+		DB: db, Definitions: []*saga.Definition{def},
 		Domain: []sagatest.Invariant{{
 			Name: "one room per guest",
 			Check: func(ctx context.Context, db *sql.DB) ([]string, error) {

@@ -39,6 +39,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -130,6 +131,10 @@ type Stats struct {
 	CrashesAfter      int // redeliveries after commit queued (some roll back with their batch)
 	ConnectionsKilled int
 	Delays            int
+	// Replayed counts deliveries of replies a participant published again
+	// for a duplicate command (idempotency.ReplayedMetadata), first attempts
+	// only.
+	Replayed int
 }
 
 // Injector injects faults into handlers.
@@ -219,6 +224,9 @@ func (i *Injector) Intercept(handler string, h transport.HandlerFunc) transport.
 		}
 		firstSight := !i.first[topic+"\x00"+msg.UUID] && msg.Metadata.Get(CopyMetadata) == ""
 		i.first[topic+"\x00"+msg.UUID] = true
+		if msg.Metadata.Get(idempotency.ReplayedMetadata) == "true" && transport.AttemptFromContext(ctx) == 1 {
+			i.stats.Replayed++
+		}
 		i.mu.Unlock()
 
 		if firstSight && topic != "" && i.chance("duplicate", topic, msg.UUID) < i.cfg.DuplicateRate {
@@ -302,9 +310,6 @@ func (i *Injector) scheduleCopies(topic string, msg *message.Message) {
 func copyOf(msg *message.Message, mark string) *message.Message {
 	cp := message.NewMessage(msg.UUID, append([]byte(nil), msg.Payload...))
 	for k, v := range msg.Metadata {
-		if len(k) > 0 && k[0] == '_' { // transport-internal (message position)
-			continue
-		}
 		cp.Metadata.Set(k, v)
 	}
 	cp.Metadata.Set(CopyMetadata, mark)

@@ -28,7 +28,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Event is a domain event: a JSON-encodable value with a stable type name.
@@ -153,6 +152,9 @@ type Aggregate interface {
 const (
 	MetaStreamID = "stream_id"
 	MetaVersion  = "stream_version"
+	// MetaPartitionKey is the stream id again, under the name partitioned
+	// brokers order by.
+	MetaPartitionKey = "partition_key"
 )
 
 // Config configures a Store.
@@ -263,8 +265,8 @@ func (s *Store) publish(tx DBTX, recorded []Recorded, payloads []string) error {
 			"type": r.Type, "correlation_id": r.Metadata.CorrelationID, "causation_id": r.Metadata.CausationID,
 			"saga_id": r.Metadata.SagaID, "idempotency_key": r.Metadata.IdempotencyKey,
 			MetaStreamID: r.StreamID, MetaVersion: strconv.Itoa(r.Version),
-			// One stream's events stay in one lane, in order.
-			transport.MetaPartitionKey: r.StreamID,
+			// Relays to brokers keep one stream's events in order by it.
+			MetaPartitionKey: r.StreamID,
 		} {
 			if v != "" {
 				m.Metadata.Set(k, v)

@@ -15,41 +15,53 @@ import (
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
-// BenchmarkLane measures one lane (one topic, one consumer group, one
-// subscriber) draining b.N messages. Each handler does the same work in both
-// variants: one business insert and one outgoing message in the batch
-// transaction.
+// BenchmarkConsumer measures one consumer group draining b.N messages. Each
+// handler does the same work in every variant: one business insert and one
+// outgoing message in the delivery transaction.
 //
-//   - protected: the Router (savepoint per attempt, bounded statements, the
-//     attempt's own offset ack, drain on close);
-//   - bare: watermill-sql v3 as documented, handler on the subscriber's
-//     transaction, its publisher on that transaction; no protections, no
-//     wake-ups.
+//   - queue: pgsaga's Router, one consumer (claim with SKIP LOCKED, a
+//     savepoint and a deadline per attempt, the commit guard, queued writes
+//     sent in one round trip, the message deleted with its batch);
+//   - queue-2: the same with two consumers;
+//   - bare: watermill-sql v3's offset log as documented, handler on the
+//     subscriber's transaction, its publisher on that transaction; no
+//     protections, no wake-ups.
 //
-// Run: go test -run '^$' -bench Lane -benchtime 5000x ./steps/transport/
-func BenchmarkLane(b *testing.B) {
-	b.Run("protected", func(b *testing.B) { benchLane(b, true) })
-	b.Run("bare", func(b *testing.B) { benchLane(b, false) })
+// Run: go test -run '^$' -bench Consumer -benchtime 5000x ./steps/transport/
+func BenchmarkConsumer(b *testing.B) {
+	b.Run("queue", func(b *testing.B) { benchConsumer(b, 1) })
+	b.Run("queue-2", func(b *testing.B) { benchConsumer(b, 2) })
+	b.Run("bare", func(b *testing.B) { benchConsumer(b, 0) })
 }
 
-func benchLane(b *testing.B, protected bool) {
+func benchConsumer(b *testing.B, consumers int) {
 	db := testdb.Fresh(b)
-	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: testLogger(), PollInterval: 10 * time.Millisecond})
+	ctx := context.Background()
+	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: testLogger(), PollInterval: 10 * time.Millisecond, Consumers: max(consumers, 1)})
 	require.NoError(b, err)
 	batch := tr.Config().BatchSize
 	in, out := "bench_in", "bench_out"
-	require.NoError(b, tr.CreateTopics(context.Background(), in, out))
 	_, err = db.SQL.Exec(`CREATE TABLE bench_effects (msg text NOT NULL, n int NOT NULL)`)
 	require.NoError(b, err)
 
-	// Both variants publish through the same BYTEA schema.
+	var pub message.Publisher
+	if consumers > 0 {
+		require.NoError(b, tr.Subscribe(ctx, transport.Subscription{Topic: in, ConsumerGroup: "g"},
+			transport.Subscription{Topic: out, ConsumerGroup: "sink"}))
+		pub = tr.Publisher(db.SQL)
+	} else {
+		pub = barePublisher(b, db.SQL, true)
+	}
 	for start := 0; start < b.N; start += 1000 {
 		msgs := make([]*message.Message, 0, 1000)
 		for i := start; i < min(start+1000, b.N); i++ {
 			payload, _ := json.Marshal(map[string]int{"n": i})
 			msgs = append(msgs, message.NewMessage(fmt.Sprintf("m-%d", i), payload))
 		}
-		require.NoError(b, tr.Publisher(db.SQL).Publish(in, msgs...))
+		require.NoError(b, pub.Publish(in, msgs...))
+	}
+	if consumers == 0 {
+		require.NoError(b, barePublisher(b, db.SQL, true).Publish(out, message.NewMessage("init", nil)))
 	}
 
 	work := func(ctx context.Context, tx transport.Tx, pub message.Publisher, msg *message.Message) error {
@@ -62,7 +74,7 @@ func benchLane(b *testing.B, protected bool) {
 	var stop func()
 	b.ResetTimer()
 	start := time.Now()
-	if protected {
+	if consumers > 0 {
 		r, err := tr.NewRouter()
 		require.NoError(b, err)
 		require.NoError(b, r.AddHandler("h", in, "g", func(msg *message.Message) error {
@@ -72,8 +84,9 @@ func benchLane(b *testing.B, protected bool) {
 		stop = startRouter(b, r)
 	} else {
 		sub, err := wsql.NewSubscriber(db.SQL, wsql.SubscriberConfig{
-			ConsumerGroup: "g",
-			PollInterval:  10 * time.Millisecond,
+			ConsumerGroup:    "g",
+			PollInterval:     10 * time.Millisecond,
+			InitializeSchema: true,
 			SchemaAdapter: wsql.DefaultPostgreSQLSchema{
 				GeneratePayloadType: func(string) string { return "BYTEA" },
 				SubscribeBatchSize:  batch,
@@ -85,7 +98,7 @@ func benchLane(b *testing.B, protected bool) {
 		require.NoError(b, err)
 		wr.AddConsumerHandler("h", in, sub, func(msg *message.Message) error {
 			tx, _ := wsql.TxFromContext(msg.Context())
-			return work(msg.Context(), tx, barePublisher(b, tx), msg)
+			return work(msg.Context(), tx, barePublisher(b, tx, false), msg)
 		})
 		go func() { _ = wr.Run(context.Background()) }()
 		<-wr.Running()
@@ -103,11 +116,9 @@ func benchLane(b *testing.B, protected bool) {
 	b.ReportMetric(float64(batch), "batch")
 }
 
-// barePublisher is watermill-sql's own publisher on tx, with the BYTEA
-// payloads of pgsaga's topic tables (which it can write to: a one-lane
-// topic's table is watermill-sql's default name).
-func barePublisher(tb testing.TB, tx wsql.ContextExecutor) message.Publisher {
-	pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: wsql.DefaultPostgreSQLSchema{
+// barePublisher is watermill-sql's own publisher on tx, with BYTEA payloads.
+func barePublisher(tb testing.TB, tx wsql.ContextExecutor, initialize bool) message.Publisher {
+	pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{AutoInitializeSchema: initialize, SchemaAdapter: wsql.DefaultPostgreSQLSchema{
 		GeneratePayloadType: func(string) string { return "BYTEA" },
 	}}, nil)
 	require.NoError(tb, err)

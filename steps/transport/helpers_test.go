@@ -9,7 +9,6 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -22,7 +21,14 @@ import (
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+func TestMain(m *testing.M) {
+	// A copy of this test binary started by TestTwoProcessesShareAGroup runs
+	// one worker and exits.
+	if os.Getenv(workerEnv) != "" {
+		os.Exit(runWorker())
+	}
+	testdb.Main(m)
+}
 
 // testLogger is quiet unless PGSAGA_TEST_LOG is set.
 func testLogger() *slog.Logger {
@@ -32,18 +38,21 @@ func testLogger() *slog.Logger {
 	return slog.New(slog.NewTextHandler(io.Discard, nil))
 }
 
-// fastConfig polls and resends quickly so tests finish fast.
+// fastConfig polls and retries quickly so tests finish fast. Idle consumers
+// wait an hour for a wake-up: a lost one fails the test instead of hiding
+// behind a safety poll.
 func fastConfig(db *testdb.DB) transport.Config {
 	return transport.Config{
-		DB:             db.SQL,
-		Logger:         testLogger(),
-		PollInterval:   20 * time.Millisecond,
-		RetryInterval:  20 * time.Millisecond,
-		ResendInterval: 20 * time.Millisecond,
+		DB:               db.SQL,
+		Logger:           testLogger(),
+		IdlePollInterval: time.Hour,
+		RetryInterval:    20 * time.Millisecond,
+		Retry:            transport.RetryPolicy{MaxAttempts: 5, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond},
 	}
 }
 
-// env is one test's slice of the shared database: its own topics and tables.
+// env is one test's slice of a database: its own topics and effects table.
+// Everything published to out is kept queued for the group "archive".
 type env struct {
 	t   *testing.T
 	db  *testdb.DB
@@ -70,7 +79,9 @@ func newEnvOn(t *testing.T, db *testdb.DB, mutate func(*transport.Config)) *env 
 	require.NoError(t, err)
 	id := randomID()
 	e := &env{t: t, db: db, tr: tr, id: id, in: "in_" + id, out: "out_" + id, eff: "effects_" + id}
-	require.NoError(t, tr.CreateTopics(context.Background(), e.in, e.out))
+	require.NoError(t, tr.Subscribe(context.Background(),
+		transport.Subscription{Topic: e.in, ConsumerGroup: "g"},
+		transport.Subscription{Topic: e.out, ConsumerGroup: "archive"}))
 	_, err = db.SQL.Exec(`CREATE TABLE ` + e.eff + ` (msg text NOT NULL, part text NOT NULL, attempt int NOT NULL DEFAULT 0)`)
 	require.NoError(t, err)
 	return e
@@ -117,20 +128,17 @@ func effect(msg *message.Message, table, part string) error {
 	return err
 }
 
-// consumed counts messages of topic that group's offset has passed.
-func (e *env) consumed(topic, group string) int {
+// waiting counts the messages of topic still queued for group (retries
+// included).
+func (e *env) waiting(topic, group string) int {
 	e.t.Helper()
-	var n int
-	err := e.db.SQL.QueryRow(`
-		SELECT count(*) FROM `+e.tr.MessagesTable(topic)+` m
-		JOIN `+e.tr.OffsetsTable(topic)+` o ON o.consumer_group = $1
-		WHERE m.transaction_id < o.last_processed_transaction_id
-		   OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked)`, group).Scan(&n)
-	if err != nil && strings.Contains(err.Error(), "does not exist") {
-		return 0
-	}
-	require.NoError(e.t, err)
-	return n
+	return e.count(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1 AND consumer_group = $2`, topic, group)
+}
+
+// drained waits until group has no message of topic left.
+func (e *env) drained(topic, group string, timeout time.Duration) {
+	e.t.Helper()
+	waitFor(e.t, timeout, topic+" drained by "+group, func() bool { return e.waiting(topic, group) == 0 })
 }
 
 func (e *env) count(query string, args ...any) int {
@@ -140,9 +148,17 @@ func (e *env) count(query string, args ...any) int {
 	return n
 }
 
-// messagesIn counts the messages stored on topic.
-func (e *env) messagesIn(topic string) int {
-	return e.count(`SELECT count(*) FROM ` + e.tr.MessagesTable(topic))
+// published counts the messages published to the env's output topic.
+func (e *env) published() int {
+	return e.count(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1 AND consumer_group = 'archive'`, e.out)
+}
+
+// deadLetters lists the dead letters of topic.
+func (e *env) deadLetters(topic string) []transport.DeadLetter {
+	e.t.Helper()
+	dl, err := e.tr.DeadLetters(context.Background(), transport.DeadLetterFilter{Topic: topic})
+	require.NoError(e.t, err)
+	return dl
 }
 
 // waitFor polls cond until it holds or the deadline passes.
@@ -186,6 +202,24 @@ func startRouter(t testing.TB, r *transport.Router) (stop func()) {
 	return stop
 }
 
+// route runs h, behind the middleware mw, as the handler "h" of the env's
+// input topic (group "g"), until the test ends.
+func (e *env) route(t *testing.T, h transport.HandlerFunc, mw ...message.HandlerMiddleware) {
+	t.Helper()
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	r.AddMiddleware(mw...)
+	require.NoError(t, r.AddHandler("h", e.in, "g", h))
+	startRouter(t, r)
+}
+
+// runOne routes h (see route) and publishes one message to it.
+func (e *env) runOne(t *testing.T, h transport.HandlerFunc) {
+	t.Helper()
+	e.route(t, h)
+	e.publish(1)
+}
+
 // attempts counts delivery attempts per message UUID.
 type attempts struct {
 	mu sync.Mutex
@@ -207,4 +241,11 @@ func (a *attempts) of(id string) int {
 	return a.n[id]
 }
 
-func jsonUnmarshal(s string, v any) error { return json.Unmarshal([]byte(s), v) }
+// assertExactlyOnce checks that each of n messages has both parts of its
+// effect exactly once.
+func assertExactlyOnce(t *testing.T, e *env, n int) {
+	t.Helper()
+	require.Equal(t, n, e.count(`SELECT count(DISTINCT msg) FROM `+e.eff), "messages with an effect")
+	require.Zero(t, e.count(`SELECT count(*) FROM (SELECT msg FROM `+e.eff+` GROUP BY msg, part HAVING count(*) <> 1) d`), "effect parts present more than once")
+	require.Zero(t, e.count(`SELECT count(*) FROM (SELECT msg FROM `+e.eff+` GROUP BY msg HAVING count(*) <> 2) d`), "messages with a partial effect")
+}

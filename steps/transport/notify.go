@@ -2,68 +2,69 @@ package transport
 
 import (
 	"context"
+	"database/sql"
 	"errors"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/internal/pglisten"
 )
 
-// DefaultNotifyChannel is the notification channel of publishes.
-const DefaultNotifyChannel = "pgsaga_wakeup"
-
-// wakeHub is a transport's single LISTEN connection and the subscriptions
-// waiting on it. It runs while at least one subscription exists.
+// wakeHub is a transport's single LISTEN connection and the consumers
+// waiting on it. It runs while at least one consumer exists.
 type wakeHub struct {
 	t  *Transport
 	up atomic.Bool // listening: notifications can be relied on
 
+	// upMu and gen keep a stopped listener, still on its way out, from
+	// marking its successor's state: only the latest listener sets up.
+	upMu sync.Mutex
+	gen  uint64
+
 	mu      sync.Mutex
-	lanes   map[string]*laneState // by physical topic
+	topics  map[string]*waiters
 	waiters int
 	stop    func() // stops the running listener; nil when none runs
 }
 
-// laneState is the subscriptions of one physical topic.
-type laneState struct {
-	mu      sync.Mutex
-	waiters map[*pollState]struct{}
+// waiters are the consumers of one topic in this process.
+type waiters struct {
+	mu  sync.Mutex
+	set map[*pollState]struct{}
 }
 
 func newWakeHub(t *Transport) *wakeHub {
-	return &wakeHub{t: t, lanes: map[string]*laneState{}}
+	return &wakeHub{t: t, topics: map[string]*waiters{}}
 }
 
-// register adds a subscription of topic, starting the listener if it is
-// the first.
-func (h *wakeHub) register(topic string, p *pollState) *laneState {
+// register adds a consumer of topic, starting the listener for the first.
+func (h *wakeHub) register(topic string, p *pollState) *waiters {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	lane := h.lanes[topic]
-	if lane == nil {
-		lane = &laneState{waiters: map[*pollState]struct{}{}}
-		h.lanes[topic] = lane
+	w := h.topics[topic]
+	if w == nil {
+		w = &waiters{set: map[*pollState]struct{}{}}
+		h.topics[topic] = w
 	}
-	lane.mu.Lock()
-	lane.waiters[p] = struct{}{}
-	lane.mu.Unlock()
+	w.mu.Lock()
+	w.set[p] = struct{}{}
+	w.mu.Unlock()
 	h.waiters++
 	if h.stop == nil {
 		h.stop = h.start()
 	}
-	return lane
+	return w
 }
 
-// unregister removes a subscription, stopping the listener after the last.
-func (h *wakeHub) unregister(lane *laneState, p *pollState) {
-	lane.mu.Lock()
-	delete(lane.waiters, p)
-	lane.mu.Unlock()
+// unregister removes a consumer, stopping the listener after the last.
+func (h *wakeHub) unregister(w *waiters, p *pollState) {
+	w.mu.Lock()
+	delete(w.set, p)
+	w.mu.Unlock()
 	h.mu.Lock()
 	h.waiters--
 	var stop func()
@@ -76,13 +77,32 @@ func (h *wakeHub) unregister(lane *laneState, p *pollState) {
 	}
 }
 
+// newListener starts a listener generation: up is false until it listens.
+func (h *wakeHub) newListener() (gen uint64) {
+	h.upMu.Lock()
+	defer h.upMu.Unlock()
+	h.gen++
+	h.up.Store(false)
+	return h.gen
+}
+
+// setUp records whether listener gen listens, if it is the latest.
+func (h *wakeHub) setUp(gen uint64, up bool) {
+	h.upMu.Lock()
+	defer h.upMu.Unlock()
+	if gen == h.gen {
+		h.up.Store(up)
+	}
+}
+
 func (h *wakeHub) start() func() {
+	gen := h.newListener()
 	l, err := pglisten.New(pglisten.Config{
 		DB:               h.t.db,
 		Channels:         []string{h.t.cfg.NotifyChannel},
-		OnNotify:         h.notified,
-		OnListen:         func() { h.up.Store(true); h.wakeAll() },
-		OnLost:           func(error) { h.up.Store(false); h.wakeAll() },
+		OnNotify:         func(_, topic string) { h.wake(topic) },
+		OnListen:         func() { h.setUp(gen, true); h.wakeAll() },
+		OnLost:           func(error) { h.setUp(gen, false); h.wakeAll() },
 		RetryInterval:    h.t.cfg.RetryInterval,
 		MaxRetryInterval: h.t.cfg.MaxRetryInterval,
 		Logger:           h.t.log,
@@ -97,41 +117,37 @@ func (h *wakeHub) start() func() {
 	go func() {
 		defer close(done)
 		_ = l.Run(ctx)
-		h.up.Store(false)
+		h.setUp(gen, false)
 	}()
 	return func() { cancel(); <-done }
 }
 
-// notified handles "<topic> <xid>": it wakes the topic's subscriptions.
-func (h *wakeHub) notified(_, payload string) {
-	topic, _, ok := strings.Cut(payload, " ")
-	if !ok {
-		return
-	}
+// wake wakes the consumers of topic.
+func (h *wakeHub) wake(topic string) {
 	h.mu.Lock()
-	lane := h.lanes[topic]
+	w := h.topics[topic]
 	h.mu.Unlock()
-	if lane != nil { // else nobody here reads it
-		lane.wake()
+	if w != nil { // else nobody here reads it
+		w.wake()
 	}
 }
 
 func (h *wakeHub) wakeAll() {
 	h.mu.Lock()
-	lanes := make([]*laneState, 0, len(h.lanes))
-	for _, l := range h.lanes {
-		lanes = append(lanes, l)
+	all := make([]*waiters, 0, len(h.topics))
+	for _, w := range h.topics {
+		all = append(all, w)
 	}
 	h.mu.Unlock()
-	for _, l := range lanes {
-		l.wake()
+	for _, w := range all {
+		w.wake()
 	}
 }
 
-func (l *laneState) wake() {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for p := range l.waiters {
+func (w *waiters) wake() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for p := range w.set {
 		select {
 		case p.wakeCh <- struct{}{}:
 		default: // a wake-up is already pending
@@ -139,48 +155,45 @@ func (l *laneState) wake() {
 	}
 }
 
-// pollState is one subscription's backoff manager (wsql.BackoffManager),
-// called by the subscriber after every poll:
+// pollState is one consumer's backoff manager (wsql.BackoffManager), called
+// by the subscriber after every poll, on the subscriber's goroutine. It first
+// closes the poll's batch, then decides when to poll again:
 //
-//   - after messages: poll again at once (a busy lane never sleeps);
-//   - after an error: wait, doubling from RetryInterval up to
-//     MaxRetryInterval (none after a lost race for the lane);
-//   - after an empty poll that saw messages waiting behind the visibility
-//     fence (committed, but an older transaction is still running): poll
-//     again soon, backing off from 1ms to 50ms, until the fence moves;
-//   - after any other empty poll, with wake-ups: wait for a publish on the
-//     lane to wake it, or IdlePollInterval as a safety net;
-//   - without wake-ups (off, or the listening connection is down): wait
-//     PollInterval, or less if woken.
+//   - after a batch that handled messages, handed some back or failed:
+//     at once (a busy consumer never sleeps);
+//   - after a failed poll (a lost connection): after RetryInterval,
+//     doubling up to MaxRetryInterval;
+//   - after finding nothing: when a publish to the topic wakes it, when the
+//     group's next message becomes available (a retry after its backoff),
+//     after heldRecheck if other consumers hold available messages (should
+//     their process die, its transaction ends and nobody announces that
+//     the messages are free again), or after IdlePollInterval, whichever
+//     comes first; without wake-ups (off, or the listening connection is
+//     down), after PollInterval at most.
 //
-// The subscriber calls it synchronously between polls; a wait ends early
-// when the subscription closes.
+// A wake-up that arrives while the consumer polls is kept for the next
+// wait, which then returns at once: none is lost.
 type pollState struct {
-	cfg    Config
-	hub    *wakeHub // nil without notifications
-	lane   *laneState
-	wakeCh chan struct{}
-	closed chan struct{}
-	once   sync.Once
+	cfg      Config
+	hub      *wakeHub // nil without wake-ups
+	waiters  *waiters
+	endBatch func(error) (again bool)
+	stopping func() bool // the router drains: poll no more
+	wakeCh   chan struct{}
+	closed   chan struct{}
+	once     sync.Once
 
-	// Set by the poll (its sentinel row), read after it, on the
-	// subscriber's goroutine.
-	polled bool
-	fenced bool
+	// Set by the poll's sentinel row, read after it.
+	next time.Duration // until the group's next message is available; <0: none known
+	held bool          // other consumers hold available messages
 
-	errWait   time.Duration
-	fenceWait time.Duration
+	errWait time.Duration
 }
 
-const (
-	minFenceWait = time.Millisecond
-	maxFenceWait = 50 * time.Millisecond
-)
-
-func newPollState(cfg Config, hub *wakeHub, topic string) *pollState {
-	p := &pollState{cfg: cfg, hub: hub, wakeCh: make(chan struct{}, 1), closed: make(chan struct{})}
-	if hub != nil {
-		p.lane = hub.register(topic, p)
+func newPollState(t *Transport, topic string, endBatch func(error) bool, stopping func() bool) *pollState {
+	p := &pollState{cfg: t.cfg, hub: t.hub, endBatch: endBatch, stopping: stopping, wakeCh: make(chan struct{}, 1), closed: make(chan struct{}), next: -1}
+	if p.hub != nil {
+		p.waiters = p.hub.register(topic, p)
 	}
 	return p
 }
@@ -190,42 +203,63 @@ func (p *pollState) close() {
 	p.once.Do(func() {
 		close(p.closed)
 		if p.hub != nil {
-			p.hub.unregister(p.lane, p)
+			p.hub.unregister(p.waiters, p)
 		}
 	})
 }
 
-// empty records what the sentinel row of an empty poll said.
-func (p *pollState) empty(fenced bool) { p.polled, p.fenced = true, fenced }
+// heldRecheck is how soon a consumer that found nothing looks again while
+// other consumers hold available messages of its group.
+const heldRecheck = time.Second
+
+// empty records what the sentinel row of an empty poll said: how long until
+// the group's next message is available (negative if none is waiting), and
+// whether other consumers hold available ones.
+func (p *pollState) empty(next time.Duration, held bool) { p.next, p.held = next, held }
 
 func (p *pollState) HandleError(logger watermill.LoggerAdapter, noMsg bool, err error) time.Duration {
-	fenced := p.polled && p.fenced
-	p.polled, p.fenced = false, false
+	again := p.endBatch(err)
+	next, held := p.next, p.held
+	p.next, p.held = -1, false
+	if p.stopping() {
+		// The router drains: what this consumer claims it would release.
+		<-p.closed
+		return 0
+	}
 	if err != nil {
-		p.fenceWait = 0
-		return p.errorWait(logger, err)
+		if again && (errors.Is(err, sql.ErrTxDone) || pgerr.Dooms(err)) {
+			// The batch was abandoned (and logged) by its consumer.
+			return 0
+		}
+		// Wait here rather than return the wait: watermill-sql adds the
+		// error to its logger for every backoff it is given, so a consumer
+		// failing for a long time would log ever longer lines.
+		p.pause(p.errorWait(logger, err))
+		return 0
 	}
 	p.errWait = 0
-	if !noMsg {
-		p.fenceWait = 0
+	if !noMsg || again {
 		return 0
 	}
-	if fenced {
-		p.fenceWait = min(max(2*p.fenceWait, minFenceWait), maxFenceWait)
-		p.sleep(p.fenceWait)
-		return 0
-	}
-	p.fenceWait = 0
+	wait := p.cfg.IdlePollInterval
 	if p.hub == nil || !p.hub.up.Load() {
-		p.sleep(p.cfg.PollInterval)
-		return 0
+		wait = p.cfg.PollInterval
 	}
-	p.sleep(p.cfg.IdlePollInterval)
+	if next >= 0 {
+		wait = min(wait, next)
+	}
+	if held {
+		wait = min(wait, heldRecheck)
+	}
+	p.sleep(wait)
 	return 0
 }
 
-// sleep waits d, or less if the lane is woken or the subscription closes.
+// sleep waits d, or less if the topic is woken or the consumer closes.
 func (p *pollState) sleep(d time.Duration) {
+	if d <= 0 {
+		return
+	}
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
@@ -235,20 +269,17 @@ func (p *pollState) sleep(d time.Duration) {
 	}
 }
 
+// pause waits d, or less if the consumer closes.
+func (p *pollState) pause(d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-p.closed:
+	}
+}
+
 func (p *pollState) errorWait(logger watermill.LoggerAdapter, err error) time.Duration {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && (pgErr.Code == "40001" || pgErr.Code == "40P01") {
-		// Another subscriber of the same consumer group held the lane and
-		// moved its offset: expected when several processes share a lane.
-		logger.Debug("Lane taken by another subscriber; polling again", watermill.LogFields{"err": err.Error()})
-		return 0
-	}
-	if errors.As(err, &pgErr) && pgErr.Code == "25P02" {
-		// The Router abandoned the batch (its offset update fails on the
-		// aborted transaction): redeliver it at once.
-		logger.Debug("Batch abandoned; redelivering", watermill.LogFields{"err": err.Error()})
-		return 0
-	}
 	if p.errWait == 0 {
 		p.errWait = p.cfg.RetryInterval
 	} else {

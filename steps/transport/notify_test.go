@@ -2,11 +2,14 @@ package transport_test
 
 import (
 	"context"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -25,10 +28,11 @@ func (e *env) listeners(channel string) int {
 		"LISTEN "+pgx.Identifier{channel}.Sanitize())
 }
 
-// wakeEnv is an env whose subscribers never poll on their own.
+// wakeEnv is an env, on a database of its own (whose processes share its
+// channel), whose consumers never poll on their own.
 func wakeEnv(t *testing.T, mutate func(*transport.Config)) (*env, string) {
 	channel := "wake_" + randomID()
-	e := newEnv(t, func(c *transport.Config) {
+	e := newEnvOn(t, testdb.Fresh(t), func(c *transport.Config) {
 		c.PollInterval, c.IdlePollInterval, c.NotifyChannel = never, never, channel
 		if mutate != nil {
 			mutate(c)
@@ -66,8 +70,7 @@ func TestPublishWakesIdleSubscribers(t *testing.T) {
 }
 
 // A notification is sent in the publishing transaction: none for a rolled
-// back publish, and its payload names the physical topic and the
-// publisher's transaction id.
+// back publish, one per topic for a committed one, naming the topic.
 func TestPublishNotifiesOnCommitOnly(t *testing.T) {
 	t.Parallel()
 	e, channel := wakeEnv(t, nil)
@@ -83,8 +86,6 @@ func TestPublishNotifiesOnCommitOnly(t *testing.T) {
 	require.NoError(t, tx.Rollback())
 	tx, err = e.db.SQL.Begin()
 	require.NoError(t, err)
-	var xid string
-	require.NoError(t, tx.QueryRow(`SELECT pg_current_xact_id()::text`).Scan(&xid))
 	require.NoError(t, e.tr.Publisher(tx).Publish(e.in, message.NewMessage("a", []byte(`{}`)), message.NewMessage("b", []byte(`{}`))))
 	require.NoError(t, e.tr.Publisher(tx).Publish(e.in, message.NewMessage("c", []byte(`{}`))))
 	require.NoError(t, tx.Commit())
@@ -93,7 +94,7 @@ func TestPublishNotifiesOnCommitOnly(t *testing.T) {
 	defer cancel()
 	n, err := conn.WaitForNotification(ctx)
 	require.NoError(t, err)
-	assert.Equal(t, e.in+" "+xid, n.Payload)
+	assert.Equal(t, e.in, n.Payload)
 	// One notification for the transaction, however many inserts.
 	ctx2, cancel2 := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel2()
@@ -101,50 +102,48 @@ func TestPublishNotifiesOnCommitOnly(t *testing.T) {
 	assert.Error(t, err, "no second notification")
 }
 
-// A message announced while an older transaction is still open stays
-// behind watermill-sql's visibility fence; the subscriber keeps looking,
-// briefly, and delivers it as soon as the fence moves, not an hour later.
-func TestFencedMessageIsDeliveredWhenTheFenceMoves(t *testing.T) {
+// A message is delivered as soon as its publisher commits, even while an
+// older transaction that wrote something is still open in the same
+// database: nothing waits for older transactions to end.
+func TestOlderOpenTransactionDoesNotHoldBackDelivery(t *testing.T) {
 	t.Parallel()
 	e, channel := wakeEnv(t, nil)
 	var handled atomic.Int32
 	e.countingRouter(&handled)
 	waitFor(t, 10*time.Second, "the listener", func() bool { return e.listeners(channel) == 1 })
 
-	// An older transaction with an id, open across the publish.
 	older, err := e.db.SQL.Begin()
 	require.NoError(t, err)
 	defer older.Rollback() //nolint:errcheck
-	_, err = older.Exec(`SELECT pg_current_xact_id()`)
+	_, err = older.Exec(`INSERT INTO ` + e.eff + ` (msg, part) VALUES ('older', 'open')`)
 	require.NoError(t, err)
-	e.publish(1)
-	// It cannot be delivered yet.
-	deadline := time.Now().Add(300 * time.Millisecond)
-	for time.Now().Before(deadline) {
-		require.Zero(t, handled.Load(), "delivered across the fence")
-		time.Sleep(10 * time.Millisecond)
-	}
-	require.NoError(t, older.Commit())
-	waitFor(t, 10*time.Second, "delivery once the fence moved", func() bool { return handled.Load() == 1 })
+	e.publish(3)
+	waitFor(t, 10*time.Second, "delivery while the older transaction is open", func() bool { return handled.Load() == 3 })
 }
 
-// A message committed before its subscriber started, so announced to
-// nobody, but behind the fence at the subscriber's first poll, is delivered
-// when the fence moves.
-func TestFencedMessageFromBeforeTheSubscriber(t *testing.T) {
+// Messages published one by one, in parallel, while the consumer is busy,
+// are all delivered with polling set to an hour: no wake-up is lost.
+func TestNoWakeUpIsLost(t *testing.T) {
 	t.Parallel()
-	e, _ := wakeEnv(t, nil)
-	older, err := e.db.SQL.Begin()
-	require.NoError(t, err)
-	defer older.Rollback() //nolint:errcheck
-	_, err = older.Exec(`SELECT pg_current_xact_id()`)
-	require.NoError(t, err)
-	e.publish(1)
+	e, channel := wakeEnv(t, func(c *transport.Config) { c.BatchSize = 3 })
 	var handled atomic.Int32
-	e.countingRouter(&handled)
-	assert.Never(t, func() bool { return handled.Load() > 0 }, 300*time.Millisecond, 10*time.Millisecond, "delivered across the fence")
-	require.NoError(t, older.Commit())
-	waitFor(t, 10*time.Second, "delivery once the fence moved", func() bool { return handled.Load() == 1 })
+	e.countingRouter(&handled, func(msg *message.Message) {
+		if msg.UUID[0] < '4' {
+			time.Sleep(2 * time.Millisecond) // busy while more arrive
+		}
+	})
+	waitFor(t, 10*time.Second, "the listener", func() bool { return e.listeners(channel) == 1 })
+	const publishers, each = 4, 50
+	var wg sync.WaitGroup
+	for range publishers {
+		wg.Go(func() {
+			for range each {
+				require.NoError(t, e.tr.Publisher(e.db.SQL).Publish(e.in, message.NewMessage(uuid.NewString(), nil)))
+			}
+		})
+	}
+	wg.Wait()
+	waitFor(t, 30*time.Second, "every message", func() bool { return handled.Load() == publishers*each })
 }
 
 // The listening connection lost: a message published meanwhile (its
@@ -175,12 +174,11 @@ func TestWakeUpsSurviveALostListener(t *testing.T) {
 	waitFor(t, 10*time.Second, "wake-ups after the reconnect", func() bool { return handled.Load() == 3 })
 }
 
-// One listening connection serves every subscription of a transport, over
-// any number of handlers and lanes, and goes away with the last of them.
+// One listening connection serves every consumer of a transport, over any
+// number of handlers and consumers, and goes away with the last of them.
 func TestOneListenerPerTransport(t *testing.T) {
 	t.Parallel()
-	e, channel := wakeEnv(t, func(c *transport.Config) { c.Lanes = 4 })
-	require.NoError(t, e.tr.CreateTopics(context.Background(), e.in, e.out))
+	e, channel := wakeEnv(t, func(c *transport.Config) { c.Consumers = 4 })
 	var handled atomic.Int32
 	var stops []func()
 	for i := range 3 {
@@ -204,12 +202,11 @@ func TestOneListenerPerTransport(t *testing.T) {
 	waitFor(t, 10*time.Second, "the listener to go", func() bool { return e.listeners(channel) == 0 })
 }
 
-// With wake-ups off, nothing listens and publishes notify nobody; polling
-// delivers.
+// With wake-ups off, nothing listens; polling delivers.
 func TestDisableNotify(t *testing.T) {
 	t.Parallel()
 	channel := "off_" + randomID()
-	e := newEnv(t, func(c *transport.Config) { c.DisableNotify, c.NotifyChannel = true, channel })
+	e := newEnvOn(t, testdb.Fresh(t), func(c *transport.Config) { c.DisableNotify, c.NotifyChannel = true, channel })
 	var handled atomic.Int32
 	e.countingRouter(&handled)
 	e.publish(3)
@@ -217,17 +214,77 @@ func TestDisableNotify(t *testing.T) {
 	assert.Zero(t, e.listeners(channel))
 }
 
+// A process that does not listen still wakes those that do: its publishes
+// notify.
+func TestPublishesOfANonListeningProcessWake(t *testing.T) {
+	t.Parallel()
+	e, channel := wakeEnv(t, nil)
+	var handled atomic.Int32
+	e.countingRouter(&handled)
+	waitFor(t, 10*time.Second, "the listener", func() bool { return e.listeners(channel) == 1 })
+	quiet, err := transport.New(transport.Config{DB: e.db.SQL, DisableNotify: true, NotifyChannel: channel, Logger: testLogger()})
+	require.NoError(t, err)
+	require.NoError(t, quiet.Publisher(e.db.SQL).Publish(e.in, message.NewMessage(uuid.NewString(), nil)))
+	waitFor(t, 10*time.Second, "the listening consumer woken", func() bool { return handled.Load() == 1 })
+}
+
+// Processes on one database must wake each other on one channel: the first
+// records it, and one configured with another is refused at start, saying
+// which to use; messages are never left for a consumer nobody wakes.
+func TestProcessesMustShareTheNotifyChannel(t *testing.T) {
+	t.Parallel()
+	db := testdb.Fresh(t)
+	first, err := transport.New(transport.Config{DB: db.SQL, NotifyChannel: "chan_a", Logger: testLogger()})
+	require.NoError(t, err)
+	require.NoError(t, first.Subscribe(context.Background(), transport.Subscription{Topic: "t", ConsumerGroup: "g"}))
+	other, err := transport.New(transport.Config{DB: testdb.Open(t, db.URL, 2).SQL, NotifyChannel: "chan_b", Logger: testLogger()})
+	require.NoError(t, err)
+	r, err := other.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", "t", "g", func(*message.Message) error { return nil }))
+	err = r.Run(context.Background())
+	require.ErrorIs(t, err, transport.ErrSettingsDiffer)
+	assert.Contains(t, err.Error(), `configure "chan_a"`)
+	same, err := transport.New(transport.Config{DB: db.SQL, NotifyChannel: "chan_a", Logger: testLogger()})
+	require.NoError(t, err)
+	require.NoError(t, same.Subscribe(context.Background(), transport.Subscription{Topic: "t", ConsumerGroup: "g"}))
+}
+
 func TestNotifyConfig(t *testing.T) {
 	t.Parallel()
 	db := testdb.Shared(t)
 	for _, cfg := range []transport.Config{
 		{DB: db.SQL, NotifyChannel: "has space"},
+		{DB: db.SQL, NotifyChannel: strings.Repeat("c", 64)},
 		{DB: db.SQL, IdlePollInterval: -time.Second},
-		{DB: db.SQL, Lanes: -1},
-		{DB: db.SQL, Lanes: transport.MaxLanes + 1},
-		{DB: db.SQL, TopicLanes: map[string]int{"t": 0}},
 	} {
 		_, err := transport.New(cfg)
 		require.Error(t, err, "%+v", cfg)
 	}
+}
+
+// Processes that start together agree on the settings: one that finds the
+// other's first record still uncommitted waits for it, then reads it.
+func TestProcessesStartingTogetherAgree(t *testing.T) {
+	t.Parallel()
+	db := testdb.Fresh(t)
+	first, err := db.SQL.Begin()
+	require.NoError(t, err)
+	defer first.Rollback() //nolint:errcheck
+	_, err = first.Exec(`INSERT INTO pgsaga_settings (name, value) VALUES ('notify_channel', 'pgsaga_wakeup')`)
+	require.NoError(t, err)
+	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: testLogger()})
+	require.NoError(t, err)
+	started := make(chan error, 1)
+	go func() {
+		started <- tr.Subscribe(context.Background(), transport.Subscription{Topic: "t", ConsumerGroup: "g"})
+	}()
+	waitFor(t, 10*time.Second, "the second process to wait for the first one's record", func() bool {
+		var n int
+		require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM pg_stat_activity
+			WHERE datname = $1 AND wait_event_type = 'Lock' AND query LIKE '%pgsaga_settings%'`, db.Name).Scan(&n))
+		return n == 1
+	})
+	require.NoError(t, first.Commit())
+	require.NoError(t, <-started)
 }

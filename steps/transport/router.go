@@ -10,33 +10,22 @@ import (
 	"sync"
 	"time"
 
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
 // HandlerFunc handles one delivery attempt of msg. Its statements go through
 // TxFromContext(msg.Context()); its outgoing messages through
-// Transport.Publisher of that Tx. Returning an error (or panicking) rolls the
-// attempt back and nacks the message, which is redelivered.
+// Transport.Publisher of that Tx. Returning an error (or panicking) rolls
+// the attempt back; the message is retried after its backoff, or
+// dead-lettered (see RetryPolicy). msg.Context() is done when the attempt
+// runs out of time (Config.AttemptTimeout).
 type HandlerFunc func(msg *message.Message) error
 
-// Errors callers can branch on.
-var (
-	// ErrHandlerPanicked wraps the value of a handler's panic; the attempt
-	// was rolled back and the message nacked.
-	ErrHandlerPanicked = errors.New("transport: handler panicked")
-	// ErrNoTransaction is returned when a handler runs on a message that did
-	// not come from a watermill-sql subscriber.
-	ErrNoTransaction = errors.New("transport: message carries no subscriber transaction")
-	// ErrClosing is returned for messages that arrive while the router
-	// drains. It wraps context.Canceled, which Watermill does not log as a
-	// handler failure.
-	ErrClosing = fmt.Errorf("transport: router is closing: %w", context.Canceled)
-	// ErrRouterClosed is returned when adding handlers to a closed router.
-	ErrRouterClosed = errors.New("transport: router is closed")
-)
-
-// Router is a Watermill router whose handlers run inside a savepoint per
-// delivery attempt and that drains in-flight handlers before it closes.
+// Router is a Watermill router whose handlers consume queues: each runs
+// Config.Consumers consumers, every delivery attempt in a savepoint of its
+// consumer's batch transaction, and the router drains attempts in flight
+// before it closes.
 type Router struct {
 	t      *Transport
 	router *message.Router
@@ -45,6 +34,9 @@ type Router struct {
 
 	mu       sync.Mutex
 	handlers map[string]bool
+	subs     []Subscription
+	started  bool // Run started the Watermill router
+	closed   bool
 
 	closeOnce sync.Once
 	closeErr  error
@@ -58,20 +50,37 @@ func (t *Transport) NewRouter() (*Router, error) {
 	}
 	r := &Router{t: t, router: wr, log: t.log, gate: newGate(), handlers: map[string]bool{}}
 	// Outermost: once draining starts, no new message reaches the handlers.
-	wr.AddMiddleware(r.gate.middleware)
+	wr.AddMiddleware(r.gate.middleware(t.log))
 	return r, nil
 }
 
-// AddHandler subscribes h to topic as consumerGroup; an empty consumerGroup
-// means the handler's name, which must be unique in the router. Every process
-// running a handler of the same group shares its lane and its offset.
+// HandlerOption configures one handler.
+type HandlerOption func(*handlerOptions)
+
+type handlerOptions struct {
+	retry     RetryPolicy
+	consumers int
+}
+
+// WithRetry sets the handler's retry policy instead of Config.Retry.
+func WithRetry(p RetryPolicy) HandlerOption { return func(o *handlerOptions) { o.retry = p } }
+
+// WithConsumers sets how many consumers the handler runs instead of
+// Config.Consumers.
+func WithConsumers(n int) HandlerOption { return func(o *handlerOptions) { o.consumers = n } }
+
+// AddHandler makes h consume topic as consumerGroup; an empty consumerGroup
+// means the handler's name, which must be unique in the router. Handlers are
+// added before Run. Every
+// message published to topic is delivered to each of its consumer groups;
+// within a group, to one consumer, wherever it runs.
 //
-// Each delivery runs up to RetryPolicy.MaxAttempts attempts, each in a
-// savepoint of its own, with backoff between them; a message whose attempts
-// run out, or that fails permanently (see Permanent), goes to the policy's
-// dead-letter topic in the same transaction, and the lane moves on.
-// Middleware added with AddMiddleware runs outside all of this, once per
-// delivery.
+// Each message gets an attempt at a time, in a savepoint of its consumer's
+// batch transaction. A failed attempt is rolled back and the message is
+// retried after a backoff, outside any transaction, up to
+// RetryPolicy.MaxAttempts; then, or at once for a permanent failure (see
+// IsPermanent), it goes to pgsaga_dead_letters with the reason. Middleware
+// added with AddMiddleware runs outside all of this, once per delivery.
 func (r *Router) AddHandler(name, topic, consumerGroup string, h HandlerFunc, opts ...HandlerOption) error {
 	if name == "" {
 		return errors.New("transport: handler name is required")
@@ -85,9 +94,23 @@ func (r *Router) AddHandler(name, topic, consumerGroup string, h HandlerFunc, op
 	if err := ValidateTopic(topic); err != nil {
 		return fmt.Errorf("transport: handler %s: %w", name, err)
 	}
+	if err := ValidateConsumerGroup(consumerGroup); err != nil {
+		return fmt.Errorf("transport: handler %s: %w", name, err)
+	}
+	o := handlerOptions{retry: r.t.cfg.Retry, consumers: r.t.cfg.Consumers}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	o.retry.setDefaults()
+	if err := o.retry.validate(); err != nil {
+		return fmt.Errorf("transport: handler %s: %w", name, err)
+	}
+	if o.consumers < 1 || o.consumers > 64 {
+		return fmt.Errorf("transport: handler %s: consumers must be between 1 and 64, got %d", name, o.consumers)
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.router.IsClosed() {
+	if r.closed || r.started {
 		return ErrRouterClosed
 	}
 	if r.handlers[name] {
@@ -96,41 +119,51 @@ func (r *Router) AddHandler(name, topic, consumerGroup string, h HandlerFunc, op
 	if r.t.cfg.Intercept != nil {
 		h = r.t.cfg.Intercept(name, h)
 	}
-	if err := ValidateConsumerGroup(consumerGroup); err != nil {
-		return fmt.Errorf("transport: handler %s: %w", name, err)
-	}
-	if err := r.t.validateLanes(topic); err != nil {
-		return fmt.Errorf("transport: handler %s: %w", name, err)
-	}
-	proto := route{r: r, name: name, topic: topic, group: consumerGroup, h: h, retry: r.t.cfg.Retry}
-	for _, opt := range opts {
-		opt(&proto)
-	}
-	if err := proto.retry.validate(r.t.cfg.AckDeadline); err != nil {
-		return fmt.Errorf("transport: handler %s: %w", name, err)
-	}
 	r.handlers[name] = true
-	// One subscription per lane, each a serial lane of its own.
-	lanes := r.t.LaneTopics(topic)
-	for i, lane := range lanes {
-		rt := proto
-		rt.lane, rt.offsets, rt.sp = lane, r.t.OffsetsTable(lane), &savepointState{}
+	r.subs = append(r.subs, Subscription{Topic: topic, ConsumerGroup: consumerGroup})
+	rt := route{name: name, topic: topic, group: consumerGroup, h: h, retry: o.retry}
+	for i := range o.consumers {
+		c := newConsumer(r.t, rt, r.gate)
 		handlerName := name
-		if len(lanes) > 1 {
+		if o.consumers > 1 {
 			handlerName = name + "[" + strconv.Itoa(i) + "]"
 		}
-		r.router.AddConsumerHandler(handlerName, lane, &subscriber{t: r.t, group: consumerGroup}, rt.deliver)
+		r.router.AddConsumerHandler(handlerName, topic, &subscriber{c: c, group: consumerGroup}, c.deliver)
 	}
 	return nil
 }
 
-// AddMiddleware adds router-level middleware (retries, poison queues,
-// metrics). It runs outside the attempt savepoint.
+// Subscriptions lists the consumer groups the router's handlers consume.
+func (r *Router) Subscriptions() []Subscription {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]Subscription(nil), r.subs...)
+}
+
+// AddMiddleware adds router-level middleware (metrics, logging). It runs
+// outside the attempts and cannot touch their transaction. Its errors and
+// panics are logged and change nothing (retries are the queue's); a second
+// call of the handler for one message does nothing; a middleware that
+// returns without calling the handler costs the message a failed attempt
+// (ErrHandlerNotCalled). Work before the handler must take less than
+// Config.BatchTimeout, or the batch hands its messages back.
 func (r *Router) AddMiddleware(m ...message.HandlerMiddleware) { r.router.AddMiddleware(m...) }
 
-// Run runs the router until ctx is cancelled or Close is called; either way
-// it drains before stopping. Handlers added before Run start with it.
+// Run checks the database, records the router's subscriptions and runs the
+// router until ctx is cancelled or Close is called; either way it drains
+// before stopping. It returns at once, with the reason, if the database
+// cannot be used (see ErrNotUTF8).
 func (r *Router) Run(ctx context.Context) error {
+	if err := r.t.Subscribe(ctx, r.Subscriptions()...); err != nil {
+		return err
+	}
+	r.mu.Lock()
+	if r.closed || r.started {
+		r.mu.Unlock()
+		return ErrRouterClosed
+	}
+	r.started = true
+	r.mu.Unlock()
 	stop := context.AfterFunc(ctx, func() {
 		if err := r.Close(); err != nil {
 			r.log.Error("closing router", "err", err)
@@ -138,33 +171,32 @@ func (r *Router) Run(ctx context.Context) error {
 	})
 	defer stop()
 	// The router's own context is never cancelled from outside: cancelling
-	// it would stop the subscribers under running handlers.
+	// it would stop the subscribers under running attempts.
 	return r.router.Run(context.WithoutCancel(ctx))
 }
 
 // Running is closed once the router runs.
 func (r *Router) Running() chan struct{} { return r.router.Running() }
 
-// Close stops taking new messages and starting new attempts, waits for
-// in-flight handlers (up to Config.CloseTimeout), then stops the
-// subscribers. A handler still running at the timeout has its attempt cut off
-// and its batch transaction made to fail, so it commits nothing partial; the
-// batch is redelivered. Cutting off waits for a running statement, so Close
-// can take up to about 2×CloseTimeout + StatementTimeout in all.
+// Close stops taking new messages and starting new attempts, waits for the
+// attempts in flight (up to Config.CloseTimeout) and cuts off the rest as
+// if they had timed out (rolled back, retried later), then stops the
+// consumers, whose batches commit what they did.
 func (r *Router) Close() error {
+	r.mu.Lock()
+	r.closed = true
+	started := r.started
+	r.mu.Unlock()
+	if !started {
+		return nil // nothing runs; Watermill's Close would wait for handlers that never started
+	}
 	r.closeOnce.Do(func() {
 		if stuck := r.gate.drain(r.t.cfg.CloseTimeout); len(stuck) > 0 {
-			r.log.Error("handlers still running at close timeout; abandoning their batches", "handlers", len(stuck), "timeout", r.t.cfg.CloseTimeout)
-			// Each revoke waits for the attempt's running statement (at most
-			// StatementTimeout); cut all of them off at once.
-			var wg sync.WaitGroup
+			r.log.Error("attempts still running at close timeout; cutting them off", "attempts", len(stuck), "timeout", r.t.cfg.CloseTimeout)
 			for _, a := range stuck {
-				wg.Go(func() {
-					a.revoke()
-					_, _ = a.raw.ExecContext(context.Background(), doomBatchSQL)
-				})
+				a.requestCut()
 			}
-			wg.Wait()
+			r.gate.wait(r.t.cfg.StatementTimeout + 5*time.Second)
 		}
 		r.closeErr = r.router.Close()
 	})
@@ -181,33 +213,143 @@ func call(h HandlerFunc, msg *message.Message) (err error) {
 	return h(msg)
 }
 
+// subscriber adapts one watermill-sql subscriber to a consumer and to the
+// Router's shutdown. The subscription runs on a context that is never
+// cancelled (database/sql would roll the batch back under running attempts)
+// and stops through Close.
+type subscriber struct {
+	c     *consumer
+	group string
+
+	mu        sync.Mutex
+	inner     *wsql.Subscriber
+	closed    bool
+	closeOnce sync.Once
+	closeErr  error
+}
+
+func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed || s.inner != nil {
+		return nil, errors.New("transport: a consumer subscribes once")
+	}
+	t := s.c.t
+	if err := t.Subscribe(ctx, Subscription{Topic: topic, ConsumerGroup: s.group}); err != nil {
+		return nil, err
+	}
+	s.c.poll = newPollState(t, topic, s.c.endBatch, s.c.gate.closing)
+	// The subscriber never gives up on a message by itself: attempts have
+	// their own deadline, and the commit guard refuses to commit under one.
+	ack := 2 * t.cfg.MaxTransactionDuration()
+	inner, err := wsql.NewSubscriber(s.c, wsql.SubscriberConfig{
+		ConsumerGroup:  s.group,
+		AckDeadline:    &ack,
+		PollInterval:   t.cfg.PollInterval,
+		ResendInterval: t.cfg.PollInterval,
+		RetryInterval:  t.cfg.RetryInterval,
+		BackoffManager: s.c.poll,
+		SchemaAdapter:  schemaAdapter{notifyChannel: t.schema.notifyChannel, c: s.c},
+		OffsetsAdapter: offsetsAdapter{c: s.c},
+	}, t.wlog)
+	if err != nil {
+		s.c.poll.close()
+		return nil, fmt.Errorf("transport: subscribing %s to %s: %w", s.group, topic, err)
+	}
+	// The consumer rides in the context of every message it claims, for
+	// the gate (see admit).
+	ch, err := inner.Subscribe(context.WithValue(context.WithoutCancel(ctx), consumerKey{}, s.c), topic)
+	if err != nil {
+		s.c.poll.close()
+		return nil, fmt.Errorf("transport: subscribing %s to %s: %w", s.group, topic, err)
+	}
+	s.inner = inner
+	context.AfterFunc(ctx, func() { _ = s.Close() })
+	return ch, nil
+}
+
+// Close stops the subscription; every caller returns once it has stopped.
+// (The router and the subscription's context both close it, and
+// watermill-sql's Close is not safe to run twice at once.)
+func (s *subscriber) Close() error {
+	s.mu.Lock()
+	inner := s.inner
+	s.closed = true
+	s.mu.Unlock()
+	if inner == nil {
+		return nil
+	}
+	s.closeOnce.Do(func() {
+		// First end the backoff's wait: the subscriber waits for its polling
+		// goroutine, which may be in it.
+		s.c.poll.close()
+		s.closeErr = inner.Close()
+	})
+	return s.closeErr
+}
+
 // gate admits messages to handlers until drain is called, and keeps track of
 // the attempts in flight.
 type gate struct {
 	mu       sync.Mutex
 	draining bool
 	inFlight int
-	closing  chan struct{} // closed when draining starts
 	idle     chan struct{} // closed when draining and nothing is in flight
 	attempts map[*attemptTx]struct{}
 }
 
 func newGate() *gate {
-	return &gate{closing: make(chan struct{}), idle: make(chan struct{}), attempts: map[*attemptTx]struct{}{}}
+	return &gate{idle: make(chan struct{}), attempts: map[*attemptTx]struct{}{}}
 }
 
-func (g *gate) middleware(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		if !g.enter() {
-			// Hold the message without touching the transaction until the
-			// subscriber stops and gives it up; it stays unacked and is
-			// delivered again later.
-			<-msg.Context().Done()
-			return nil, ErrClosing
+// middleware is the outermost: it admits each message into its batch (see
+// ticket), runs the middleware inside, settles the delivery, and always
+// acks. What becomes of a message is recorded in its queue row; a nack
+// would make watermill-sql hand the message out again in the same batch,
+// so an error (or a panic) of the middleware inside is logged instead.
+func (g *gate) middleware(log *slog.Logger) message.HandlerMiddleware {
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			if !g.enter() {
+				// Release the message, untouched: its batch commits without
+				// it, and it is claimed again later. (Its consumer does not
+				// poll again while the router drains.)
+				return nil, nil
+			}
+			defer g.leave()
+			tk, run := admit(msg, g.closing())
+			if !run {
+				return nil, nil
+			}
+			err := callChain(h, msg)
+			if err != nil {
+				log.Error("router middleware failed", "message_uuid", msg.UUID, "err", err)
+			}
+			if tk != nil {
+				tk.settle(err)
+			}
+			return nil, nil
 		}
-		defer g.leave()
-		return h(msg)
 	}
+}
+
+// callChain runs the middleware chain h on msg, turning a panic into an
+// error.
+func callChain(h message.HandlerFunc, msg *message.Message) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("%w: %v\n%s", ErrHandlerPanicked, p, debug.Stack())
+		}
+	}()
+	_, err = h(msg)
+	return err
+}
+
+// closing reports whether the router is closing.
+func (g *gate) closing() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.draining
 }
 
 func (g *gate) enter() bool {
@@ -253,19 +395,13 @@ func (g *gate) drain(timeout time.Duration) []*attemptTx {
 	g.mu.Lock()
 	if !g.draining {
 		g.draining = true
-		close(g.closing)
 		if g.inFlight == 0 {
 			close(g.idle)
 		}
 	}
 	g.mu.Unlock()
-
-	timer := time.NewTimer(timeout)
-	defer timer.Stop()
-	select {
-	case <-g.idle:
+	if g.wait(timeout) {
 		return nil
-	case <-timer.C:
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -274,4 +410,17 @@ func (g *gate) drain(timeout time.Duration) []*attemptTx {
 		stuck = append(stuck, a)
 	}
 	return stuck
+}
+
+// wait waits up to timeout for the messages in flight, once draining; it
+// reports whether they all finished.
+func (g *gate) wait(timeout time.Duration) bool {
+	timer := time.NewTimer(timeout)
+	defer timer.Stop()
+	select {
+	case <-g.idle:
+		return true
+	case <-timer.C:
+		return false
+	}
 }

@@ -1,149 +1,165 @@
 package transport
 
-// Statements the transport runs itself. Topic and consumer-group table
-// statements come from watermill-sql's schema and offsets adapters.
+// Statements the transport runs. Values always travel as parameters.
 const (
-	// beginBatchSQL bounds the statements and lock waits of a delivery
-	// batch's attempts (SET LOCAL at the top level lasts for the whole
-	// transaction) and opens the savepoint of its first attempt; %[1]s and
-	// %[2]s are the timeouts in milliseconds, formatted once from the
-	// validated Config. One round trip (simple protocol).
-	beginBatchSQL = "SET LOCAL statement_timeout = %[1]s; SET LOCAL lock_timeout = %[2]s; SAVEPOINT pgsaga_attempt"
+	// publishSQL fans msgs out to every consumer group subscribed to the
+	// topic ($1): one queue row per message and group, in message order. A
+	// message no group subscribes to is kept as a dead letter saying so,
+	// never dropped. With a channel ($5 <> ''), the topic's consumers are
+	// woken when (and only if) the transaction commits; PostgreSQL sends
+	// identical notifications of one transaction once.
+	// $2 uuids, $3 payloads, $4 metadata (JSON objects).
+	publishSQL = `WITH msgs AS (
+    SELECT * FROM unnest($2::text[], $3::bytea[], $4::jsonb[]) WITH ORDINALITY AS m(uuid, payload, metadata, ord)
+), groups AS (
+    SELECT consumer_group FROM pgsaga_subscriptions WHERE topic = $1
+), queued AS (
+    INSERT INTO pgsaga_queue (topic, consumer_group, uuid, payload, metadata)
+    SELECT $1, g.consumer_group, m.uuid, m.payload, m.metadata FROM msgs m CROSS JOIN groups g
+    ORDER BY m.ord, g.consumer_group
+    RETURNING 1
+), unrouted AS (
+    INSERT INTO pgsaga_dead_letters (uuid, topic, consumer_group, handler, payload, metadata, reason, attempts, created_at)
+    SELECT m.uuid, $1, '', '', m.payload,
+        pgsaga_dead_letter_metadata(m.metadata, $1, '', '', 'no consumer group subscribes to topic ' || $1, 0),
+        'no consumer group subscribes to topic ' || $1, 0, clock_timestamp()
+    FROM msgs m WHERE NOT EXISTS (SELECT FROM groups)
+    ORDER BY m.ord
+    RETURNING 1
+)
+SELECT pg_notify($5, $1) WHERE $5 <> '' AND EXISTS (SELECT FROM queued)`
 
-	// openAttemptSQL opens the savepoint of an attempt when none is open.
-	openAttemptSQL = "SAVEPOINT pgsaga_attempt"
-
-	// beginOwnSQL bounds a transaction the transport opened itself.
-	beginOwnSQL = "SET LOCAL statement_timeout = %[1]s; SET LOCAL lock_timeout = %[2]s"
-
-	// keepAttemptSQL ends a successful attempt, after its deferred
-	// statements: it keeps the attempt's work, stores the message's offset
-	// for the consumer group in the same transaction, so the work and the
-	// ack commit together even if the subscriber never sees the ack (it may
-	// stop first when the router closes), and opens the savepoint of the
-	// batch's next attempt ahead of time. The offset only moves forward. It
-	// runs at the top level of the transaction, which holds the offset row's
-	// lock (FOR UPDATE in the batch's poll): an update from inside the
-	// savepoint would turn that lock into a MultiXact for every message.
-	// %[1]s offsets table, %[2]s offset, %[3]s transaction id, %[4]s quoted
-	// consumer group.
-	keepAttemptSQL = `RELEASE SAVEPOINT pgsaga_attempt;
-UPDATE %[1]s SET offset_acked = %[2]s, last_processed_transaction_id = '%[3]s'::xid8
-WHERE consumer_group = %[4]s
-  AND (last_processed_transaction_id, offset_acked) < ('%[3]s'::xid8, %[2]s);
-SAVEPOINT pgsaga_attempt`
-
-	// notifySQL wakes a topic's subscribers from a deferred publish: the
-	// payload is the topic and the transaction's id, as insertNotifySQL's.
-	notifySQL = `SELECT pg_notify($1, $2 || ' ' || pg_current_xact_id()::text)`
-
-	// ackBatchSQL is the subscriber's ack of a batch prefix; like
-	// ackAttemptSQL it never moves an offset backwards. %s offsets table.
-	ackBatchSQL = `INSERT INTO %s AS o (offset_acked, last_processed_transaction_id, consumer_group)
-VALUES ($1, $2, $3)
-ON CONFLICT (consumer_group) DO UPDATE SET
-	offset_acked = excluded.offset_acked,
-	last_processed_transaction_id = excluded.last_processed_transaction_id
-WHERE (o.last_processed_transaction_id, o.offset_acked) < (excluded.last_processed_transaction_id, excluded.offset_acked)`
-
-	// rollbackAttemptSQL discards the attempt's work and revives the batch
-	// transaction if a statement of the attempt failed. The savepoint stays
-	// open for the next attempt.
-	rollbackAttemptSQL = "ROLLBACK TO SAVEPOINT pgsaga_attempt"
-
-	// doomBatchSQL makes the batch transaction fail for certain, so that the
-	// subscriber cannot store its offset and rolls the whole batch back.
-	doomBatchSQL = `DO $$BEGIN RAISE EXCEPTION 'pgsaga: delivery batch abandoned; it will be redelivered'; END$$`
-
-	// insertNotifySQL wraps watermill-sql's insert (%[1]s) so that it also
-	// notifies the topic's subscribers: channel $%[2]d, payload "<topic>
-	// <xid>" with topic $%[3]d. pg_notify is delivered on commit only, and
-	// PostgreSQL sends identical notifications of one transaction once.
-	insertNotifySQL = `WITH inserted AS (%[1]s RETURNING transaction_id)
-SELECT pg_notify($%[2]d, $%[3]d || ' ' || (SELECT transaction_id FROM inserted LIMIT 1)::text)`
-
-	// selectBatchSQL is watermill-sql's batch query (the group's offset row
-	// locked FOR UPDATE, messages past it below the visibility fence, in
-	// order) with one addition: when there is no message it returns a
-	// sentinel row instead, offset -1, whose metadata says whether messages
-	// are waiting behind the fence: committed, visible to this snapshot, but
-	// not below its xmin because an older transaction is still running.
-	// Every such message is unconsumed (a group only ever passes messages
-	// below the fence, and the fence only rises). The subscription's backoff
-	// polls again soon when there are, and waits for a wake-up otherwise
-	// (see pollState). OFFSET 0 keeps the filter apart from the ORDER BY … LIMIT,
-	// as watermill-sql's subquery does, so the planner sorts the few rows
-	// past the offset instead of walking the index from its start.
-	// %[1]s offsets table, %[2]s messages table, %[3]d batch size.
-	selectBatchSQL = `WITH last_processed AS (
-    SELECT offset_acked, last_processed_transaction_id FROM %[1]s WHERE consumer_group = $1 FOR UPDATE
+	// claimSQL opens a delivery batch: it bounds the transaction's
+	// statements, lock waits and idle time (set_config local to the
+	// transaction), claims up to $6 available messages of the group ($1
+	// topic, $2 group) and, if it claimed any, arms the commit guard (see
+	// migrations/00008): the batch cannot commit until the consumer allows
+	// it, at its end, knowing that no attempt is open. It skips messages other
+	// consumers hold. With none, it returns one sentinel row (id -1) saying
+	// how many seconds until the group's next message becomes available, if
+	// one waits (next_in: measured by the server's clock, the consumer's
+	// may differ), and whether available messages are held by other
+	// consumers (held): the consumer sleeps until the next one is due, or
+	// looks again soon if others hold some (their transaction may end
+	// without handling them, if their process dies), unless woken earlier.
+	// $3, $4, $5: statement, lock and idle timeouts in milliseconds. From
+	// PostgreSQL 14 on, the server also checks every second, while a
+	// statement runs, that the consumer is still connected, so a killed
+	// worker's batch is rolled back, and its messages freed, at once rather
+	// than when its running statement ends.
+	claimSQL = `WITH settings AS (
+    SELECT set_config('statement_timeout', $3, true), set_config('lock_timeout', $4, true),
+        set_config('idle_in_transaction_session_timeout', $5, true), set_config('pgsaga.commit_ok', 'off', true),
+        CASE WHEN current_setting('server_version_num')::int >= 140000
+            THEN set_config('client_connection_check_interval', '1000', true) END
 ), batch AS (
-    SELECT * FROM (
-        SELECT "offset", transaction_id, uuid, payload, metadata FROM %[2]s
-        WHERE ((transaction_id = (SELECT last_processed_transaction_id FROM last_processed)
-                AND "offset" > (SELECT offset_acked FROM last_processed))
-               OR transaction_id > (SELECT last_processed_transaction_id FROM last_processed))
-          AND transaction_id < pg_snapshot_xmin(pg_current_snapshot())
-        OFFSET 0
-    ) AS m
-    ORDER BY transaction_id, "offset"
-    LIMIT %[3]d
+    SELECT id, uuid, payload, metadata, attempts FROM pgsaga_queue
+    WHERE topic = $1 AND consumer_group = $2 AND available_at <= now()
+    ORDER BY available_at, id
+    LIMIT $6
+    FOR UPDATE SKIP LOCKED
+), guard AS (
+    INSERT INTO pg_temp.pgsaga_commit_guard SELECT 1 FROM settings WHERE EXISTS (SELECT FROM batch)
 )
-SELECT "offset", transaction_id, uuid, payload, metadata FROM (
-    SELECT * FROM batch
-    UNION ALL
-    SELECT -1, coalesce((SELECT last_processed_transaction_id FROM last_processed), '0'::xid8), '', NULL::bytea,
-        json_build_object('fenced', EXISTS (
-            SELECT FROM %[2]s WHERE transaction_id >= pg_snapshot_xmin(pg_current_snapshot())))
-    WHERE NOT EXISTS (SELECT FROM batch)
-) AS rows
-ORDER BY transaction_id, "offset"`
+SELECT id, uuid, payload, metadata, attempts, NULL::float8 AS next_in, false AS held FROM batch
+UNION ALL
+SELECT -1, '', NULL, NULL, 0,
+    (SELECT extract(epoch FROM min(available_at) - now())::float8 FROM pgsaga_queue
+        WHERE topic = $1 AND consumer_group = $2 AND available_at > now()),
+    EXISTS (SELECT FROM pgsaga_queue WHERE topic = $1 AND consumer_group = $2 AND available_at <= now())
+WHERE NOT EXISTS (SELECT FROM batch)`
 
-	// lanesOfTopicSQL reads a topic's recorded lane count, locking it.
-	lanesOfTopicSQL = `SELECT lanes FROM pgsaga_topic_lanes WHERE topic = $1 FOR UPDATE`
-
-	// recordLanesSQL records a topic's lane count.
-	recordLanesSQL = `INSERT INTO pgsaga_topic_lanes AS l (topic, lanes) VALUES ($1, $2)
-ON CONFLICT (topic) DO UPDATE SET lanes = excluded.lanes, updated_at = clock_timestamp()`
-
-	tableExistsSQL = `SELECT to_regclass($1) IS NOT NULL`
-
-	// unconsumedSQL counts the messages of a physical topic that some
-	// consumer group has not passed yet; with no consumer group, all of
-	// them. %[1]s messages table, %[2]s offsets table.
-	unconsumedSQL = `SELECT count(*) FROM %[1]s m
-WHERE NOT EXISTS (SELECT FROM %[2]s)
-   OR (m.transaction_id, m."offset") > (
-        SELECT last_processed_transaction_id, offset_acked FROM %[2]s
-        ORDER BY last_processed_transaction_id, offset_acked LIMIT 1)`
-
-	// pruneSQL deletes up to $2 messages of one physical topic that every
-	// consumer group has passed and that are older than $1 (an interval),
-	// in position order; rows another pruner holds are skipped. With no
-	// consumer group, "passed" has no row and nothing is deleted.
-	// %[1]s messages table, %[2]s offsets table.
-	pruneSQL = `WITH passed AS (
-    SELECT last_processed_transaction_id AS xid, offset_acked AS off FROM %[2]s
-    ORDER BY last_processed_transaction_id, offset_acked LIMIT 1
-), doomed AS (
-    SELECT m.ctid FROM %[1]s m, passed p
-    WHERE (m.transaction_id, m."offset") <= (p.xid, p.off)
-      AND m.created_at < localtimestamp - $1::interval
-    ORDER BY m.transaction_id, m."offset"
-    LIMIT $2
-    FOR UPDATE OF m SKIP LOCKED
+	// beginOwnSQL opens a transaction of the transport's own (HandleInTx):
+	// the same bounds and guard as a delivery batch, no claim.
+	beginOwnSQL = `WITH settings AS (
+    SELECT set_config('statement_timeout', $1, true), set_config('lock_timeout', $2, true),
+        set_config('idle_in_transaction_session_timeout', $3, true), set_config('pgsaga.commit_ok', 'off', true),
+        CASE WHEN current_setting('server_version_num')::int >= 140000
+            THEN set_config('client_connection_check_interval', '1000', true) END
 )
-DELETE FROM %[1]s WHERE ctid IN (SELECT ctid FROM doomed)`
+INSERT INTO pg_temp.pgsaga_commit_guard SELECT 1 FROM settings`
 
-	// recordedTopicsSQL lists the topics CreateTopics recorded.
-	recordedTopicsSQL = `SELECT topic, lanes FROM pgsaga_topic_lanes ORDER BY topic`
+	// installGuardSQL creates the commit guard of a connection, once: a
+	// temporary table emptied at every commit whose deferred constraint
+	// trigger (pgsaga_commit_guard, migrations/00008) refuses a commit that
+	// pgsaga did not allow.
+	installGuardSQL = `DO $$BEGIN
+    IF to_regclass('pg_temp.pgsaga_commit_guard') IS NULL THEN
+        CREATE TEMPORARY TABLE pgsaga_commit_guard (armed integer) ON COMMIT DELETE ROWS;
+        CREATE CONSTRAINT TRIGGER pgsaga_commit_guard AFTER INSERT ON pgsaga_commit_guard
+            DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION pgsaga_commit_guard();
+    END IF;
+END$$`
 
-	// dropGroupSQL forgets a consumer group's position. %s offsets table.
-	dropGroupSQL = `DELETE FROM %s WHERE consumer_group = $1`
+	// Attempt boundaries. An attempt runs in a savepoint, opened ahead in
+	// the pipeline of the step before it where possible. A rollback runs
+	// without parameters in one round trip (simple protocol): it must work
+	// in a failed transaction, where nothing can be prepared.
+	openAttemptSQL     = `SAVEPOINT pgsaga_attempt`
+	releaseAttemptSQL  = `RELEASE SAVEPOINT pgsaga_attempt`
+	rollbackAttemptSQL = `ROLLBACK TO SAVEPOINT pgsaga_attempt; RELEASE SAVEPOINT pgsaga_attempt`
 
-	// lockTopicsSQL serialises CreateTopics across processes.
-	lockTopicsSQL = "SELECT pg_advisory_xact_lock($1)"
+	// allowCommitSQL lets a delivery transaction commit (see the commit
+	// guard); refuseCommitSQL makes it fail for certain. commitSQL allows
+	// a batch's commit and runs the deferred checks (constraints declared
+	// DEFERRABLE INITIALLY DEFERRED, the guard) at once, so that what
+	// would fail the commit fails this statement.
+	allowCommitSQL  = `SELECT set_config('pgsaga.commit_ok', 'on', true)`
+	commitSQL       = allowCommitSQL + `; SET CONSTRAINTS ALL IMMEDIATE`
+	refuseCommitSQL = `DO $$BEGIN RAISE EXCEPTION 'pgsaga: delivery batch abandoned with an attempt open; it will be delivered again'; END$$`
+
+	// ackSQL removes a handled message ($1) from its queue, with the
+	// attempt that handled it.
+	ackSQL = `DELETE FROM pgsaga_queue WHERE id = $1`
+
+	// rescheduleSQL records failed attempt $2 of message $1 and makes it
+	// available again after the backoff ($3 seconds); $4 the reason. The
+	// attempt count guards against recording one attempt twice (a failure
+	// recorded after its batch rolled back, while another consumer has
+	// recorded it meanwhile).
+	rescheduleSQL = `UPDATE pgsaga_queue SET attempts = $2, available_at = clock_timestamp() + make_interval(secs => $3), last_error = $4
+WHERE id = $1 AND attempts < $2`
+
+	// deadLetterSQL moves message $1 from its queue to the dead letters
+	// after attempt $4 (guarded as in rescheduleSQL). $2 handler, $3
+	// reason.
+	deadLetterSQL = `WITH dead AS (
+    DELETE FROM pgsaga_queue WHERE id = $1 AND attempts < $4
+    RETURNING *
 )
+INSERT INTO pgsaga_dead_letters (uuid, topic, consumer_group, handler, payload, metadata, reason, attempts, created_at)
+SELECT uuid, topic, consumer_group, $2, payload,
+    pgsaga_dead_letter_metadata(metadata, topic, consumer_group, $2, $3, $4), $3, $4, created_at
+FROM dead`
 
-// topicsLockID is the advisory lock key of CreateTopics ("pgsaga-topics").
-const topicsLockID int64 = 0x7067736167610002
+	// deadLetterMessageSQL stores a message that was not queued (HandleInTx)
+	// as a dead letter. $1 uuid, $2 topic, $3 group, $4 handler, $5
+	// payload, $6 metadata, $7 reason, $8 attempts.
+	deadLetterMessageSQL = `INSERT INTO pgsaga_dead_letters (uuid, topic, consumer_group, handler, payload, metadata, reason, attempts, created_at)
+VALUES ($1, $2, $3, $4, $5, pgsaga_dead_letter_metadata($6::jsonb, $2, $3, $4, $7, $8), $7, $8, clock_timestamp())`
+
+	// agreeSQL records a setting every process must share ($1 name, $2
+	// value), unless one is recorded, and returns the recorded value.
+	agreeSQL = `WITH recorded AS (
+    INSERT INTO pgsaga_settings (name, value) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING RETURNING value
+)
+SELECT value FROM recorded UNION ALL SELECT value FROM pgsaga_settings WHERE name = $1`
+
+	// subscribeSQL records that a consumer group reads a topic.
+	subscribeSQL = `INSERT INTO pgsaga_subscriptions (topic, consumer_group) VALUES ($1, $2)
+ON CONFLICT (topic, consumer_group) DO UPDATE SET last_seen_at = clock_timestamp()`
+
+	// dropGroupSQL forgets a consumer group of a topic and its queue.
+	dropGroupSQL = `WITH gone AS (
+    DELETE FROM pgsaga_subscriptions WHERE topic = $1 AND consumer_group = $2
+)
+DELETE FROM pgsaga_queue WHERE topic = $1 AND consumer_group = $2`
+
+	// deadLettersSQL lists dead letters, newest last, optionally of one
+	// topic ($1 = '' for all), after id $2, at most $3.
+	deadLettersSQL = `SELECT id, uuid, topic, consumer_group, handler, payload, coalesce(metadata, 'null'::jsonb), reason, attempts, created_at, dead_at
+FROM pgsaga_dead_letters
+WHERE ($1 = '' OR topic = $1) AND id > $2
+ORDER BY id
+LIMIT $3`
+)

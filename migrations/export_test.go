@@ -1,0 +1,16 @@
+package migrations
+
+import (
+	"context"
+	"database/sql"
+)
+
+// ApplyTo applies the migrations up to version, for tests of upgrades.
+func ApplyTo(ctx context.Context, db *sql.DB, version int64) error {
+	p, err := provider(db)
+	if err != nil {
+		return err
+	}
+	_, err = p.UpTo(ctx, version)
+	return err
+}

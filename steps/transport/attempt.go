@@ -1,0 +1,646 @@
+package transport
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+	"fmt"
+	"reflect"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgsaga/pgsaga/internal/pgerr"
+)
+
+// Tx is what a step's statements run on: the transaction of a delivery
+// attempt, or a transaction the caller opened itself. *sql.Tx, *sql.Conn and
+// *sql.DB satisfy it, so code written against Tx runs unchanged in either
+// mode and in tests.
+type Tx interface {
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}
+
+type txKey struct{}
+
+// ContextWithTx returns ctx carrying tx, for code that runs a step in a
+// transaction of its own rather than in a router handler.
+func ContextWithTx(ctx context.Context, tx Tx) context.Context {
+	return context.WithValue(ctx, txKey{}, tx)
+}
+
+// TxFromContext returns the transaction of the delivery attempt running under
+// ctx (inside a Router handler), or the one stored by ContextWithTx.
+func TxFromContext(ctx context.Context) (Tx, bool) {
+	tx, ok := ctx.Value(txKey{}).(Tx)
+	return tx, ok
+}
+
+type attemptKey struct{}
+
+// AttemptFromContext returns the number (1-based) of the delivery attempt
+// running under ctx, or 0 outside one.
+func AttemptFromContext(ctx context.Context) int {
+	n, _ := ctx.Value(attemptKey{}).(int)
+	return n
+}
+
+// Queuer is implemented by the Tx of a delivery attempt. A statement queued
+// with QueueExec is sent, with every other statement queued, in one
+// pipelined round trip at the end of the attempt, or before the handler's
+// next statement, whichever comes first; either way inside the attempt, so
+// it commits with the attempt or not at all, and a failure fails the
+// attempt. name says what the statement does, in errors. Arguments are
+// encoded when the statement is sent: do not change them after the call.
+type Queuer interface {
+	QueueExec(name, query string, args ...any) error
+}
+
+// Queue queues query on tx if tx is a Queuer (see Queuer), and runs it at
+// once otherwise. It is how pgsaga writes what nobody reads back in the
+// same attempt: published messages, completed keys, timelines.
+func Queue(ctx context.Context, tx Tx, name, query string, args ...any) error {
+	if q, ok := tx.(Queuer); ok {
+		return q.QueueExec(name, query, args...)
+	}
+	if _, err := tx.ExecContext(ctx, query, args...); err != nil {
+		return fmt.Errorf("%s: %w", name, err)
+	}
+	return nil
+}
+
+// Savepoint runs fn inside a savepoint of tx: if fn returns an error (or
+// panics), everything it did through tx, queued statements included, is
+// rolled back, tx stays usable and the error is returned. It is the way to
+// roll back part of a step: a handler must not run SAVEPOINT or ROLLBACK
+// itself, or end its transaction.
+func Savepoint(ctx context.Context, tx Tx, fn func(tx Tx) error) (err error) {
+	name := "pgsaga_sp_" + strconv.FormatUint(savepointSeq.Add(1), 10)
+	if _, err := tx.ExecContext(ctx, "SAVEPOINT "+name); err != nil {
+		return fmt.Errorf("transport: opening savepoint: %w", err)
+	}
+	var mark int
+	a, isAttempt := tx.(*attemptTx)
+	if isAttempt {
+		mark = a.queued()
+	}
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("%w: %v", ErrHandlerPanicked, p)
+		}
+		if err == nil {
+			if _, rerr := tx.ExecContext(ctx, "RELEASE SAVEPOINT "+name); rerr != nil {
+				err = fmt.Errorf("transport: releasing savepoint: %w", rerr)
+			}
+			return
+		}
+		if isAttempt {
+			a.dropQueued(mark)
+		}
+		if _, rerr := tx.ExecContext(ctx, "ROLLBACK TO SAVEPOINT "+name+"; RELEASE SAVEPOINT "+name); rerr != nil {
+			err = errors.Join(err, fmt.Errorf("transport: rolling back to savepoint: %w", rerr))
+		}
+	}()
+	return fn(tx)
+}
+
+var savepointSeq atomic.Uint64
+
+// stmt is a statement the transport sends in a pipeline.
+type stmt struct {
+	name  string
+	query string
+	args  []any
+}
+
+// StatementError names the statement of a pipeline that failed.
+type StatementError struct {
+	Name string
+	Err  error
+}
+
+func (e *StatementError) Error() string { return e.Name + ": " + e.Err.Error() }
+func (e *StatementError) Unwrap() error { return e.Err }
+
+// errNotInTransaction: the connection's transaction has ended, so a
+// statement sent now would run, and commit, on its own.
+var errNotInTransaction = errors.New("transport: the delivery transaction has ended")
+
+// send runs stmts in one round trip (a pgx pipeline, extended protocol) in
+// the transaction open on c, and names the statement that failed. It holds
+// the connection like a database/sql statement does, and refuses to send
+// anything once the transaction has ended (a handler's COMMIT or ROLLBACK,
+// a rollback at the transaction's deadline): outside a transaction every
+// statement would commit on its own.
+func (c *conn) send(ctx context.Context, stmts ...stmt) error {
+	if len(stmts) == 0 {
+		return nil
+	}
+	return c.sql.Raw(func(any) error {
+		if c.pg.PgConn().TxStatus() == 'I' {
+			return errNotInTransaction
+		}
+		b := &pgx.Batch{}
+		for _, s := range stmts {
+			b.Queue(s.query, s.args...)
+		}
+		br := c.pg.SendBatch(context.WithoutCancel(ctx), b)
+		for _, s := range stmts {
+			if _, err := br.Exec(); err != nil {
+				_ = br.Close()
+				return &StatementError{Name: s.name, Err: err}
+			}
+		}
+		return br.Close()
+	})
+}
+
+// exec runs query, statements without parameters, in one round trip (the
+// simple protocol) in the transaction open on c, refusing once it has
+// ended, like send. It is for the transport's own savepoint commands, which
+// must run in a failed transaction too, where the extended protocol cannot
+// prepare them.
+func (c *conn) exec(ctx context.Context, name, query string) error {
+	return c.sql.Raw(func(any) error {
+		if c.pg.PgConn().TxStatus() == 'I' {
+			return errNotInTransaction
+		}
+		if _, err := c.pg.Exec(context.WithoutCancel(ctx), query); err != nil {
+			return &StatementError{Name: name, Err: err}
+		}
+		return nil
+	})
+}
+
+// txState is what the client knows of a connection's transaction.
+type txState int
+
+const (
+	txOpen txState = iota // in a transaction (possibly failed)
+	txIdle                // the transaction has ended; the connection works
+	txGone                // the connection is closed
+)
+
+// state reports the state of c's transaction, as of the last message from
+// the server.
+func (c *conn) state() txState {
+	st := txGone
+	_ = c.sql.Raw(func(any) error {
+		switch pc := c.pg.PgConn(); {
+		case pc.IsClosed():
+		case pc.TxStatus() == 'I':
+			st = txIdle
+		default:
+			st = txOpen
+		}
+		return nil
+	})
+	return st
+}
+
+// cancelRunning asks the server to cancel the statement running on c.
+func (c *conn) cancelRunning() {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	_ = c.pg.PgConn().CancelRequest(ctx)
+}
+
+// attemptTx is the Tx a handler sees during one attempt: the delivery
+// transaction's statements, not cancelled by the message context (bounds
+// come from statement_timeout), refused once the attempt is over or the
+// handler has ended the transaction, and a queue of the transport's writes.
+type attemptTx struct {
+	c       *conn
+	tx      *sql.Tx
+	expired func() bool // the transaction's deadline has passed
+
+	// rowsCtx is cancelled when the attempt ends: database/sql then closes
+	// the replayed rows a handler never scanned (see QueryRowContext).
+	rowsCtx    context.Context
+	cancelRows context.CancelFunc
+
+	mu       sync.Mutex // held by each statement and by revoke
+	over     bool
+	ended    bool  // the handler ended the transaction
+	sendErr  error // queued statements could not be sent: the attempt cannot be kept
+	queue    []stmt
+	rows     []*sql.Rows
+	inFlight atomic.Bool // a handler statement is running
+
+	cut     chan struct{} // closed to cut the attempt off
+	cutOnce sync.Once
+}
+
+var (
+	_ Tx     = (*attemptTx)(nil)
+	_ Queuer = (*attemptTx)(nil)
+)
+
+func newAttemptTx(d *deliveryTx) *attemptTx {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &attemptTx{c: d.c, tx: d.tx, expired: d.expired, rowsCtx: ctx, cancelRows: cancel, cut: make(chan struct{})}
+}
+
+// usable returns why no statement may run now, or nil. The caller holds mu.
+func (a *attemptTx) usable() error {
+	switch {
+	case a.over:
+		return ErrAttemptOver
+	case a.sendErr != nil:
+		return a.sendErr
+	case a.ended:
+		return ErrTransactionEnded
+	}
+	return a.check()
+}
+
+// errTransactionGone: the delivery transaction ended, and not by a
+// statement of the handler (the connection was lost, or the transaction
+// was rolled back at its deadline).
+var errTransactionGone = errors.New("transport: the delivery transaction is gone")
+
+// check returns nil if the transaction is open. If it has ended on a
+// working connection before its deadline, a statement of the handler ended
+// it (nothing else does): the attempt is marked ended, ErrTransactionEnded.
+// Otherwise (the connection is lost, or the transaction was rolled back at
+// its deadline) errTransactionGone. The caller holds mu.
+func (a *attemptTx) check() error {
+	switch a.c.state() {
+	case txOpen:
+		return nil
+	case txIdle:
+		if !a.expired() {
+			a.ended = true
+			return ErrTransactionEnded
+		}
+	}
+	return errTransactionGone
+}
+
+// before gets a handler statement going: the attempt must be usable, and
+// what is queued goes first, so the statement sees it and a rollback to a
+// savepoint the handler set takes it back. The caller holds mu.
+func (a *attemptTx) before(ctx context.Context) error {
+	if err := a.usable(); err != nil {
+		return err
+	}
+	if len(a.queue) == 0 {
+		return nil
+	}
+	stmts := a.queue
+	a.queue = nil
+	if err := a.c.send(ctx, stmts...); err != nil {
+		a.sendErr = fmt.Errorf("transport: sending queued statements: %w", err)
+		return a.sendErr
+	}
+	return nil
+}
+
+// after notes whether the handler's statement ended the transaction (see
+// check).
+func (a *attemptTx) after() {
+	a.inFlight.Store(false)
+	_ = a.check()
+}
+
+func (a *attemptTx) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if err := a.before(ctx); err != nil {
+		return nil, err
+	}
+	a.inFlight.Store(true)
+	defer a.after()
+	return a.tx.ExecContext(context.WithoutCancel(ctx), query, args...)
+}
+
+func (a *attemptTx) QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if err := a.before(ctx); err != nil {
+		return nil, err
+	}
+	a.inFlight.Store(true)
+	defer a.inFlight.Store(false)
+	rows, err := a.tx.QueryContext(context.WithoutCancel(ctx), query, args...)
+	if err == nil {
+		a.rows = append(a.rows, rows)
+	}
+	return rows, err
+}
+
+// QueryRowContext reads the row at once and returns a replay of it (see
+// replayRow): a row the handler never scans cannot keep the connection
+// busy. If the attempt cannot run statements, Scan returns the reason.
+func (a *attemptTx) QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if err := a.before(ctx); err != nil {
+		return replayRow(context.Background(), replayed{err: err})
+	}
+	a.inFlight.Store(true)
+	defer a.after()
+	r := readRow(a.tx.QueryContext(context.WithoutCancel(ctx), query, args...))
+	if r.err != nil {
+		return replayRow(context.Background(), r)
+	}
+	return replayRow(a.rowsCtx, r)
+}
+
+// QueueExec queues a statement; see Queuer.
+func (a *attemptTx) QueueExec(name, query string, args ...any) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.over {
+		return ErrAttemptOver
+	}
+	a.queue = append(a.queue, stmt{name: name, query: query, args: cloneArgs(args)})
+	return nil
+}
+
+// cloneArgs copies byte slices (json.RawMessage and other named ones
+// included) and slices of them: a queued statement is sent after the
+// caller returns, and may reuse the memory by then.
+func cloneArgs(args []any) []any {
+	out := make([]any, len(args))
+	for i, v := range args {
+		out[i] = cloneBytes(v)
+	}
+	return out
+}
+
+func cloneBytes(v any) any {
+	rv := reflect.ValueOf(v)
+	if rv.Kind() != reflect.Slice || rv.IsNil() {
+		return v
+	}
+	switch el := rv.Type().Elem(); {
+	case el.Kind() == reflect.Uint8:
+		cp := reflect.MakeSlice(rv.Type(), rv.Len(), rv.Len())
+		reflect.Copy(cp, rv)
+		return cp.Interface()
+	case el.Kind() == reflect.Slice && el.Elem().Kind() == reflect.Uint8:
+		cp := reflect.MakeSlice(rv.Type(), rv.Len(), rv.Len())
+		for j := range rv.Len() {
+			if inner := rv.Index(j); !inner.IsNil() {
+				c := reflect.MakeSlice(inner.Type(), inner.Len(), inner.Len())
+				reflect.Copy(c, inner)
+				cp.Index(j).Set(c)
+			}
+		}
+		return cp.Interface()
+	}
+	return v
+}
+
+func (a *attemptTx) queued() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.queue)
+}
+
+func (a *attemptTx) dropQueued(mark int) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if mark < len(a.queue) {
+		a.queue = a.queue[:mark]
+	}
+}
+
+// revoke ends the handler's use of the attempt: it waits for a running
+// statement, closes result sets left open (they keep the connection busy),
+// notes whether a query the handler ran ended the transaction (the status
+// is known once its result is closed) and refuses any later statement.
+func (a *attemptTx) revoke() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.over = true
+	for _, r := range a.rows {
+		_ = r.Close()
+	}
+	a.rows = nil
+	a.cancelRows()
+	if !a.ended && a.sendErr == nil {
+		_ = a.check()
+	}
+}
+
+// cutOff stops the attempt now: the statement it runs, if any, is
+// cancelled, and the handler can run no more.
+func (a *attemptTx) cutOff() {
+	if a.inFlight.Load() {
+		a.c.cancelRunning()
+	}
+	a.revoke()
+}
+
+// requestCut asks the goroutine running the attempt to cut it off.
+func (a *attemptTx) requestCut() { a.cutOnce.Do(func() { close(a.cut) }) }
+
+// deliveryTx is the transaction attempts run in: a consumer's batch, or a
+// transaction of the transport's own. While it is open its commit is
+// refused (the commit guard) until the transport allows it, knowing that no
+// attempt is open.
+type deliveryTx struct {
+	c  *conn
+	tx *sql.Tx
+	// spOpen: an empty attempt savepoint is open, made ready by the
+	// previous step's pipeline.
+	spOpen bool
+	// more reports whether another attempt may follow in the transaction:
+	// its savepoint is then opened ahead, in the pipeline that ends the
+	// attempt before it.
+	more func() bool
+	// own: the transport commits the transaction itself after the attempt,
+	// so the pipeline that keeps the attempt also allows the commit.
+	own bool
+	// expired reports whether the transaction's deadline has passed.
+	expired func() bool
+}
+
+// open starts the attempt: a savepoint (already open, if the previous step
+// opened it ahead).
+func (a *attemptTx) open(ctx context.Context, d *deliveryTx) error {
+	if d.spOpen {
+		d.spOpen = false
+		return nil
+	}
+	return a.c.send(ctx, stmt{"opening the attempt", openAttemptSQL, nil})
+}
+
+// keep sends the queued statements, keeps the attempt's work, deletes the
+// message from its queue (id; none for 0) and opens the next attempt's
+// savepoint if one may follow, in one round trip. It runs after revoke. The
+// deletion runs in the transaction, not in the attempt's savepoint: the row
+// was locked by the transaction's claim, and changing it from a
+// subtransaction would make every claimed row a MultiXact.
+func (a *attemptTx) keep(ctx context.Context, d *deliveryTx, id int64) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	switch {
+	case a.sendErr != nil:
+		return a.sendErr
+	case a.ended:
+		return ErrTransactionEnded
+	}
+	if err := a.check(); err != nil {
+		return err
+	}
+	stmts := append(a.queue, stmt{"keeping the attempt", releaseAttemptSQL, nil})
+	a.queue = nil
+	if id != 0 {
+		stmts = append(stmts, stmt{"removing the message from its queue", ackSQL, []any{id}})
+	}
+	stmts, ahead := d.ending(stmts)
+	err := a.c.send(ctx, stmts...)
+	if pgerr.Is(err, "3B001") { // invalid_savepoint_specification: the handler released or rolled back past it
+		return fmt.Errorf("%w: %w", ErrTransactionEnded, err)
+	}
+	d.spOpen = err == nil && ahead
+	return err
+}
+
+// ending appends what ends a step of d to stmts: the next attempt's
+// savepoint if one may follow (ahead), or the commit's permission in a
+// transaction of the transport's own.
+func (d *deliveryTx) ending(stmts []stmt) (_ []stmt, ahead bool) {
+	switch {
+	case d.own:
+		return append(stmts, stmt{"allowing commit", allowCommitSQL, nil}), false
+	case d.more():
+		return append(stmts, stmt{"opening the next attempt", openAttemptSQL, nil}), true
+	}
+	return stmts, false
+}
+
+// record sends the statements that record an attempt's outcome outside it
+// (a retry's time, a dead letter), with the next attempt's savepoint. A
+// savepoint opened ahead is released first: what is recorded belongs to
+// the transaction, not to a subtransaction.
+func (d *deliveryTx) record(ctx context.Context, stmts ...stmt) error {
+	if d.spOpen {
+		stmts = append([]stmt{{"closing the unused attempt", releaseAttemptSQL, nil}}, stmts...)
+		d.spOpen = false
+	}
+	stmts, ahead := d.ending(stmts)
+	err := d.c.send(ctx, stmts...)
+	d.spOpen = err == nil && ahead
+	return err
+}
+
+// rollback takes back everything the attempt did; the transaction stays
+// usable. A cancel request for a statement of the attempt can land on the
+// rollback instead; it is then sent again.
+func (a *attemptTx) rollback(ctx context.Context) error {
+	err := a.c.exec(ctx, "rolling back the attempt", rollbackAttemptSQL)
+	if pgerr.Is(err, "57014") { // query_canceled
+		err = a.c.exec(ctx, "rolling back the attempt", rollbackAttemptSQL)
+	}
+	return err
+}
+
+// run runs h on msg as attempt n, until deadline at most, and ends the
+// handler's use of the transaction. An attempt that runs out of time or is
+// cut off returns ErrAttemptTimeout; its handler goroutine may go on, but
+// nothing it does reaches the database. The handler's context keeps the
+// values of msg's, not its cancellation: a middleware acking the message
+// early (which cancels its context) does not end the attempt.
+func (a *attemptTx) run(msg *message.Message, n int, deadline time.Time, h HandlerFunc) error {
+	ctx, cancel := context.WithDeadline(context.WithoutCancel(msg.Context()), deadline)
+	defer cancel()
+	hm := handlerCopy(msg)
+	hm.SetContext(context.WithValue(ContextWithTx(ctx, a), attemptKey{}, n))
+	done := make(chan error, 1)
+	go func() { done <- call(h, hm) }()
+	select {
+	case err := <-done:
+		a.revoke()
+		return err
+	case <-ctx.Done():
+	case <-a.cut:
+	}
+	a.cutOff()
+	return ErrAttemptTimeout
+}
+
+// outcome of one attempt.
+type outcome int
+
+const (
+	kept    outcome = iota // the attempt's work is in the transaction
+	failed                 // rolled back; the transaction is usable
+	broken                 // the transaction can no longer commit
+	refused                // not started: the router is closing
+)
+
+// handle runs h on msg as attempt n in d (see attempt), and, if h asks for
+// it with Instead, its replacement in a fresh attempt, within the same
+// deadline: Config.AttemptTimeout from now. handler names h for
+// Config.Intercept, which wraps the replacement too.
+func (t *Transport) handle(d *deliveryTx, g *gate, msg *message.Message, id int64, n int, handler string, h HandlerFunc) (outcome, error) {
+	deadline := time.Now().Add(t.cfg.AttemptTimeout)
+	out, err := t.attempt(d, g, msg, id, n, deadline, h)
+	var instead *InsteadError
+	if out != failed || !errors.As(err, &instead) {
+		return out, err
+	}
+	ih := instead.Handler
+	if t.cfg.Intercept != nil {
+		ih = t.cfg.Intercept(handler, ih)
+	}
+	return t.attempt(d, g, msg, id, n, deadline, ih)
+}
+
+// attempt runs h once, in a savepoint of d, and keeps its work, removing
+// the message (queue id; 0 for none) from its queue with it, or rolls it
+// back.
+func (t *Transport) attempt(d *deliveryTx, g *gate, msg *message.Message, id int64, n int, deadline time.Time, h HandlerFunc) (outcome, error) {
+	a := newAttemptTx(d)
+	if g != nil {
+		if !g.track(a) {
+			return refused, ErrClosing
+		}
+		defer g.untrack(a)
+	}
+	ctx := context.Background()
+	if err := a.open(ctx, d); err != nil {
+		return broken, fmt.Errorf("transport: opening an attempt: %w", err)
+	}
+	herr := a.run(msg, n, deadline, h)
+	if herr == nil {
+		if herr = a.keep(ctx, d, id); herr == nil {
+			return kept, nil
+		}
+	}
+	d.spOpen = false
+	if rerr := a.rollback(ctx); rerr != nil {
+		if a.ended {
+			herr = fmt.Errorf("%w (%w)", ErrTransactionEnded, herr)
+		}
+		return broken, errors.Join(herr, fmt.Errorf("transport: rolling back the attempt: %w", rerr))
+	}
+	if a.ended {
+		// The savepoint survived, so the transaction did too; yet the
+		// handler tried to end it.
+		herr = fmt.Errorf("%w (%w)", ErrTransactionEnded, herr)
+	}
+	return failed, herr
+}
+
+// result is a sql.Result for a queued statement: nothing is known of it
+// until it is sent.
+type result struct{}
+
+func (result) LastInsertId() (int64, error) { return 0, errors.New("transport: not supported") }
+func (result) RowsAffected() (int64, error) {
+	return 0, errors.New("transport: a queued statement's result is not known until it is sent")
+}
+
+var _ driver.Result = result{}

@@ -1,0 +1,279 @@
+package transport
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+	"io"
+	"log/slog"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+)
+
+// Guards of the consumer that no well-behaved handler reaches; each test
+// fails if its guard is removed.
+
+func internalConsumer(t *testing.T, mutate func(*Config)) (*consumer, *testdb.DB) {
+	t.Helper()
+	db := testdb.Shared(t)
+	cfg := Config{DB: db.SQL, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	tr, err := New(cfg)
+	require.NoError(t, err)
+	topic := "internal_" + time.Now().Format("150405.000000000")
+	require.NoError(t, tr.Subscribe(context.Background(), Subscription{Topic: topic, ConsumerGroup: "g"}))
+	return newConsumer(tr, route{name: "h", topic: topic, group: "g", retry: tr.cfg.Retry}, newGate()), db
+}
+
+// queued publishes one message to c's topic and returns its queue row.
+func queued(t *testing.T, c *consumer) int64 {
+	t.Helper()
+	msg := message.NewMessage("m-"+time.Now().Format("150405.000000000"), nil)
+	require.NoError(t, c.t.Publisher(c.t.db).Publish(c.rt.topic, msg))
+	var id int64
+	require.NoError(t, c.t.db.QueryRow(`SELECT id FROM pgsaga_queue WHERE uuid = $1`, msg.UUID).Scan(&id))
+	return id
+}
+
+func newTestBatch() *batch {
+	b := &batch{}
+	b.settled = sync.NewCond(&b.mu)
+	return b
+}
+
+// A broken batch is never allowed to commit, even if its connection could:
+// what its broken attempt did is in the transaction.
+func TestCommitQueryRefusesABrokenBatch(t *testing.T) {
+	c := &consumer{}
+	c.cur = newTestBatch()
+	assert.Equal(t, commitSQL, c.commitQuery())
+	c.cur = newTestBatch()
+	c.cur.broken = errors.New("an attempt could not be rolled back")
+	assert.Equal(t, refuseCommitSQL, c.commitQuery())
+	c.cur = nil
+	assert.Equal(t, refuseCommitSQL, c.commitQuery(), "no batch: nothing to allow")
+}
+
+// The commit waits for the deliveries under way, and none starts after it.
+func TestCommitQueryWaitsForDeliveriesUnderWay(t *testing.T) {
+	c := &consumer{}
+	b := newTestBatch()
+	c.cur = b
+	require.True(t, b.admit(false))
+	var settled atomic.Bool
+	type answer struct {
+		query   string
+		settled bool
+	}
+	got := make(chan answer, 1)
+	go func() {
+		q := c.commitQuery()
+		got <- answer{q, settled.Load()}
+	}()
+	// Once commitQuery has begun, it waits for settle.
+	for {
+		b.mu.Lock()
+		committing := b.committing
+		b.mu.Unlock()
+		if committing {
+			break
+		}
+		runtime.Gosched()
+	}
+	settled.Store(true)
+	b.settle()
+	a := <-got
+	assert.True(t, a.settled, "commitQuery returned with a delivery under way")
+	assert.Equal(t, commitSQL, a.query)
+	assert.False(t, b.admit(false), "no delivery starts once the commit is under way")
+}
+
+// The failure of an attempt that broke its batch is recorded once: a
+// second record of the same attempt (another consumer recorded it
+// meanwhile) changes nothing.
+func TestRecordAfterCountsAnAttemptOnce(t *testing.T) {
+	c, db := internalConsumer(t, nil)
+	id := queued(t, c)
+	f := failure{d: delivery{id: id}, n: 1, cause: errors.New("broke")}
+	c.recordAfter(f)
+	var attempts int
+	var avail time.Time
+	require.NoError(t, db.SQL.QueryRow(`SELECT attempts, available_at FROM pgsaga_queue WHERE id = $1`, id).Scan(&attempts, &avail))
+	assert.Equal(t, 1, attempts)
+	_, err := db.SQL.Exec(`UPDATE pgsaga_queue SET available_at = 'epoch' WHERE id = $1`, id)
+	require.NoError(t, err)
+	c.recordAfter(f)
+	require.NoError(t, db.SQL.QueryRow(`SELECT attempts, available_at FROM pgsaga_queue WHERE id = $1`, id).Scan(&attempts, &avail))
+	assert.Equal(t, 1, attempts)
+	assert.True(t, avail.Equal(time.Unix(0, 0)), "the second record left the row alone")
+}
+
+// Recording a failure after the batch waits for the message's row: the
+// batch's own backend, on its way out after losing its connection, may
+// still hold it. It records once the row is free.
+func TestRecordAfterWaitsForTheRow(t *testing.T) {
+	c, db := internalConsumer(t, func(cfg *Config) { cfg.LockTimeout = time.Minute })
+	id := queued(t, c)
+	holder := holdRow(t, db, id)
+	done := recordInBackground(c, failure{d: delivery{id: id}, n: 1, cause: errors.New("broke")})
+	waitForLockWait(t, db)
+	require.NoError(t, holder.Rollback())
+	<-done
+	assert.Equal(t, 1, attemptsOf(t, db, id))
+}
+
+// ... but not longer than Config.LockTimeout: a consumer holding the
+// message for longer decides what becomes of it.
+func TestRecordAfterGivesUpAfterLockTimeout(t *testing.T) {
+	c, db := internalConsumer(t, func(cfg *Config) { cfg.LockTimeout = 50 * time.Millisecond; cfg.StatementTimeout = time.Minute })
+	id := queued(t, c)
+	holder := holdRow(t, db, id)
+	done := recordInBackground(c, failure{d: delivery{id: id}, n: 5, cause: errors.New("broke")}) // final: dead letter
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("recordAfter waited past its lock timeout")
+	}
+	require.NoError(t, holder.Rollback())
+	assert.Zero(t, attemptsOf(t, db, id))
+}
+
+// holdRow locks queue row id in a transaction it returns.
+func holdRow(t *testing.T, db *testdb.DB, id int64) *sql.Tx {
+	t.Helper()
+	holder, err := db.SQL.Begin()
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = holder.Rollback() })
+	_, err = holder.Exec(`SELECT 1 FROM pgsaga_queue WHERE id = $1 FOR UPDATE`, id)
+	require.NoError(t, err)
+	return holder
+}
+
+// recordInBackground runs c.recordAfter(f); the channel closes when it
+// returns.
+func recordInBackground(c *consumer, f failure) <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		c.recordAfter(f)
+	}()
+	return done
+}
+
+func attemptsOf(t *testing.T, db *testdb.DB, id int64) int {
+	t.Helper()
+	var n int
+	require.NoError(t, db.SQL.QueryRow(`SELECT attempts FROM pgsaga_queue WHERE id = $1`, id).Scan(&n))
+	return n
+}
+
+// waitForLockWait waits until a session of db waits for a lock.
+func waitForLockWait(t *testing.T, db *testdb.DB) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var n int
+		require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&n))
+		if n > 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no session waits for a lock")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// A message is admitted only into the batch that claimed it: one that
+// reaches the gate after its batch ended, while another is open, is left
+// queued.
+func TestAdmitOnlyIntoTheClaimingBatch(t *testing.T) {
+	c := &consumer{log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	c.cur = newTestBatch()
+	c.cur.d.tx = new(sql.Tx)
+	msg := message.NewMessage("m", nil)
+	msg.Metadata.Set(metaDelivery, "1/0")
+	tk, run := c.admit(new(sql.Tx), msg, false)
+	assert.Nil(t, tk)
+	assert.False(t, run)
+	tk, run = c.admit(c.cur.d.tx, msg, false)
+	require.NotNil(t, tk)
+	assert.True(t, run)
+}
+
+// A stopped listener on its way out cannot mark its successor as
+// listening, nor as down: consumers would trust notifications nobody
+// receives, or poll for nothing.
+func TestOnlyTheLatestListenerSetsUp(t *testing.T) {
+	h := &wakeHub{}
+	old := h.newListener()
+	h.setUp(old, true)
+	require.True(t, h.up.Load())
+	cur := h.newListener()
+	assert.False(t, h.up.Load(), "a new listener is not up until it listens")
+	h.setUp(old, true)
+	assert.False(t, h.up.Load(), "the old listener's late OnListen")
+	h.setUp(cur, true)
+	h.setUp(old, false)
+	assert.True(t, h.up.Load(), "the old listener's exit")
+}
+
+// A failed poll waits in HandleError and returns no wait: watermill-sql
+// adds the error to its logger for every wait it is given, so a consumer
+// failing for hours would log ever longer lines.
+func TestFailedPollWaitsInsideTheBackoffManager(t *testing.T) {
+	p := &pollState{cfg: Config{RetryInterval: 20 * time.Millisecond, MaxRetryInterval: time.Second},
+		endBatch: func(error) bool { return false }, stopping: func() bool { return false },
+		wakeCh: make(chan struct{}, 1), closed: make(chan struct{}), next: -1}
+	start := time.Now()
+	assert.Zero(t, p.HandleError(watermill.NopLogger{}, false, errors.New("connection refused")))
+	assert.GreaterOrEqual(t, time.Since(start), 20*time.Millisecond, "it waited RetryInterval")
+}
+
+// After a batch its consumer abandoned, the consumer polls again at once:
+// the failure was its own, logged, and the messages are free.
+func TestAbandonedBatchIsPolledAgainAtOnce(t *testing.T) {
+	p := &pollState{cfg: Config{RetryInterval: time.Hour, MaxRetryInterval: time.Hour},
+		endBatch: func(error) bool { return true }, stopping: func() bool { return false },
+		wakeCh: make(chan struct{}, 1), closed: make(chan struct{}), next: -1}
+	got := make(chan time.Duration, 1)
+	go func() { got <- p.HandleError(watermill.NopLogger{}, false, sql.ErrTxDone) }()
+	select {
+	case d := <-got:
+		assert.Zero(t, d)
+	case <-time.After(30 * time.Second):
+		t.Fatal("HandleError backed off after an abandoned batch")
+	}
+}
+
+// A replayed row the handler never scans is closed when the attempt's
+// context for rows is cancelled: it does not keep a connection of the
+// replay pool for ever.
+func TestUnscannedReplayedRowIsClosedAtTheEndOfTheAttempt(t *testing.T) {
+	db := sql.OpenDB(replayConnector{})
+	defer db.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	_ = replayRowOn(db, ctx, replayed{columns: []string{"n"}, values: []driver.Value{int64(1)}})
+	require.Equal(t, 1, db.Stats().InUse)
+	cancel()
+	deadline := time.Now().Add(10 * time.Second)
+	for db.Stats().InUse != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the unscanned row still holds its connection")
+		}
+		time.Sleep(time.Millisecond)
+	}
+}

@@ -1,0 +1,122 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+
+	"github.com/pgsaga/pgsaga/internal/pgerr"
+	"github.com/pgsaga/pgsaga/internal/pgserver"
+)
+
+// Errors callers can branch on.
+var (
+	// ErrInvalidTopic is returned for a topic name outside
+	// [A-Za-z0-9-$:._]{1,MaxTopicLen}.
+	ErrInvalidTopic = errors.New("transport: invalid topic name")
+	// ErrInvalidConsumerGroup is returned for a consumer group name outside
+	// [A-Za-z0-9-$:._]{1,255}.
+	ErrInvalidConsumerGroup = errors.New("transport: invalid consumer group name (1 to 255 characters from [A-Za-z0-9-$:._])")
+	// ErrInvalidMessageID is returned for a message whose UUID is empty or
+	// longer than 255 bytes.
+	ErrInvalidMessageID = errors.New("transport: message UUID must be 1 to 255 bytes")
+	// ErrHandlerPanicked wraps the value of a handler's panic; the attempt
+	// was rolled back.
+	ErrHandlerPanicked = errors.New("transport: handler panicked")
+	// ErrAttemptTimeout: the attempt outlived Config.AttemptTimeout (or was
+	// cut off by Router.Close) and was rolled back.
+	ErrAttemptTimeout = errors.New("transport: delivery attempt timed out; everything it did was rolled back")
+	// ErrTransactionEnded: the handler ended its attempt's transaction
+	// (COMMIT, END, ROLLBACK). Nothing of the attempt is kept; the message is
+	// dead-lettered, since the handler does it every time.
+	ErrTransactionEnded = errors.New("transport: the handler ended its attempt's transaction (COMMIT, END or ROLLBACK); use Savepoint for nested rollback")
+	// ErrHandlerNotCalled: a router middleware returned without calling
+	// the handler (or called it with a message that lost its context).
+	// The delivery counts as a failed attempt.
+	ErrHandlerNotCalled = errors.New("transport: a router middleware returned without calling the handler with the delivered message")
+	// ErrAttemptOver is returned by statements issued through an attempt's
+	// Tx after the attempt ended (the handler returned, or it was cut off).
+	ErrAttemptOver = errors.New("transport: delivery attempt is over; its transaction can no longer be used")
+	// ErrNoTransaction is returned when a handler runs on a message that did
+	// not come from this transport.
+	ErrNoTransaction = errors.New("transport: message carries no delivery transaction")
+	// ErrClosing: an attempt was not started because the router is
+	// closing; its message stays queued, untouched. It wraps
+	// context.Canceled.
+	ErrClosing = fmt.Errorf("transport: router is closing: %w", context.Canceled)
+	// ErrRouterClosed is returned when adding handlers to a closed router.
+	ErrRouterClosed = errors.New("transport: router is closed")
+	// ErrDeadLettered is returned by HandleInTx for a message it
+	// dead-lettered.
+	ErrDeadLettered = errors.New("transport: message dead-lettered")
+	// ErrNotUTF8 is returned when the database's encoding is not UTF8.
+	ErrNotUTF8 = pgserver.ErrNotUTF8
+	// ErrSettingsDiffer is returned when a Transport's configuration differs
+	// from what the processes on its database share (the notification
+	// channel of wake-ups).
+	ErrSettingsDiffer = errors.New("transport: this process's settings differ from those of the processes sharing the database")
+	// ErrNotPgx is returned when Config.DB is not a pgx database/sql handle.
+	ErrNotPgx = errors.New("transport: Config.DB must be a database/sql handle over pgx (stdlib.OpenDBFromPool or stdlib.OpenDB)")
+)
+
+// PermanentError marks a failure that no retry can fix (a message that
+// cannot be decoded, a key reused for another request): the message is
+// dead-lettered at once.
+type PermanentError struct{ Err error }
+
+func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
+func (e *PermanentError) Unwrap() error { return e.Err }
+
+// Permanent marks err as permanent. Permanent(nil) is nil.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &PermanentError{Err: err}
+}
+
+// IsPermanent reports whether err, or an error it wraps, is permanent:
+// marked with Permanent, the handler ending its transaction, or PostgreSQL
+// refusing bytes it can never store (invalid in the database encoding, or a
+// JSON \u0000), which the same message would hit every time.
+func IsPermanent(err error) bool {
+	var p *PermanentError
+	return errors.As(err, &p) || errors.Is(err, ErrTransactionEnded) || pgerr.BadInput(err)
+}
+
+// InsteadError asks for the failed attempt to be rolled back and Handler to
+// run in a fresh attempt in its place; if that attempt succeeds, the message
+// is done. The step runtime uses it to record a business failure without the
+// writes of the handler that decided it.
+type InsteadError struct {
+	Handler HandlerFunc
+	Cause   error
+}
+
+func (e *InsteadError) Error() string { return "rolled back: " + e.Cause.Error() }
+func (e *InsteadError) Unwrap() error { return e.Cause }
+
+// Instead returns an InsteadError.
+func Instead(h HandlerFunc, cause error) error { return &InsteadError{Handler: h, Cause: cause} }
+
+// MaxTopicLen bounds a topic's name.
+const MaxTopicLen = 255
+
+var namePattern = regexp.MustCompile(`^[A-Za-z0-9\-$:._]+$`)
+
+// ValidateTopic reports whether topic can name a topic.
+func ValidateTopic(topic string) error {
+	if topic == "" || len(topic) > MaxTopicLen || !namePattern.MatchString(topic) {
+		return fmt.Errorf("%w: %q (1 to %d characters from [A-Za-z0-9-$:._])", ErrInvalidTopic, topic, MaxTopicLen)
+	}
+	return nil
+}
+
+// ValidateConsumerGroup reports whether group can name a consumer group.
+func ValidateConsumerGroup(group string) error {
+	if group == "" || len(group) > 255 || !namePattern.MatchString(group) {
+		return fmt.Errorf("%w: %q", ErrInvalidConsumerGroup, group)
+	}
+	return nil
+}

@@ -1,0 +1,104 @@
+package transport
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// Publisher returns a watermill-sql publisher that inserts messages through
+// tx: they exist if and only if tx commits (the outbox). Each message is
+// queued for every consumer group subscribed to its topic when the insert
+// runs; a message no group subscribes to is stored as a dead letter saying
+// so. In a delivery attempt, the insert is queued (see Queuer) and sent with
+// the attempt's other writes. It is cheap; make one per transaction.
+func (t *Transport) Publisher(tx Tx) message.Publisher {
+	return &txPublisher{t: t, tx: tx}
+}
+
+type txPublisher struct {
+	t  *Transport
+	tx Tx
+}
+
+func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if err := ValidateTopic(topic); err != nil {
+		return err
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	for _, m := range msgs {
+		if m.UUID == "" || len(m.UUID) > 255 {
+			return fmt.Errorf("%w: %q (topic %s)", ErrInvalidMessageID, m.UUID, topic)
+		}
+	}
+	var exec wsql.ContextExecutor = executor{p.tx}
+	if a, ok := p.tx.(*attemptTx); ok {
+		exec = queueExecutor{a: a, name: "publishing to " + topic}
+	}
+	pub, err := wsql.NewPublisher(exec, wsql.PublisherConfig{SchemaAdapter: p.t.schema}, p.t.wlog)
+	if err != nil {
+		return fmt.Errorf("transport: publishing to %s: %w", topic, err)
+	}
+	if err := pub.Publish(topic, msgs...); err != nil {
+		return fmt.Errorf("transport: publishing to %s: %w", topic, migrationHint(err))
+	}
+	return nil
+}
+
+func (p *txPublisher) Close() error { return nil }
+
+// executor adapts a Tx to the wider interface watermill-sql's publisher
+// takes.
+type executor struct{ Tx }
+
+func (e executor) Exec(query string, args ...any) (sql.Result, error) {
+	return e.ExecContext(context.Background(), query, args...)
+}
+
+func (e executor) Query(query string, args ...any) (*sql.Rows, error) {
+	return e.QueryContext(context.Background(), query, args...)
+}
+
+func (e executor) QueryRow(query string, args ...any) *sql.Row {
+	return e.QueryRowContext(context.Background(), query, args...)
+}
+
+// queueExecutor is the publisher's executor inside a delivery attempt: its
+// inserts are queued on the attempt (see Queuer).
+type queueExecutor struct {
+	a    *attemptTx
+	name string
+}
+
+var errQueueOnly = errors.New("transport: a publisher's executor in a delivery attempt only queues inserts")
+
+func (q queueExecutor) ExecContext(_ context.Context, query string, args ...any) (sql.Result, error) {
+	if err := q.a.QueueExec(q.name, query, args...); err != nil {
+		return nil, err
+	}
+	return result{}, nil
+}
+
+func (q queueExecutor) Exec(query string, args ...any) (sql.Result, error) {
+	return q.ExecContext(context.Background(), query, args...)
+}
+
+func (queueExecutor) QueryContext(context.Context, string, ...any) (*sql.Rows, error) {
+	return nil, errQueueOnly
+}
+
+func (queueExecutor) Query(string, ...any) (*sql.Rows, error) { return nil, errQueueOnly }
+
+func (q queueExecutor) QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row {
+	return q.a.QueryRowContext(ctx, query, args...)
+}
+
+func (q queueExecutor) QueryRow(query string, args ...any) *sql.Row {
+	return q.a.QueryRowContext(context.Background(), query, args...)
+}
