@@ -177,6 +177,10 @@ func (a *App) Setup(ctx context.Context) error {
 type Worker struct {
 	app    *App
 	router *transport.Router
+
+	mu      sync.Mutex
+	started bool          // Start succeeded
+	stopped chan struct{} // closed once it stopped, sweeper included
 }
 
 // NewWorker builds a worker.
@@ -196,7 +200,7 @@ func (a *App) NewWorker() (*Worker, error) {
 	if err := a.Engine.AddHandlers(r); err != nil {
 		return nil, err
 	}
-	return &Worker{app: a, router: r}, nil
+	return &Worker{app: a, router: r, stopped: make(chan struct{})}, nil
 }
 
 // Run runs the worker until ctx is cancelled, then drains it; it returns
@@ -211,8 +215,52 @@ func (w *Worker) Run(ctx context.Context) error {
 	return err
 }
 
-// Running is closed once the worker's router runs.
+// Running is closed once the worker's router runs; never if Run fails
+// first (Start waits for both).
 func (w *Worker) Running() chan struct{} { return w.router.Running() }
 
 // Close drains and stops the worker.
 func (w *Worker) Close() error { return w.router.Close() }
+
+// Start runs the worker in the background and returns once it runs, or with
+// the reason it could not start. ctx bounds the start only: the worker runs
+// until Stop or until it fails (see Stopped).
+func (w *Worker) Start(ctx context.Context) error {
+	if err := w.router.Start(ctx); err != nil {
+		return fmt.Errorf("orderpayment: starting worker: %w", err)
+	}
+	w.mu.Lock()
+	w.started = true
+	w.mu.Unlock()
+	sweepCtx, stopSweeper := context.WithCancel(context.WithoutCancel(ctx))
+	var wg sync.WaitGroup
+	wg.Go(func() { _ = w.app.Engine.RunSweeper(sweepCtx) })
+	go func() {
+		<-w.router.Stopped()
+		stopSweeper()
+		wg.Wait()
+		close(w.stopped)
+	}()
+	return nil
+}
+
+// Stopped is closed once a worker begun with Start has stopped, by Stop or
+// because it failed; Err then says why.
+func (w *Worker) Stopped() <-chan struct{} { return w.stopped }
+
+// Err is what the worker's run ended with, once Stopped is closed: nil
+// after a clean Stop.
+func (w *Worker) Err() error { return w.router.Err() }
+
+// Stop drains and stops a worker begun with Start and returns what its run
+// ended with.
+func (w *Worker) Stop() error {
+	err := w.router.Stop()
+	w.mu.Lock()
+	started := w.started
+	w.mu.Unlock()
+	if started {
+		<-w.stopped
+	}
+	return err
+}

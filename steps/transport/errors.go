@@ -45,7 +45,8 @@ var (
 	// closing; its message stays queued, untouched. It wraps
 	// context.Canceled.
 	ErrClosing = fmt.Errorf("transport: router is closing: %w", context.Canceled)
-	// ErrRouterClosed is returned when adding handlers to a closed router.
+	// ErrRouterClosed is returned when adding handlers to, or starting, a
+	// router that is closed or already runs.
 	ErrRouterClosed = errors.New("transport: router is closed")
 	// ErrDeadLettered is returned by HandleInTx for a message it
 	// dead-lettered.

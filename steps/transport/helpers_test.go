@@ -173,37 +173,21 @@ func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool)
 	}
 }
 
-// startRouter runs r in the background and returns a function that closes
-// it and waits for Run to return.
+// startRouter starts r and returns a function that stops it; the test
+// stops it at cleanup if it has not.
 func startRouter(t testing.TB, r *transport.Router) (stop func()) {
 	t.Helper()
-	done := make(chan error, 1)
-	go func() { done <- r.Run(context.Background()) }()
-	select {
-	case <-r.Running():
-	case err := <-done:
-		t.Fatalf("router stopped at start: %v", err)
-	case <-time.After(10 * time.Second):
-		t.Fatalf("router did not start")
-	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, r.Start(ctx), "router did not start")
 	var once sync.Once
 	stop = func() {
-		once.Do(func() {
-			require.NoError(t, r.Close())
-			select {
-			case err := <-done:
-				require.NoError(t, err)
-			case <-time.After(30 * time.Second):
-				t.Fatalf("router did not stop")
-			}
-		})
+		once.Do(func() { require.NoError(t, r.Stop()) })
 	}
 	t.Cleanup(stop)
 	return stop
 }
 
-// route runs h, behind the middleware mw, as the handler "h" of the env's
-// input topic (group "g"), until the test ends.
 func (e *env) route(t *testing.T, h transport.HandlerFunc, mw ...message.HandlerMiddleware) {
 	t.Helper()
 	r, err := e.tr.NewRouter()

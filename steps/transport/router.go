@@ -40,6 +40,10 @@ type Router struct {
 
 	closeOnce sync.Once
 	closeErr  error
+
+	background bool          // Start began a Run (under mu)
+	stopped    chan struct{} // closed when the Run that Start began returned
+	runErr     error         // what it returned; read after stopped
 }
 
 // NewRouter returns a router for this transport.
@@ -48,7 +52,7 @@ func (t *Transport) NewRouter() (*Router, error) {
 	if err != nil {
 		return nil, fmt.Errorf("transport: creating router: %w", err)
 	}
-	r := &Router{t: t, router: wr, log: t.log, gate: newGate(), handlers: map[string]bool{}}
+	r := &Router{t: t, router: wr, log: t.log, gate: newGate(), handlers: map[string]bool{}, stopped: make(chan struct{})}
 	// Outermost: once draining starts, no new message reaches the handlers.
 	wr.AddMiddleware(r.gate.middleware(t.log))
 	return r, nil
@@ -175,8 +179,74 @@ func (r *Router) Run(ctx context.Context) error {
 	return r.router.Run(context.WithoutCancel(ctx))
 }
 
-// Running is closed once the router runs.
+// Running is closed once the router runs. It is never closed if Run fails
+// before that: Start waits for both.
 func (r *Router) Running() chan struct{} { return r.router.Running() }
+
+// Start runs the router in the background and returns once it runs, or
+// with the reason it could not start (the database was refused, a
+// subscription failed, ctx ended first). ctx bounds the start only: the
+// router runs until Stop, or until it fails (see Stopped). A router starts
+// once.
+func (r *Router) Start(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("transport: starting router: %w", context.Cause(ctx))
+	}
+	r.mu.Lock()
+	if r.background || r.started || r.closed {
+		r.mu.Unlock()
+		return ErrRouterClosed
+	}
+	r.background = true
+	r.mu.Unlock()
+	go func() {
+		defer close(r.stopped)
+		r.runErr = r.Run(context.WithoutCancel(ctx))
+	}()
+	select {
+	case <-r.router.Running():
+		return nil
+	case <-r.stopped:
+		if r.runErr == nil {
+			return ErrRouterClosed // closed before it ran
+		}
+		return fmt.Errorf("transport: starting router: %w", r.runErr)
+	case <-ctx.Done():
+		_ = r.Close()
+		<-r.stopped
+		return fmt.Errorf("transport: starting router: %w", context.Cause(ctx))
+	}
+}
+
+// Stopped is closed once a router begun with Start has stopped, by Stop or
+// because it failed; Err then says why. It is never closed for a router
+// that was not started with Start.
+func (r *Router) Stopped() <-chan struct{} { return r.stopped }
+
+// Err is what the router's run ended with, once Stopped is closed: nil
+// after a clean Stop.
+func (r *Router) Err() error {
+	select {
+	case <-r.stopped:
+		return r.runErr
+	default:
+		return nil
+	}
+}
+
+// Stop drains and stops a router begun with Start (see Close) and returns
+// what its run ended with.
+func (r *Router) Stop() error {
+	err := r.Close()
+	r.mu.Lock()
+	background := r.background
+	r.mu.Unlock()
+	if !background {
+		return err
+	}
+	<-r.stopped
+	return errors.Join(err, r.runErr)
+}
 
 // Close stops taking new messages and starting new attempts, waits for the
 // attempts in flight (up to Config.CloseTimeout) and cuts off the rest as

@@ -1,0 +1,75 @@
+package transport_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// A router that cannot run makes Start return the reason at once, instead
+// of leaving its caller waiting on Running, which never closes then.
+func TestStartReturnsWhyTheRouterCannotRun(t *testing.T) {
+	t.Parallel()
+	db := testdb.Custom(t, "TEMPLATE template0 ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C'")
+	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: testLogger()})
+	require.NoError(t, err)
+	r, err := tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", "t", "g", func(*message.Message) error { return nil }))
+
+	err = r.Start(context.Background())
+	require.ErrorIs(t, err, transport.ErrNotUTF8)
+	select {
+	case <-r.Stopped():
+	default:
+		t.Fatal("Stopped is not closed after a failed start")
+	}
+	require.ErrorIs(t, r.Err(), transport.ErrNotUTF8)
+	require.ErrorIs(t, r.Stop(), transport.ErrNotUTF8, "Stop reports what the run ended with")
+}
+
+// Start runs the router until Stop; a router starts once; a start that
+// outlives its context gives up and leaves nothing running.
+func TestStartAndStop(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	handled := make(chan string, 1)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		handled <- msg.UUID
+		return nil
+	}))
+	require.NoError(t, r.Start(context.Background()))
+	require.ErrorIs(t, r.Start(context.Background()), transport.ErrRouterClosed, "a router starts once")
+	ids := e.publish(1)
+	select {
+	case id := <-handled:
+		assert.Equal(t, ids[0], id)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the started router handled nothing")
+	}
+	select {
+	case <-r.Stopped():
+		t.Fatal("Stopped closed while the router runs")
+	default:
+	}
+	require.NoError(t, r.Stop())
+	<-r.Stopped()
+	require.NoError(t, r.Err())
+
+	r2, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r2.AddHandler("h", e.in, "g", func(*message.Message) error { return nil }))
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	require.ErrorIs(t, r2.Start(ctx), context.Canceled)
+	require.NoError(t, r2.Stop(), "nothing ran")
+}
