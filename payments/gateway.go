@@ -9,6 +9,8 @@ import (
 	"io"
 	"net/http"
 	"time"
+
+	"github.com/google/uuid"
 )
 
 // Errors of the gateway client.
@@ -43,10 +45,12 @@ type GatewayClient struct {
 	HTTP *http.Client
 }
 
-// Charge takes amountCents from account's card and returns the gateway's
-// charge id.
-func (c *GatewayClient) Charge(ctx context.Context, key, account string, amountCents int64) (string, error) {
-	return c.call(ctx, "/v1/charges", key, map[string]any{"account_id": account, "amount_cents": amountCents})
+// Charge takes amountCents from account's card for order and returns the
+// gateway's charge id. The order id travels as metadata (order_id), as real
+// gateways take it: reconciliation finds every charge of an order with it,
+// including one the gateway made again after forgetting the key.
+func (c *GatewayClient) Charge(ctx context.Context, key, account string, order uuid.UUID, amountCents int64) (string, error) {
+	return c.call(ctx, "/v1/charges", key, map[string]any{"account_id": account, "amount_cents": amountCents, "order_id": order.String()})
 }
 
 // Refund returns amountCents of chargeID to account's card and returns the

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/steps"
@@ -100,16 +102,32 @@ func (s *Service) reserve(ctx context.Context, req idempotency.Request, cmd Char
 			return &refusal{reason: ReasonAbandoned}
 		}
 		delta, ref, owner, found, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "charge")
-		switch {
-		case err != nil:
+		if err != nil {
 			return err
-		case found && owner == req.Key:
-			// Reserved by an earlier attempt whose call did not finish.
+		}
+		var voided bool
+		if found {
+			if _, _, _, voided, err = orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "void"); err != nil {
+				return err
+			}
+		}
+		// A finished charge is final, whoever asks and under whatever key.
+		// These cases come before "our own reservation" because a key can
+		// come back after the idempotency reaper removed it (a late
+		// redelivery), and the gateway may have forgotten it too: calling
+		// it again would charge a second time.
+		switch {
+		case found && voided:
+			// Declined and given back: declined for good.
+			return &refusal{reason: ReasonDeclined}
 		case found && ref != "":
-			// Charged already under another key: the ledger allows one charge
-			// per order; answer with it and call nobody.
+			// Captured (under this key or another): the ledger allows one
+			// charge per order; answer with it and call nobody.
 			chargeID = ref
 			return s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, acq.Lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(ref)})
+		case found && owner == req.Key:
+			// Reserved by an earlier attempt whose call did not finish: ask
+			// the gateway again with the same key.
 		case found:
 			return fmt.Errorf("%w (%s, reserved by %s, %d cents)", errBusy, cmd.OrderID, owner, -delta)
 		default:
@@ -125,7 +143,14 @@ func (s *Service) reserve(ctx context.Context, req idempotency.Request, cmd Char
 			if err != nil {
 				return err
 			}
-			if _, err := tx.ExecContext(ctx, insertPostingSQL, cmd.AccountID, recs[0].ID, -cmd.AmountCents, cmd.OrderID, "charge", nil, req.Key); err != nil {
+			_, err = tx.ExecContext(ctx, insertPostingSQL, cmd.AccountID, recs[0].ID, -cmd.AmountCents, cmd.OrderID, "charge", nil, req.Key)
+			if violates(err, oneChargeIndex) {
+				// The order is charged to another account (the lookup above
+				// is per account, as is the account's lock): a command that
+				// can never succeed, so a business failure, not a retry.
+				return &refusal{reason: ReasonChargedElsewhere}
+			}
+			if err != nil {
 				return fmt.Errorf("payments: reserving the charge of %s: %w", cmd.OrderID, err)
 			}
 		}
@@ -138,9 +163,10 @@ func (s *Service) reserve(ctx context.Context, req idempotency.Request, cmd Char
 // capture calls the gateway under lease and records its answer: captured,
 // voided on a decline, nothing on an unknown outcome.
 func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd ChargePayment) (string, error) {
-	id, err := s.cfg.Gateway.Charge(ctx, lease.Key, cmd.AccountID, cmd.AmountCents)
+	id, err := s.cfg.Gateway.Charge(ctx, lease.Key, cmd.AccountID, cmd.OrderID, cmd.AmountCents)
 	switch {
 	case err == nil:
+		var captured string // the reference the ledger held already
 		err := s.inTx(ctx, func(tx *sql.Tx) error {
 			if err := s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(id)}); err != nil {
 				return err
@@ -149,13 +175,41 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 			if err != nil {
 				return err
 			}
-			md := events.Metadata{CorrelationID: cmd.OrderID.String(), IdempotencyKey: lease.Key}
-			if _, err := s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), version, md, ChargeCaptured{OrderID: cmd.OrderID, ChargeID: id}); err != nil {
-				return err
+			res, err := tx.ExecContext(ctx, captureSQL, cmd.AccountID, cmd.OrderID, id)
+			if err != nil {
+				return fmt.Errorf("payments: capturing the charge of %s: %w", cmd.OrderID, err)
 			}
-			_, err = tx.ExecContext(ctx, captureSQL, cmd.AccountID, cmd.OrderID, id)
+			n, err := res.RowsAffected()
+			if err != nil {
+				return fmt.Errorf("payments: capturing the charge of %s: %w", cmd.OrderID, err)
+			}
+			if n == 0 {
+				if _, captured, _, _, err = orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "charge"); err != nil {
+					return err
+				}
+				switch captured {
+				case id:
+					return nil // recorded already: only the lease was left to complete
+				case "":
+					return fmt.Errorf("payments: capturing charge %s of %s: no reserved charge of the order on %s", id, cmd.OrderID, cmd.AccountID)
+				}
+				return fmt.Errorf("payments: the charge of %s was captured before as %q; the gateway's charge %s has no posting (orphaned: refund or reconcile it)",
+					cmd.OrderID, captured, id)
+			}
+			md := events.Metadata{CorrelationID: cmd.OrderID.String(), IdempotencyKey: lease.Key}
+			_, err = s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), version, md, ChargeCaptured{OrderID: cmd.OrderID, ChargeID: id})
 			return err
 		})
+		if err != nil && captured != "" && captured != id {
+			// A second charge at the gateway for a captured order: the
+			// ledger keeps its first. Free the claim, so that a retry
+			// answers from the ledger at once instead of waiting out the
+			// lease.
+			s.cfg.Logger.Error("the gateway charged an order already captured", "order", cmd.OrderID, "captured", captured, "orphaned", id, "key", lease.Key)
+			if rerr := s.cfg.Idempotency.ReleaseLease(ctx, lease); rerr != nil && !errors.Is(rerr, idempotency.ErrLeaseLost) {
+				s.cfg.Logger.Warn("releasing the lease of a charge not recorded", "key", lease.Key, "err", rerr)
+			}
+		}
 		if err != nil {
 			// Lost to a takeover, or a database error: the next attempt
 			// replays the gateway's answer or asks again with the same key.
@@ -390,6 +444,12 @@ func orderPosting(ctx context.Context, q idempotency.DBTX, account string, order
 		return 0, "", "", false, fmt.Errorf("payments: reading %s of %s: %w", kind, order, err)
 	}
 	return delta, ref, key, true, nil
+}
+
+// violates reports whether err is a unique violation of the named index.
+func violates(err error, index string) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UniqueViolation && pgErr.ConstraintName == index
 }
 
 func (s *Service) inTx(ctx context.Context, fn func(tx *sql.Tx) error) error {

@@ -17,6 +17,13 @@
 // is never recorded: the call is repeated with the same key and the gateway
 // charges once. So every charge at the gateway has its posting, and the
 // balance is checked exactly once per order.
+//
+// A finished charge is final. Whatever arrives later for the order and
+// account (a re-sent command, or one redelivered after the idempotency
+// reaper removed its key, to a gateway that may have forgotten the key too)
+// is answered from the ledger: the captured charge, or the decline of a
+// voided one. The gateway is never called again for it, and a reference,
+// once recorded, is never overwritten.
 package payments
 
 import (
@@ -163,6 +170,9 @@ const (
 	ReasonInvalidCharge     = "invalid charge"
 	ReasonAbandoned         = "payment abandoned: the order was compensated"
 	ReasonRefundDeclined    = "refund declined by the gateway"
+	// ReasonChargedElsewhere: the order is charged to another account; an
+	// order is charged once, to one account.
+	ReasonChargedElsewhere = "the order is charged to another account"
 )
 
 // Errors callers can branch on.
@@ -304,5 +314,12 @@ WHERE account_id = $1 AND order_id = $2 AND kind = $3`
 	fenceSQL  = `INSERT INTO charge_fences (order_id, account_id) VALUES ($1, $2) ON CONFLICT (order_id) DO NOTHING`
 	fencedSQL = `SELECT EXISTS (SELECT FROM charge_fences WHERE order_id = $1)`
 
-	captureSQL = `UPDATE account_postings SET reference = $3 WHERE account_id = $1 AND order_id = $2 AND kind = 'charge'`
+	// captureSQL records the gateway's charge id on a reserved charge. Once
+	// set, a reference is never overwritten: that would orphan the charge
+	// it named (money taken at the gateway that no posting accounts for).
+	captureSQL = `UPDATE account_postings SET reference = $3
+WHERE account_id = $1 AND order_id = $2 AND kind = 'charge' AND reference IS NULL`
+
+	// oneChargeIndex allows one charge posting per order (migration 00004).
+	oneChargeIndex = "account_postings_one_charge_idx"
 )

@@ -55,9 +55,27 @@ func newEnv(t *testing.T) *env { return newEnvWithPool(t, 0) }
 // package's shared pool).
 func newEnvWithPool(t *testing.T, maxConns int32) *env {
 	t.Helper()
-	db := testdb.Shared(t)
-	if maxConns > 0 {
-		pool := testdb.Open(t, db.URL, maxConns)
+	return newEnvWith(t, envOptions{maxConns: maxConns})
+}
+
+// envOptions vary an env; the zero value is newEnv's.
+type envOptions struct {
+	// db is the database; default: the package's shared one.
+	db *testdb.DB
+	// maxConns gives the steps a pool of their own (0: db's pool).
+	maxConns int32
+	// retry is the steps' retry policy; default: the transport's (6 attempts).
+	retry *transport.RetryPolicy
+}
+
+func newEnvWith(t *testing.T, opts envOptions) *env {
+	t.Helper()
+	db := opts.db
+	if db == nil {
+		db = testdb.Shared(t)
+	}
+	if opts.maxConns > 0 {
+		pool := testdb.Open(t, db.URL, opts.maxConns)
 		db = &testdb.DB{Name: db.Name, URL: db.URL, Pool: pool.Pool, SQL: pool.SQL}
 	}
 	e := &env{t: t, db: db, faults: map[string][]fakegateway.Fault{}, replies: "replies_" + uuid.NewString()[:8]}
@@ -70,7 +88,7 @@ func newEnvWithPool(t *testing.T, maxConns int32) *env {
 	require.NoError(t, payments.RegisterEvents(reg))
 	es, err := events.NewStore(events.Config{Registry: reg})
 	require.NoError(t, err)
-	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Events: es, Logger: logger()})
+	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Events: es, Logger: logger(), Retry: opts.retry})
 	require.NoError(t, err)
 	// The gateway is another service: it gets a pool of its own.
 	gwPool := testdb.Open(t, db.URL, 4)
@@ -418,7 +436,7 @@ func TestCrashAfterGatewayCallIsTakenOver(t *testing.T) {
 	require.NoError(t, err)
 	require.NotNil(t, acq.Lease)
 	client := &payments.GatewayClient{BaseURL: e.gw.URL()}
-	firstID, err := client.Charge(ctx, key, acct, 100)
+	firstID, err := client.Charge(ctx, key, acct, order, 100)
 	require.NoError(t, err)
 
 	start := time.Now()

@@ -8,10 +8,15 @@
 // own, so a demo that is killed and resumed keeps talking to a gateway that
 // remembers what it charged.
 //
+// Like a real gateway it may also forget idempotency keys (ForgetKeys): real
+// ones keep a key for a retention period only, after which a call with the
+// key is a new operation and charges again.
+//
 // API: POST /v1/charges and POST /v1/refunds with an Idempotency-Key header
-// and a JSON body {"account_id": "...", "amount_cents": 123, "charge_id":
-// "..." (refunds)}. 200 {"id": "ch_…"} on success, 402 {"error":
-// "card_declined"} on decline, 503 when unavailable, 400 for bad requests.
+// and a JSON body {"account_id": "...", "amount_cents": 123, "order_id":
+// "..." (metadata, charges), "charge_id": "..." (refunds)}. 200 {"id":
+// "ch_…"} on success, 402 {"error": "card_declined"} on decline, 503 when
+// unavailable, 400 for bad requests.
 package fakegateway
 
 import (
@@ -49,6 +54,7 @@ type Call struct {
 	Attempt     int    // 1 for the first call with this key, ever
 	AccountID   string
 	AmountCents int64
+	OrderID     string // the order id the caller sent as metadata, if any
 }
 
 // Config configures a Gateway.
@@ -149,6 +155,9 @@ type request struct {
 	AccountID   string `json:"account_id"`
 	AmountCents int64  `json:"amount_cents"`
 	ChargeID    string `json:"charge_id,omitempty"`
+	// OrderID is metadata: the gateway stores it and never checks it, so
+	// reconciliation can find every charge of an order.
+	OrderID string `json:"order_id,omitempty"`
 }
 
 func (g *Gateway) serve(w http.ResponseWriter, r *http.Request, op string) {
@@ -165,7 +174,7 @@ func (g *Gateway) serve(w http.ResponseWriter, r *http.Request, op string) {
 		writeJSON(w, http.StatusInternalServerError, map[string]string{"error": "internal"})
 		return
 	}
-	fault := g.cfg.Faults(Call{Op: op, Key: key, Attempt: attempt, AccountID: req.AccountID, AmountCents: req.AmountCents})
+	fault := g.cfg.Faults(Call{Op: op, Key: key, Attempt: attempt, AccountID: req.AccountID, AmountCents: req.AmountCents, OrderID: req.OrderID})
 	if err := g.noteFault(ctx, key, attempt, fault); err != nil {
 		g.cfg.Logger.Error("fake gateway: recording fault", "err", err)
 	}
@@ -233,7 +242,7 @@ func (g *Gateway) operate(ctx context.Context, key, op string, req request, outc
 		prefix = "re_"
 	}
 	err = g.cfg.DB.QueryRowContext(ctx, insertOperationSQL, key, op, req.AccountID, req.AmountCents, nullIfEmpty(req.ChargeID), outcome,
-		prefix+uuid.NewString()[:18]).Scan(&id, &stored)
+		prefix+uuid.NewString()[:18], nullIfEmpty(req.OrderID)).Scan(&id, &stored)
 	if errors.Is(err, sql.ErrNoRows) {
 		err = g.cfg.DB.QueryRowContext(ctx, storedOperationSQL, key).Scan(&id, &stored)
 	}
@@ -261,17 +270,42 @@ type Operation struct {
 	AmountCents int64
 	Outcome     string // "succeeded" or "declined"
 	ID          string
-	Calls       int
+	OrderID     string // as sent by the caller; "" when none was
+	// Calls counts every call with the key, including those made before the
+	// gateway forgot it.
+	Calls int
 }
 
 // Operation returns what was done under key, and whether anything was.
 func (g *Gateway) Operation(ctx context.Context, key string) (Operation, bool, error) {
 	var o Operation
-	err := g.cfg.DB.QueryRowContext(ctx, getOperationSQL, key).Scan(&o.Key, &o.Op, &o.AccountID, &o.AmountCents, &o.Outcome, &o.ID, &o.Calls)
+	err := g.cfg.DB.QueryRowContext(ctx, getOperationSQL, key).Scan(&o.Key, &o.Op, &o.AccountID, &o.AmountCents, &o.Outcome, &o.ID, &o.OrderID, &o.Calls)
 	if errors.Is(err, sql.ErrNoRows) {
 		return Operation{}, false, nil
 	}
 	return o, err == nil, err
+}
+
+// ForgetKeys makes the gateway forget the given idempotency keys (every key
+// when none is given), as a real gateway does once a key's retention period
+// has passed: the next call with a forgotten key is a new operation, and a
+// charge charges again. What the gateway did stays on record (Stats, the
+// operations table the invariant checker reconciles with the ledger); only
+// the key no longer leads to it. It returns how many operations it forgot.
+func (g *Gateway) ForgetKeys(ctx context.Context, keys ...string) (int, error) {
+	var arg any // NULL: every key
+	if len(keys) > 0 {
+		arg = keys
+	}
+	res, err := g.cfg.DB.ExecContext(ctx, forgetKeysSQL, arg)
+	if err != nil {
+		return 0, fmt.Errorf("fakegateway: forgetting keys: %w", err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return 0, fmt.Errorf("fakegateway: forgetting keys: %w", err)
+	}
+	return int(n), nil
 }
 
 // Stats sums up what the gateway has done.
@@ -341,6 +375,13 @@ CREATE TABLE IF NOT EXISTS fake_gateway_operations (
     id           text        NOT NULL,
     created_at   timestamptz NOT NULL DEFAULT now()
 );
+-- Added after the first release: ADD COLUMN IF NOT EXISTS upgrades the
+-- tables of a database that already had them.
+-- order_id is the caller's metadata; forgotten_key is the key an operation
+-- had before the gateway forgot it (its key is then 'forgotten:' || id, so
+-- the key is free for a new operation while the old one stays on record).
+ALTER TABLE fake_gateway_operations ADD COLUMN IF NOT EXISTS order_id text;
+ALTER TABLE fake_gateway_operations ADD COLUMN IF NOT EXISTS forgotten_key text;
 CREATE TABLE IF NOT EXISTS fake_gateway_call_counts (
     key   text PRIMARY KEY,
     calls int  NOT NULL
@@ -366,8 +407,8 @@ RETURNING n`
 	noteFaultSQL = `UPDATE fake_gateway_calls SET fault = $3 WHERE key = $1 AND n = $2`
 
 	// insertOperationSQL stores an operation unless the key has one.
-	insertOperationSQL = `INSERT INTO fake_gateway_operations (key, op, account_id, amount_cents, charge_id, outcome, id)
-VALUES ($1, $2, $3, $4, $5, $6, $7)
+	insertOperationSQL = `INSERT INTO fake_gateway_operations (key, op, account_id, amount_cents, charge_id, outcome, id, order_id)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
 ON CONFLICT (key) DO NOTHING
 RETURNING id, outcome`
 
@@ -375,7 +416,12 @@ RETURNING id, outcome`
 	// of its own, so it sees a concurrent insert the first one waited for.
 	storedOperationSQL = `SELECT id, outcome FROM fake_gateway_operations WHERE key = $1`
 
-	getOperationSQL = `SELECT o.key, o.op, o.account_id, o.amount_cents, o.outcome, o.id,
+	// forgetKeysSQL moves operations off their keys; an operation forgotten
+	// once is never renamed again.
+	forgetKeysSQL = `UPDATE fake_gateway_operations SET forgotten_key = key, key = 'forgotten:' || id
+WHERE forgotten_key IS NULL AND ($1::text[] IS NULL OR key = ANY ($1::text[]))`
+
+	getOperationSQL = `SELECT o.key, o.op, o.account_id, o.amount_cents, o.outcome, o.id, coalesce(o.order_id, ''),
     (SELECT count(*) FROM fake_gateway_calls c WHERE c.key = o.key)
 FROM fake_gateway_operations o WHERE o.key = $1`
 
