@@ -345,3 +345,54 @@ func TestFingerprintIsLengthPrefixed(t *testing.T) {
 	assert.NotEqual(t, idempotency.Fingerprint([]byte("ab"), []byte("c")), idempotency.Fingerprint([]byte("a"), []byte("bc")))
 	assert.Equal(t, idempotency.Fingerprint([]byte("a")), idempotency.Fingerprint([]byte("a")))
 }
+
+// CompleteTx finishes only a pending single-phase claim: it never rewrites
+// a stored outcome (a second completion, or one for a key this transaction
+// did not claim), and never finishes a two-phase claim, which only its
+// lease's holder may complete.
+func TestCompleteFinishesOnlyAPendingClaimWithoutLease(t *testing.T) {
+	t.Parallel()
+	s, db := newStore(t, nil)
+	ctx := context.Background()
+	stored := func(req idempotency.Request) (string, string) {
+		var status, body string
+		require.NoError(t, db.SQL.QueryRow(`SELECT status, coalesce(convert_from(response, 'UTF8'), '') FROM idempotency_keys WHERE scope = $1 AND key = $2`,
+			req.Scope, req.Key).Scan(&status, &body))
+		return status, body
+	}
+
+	t.Run("finished", func(t *testing.T) {
+		req := newRequest("charge 100")
+		tx, err := db.SQL.Begin()
+		require.NoError(t, err)
+		claim, err := s.ClaimTx(ctx, tx, req)
+		require.NoError(t, err)
+		require.True(t, claim.Execute)
+		require.NoError(t, s.CompleteTx(ctx, tx, req, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte("first")}))
+		err = s.CompleteTx(ctx, tx, req, idempotency.StatusFailed, idempotency.Response{Code: 402, Body: []byte("second")})
+		require.ErrorIs(t, err, idempotency.ErrNotClaimed, "a second completion is refused")
+		require.NoError(t, tx.Commit())
+		status, body := stored(req)
+		assert.Equal(t, "completed", status)
+		assert.Equal(t, "first", body, "the stored outcome is kept")
+	})
+
+	t.Run("leased", func(t *testing.T) {
+		req := newRequest("charge 200")
+		acq, err := s.AcquireFor(ctx, req, time.Minute)
+		require.NoError(t, err)
+		require.NotNil(t, acq.Lease)
+		tx, err := db.SQL.Begin()
+		require.NoError(t, err)
+		defer tx.Rollback() //nolint:errcheck
+		err = s.CompleteTx(ctx, tx, req, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte("not the holder")})
+		require.ErrorIs(t, err, idempotency.ErrNotClaimed, "only the lease's holder completes a leased claim")
+		require.NoError(t, tx.Commit())
+		status, _ := stored(req)
+		assert.Equal(t, "pending", status)
+		require.NoError(t, s.CompleteLease(ctx, acq.Lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte("holder")}))
+		status, body := stored(req)
+		assert.Equal(t, "completed", status)
+		assert.Equal(t, "holder", body)
+	})
+}
