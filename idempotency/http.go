@@ -107,6 +107,10 @@ func (s *Store) serveHTTP(cfg HTTPConfig, lockTimeout string, next http.Handler,
 		httpError(w, http.StatusBadRequest, fmt.Sprintf("%s longer than %d bytes", KeyHeader, MaxKeyLen))
 		return
 	}
+	if !storableText(key) {
+		httpError(w, http.StatusBadRequest, KeyHeader+" must be UTF-8 text")
+		return
+	}
 	caller, err := cfg.Caller(r)
 	if err != nil || caller == "" {
 		httpError(w, http.StatusUnauthorized, "caller not identified")

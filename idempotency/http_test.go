@@ -104,7 +104,13 @@ type reply struct {
 
 func (e *httpEnv) post(client, key, body string) reply {
 	e.t.Helper()
-	req, err := http.NewRequest(http.MethodPost, e.srv.URL+"/orders", strings.NewReader(body))
+	return e.send(http.MethodPost, "/orders", client, key, body)
+}
+
+// send sends a request for target (path and query) with the namespaced key.
+func (e *httpEnv) send(method, target, client, key, body string) reply {
+	e.t.Helper()
+	req, err := http.NewRequest(method, e.srv.URL+target, strings.NewReader(body))
 	require.NoError(e.t, err)
 	if client != "" {
 		req.Header.Set("X-Client", client)
@@ -155,6 +161,40 @@ func TestHTTPKeyReusedWithDifferentBody(t *testing.T) {
 	r := e.post("alice", "k1", `{"amount":999}`)
 	assert.Equal(t, http.StatusUnprocessableEntity, r.code)
 	assert.EqualValues(t, 1, e.api.calls.Load())
+}
+
+// A key names one request: method, path, query and body. The same key with
+// another method or query is a different request, refused like another
+// body, never answered with the first one's response.
+func TestHTTPKeyReusedWithDifferentMethodOrQuery(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, true)
+	require.Equal(t, http.StatusCreated, e.send(http.MethodPost, "/orders?priority=low", "alice", "k1", `{"amount":100}`).code)
+	for _, c := range []struct{ method, target string }{
+		{http.MethodPut, "/orders?priority=low"},
+		{http.MethodPost, "/orders?priority=high"},
+		{http.MethodPost, "/orders"},
+		{http.MethodPost, "/orders/"},
+	} {
+		r := e.send(c.method, c.target, "alice", "k1", `{"amount":100}`)
+		assert.Equal(t, http.StatusUnprocessableEntity, r.code, "%s %s", c.method, c.target)
+	}
+	assert.EqualValues(t, 1, e.api.calls.Load())
+	r := e.send(http.MethodPost, "/orders?priority=low", "alice", "k1", `{"amount":100}`)
+	assert.Equal(t, http.StatusCreated, r.code)
+	assert.True(t, r.replayed, "the same request is replayed")
+}
+
+// A key that PostgreSQL cannot store as text (not UTF-8) is the client's
+// mistake: 400 with the reason, before anything is claimed, so a client
+// does not retry it forever as it would a 500.
+func TestHTTPKeyMustBeUTF8(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, true)
+	r := e.post("alice", "bad-\xff\xfe-key", `{"amount":100}`)
+	assert.Equal(t, http.StatusBadRequest, r.code)
+	assert.Contains(t, r.body, "UTF-8")
+	assert.EqualValues(t, 0, e.api.calls.Load())
 }
 
 func TestHTTPConcurrentSameKeyConflicts(t *testing.T) {

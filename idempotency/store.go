@@ -40,7 +40,9 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -200,12 +202,23 @@ func Fingerprint(parts ...[]byte) []byte {
 	return h.Sum(nil)
 }
 
+// storableText reports whether PostgreSQL can store s as text: valid UTF-8
+// (the database's encoding; anything else fails with SQLSTATE 22021) and no
+// NUL byte, which text cannot hold in any encoding.
+func storableText(s string) bool {
+	return utf8.ValidString(s) && !strings.ContainsRune(s, 0)
+}
+
 func (r Request) validate() error {
 	switch {
 	case r.Scope == "" || len(r.Scope) > MaxScopeLen:
 		return fmt.Errorf("%w: scope must be 1 to %d bytes, got %d", ErrInvalidRequest, MaxScopeLen, len(r.Scope))
 	case r.Key == "" || len(r.Key) > MaxKeyLen:
 		return fmt.Errorf("%w: key must be 1 to %d bytes, got %d", ErrInvalidRequest, MaxKeyLen, len(r.Key))
+	case !storableText(r.Scope):
+		return fmt.Errorf("%w: scope must be UTF-8 text without NUL bytes", ErrInvalidRequest)
+	case !storableText(r.Key):
+		return fmt.Errorf("%w: key must be UTF-8 text without NUL bytes", ErrInvalidRequest)
 	case len(r.Hash) == 0:
 		return fmt.Errorf("%w: request hash is empty (use Fingerprint)", ErrInvalidRequest)
 	}
