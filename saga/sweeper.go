@@ -27,7 +27,8 @@ type SweepResult struct {
 // compensates; a compensation: the saga is parked as failed). Instances
 // locked by another sweeper or a reply are skipped (FOR UPDATE SKIP LOCKED),
 // so any number of processes may sweep. Instances of definition versions
-// this process does not know are left alone (see ActiveDefinitions).
+// this process does not know are left alone: a process that knows them
+// sweeps them (see Register and ErrUnknownDefinition).
 func (e *Engine) Sweep(ctx context.Context) (SweepResult, error) {
 	var res SweepResult
 	known := e.knownDefinitions()

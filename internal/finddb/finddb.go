@@ -75,6 +75,8 @@ type Config struct {
 	Timeout time.Duration
 	// IsRoot reports whether the process runs as root. Default: euid 0.
 	IsRoot func() bool
+
+	skipped string // why a local server that answered was not used
 }
 
 func (c *Config) setDefaults() {
@@ -147,9 +149,21 @@ func Find(ctx context.Context, cfg Config) (*Found, error) {
 		}
 		return &Found{URL: url, Source: FromLocalhost, Detail: fmt.Sprintf("database %s on the PostgreSQL at %s", cfg.Database, hostOf(cfg.ProbeURL))}, nil
 	}
-	cfg.Logger.Debug("no local PostgreSQL answered", "url", pgdb.Redact(cfg.ProbeURL), "err", probeErr)
+	var pgErr *pgconn.PgError
+	if errors.As(probeErr, &pgErr) {
+		// A server answered and refused (no such role, a password it
+		// wants): the user may have meant to use it, so say why not.
+		cfg.skipped = fmt.Sprintf("the PostgreSQL at %s answered but refused the connection (%s); set DATABASE_URL to use it",
+			hostOf(cfg.ProbeURL), oneLine(pgErr))
+		cfg.Logger.Warn("not using the local PostgreSQL: "+cfg.skipped, "url", pgdb.Redact(cfg.ProbeURL))
+	} else {
+		cfg.Logger.Debug("no local PostgreSQL answered", "url", pgdb.Redact(cfg.ProbeURL), "err", probeErr)
+	}
 	return startEmbedded(ctx, cfg)
 }
+
+// oneLine is err's message on one line.
+func oneLine(err error) string { return strings.Join(strings.Fields(err.Error()), " ") }
 
 func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 	url := fmt.Sprintf("postgres://postgres:postgres@127.0.0.1:%d/%s?sslmode=disable", cfg.EmbeddedPort, cfg.Database)
@@ -171,9 +185,13 @@ func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 		return found, nil
 	}
 	if cfg.IsRoot() {
-		return nil, fmt.Errorf("%w: nothing answered at %s and an embedded PostgreSQL cannot run as root; "+
+		local := "nothing answered at " + pgdb.Redact(cfg.ProbeURL)
+		if cfg.skipped != "" {
+			local = cfg.skipped
+		}
+		return nil, fmt.Errorf("%w: %s, and an embedded PostgreSQL cannot run as root; "+
 			"either set DATABASE_URL to a server you can use (for example one started with `docker compose up -d`), "+
-			"or run this program as a non-root user so it can start an embedded PostgreSQL", ErrNoDatabase, pgdb.Redact(cfg.ProbeURL))
+			"or run this program as a non-root user so it can start an embedded PostgreSQL", ErrNoDatabase, local)
 	}
 
 	if err := os.MkdirAll(cfg.EmbeddedDir, 0o700); err != nil {

@@ -6,11 +6,13 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/url"
 	"os"
 	"os/exec"
 	"os/user"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -82,6 +84,30 @@ func TestRootWithNothingAvailableExplainsTheWayOut(t *testing.T) {
 	assert.Contains(t, err.Error(), "DATABASE_URL")
 	assert.Contains(t, err.Error(), "docker compose up -d")
 	assert.Contains(t, err.Error(), "non-root user")
+}
+
+// A server on the probed address that answers but refuses (here: no such
+// role) is not used silently: the reason is logged, and, where nothing else
+// can run, given in the error.
+func TestRefusingLocalServerIsExplained(t *testing.T) {
+	t.Parallel()
+	var logs strings.Builder
+	u, err := url.Parse(testdb.ServerURL())
+	require.NoError(t, err)
+	u.User = url.User("pgsaga_no_such_role")
+	_, err = Find(context.Background(), Config{
+		Getenv:       noEnv,
+		ProbeURL:     u.String(),
+		EmbeddedPort: freePort(t),
+		EmbeddedDir:  t.TempDir(),
+		IsRoot:       func() bool { return true },
+		Logger:       slog.New(slog.NewTextHandler(&logs, nil)),
+		Timeout:      5 * time.Second,
+	})
+	require.ErrorIs(t, err, ErrNoDatabase)
+	assert.Contains(t, err.Error(), "answered but refused")
+	assert.Contains(t, err.Error(), "pgsaga_no_such_role", "the server's reason is given")
+	assert.Contains(t, logs.String(), "not using the local PostgreSQL")
 }
 
 // TestEmbeddedServer starts an embedded PostgreSQL from the machine's own
