@@ -121,6 +121,22 @@ func TestRecordAfterCountsAnAttemptOnce(t *testing.T) {
 	assert.True(t, avail.Equal(time.Unix(0, 0)), "the second record left the row alone")
 }
 
+// A final failure recorded after its batch rolled back does not dead-letter
+// a message whose attempt was recorded meanwhile by another consumer (one,
+// say, of a process allowing more attempts, which scheduled a retry): an
+// attempt counts once, and the message stays queued.
+func TestRecordAfterDoesNotDeadLetterAnAttemptRecordedElsewhere(t *testing.T) {
+	c, db := internalConsumer(t, nil)
+	id := queued(t, c)
+	_, err := db.SQL.Exec(`UPDATE pgsaga_queue SET attempts = 5 WHERE id = $1`, id)
+	require.NoError(t, err)
+	c.recordAfter(failure{d: delivery{id: id}, n: 5, cause: errors.New("broke")}) // final for this consumer
+	assert.Equal(t, 5, attemptsOf(t, db, id), "the message is still queued")
+	var dead int
+	require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_dead_letters`).Scan(&dead))
+	assert.Zero(t, dead)
+}
+
 // Recording a failure after the batch waits for the message's row: the
 // batch's own backend, on its way out after losing its connection, may
 // still hold it. It records once the row is free.
