@@ -83,7 +83,7 @@ func Open(ctx context.Context, cfg Config) (*DB, error) {
 	}
 	pcfg, err := pgxpool.ParseConfig(cfg.URL)
 	if err != nil {
-		return nil, fmt.Errorf("pgdb: parsing database URL %s: %w", Redact(cfg.URL), err)
+		return nil, fmt.Errorf("pgdb: parsing database URL %s: %w", Redact(cfg.URL), redactParseError(err, cfg.URL))
 	}
 	pcfg.MaxConns = cfg.MaxConns
 	if _, ok := pcfg.ConnConfig.RuntimeParams["application_name"]; !ok {
@@ -109,35 +109,17 @@ func (db *DB) Close() {
 }
 
 // WithDatabase returns connURL pointing at database name instead, for both the
-// URL and the key/value forms of a libpq connection string.
+// URL and the key/value forms of a libpq connection string. Everything else
+// stays as written (a password's encoding included).
 func WithDatabase(connURL, name string) (string, error) {
-	if strings.HasPrefix(connURL, "postgres://") || strings.HasPrefix(connURL, "postgresql://") {
-		u, err := url.Parse(connURL)
-		if err != nil {
-			return "", fmt.Errorf("pgdb: parsing database URL %s: %w", Redact(connURL), err)
-		}
-		u.Path = "/" + name
-		u.RawPath = ""
-		return u.String(), nil
+	if !isURI(connURL) {
+		// Key/value form: a later dbname overrides an earlier one.
+		return strings.TrimSpace(connURL + " dbname=" + kvEscape(name)), nil
 	}
-	// Key/value form: a later dbname overrides an earlier one.
-	return strings.TrimSpace(connURL + " dbname=" + quoteKV(name)), nil
-}
-
-func quoteKV(v string) string {
-	v = strings.ReplaceAll(v, `\`, `\\`)
-	v = strings.ReplaceAll(v, `'`, `\'`)
-	return "'" + v + "'"
-}
-
-// Redact hides the password of a connection URL so it can be logged.
-func Redact(connURL string) string {
-	u, err := url.Parse(connURL)
-	if err != nil || u.User == nil {
-		return connURL
+	u, err := splitURI(connURL)
+	if err != nil {
+		return "", fmt.Errorf("pgdb: parsing database URL %s: %w", Redact(connURL), err)
 	}
-	if _, has := u.User.Password(); has {
-		u.User = url.UserPassword(u.User.Username(), "xxxxx")
-	}
-	return u.String()
+	u.hasPath, u.path = true, url.PathEscape(name)
+	return u.String(), nil
 }
