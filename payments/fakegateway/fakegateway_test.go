@@ -21,8 +21,13 @@ func TestMain(m *testing.M) { testdb.Main(m) }
 
 func post(t *testing.T, client *http.Client, url, key string, cents int64) (int, string, error) {
 	t.Helper()
+	return postCtx(context.Background(), client, url, key, cents)
+}
+
+// postCtx is post, given up when ctx ends. It may run on any goroutine.
+func postCtx(ctx context.Context, client *http.Client, url, key string, cents int64) (int, string, error) {
 	body, _ := json.Marshal(map[string]any{"account_id": "a1", "amount_cents": cents})
-	req, _ := http.NewRequest(http.MethodPost, url+"/v1/charges", bytes.NewReader(body))
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url+"/v1/charges", bytes.NewReader(body))
 	req.Header.Set("Idempotency-Key", key)
 	resp, err := client.Do(req)
 	if err != nil {
@@ -69,7 +74,7 @@ func TestLostResponse(t *testing.T) {
 	t.Parallel()
 	db := testdb.Shared(t)
 	key := uuid.NewString()
-	g, err := fakegateway.Start(context.Background(), fakegateway.Config{DB: db.SQL, LostHang: 5 * time.Second,
+	g, err := fakegateway.Start(context.Background(), fakegateway.Config{DB: db.SQL, LostHang: time.Minute,
 		Faults: func(c fakegateway.Call) fakegateway.Fault {
 			if c.Attempt == 1 {
 				return fakegateway.Lost
@@ -78,11 +83,34 @@ func TestLostResponse(t *testing.T) {
 		}})
 	require.NoError(t, err)
 	defer g.Close()
-	_, _, err = post(t, &http.Client{Timeout: 200 * time.Millisecond}, g.URL(), key, 100)
-	require.Error(t, err, "the answer is lost")
-	op, ok, err := g.Operation(context.Background(), key)
-	require.NoError(t, err)
-	require.True(t, ok, "but the charge happened")
+	// The client gives up once the charge has happened, however long the
+	// gateway took to get there: no client timeout to race on a busy
+	// machine.
+	ctx, giveUp := context.WithCancel(context.Background())
+	defer giveUp()
+	answer := make(chan error, 1)
+	go func() {
+		_, _, err := postCtx(ctx, http.DefaultClient, g.URL(), key, 100)
+		answer <- err
+	}()
+	var op fakegateway.Operation
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		var ok bool
+		op, ok, err = g.Operation(context.Background(), key)
+		require.NoError(t, err)
+		if ok {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "the charge never happened")
+		time.Sleep(10 * time.Millisecond)
+	}
+	select {
+	case err := <-answer:
+		t.Fatalf("the gateway answered a lost call: %v", err)
+	default:
+	}
+	giveUp()
+	require.Error(t, <-answer, "the answer is lost")
 	code, id, err := post(t, http.DefaultClient, g.URL(), key, 100)
 	require.NoError(t, err)
 	assert.Equal(t, http.StatusOK, code)
