@@ -46,7 +46,7 @@ type env struct {
 
 func newEnv(t *testing.T, db *testdb.DB) *env {
 	t.Helper()
-	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: logger(), PollInterval: 20 * time.Millisecond,
+	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: logger(), PollInterval: 20 * time.Millisecond, IdlePollInterval: testdb.NoSafetyPoll,
 		Retry: transport.RetryPolicy{MaxAttempts: 5, InitialBackoff: 5 * time.Millisecond}})
 	require.NoError(t, err)
 	store, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})

@@ -79,7 +79,7 @@ func newEnvWith(t *testing.T, opts envOptions) *env {
 		db = &testdb.DB{Name: db.Name, URL: db.URL, Pool: pool.Pool, SQL: pool.SQL}
 	}
 	e := &env{t: t, db: db, faults: map[string][]fakegateway.Fault{}, replies: "replies_" + uuid.NewString()[:8]}
-	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: logger(), PollInterval: 20 * time.Millisecond,
+	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: logger(), PollInterval: 20 * time.Millisecond, IdlePollInterval: testdb.NoSafetyPoll,
 		Retry: transport.RetryPolicy{MaxAttempts: 6, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 100 * time.Millisecond}})
 	require.NoError(t, err)
 	store, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})

@@ -117,7 +117,7 @@ func newEnv(t *testing.T, o options) *env {
 	for _, op := range []string{"book", "cancel", "pay", "refund"} {
 		e.topics[op] = op + "_" + id
 	}
-	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: logger(), PollInterval: 20 * time.Millisecond,
+	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: logger(), PollInterval: 20 * time.Millisecond, IdlePollInterval: testdb.NoSafetyPoll,
 		Retry: transport.RetryPolicy{MaxAttempts: 2, InitialBackoff: 5 * time.Millisecond}})
 	require.NoError(t, err)
 	store, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})

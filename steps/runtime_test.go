@@ -87,7 +87,7 @@ func newEnv(t *testing.T) *env {
 	e := &env{t: t, db: db, id: id, cmds: "cmds_" + id, replies: "replies_" + id, events: "events_" + id,
 		ledger: "ledger_" + id, attempts: map[string]int{}, failN: 2}
 	tr, err := transport.New(transport.Config{
-		DB: db.SQL, Logger: logger(), PollInterval: 20 * time.Millisecond, RetryInterval: 20 * time.Millisecond,
+		DB: db.SQL, Logger: logger(), PollInterval: 20 * time.Millisecond, IdlePollInterval: testdb.NoSafetyPoll, RetryInterval: 20 * time.Millisecond,
 		Retry: transport.RetryPolicy{MaxAttempts: 4, InitialBackoff: 10 * time.Millisecond},
 	})
 	require.NoError(t, err)

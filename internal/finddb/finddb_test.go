@@ -1,4 +1,4 @@
-package finddb
+package finddb_test
 
 import (
 	"context"
@@ -21,6 +21,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgbin"
 	"github.com/pgsaga/pgsaga/internal/pgserver"
 	"github.com/pgsaga/pgsaga/internal/testdb"
@@ -39,13 +40,13 @@ func noEnv(string) string { return "" }
 
 func TestDatabaseURLWins(t *testing.T) {
 	t.Parallel()
-	f, err := Find(context.Background(), Config{
+	f, err := finddb.Find(context.Background(), finddb.Config{
 		Getenv:   func(k string) string { return map[string]string{"DATABASE_URL": "postgres://u:secret@db:5432/app"}[k] },
 		ProbeURL: "postgres://postgres@127.0.0.1:1/postgres",
 		Logger:   quiet,
 	})
 	require.NoError(t, err)
-	assert.Equal(t, FromEnv, f.Source)
+	assert.Equal(t, finddb.FromEnv, f.Source)
 	assert.Equal(t, "postgres://u:secret@db:5432/app", f.URL)
 	assert.NotContains(t, f.Describe(), "secret", "the password is not shown")
 	require.NoError(t, f.Close())
@@ -56,9 +57,9 @@ func TestLocalServerGetsItsDatabase(t *testing.T) {
 	name := fmt.Sprintf("pgsaga_finddb_%d", time.Now().UnixNano())
 	t.Cleanup(func() { dropDatabase(t, name) })
 	for range 2 { // the second time the database exists already
-		f, err := Find(context.Background(), Config{Getenv: noEnv, ProbeURL: testdb.ServerURL(), Database: name, Logger: quiet})
+		f, err := finddb.Find(context.Background(), finddb.Config{Getenv: noEnv, ProbeURL: testdb.ServerURL(), Database: name, Logger: quiet})
 		require.NoError(t, err)
-		assert.Equal(t, FromLocalhost, f.Source)
+		assert.Equal(t, finddb.FromLocalhost, f.Source)
 		conn, err := pgx.Connect(context.Background(), f.URL)
 		require.NoError(t, err)
 		var db string
@@ -71,7 +72,7 @@ func TestLocalServerGetsItsDatabase(t *testing.T) {
 
 func TestRootWithNothingAvailableExplainsTheWayOut(t *testing.T) {
 	t.Parallel()
-	_, err := Find(context.Background(), Config{
+	_, err := finddb.Find(context.Background(), finddb.Config{
 		Getenv:       noEnv,
 		ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
 		EmbeddedPort: freePort(t),
@@ -80,7 +81,7 @@ func TestRootWithNothingAvailableExplainsTheWayOut(t *testing.T) {
 		Logger:       quiet,
 		Timeout:      time.Second,
 	})
-	require.ErrorIs(t, err, ErrNoDatabase)
+	require.ErrorIs(t, err, finddb.ErrNoDatabase)
 	assert.Contains(t, err.Error(), "DATABASE_URL")
 	assert.Contains(t, err.Error(), "docker compose up -d")
 	assert.Contains(t, err.Error(), "non-root user")
@@ -94,8 +95,12 @@ func TestRefusingLocalServerIsExplained(t *testing.T) {
 	var logs strings.Builder
 	u, err := url.Parse(testdb.ServerURL())
 	require.NoError(t, err)
-	u.User = url.User("pgsaga_no_such_role")
-	_, err = Find(context.Background(), Config{
+	if pw, ok := u.User.Password(); ok {
+		u.User = url.UserPassword("pgsaga_no_such_role", pw)
+	} else {
+		u.User = url.User("pgsaga_no_such_role")
+	}
+	_, err = finddb.Find(context.Background(), finddb.Config{
 		Getenv:       noEnv,
 		ProbeURL:     u.String(),
 		EmbeddedPort: freePort(t),
@@ -104,7 +109,7 @@ func TestRefusingLocalServerIsExplained(t *testing.T) {
 		Logger:       slog.New(slog.NewTextHandler(&logs, nil)),
 		Timeout:      5 * time.Second,
 	})
-	require.ErrorIs(t, err, ErrNoDatabase)
+	require.ErrorIs(t, err, finddb.ErrNoDatabase)
 	assert.Contains(t, err.Error(), "answered but refused")
 	assert.Contains(t, err.Error(), "pgsaga_no_such_role", "the server's reason is given")
 	assert.Contains(t, logs.String(), "not using the local PostgreSQL")
@@ -151,7 +156,7 @@ func TestEmbeddedServer(t *testing.T) {
 func embeddedChild() int {
 	ctx := context.Background()
 	port, _ := strconv.Atoi(os.Getenv("PGSAGA_EMBEDDED_PORT"))
-	cfg := Config{
+	cfg := finddb.Config{
 		Getenv:       noEnv,
 		ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
 		EmbeddedDir:  os.Getenv("PGSAGA_EMBEDDED_DIR"),
@@ -165,11 +170,11 @@ func embeddedChild() int {
 	// Round 0 writes and stops; round 1 reads and is "killed" (never stops
 	// its server); round 2 must reuse that server, read, and stop it.
 	for round := range 3 {
-		f, err := Find(ctx, cfg)
+		f, err := finddb.Find(ctx, cfg)
 		if err != nil {
 			return fail("round %d: %v", round, err)
 		}
-		if f.Source != FromEmbedded {
+		if f.Source != finddb.FromEmbedded {
 			return fail("round %d: source %s, want embedded", round, f.Source)
 		}
 		conn, err := pgx.Connect(ctx, f.URL)
@@ -198,7 +203,7 @@ func embeddedChild() int {
 		if err := f.Close(); err != nil {
 			return fail("round %d: stopping: %v", round, err)
 		}
-		if probe(ctx, f.URL, time.Second) == nil {
+		if finddb.Probe(ctx, f.URL, time.Second) == nil {
 			return fail("round %d: the server still answers after Close", round)
 		}
 	}
@@ -211,9 +216,9 @@ func embeddedChild() int {
 func TestEmbeddedDataWithoutUTF8IsRefused(t *testing.T) {
 	t.Parallel()
 	db := testdb.Custom(t, "TEMPLATE template0 ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C'")
-	err := requireUTF8(context.Background(), db.URL, 5*time.Second)
+	err := finddb.RequireUTF8(context.Background(), db.URL, 5*time.Second)
 	require.ErrorIs(t, err, pgserver.ErrNotUTF8)
-	require.NoError(t, requireUTF8(context.Background(), testdb.Shared(t).URL, 5*time.Second))
+	require.NoError(t, finddb.RequireUTF8(context.Background(), testdb.Shared(t).URL, 5*time.Second))
 }
 
 func freePort(t *testing.T) uint32 {

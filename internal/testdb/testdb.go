@@ -7,9 +7,15 @@
 // of it, which takes tens of milliseconds. Databases it creates are dropped
 // when the package's tests end.
 //
-// The server is found through TEST_DATABASE_URL, then DATABASE_URL, then
-// postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable. When none answers, the tests
-// fail with one sentence saying how to get one; they never skip.
+// The server is found the way the sample finds one (internal/finddb):
+// TEST_DATABASE_URL, then DATABASE_URL, then a server answering at
+// postgres://postgres@127.0.0.1:5432/postgres, then an embedded PostgreSQL
+// (port 54330, data in <user cache dir>/pgsaga/test-postgres) that the
+// first test process of a run starts, the others share, and that is left
+// running for the next run (a second start would cost every run seconds);
+// it stops with `pg_ctl stop -D <that dir>/data`. As root, where PostgreSQL
+// cannot run, the tests fail with one sentence saying how to get a server;
+// they never skip.
 //
 // Use it from TestMain:
 //
@@ -30,7 +36,9 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"log/slog"
 	"os"
+	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
@@ -42,6 +50,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/migrations"
 )
@@ -49,6 +58,11 @@ import (
 // DefaultURL is the server tried when neither TEST_DATABASE_URL nor
 // DATABASE_URL is set; it matches docker-compose.yml.
 const DefaultURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+
+// NoSafetyPoll is the transport.Config.IdlePollInterval of tests: so long
+// that a lost wake-up fails the test at its wait deadline instead of being
+// hidden by the safety poll (10 s by default).
+const NoSafetyPoll = time.Hour
 
 const (
 	templatePrefix = "pgsaga_tpl_"
@@ -88,10 +102,9 @@ func Main(m *testing.M) {
 
 func run(m *testing.M) int {
 	ctx := context.Background()
-	srv := ServerURL()
-	if err := ping(ctx, srv); err != nil {
-		fmt.Fprintf(os.Stderr, "\ntestdb: no PostgreSQL answered at %s (%v); start one with `docker compose up -d` or point TEST_DATABASE_URL or DATABASE_URL at a server you can create databases on.\n\n",
-			pgdb.Redact(srv), oneLine(err))
+	srv, err := findServer(ctx)
+	if err != nil {
+		sayOnce(err)
 		return 1
 	}
 	mu.Lock()
@@ -114,14 +127,113 @@ func run(m *testing.M) int {
 	return code
 }
 
-// ServerURL is the server the tests use.
+// ServerURL is the admin URL of the server the tests use (see the package
+// documentation), once Main has found it.
 func ServerURL() string {
+	mu.Lock()
+	defer mu.Unlock()
+	if server != "" {
+		return server
+	}
+	if v := envURL(); v != "" {
+		return v
+	}
+	return DefaultURL
+}
+
+func envURL() string {
 	for _, env := range []string{"TEST_DATABASE_URL", pgdb.EnvURL} {
 		if v := os.Getenv(env); v != "" {
 			return v
 		}
 	}
-	return DefaultURL
+	return ""
+}
+
+// Embedded test server: its own data, apart from the sample's, on a port
+// of its own.
+const (
+	embeddedPort = 54330
+	embeddedDir  = "test-postgres"
+)
+
+// findServer returns the admin URL of the server to test on.
+func findServer(ctx context.Context) (string, error) {
+	if v := envURL(); v != "" {
+		if err := ping(ctx, v); err != nil {
+			return "", fmt.Errorf("no PostgreSQL answered at %s (%s), the server TEST_DATABASE_URL or DATABASE_URL names; start it or unset the variable", pgdb.Redact(v), oneLine(err))
+		}
+		return v, nil
+	}
+	if ping(ctx, DefaultURL) == nil {
+		return DefaultURL, nil
+	}
+	cache, err := os.UserCacheDir()
+	if err != nil {
+		cache = os.TempDir()
+	}
+	dir := filepath.Join(cache, "pgsaga", embeddedDir)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return "", fmt.Errorf("creating %s for an embedded PostgreSQL: %w", dir, err)
+	}
+	// Every test package runs in a process of its own, most at once: one
+	// starts the server while the others wait, then find it running.
+	unlock, err := lockFile(filepath.Join(dir, "start.lock"))
+	if err != nil {
+		return "", err
+	}
+	defer unlock()
+	found, err := finddb.Find(ctx, finddb.Config{
+		Getenv:       func(string) string { return "" },
+		ProbeURL:     DefaultURL,
+		Database:     "postgres",
+		EmbeddedDir:  dir,
+		EmbeddedPort: embeddedPort,
+		Logger:       slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
+	})
+	if err != nil {
+		return "", fmt.Errorf("%w (the tests look for TEST_DATABASE_URL, then DATABASE_URL, then %s, then start an embedded PostgreSQL)", err, pgdb.Redact(DefaultURL))
+	}
+	// Never closed: the server outlives this process for the other test
+	// packages of the run and for later runs.
+	// One line, in every package: go test shows it only for packages that
+	// fail, and then it matters.
+	fmt.Fprintf(os.Stderr, "testdb: no PostgreSQL at 127.0.0.1:5432; testing on an embedded one (%s, port %d), left running for later runs; stop it with `pg_ctl stop -D %s`\n",
+		found.Detail, embeddedPort, filepath.Join(dir, "data"))
+	return found.URL, nil
+}
+
+// runID names this `go test` run: the go command's process id and, where
+// /proc tells it, its start time, so that a later run given the same id by
+// the system is told apart.
+func runID() string {
+	ppid := os.Getppid()
+	id := strconv.Itoa(ppid)
+	if stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", ppid)); err == nil {
+		// Fields after the command name, which is in parentheses and may
+		// hold spaces; the start time is field 22 of the line.
+		if i := strings.LastIndexByte(string(stat), ')'); i >= 0 {
+			if f := strings.Fields(string(stat)[i+1:]); len(f) > 19 {
+				id += "-" + f[19]
+			}
+		}
+	}
+	return id
+}
+
+// sayOnce prints why the tests have no server, once for the whole `go test`
+// run, in which every package fails: each package's test process is a child
+// of the go command, so the first to say it leaves a mark under the go
+// command's process id, and the others print a line pointing to it.
+func sayOnce(err error) {
+	mark := filepath.Join(os.TempDir(), "pgsaga-testdb-"+runID())
+	f, ferr := os.OpenFile(mark, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
+	if ferr != nil {
+		fmt.Fprintln(os.Stderr, "testdb: no PostgreSQL to test on (why: see the first failing package)")
+		return
+	}
+	_ = f.Close()
+	fmt.Fprintf(os.Stderr, "\ntestdb: %v\n\n", err)
 }
 
 // Shared returns the package's migrated database, creating it on first use.

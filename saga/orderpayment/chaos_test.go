@@ -84,7 +84,7 @@ func TestChaos(t *testing.T) {
 		GatewayTimeout: 300 * time.Millisecond,
 		GatewayLease:   time.Second,
 		Transport: transport.Config{
-			PollInterval: 20 * time.Millisecond, RetryInterval: 20 * time.Millisecond,
+			PollInterval: 20 * time.Millisecond, IdlePollInterval: testdb.NoSafetyPoll, RetryInterval: 20 * time.Millisecond,
 			Retry:     transport.RetryPolicy{MaxAttempts: 8, InitialBackoff: 5 * time.Millisecond, MaxBackoff: 100 * time.Millisecond},
 			Intercept: inj.Intercept,
 		},

@@ -64,7 +64,7 @@ func newEnv(t *testing.T, workers int, mutate func(*orderpayment.Config)) *env {
 		GatewayURL:     gw.URL(),
 		GatewayTimeout: 300 * time.Millisecond,
 		GatewayLease:   time.Second,
-		Transport: transport.Config{PollInterval: 20 * time.Millisecond, RetryInterval: 20 * time.Millisecond,
+		Transport: transport.Config{PollInterval: 20 * time.Millisecond, IdlePollInterval: testdb.NoSafetyPoll, RetryInterval: 20 * time.Millisecond,
 			Retry: transport.RetryPolicy{MaxAttempts: 6, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 100 * time.Millisecond}},
 		Timeouts:      orderpayment.StepTimeouts{Deadline: 5 * time.Second},
 		SweepInterval: 50 * time.Millisecond,

@@ -41,7 +41,7 @@ func TestDatabaseRestart(t *testing.T) {
 	t.Cleanup(func() { _ = gw.Close() })
 	app, err := orderpayment.New(orderpayment.Config{
 		DB: db.SQL, GatewayURL: gw.URL(), GatewayTimeout: 500 * time.Millisecond, GatewayLease: 2 * time.Second,
-		Transport:     transport.Config{PollInterval: 20 * time.Millisecond, RetryInterval: 50 * time.Millisecond, MaxRetryInterval: time.Second},
+		Transport:     transport.Config{PollInterval: 20 * time.Millisecond, IdlePollInterval: testdb.NoSafetyPoll, RetryInterval: 50 * time.Millisecond, MaxRetryInterval: time.Second},
 		Timeouts:      orderpayment.StepTimeouts{Deadline: 5 * time.Second, CompensationDeadline: 10 * time.Second},
 		SweepInterval: 200 * time.Millisecond,
 		Logger:        logger(),

@@ -84,7 +84,7 @@ func TestInjectorOnARouter(t *testing.T) {
 	require.NoError(t, err)
 	// Up to 0.25 of attempts fail: with the default 5 attempts, one message
 	// in a thousand would be dead-lettered, too often for this test.
-	tr, err := transport.New(transport.Config{DB: db.SQL, PollInterval: 20 * time.Millisecond, BatchSize: 5,
+	tr, err := transport.New(transport.Config{DB: db.SQL, PollInterval: 20 * time.Millisecond, IdlePollInterval: testdb.NoSafetyPoll, BatchSize: 5,
 		Intercept: inj.Intercept, Logger: quiet, Retry: transport.RetryPolicy{MaxAttempts: 20}})
 	require.NoError(t, err)
 	topic := "t_" + uuid.NewString()[:8]

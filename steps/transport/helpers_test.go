@@ -45,7 +45,7 @@ func fastConfig(db *testdb.DB) transport.Config {
 	return transport.Config{
 		DB:               db.SQL,
 		Logger:           testLogger(),
-		IdlePollInterval: time.Hour,
+		IdlePollInterval: testdb.NoSafetyPoll,
 		RetryInterval:    20 * time.Millisecond,
 		Retry:            transport.RetryPolicy{MaxAttempts: 5, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond},
 	}

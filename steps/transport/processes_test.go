@@ -45,7 +45,7 @@ func runWorker() int {
 		return 1
 	}
 	defer db.Close()
-	cfg := transport.Config{DB: db.SQL, Logger: testLogger(), BatchSize: 5, IdlePollInterval: time.Hour,
+	cfg := transport.Config{DB: db.SQL, Logger: testLogger(), BatchSize: 5, IdlePollInterval: testdb.NoSafetyPoll,
 		AttemptTimeout: time.Hour, StatementTimeout: time.Hour}
 	if tag == "frozen" {
 		cfg.BatchTimeout, cfg.AttemptTimeout, cfg.StatementTimeout = 100*time.Millisecond, 500*time.Millisecond, 200*time.Millisecond

@@ -1,0 +1,7 @@
+package finddb
+
+// Internals the external tests use.
+var (
+	Probe       = probe
+	RequireUTF8 = requireUTF8
+)
