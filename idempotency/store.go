@@ -1,7 +1,7 @@
 // Package idempotency stores idempotency keys in PostgreSQL and decides, for
 // each request carrying one, whether to execute it or replay what it stored.
 //
-// The claim follows DESIGN §5, verified on PostgreSQL 15: insert first with
+// The claim follows docs/DESIGN.md ("The step transaction"), verified on PostgreSQL 15: insert first with
 // INSERT … ON CONFLICT DO NOTHING (a missing row cannot be locked, so
 // SELECT … FOR UPDATE first lets two racers through), then lock the existing
 // row to read a concurrent claimer's outcome. The claim lives in the caller's

@@ -1,4 +1,4 @@
--- The idempotency key store (DESIGN §4). One row per (scope, key): the first
+-- The idempotency key store (docs/DESIGN.md, "Schema contract"). One row per (scope, key): the first
 -- request to insert it executes; every later one replays what it stored.
 
 -- +goose Up

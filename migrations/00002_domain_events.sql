@@ -1,4 +1,4 @@
--- Versioned domain events (DESIGN §4): one row per event, streams versioned
+-- Versioned domain events (docs/DESIGN.md, "Schema contract"): one row per event, streams versioned
 -- from 1 without gaps.
 
 -- +goose Up

@@ -1,4 +1,4 @@
--- Saga instances (DESIGN §4) and their timelines.
+-- Saga instances (docs/DESIGN.md, "Schema contract") and their timelines.
 
 -- +goose Up
 CREATE TABLE saga_instances (
