@@ -448,26 +448,69 @@ func templateName(ctx context.Context, admin *pgx.Conn) (string, error) {
 // ensureTemplate returns the name of a template database holding the current
 // migrations, building it if no process has yet. The build happens under a
 // temporary name and is renamed into place, so a crashed build never leaves a
-// half-migrated template behind.
+// half-migrated template behind. Templates are named after the migrations
+// and the time they were built: another checkout with other migrations may
+// be testing on the same server right now, so another's template is dropped
+// only once it is older than staleAfter.
 func ensureTemplate(ctx context.Context, admin *pgx.Conn) (string, error) {
 	hash, err := migrationsHash()
 	if err != nil {
 		return "", err
 	}
-	name := templatePrefix + hash
 	if _, err := admin.Exec(ctx, "SELECT pg_advisory_lock($1)", templateLockID); err != nil {
 		return "", fmt.Errorf("locking template build: %w", err)
 	}
 	defer admin.Exec(context.WithoutCancel(ctx), "SELECT pg_advisory_unlock($1)", templateLockID) //nolint:errcheck
 
-	var exists bool
-	if err := admin.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_database WHERE datname = $1)", name).Scan(&exists); err != nil {
-		return "", fmt.Errorf("looking for template %s: %w", name, err)
+	rows, err := admin.Query(ctx, "SELECT datname FROM pg_database WHERE datname LIKE $1", templatePrefix+"%")
+	if err != nil {
+		return "", fmt.Errorf("looking for templates: %w", err)
 	}
-	if exists {
-		return name, nil
+	templates, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return "", fmt.Errorf("looking for templates: %w", err)
 	}
-	building := name + "_build"
+	name := ""
+	for _, t := range templates {
+		if h, _, ok := parseTemplateName(t); ok && h == hash {
+			name = t
+		}
+	}
+	if name == "" {
+		name, err = buildTemplate(ctx, admin, hash)
+		if err != nil {
+			return "", err
+		}
+	}
+	for _, t := range templates {
+		if h, built, ok := parseTemplateName(t); t != name && (!ok || h != hash && time.Since(built) > staleAfter) {
+			_ = dropDatabase(ctx, server, t)
+		}
+	}
+	return name, nil
+}
+
+// parseTemplateName splits pgsaga_tpl_<hash>_<unix seconds>.
+func parseTemplateName(name string) (hash string, built time.Time, ok bool) {
+	rest, found := strings.CutPrefix(name, templatePrefix)
+	if !found {
+		return "", time.Time{}, false
+	}
+	hash, secs, found := strings.Cut(rest, "_")
+	if !found {
+		return "", time.Time{}, false
+	}
+	unix, err := strconv.ParseInt(secs, 10, 64)
+	if err != nil {
+		return "", time.Time{}, false // a build in progress, or a name of an older release
+	}
+	return hash, time.Unix(unix, 0), true
+}
+
+// buildTemplate migrates a new template for hash and returns its name.
+func buildTemplate(ctx context.Context, admin *pgx.Conn, hash string) (string, error) {
+	name := fmt.Sprintf("%s%s_%d", templatePrefix, hash, time.Now().Unix())
+	building := templatePrefix + hash + "_build"
 	if err := dropDatabase(ctx, server, building); err != nil {
 		return "", err
 	}
@@ -489,14 +532,6 @@ func ensureTemplate(ctx context.Context, admin *pgx.Conn) (string, error) {
 	}
 	if _, err := admin.Exec(ctx, "ALTER DATABASE "+pgx.Identifier{building}.Sanitize()+" RENAME TO "+pgx.Identifier{name}.Sanitize()); err != nil {
 		return "", fmt.Errorf("renaming template %s: %w", building, err)
-	}
-	// Templates of older schemas are no longer useful.
-	rows, err := admin.Query(ctx, "SELECT datname FROM pg_database WHERE datname LIKE $1 AND datname <> $2", templatePrefix+"%", name)
-	if err == nil {
-		old, _ := pgx.CollectRows(rows, pgx.RowTo[string])
-		for _, o := range old {
-			_ = dropDatabase(ctx, server, o)
-		}
 	}
 	return name, nil
 }

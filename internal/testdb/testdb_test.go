@@ -1,0 +1,46 @@
+package testdb
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestMain(m *testing.M) { Main(m) }
+
+// Another checkout with other migrations may be testing on the same server:
+// its fresh template survives this one's build; a template older than
+// staleAfter, or a half-built one, does not.
+func TestOtherCheckoutsTemplateSurvives(t *testing.T) {
+	ctx := context.Background()
+	admin, err := pgx.Connect(ctx, ServerURL())
+	require.NoError(t, err)
+	defer admin.Close(ctx)
+	tag := randomHex(6)
+	fresh := fmt.Sprintf("%sother%s_%d", templatePrefix, tag, time.Now().Unix())
+	stale := fmt.Sprintf("%sold%s_%d", templatePrefix, tag, time.Now().Add(-staleAfter-time.Minute).Unix())
+	for _, n := range []string{fresh, stale} {
+		_, err := admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{n}.Sanitize())
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = dropDatabase(context.Background(), ServerURL(), n) })
+	}
+	name, err := ensureTemplate(ctx, admin)
+	require.NoError(t, err)
+	hash, err := migrationsHash()
+	require.NoError(t, err)
+	h, _, ok := parseTemplateName(name)
+	require.True(t, ok, name)
+	assert.Equal(t, hash, h)
+	exists := func(n string) bool {
+		var e bool
+		require.NoError(t, admin.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_database WHERE datname = $1)", n).Scan(&e))
+		return e
+	}
+	assert.True(t, exists(fresh), "another checkout's fresh template is kept")
+	assert.False(t, exists(stale), "a stale template is dropped")
+}
