@@ -36,28 +36,23 @@ func (e *env) placeAndWait(customer string, n int) ([]uuid.UUID, []time.Duration
 	return ids, took
 }
 
-// noDeadlineFired asserts that every saga got every reply in time: none of
-// its commands was re-sent or given up on for want of an answer.
-func (e *env) noDeadlineFired(ids []uuid.UUID) {
-	e.t.Helper()
-	strs := make([]string, len(ids))
-	for i, id := range ids {
-		strs[i] = id.String()
-	}
-	var fired int
-	require.NoError(e.t, e.db.SQL.QueryRow(`SELECT count(*) FROM saga_history
-		WHERE saga_id::text = ANY ($1::text[]) AND kind IN ('deadline', 'resent', 'gave_up')`, strs).Scan(&fired))
-	assert.Zero(e.t, fired, "no saga waited out a step deadline")
+// onlyDelivery sets step deadlines far beyond the tests' waits (60 s per
+// saga), so that no re-sent command can finish a saga a stalled delivery
+// held up: a stall fails the test instead of costing a deadline. (Checking
+// instead that no deadline fired would fail on a machine slow enough to
+// take a deadline's time for a hop.)
+func onlyDelivery(c *orderpayment.Config) {
+	c.Timeouts = orderpayment.StepTimeouts{Deadline: 10 * time.Minute, CompensationDeadline: 10 * time.Minute}
 }
 
 // A malformed message on every topic the sample consumes (the projection's
 // included) is dead-lettered in one attempt, with the reason, while the
-// sagas around it run as usual: all complete, none waits out a step
-// deadline. Malformed: bytes that are not JSON, JSON of another type, no
+// sagas around it run as usual: all complete, with no step deadline to
+// re-send what a stalled delivery held up. Malformed: bytes that are not JSON, JSON of another type, no
 // type at all, metadata that is not an object of strings.
 func TestMalformedMessagesOnEveryTopicAreDeadLettered(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, 1, nil)
+	e := newEnv(t, 1, onlyDelivery)
 	customer := e.customer(1_000_000)
 	_, before := e.placeAndWait(customer, 10)
 
@@ -96,7 +91,6 @@ func TestMalformedMessagesOnEveryTopicAreDeadLettered(t *testing.T) {
 		}
 	}
 	ids, during := e.placeAndWait(customer, 20)
-	e.noDeadlineFired(ids)
 	t.Logf("saga latency before: p50 %s, max %s; alongside the malformed messages: p50 %s, max %s",
 		before[len(before)/2], before[len(before)-1], during[len(during)/2], during[len(during)-1])
 
@@ -129,15 +123,15 @@ func TestMalformedMessagesOnEveryTopicAreDeadLettered(t *testing.T) {
 }
 
 // A write transaction held open in another database on the same server, for
-// as long as the sagas run, does not delay them: they all complete with no
-// step deadline waited out, while it is still open.
+// as long as the sagas run, does not delay them: they all complete while it
+// is still open, with no step deadline to re-send what it held up. (On the
+// offset log, none completed until it ended.)
 func TestLongTransactionElsewhereDoesNotDelaySagas(t *testing.T) {
 	t.Parallel()
 	stillOpen := testdb.LongWriteElsewhere(t)
 
-	e := newEnv(t, 1, func(c *orderpayment.Config) { c.Timeouts = orderpayment.StepTimeouts{Deadline: 3 * time.Second} })
+	e := newEnv(t, 1, onlyDelivery)
 	ids, took := e.placeAndWait(e.customer(1_000_000), 20)
-	e.noDeadlineFired(ids)
 	t.Logf("saga latency with a write transaction open in another database: p50 %s, max %s", took[len(took)/2], took[len(took)-1])
 	assert.True(t, stillOpen(), "the long transaction was open throughout")
 	r := e.checkInvariants(ids)
