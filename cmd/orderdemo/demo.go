@@ -1,12 +1,15 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -29,6 +32,7 @@ type demo struct {
 	opts   options
 	out    io.Writer // the report (stdout)
 	status io.Writer // progress: stdout, or stderr with -json
+	errs   io.Writer // why it failed (stderr)
 	log    *slog.Logger
 
 	found    *finddb.Found
@@ -39,7 +43,6 @@ type demo struct {
 	gateway  *fakegateway.Gateway
 	app      *orderpayment.App
 	workers  []*orderpayment.Worker
-	done     []chan error
 }
 
 func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo, error) {
@@ -53,7 +56,7 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 	if opts.verbose {
 		level = slog.LevelDebug
 	}
-	d := &demo{opts: opts, out: stdout, status: stdout,
+	d := &demo{opts: opts, out: stdout, status: stdout, errs: stderr,
 		log: slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))}
 	if opts.json {
 		d.status = stderr
@@ -135,29 +138,44 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 	if err := d.app.Setup(ctx); err != nil {
 		return nil, err
 	}
-	for range opts.workers {
-		w, err := d.app.NewWorker()
-		if err != nil {
-			return nil, err
-		}
-		done := make(chan error, 1)
-		// Workers stop through Close (draining), never through ctx.
-		go func() { done <- w.Run(context.WithoutCancel(ctx)) }()
-		<-w.Running()
-		d.workers = append(d.workers, w)
-		d.done = append(d.done, done)
-	}
 	ok = true
 	return d, nil
 }
 
+// startWorkers starts the workers and returns once all run, or with the
+// reason one cannot (close stops those already started). The context it
+// returns ends when ctx does or when a worker stops (see watchWorkers);
+// call stopWatching before stopping the workers.
+func (d *demo) startWorkers(ctx context.Context) (_ context.Context, stopWatching func(), _ error) {
+	watched := make([]stoppable, 0, d.opts.workers)
+	for i := range d.opts.workers {
+		w, err := d.app.NewWorker()
+		if err != nil {
+			return nil, nil, fmt.Errorf("building worker %d of %d: %w", i+1, d.opts.workers, err)
+		}
+		// Workers stop through Stop (draining), never through ctx: ctx
+		// bounds their start only.
+		if err := w.Start(ctx); err != nil {
+			return nil, nil, fmt.Errorf("worker %d of %d: %w", i+1, d.opts.workers, err)
+		}
+		d.workers = append(d.workers, w)
+		watched = append(watched, w)
+	}
+	ctx, stopWatching = watchWorkers(ctx, watched)
+	return ctx, stopWatching, nil
+}
+
 // stopWorkers drains and stops the workers.
 func (d *demo) stopWorkers() {
-	for i, w := range d.workers {
-		if err := w.Close(); err != nil {
-			d.log.Error("closing worker", "err", err)
+	for _, w := range d.workers {
+		select {
+		case <-w.Stopped(): // stopped by itself: run reported why
+			_ = w.Stop()
+		default:
+			if err := w.Stop(); err != nil {
+				d.log.Error("stopping worker", "err", err)
+			}
 		}
-		<-d.done[i]
 	}
 	d.workers = nil
 }
@@ -194,25 +212,40 @@ func (d *demo) run(ctx context.Context) int {
 		err error
 	)
 	if d.opts.resume {
+		// Count before any worker runs: workers finish sagas while the
+		// others start, and those would be missing from the count and the
+		// report.
 		ids, err = d.unfinished(ctx)
 		if err != nil {
-			fmt.Fprintln(d.status, "orderdemo:", err)
+			fmt.Fprintln(d.errs, "orderdemo:", err)
 			return exitNoService
 		}
-		fmt.Fprintf(d.status, "resuming %d unfinished sagas\n", len(ids))
-	} else {
+		fmt.Fprintf(d.status, "resuming %s\n", plural(len(ids), "unfinished saga", "unfinished sagas"))
+	}
+	ctx, stopWatching, err := d.startWorkers(ctx)
+	if err != nil {
+		fmt.Fprintln(d.errs, "orderdemo:", err)
+		return exitNoService
+	}
+	defer stopWatching()
+	if !d.opts.resume {
 		ids, err = d.placeOrders(ctx)
 		if err != nil {
-			fmt.Fprintln(d.status, "orderdemo:", err)
+			fmt.Fprintln(d.errs, "orderdemo:", cmp.Or(workerStopped(ctx), err))
 			return exitFailed
 		}
 	}
 	finished := d.wait(ctx, ids, start)
+	stopWatching() // the workers' own stop below is no failure
+	if err := workerStopped(ctx); err != nil {
+		fmt.Fprintf(d.errs, "orderdemo: %v (run again with -resume to finish)\n", err)
+		return exitFailed
+	}
 	// Stop the workers before checking, so nothing moves under the check.
 	d.stopWorkers()
 	report, err := orderpayment.Check(context.Background(), d.db.SQL, ids)
 	if err != nil {
-		fmt.Fprintln(d.status, "orderdemo: checking invariants:", err)
+		fmt.Fprintln(d.errs, "orderdemo: checking invariants:", err)
 		return exitFailed
 	}
 	return d.report(ids, report, time.Since(start), finished)
@@ -240,7 +273,8 @@ func (d *demo) placeOrders(ctx context.Context) ([]uuid.UUID, error) {
 			return nil, err
 		}
 	}
-	fmt.Fprintf(d.status, "seeded %d customers with $250.00 each; placing %d orders of $10 to $90 (run %s)\n", customers, d.opts.orders, run)
+	fmt.Fprintf(d.status, "seeded %s with $250.00 each; placing %s of $10 to $90 (run %s)\n",
+		plural(customers, "customer", "customers"), plural(d.opts.orders, "order", "orders"), run)
 
 	type plan struct {
 		customer string
@@ -357,7 +391,9 @@ func (d *demo) wait(ctx context.Context, ids []uuid.UUID, start time.Time) bool 
 		}
 		select {
 		case <-ctx.Done():
-			fmt.Fprintln(d.status, "interrupted; stopping the workers (run again with -resume to finish)")
+			if workerStopped(ctx) == nil { // else run says why
+				fmt.Fprintln(d.status, "interrupted; stopping the workers (run again with -resume to finish)")
+			}
 			return false
 		case <-deadline.C:
 			fmt.Fprintf(d.status, "gave up waiting after %s (run again with -resume to finish)\n", d.opts.timeout)
@@ -511,14 +547,17 @@ func (d *demo) printTable(s summary) {
 	if s.Unfinished > 0 {
 		fmt.Fprintf(w, "  %-12s %d\n", "unfinished", s.Unfinished)
 	}
-	fmt.Fprintf(w, "  %-12s p50 %s, p99 %s (order placed to saga finished)\n", "latency", fmtMillis(s.P50Millis), fmtMillis(s.P99Millis))
+	fmt.Fprintf(w, "  %-12s %s\n", "latency", latencyText(s))
 	fmt.Fprintf(w, "  %-12s %s\n", "time taken", fmtMillis(s.DurationMillis))
-	fmt.Fprintf(w, "  %-12s %d charges, %d refunds, %d calls (all runs)\n", "gateway", s.GatewayCharges, s.GatewayRefunds, s.GatewayCalls)
+	fmt.Fprintf(w, "  %-12s %s, %s, %s (all runs)\n", "gateway", plural(s.GatewayCharges, "charge", "charges"),
+		plural(s.GatewayRefunds, "refund", "refunds"), plural(s.GatewayCalls, "call", "calls"))
 	if c := s.Chaos; c != nil {
-		fmt.Fprintf(w, "  %-12s %d messages duplicated (%d copies), %d crashes before commit, %d after commit, %d connections killed\n",
-			"chaos", c.Duplicated, c.Copies, c.CrashesBefore, c.CrashesAfter, c.ConnectionsKilled)
-		fmt.Fprintf(w, "  %-12s gateway faults %v (all runs); %d handler attempts, %d of them retries; %d duplicate commands answered from the store\n",
-			"", c.GatewayFaults, c.Attempts, c.Retries, c.Replayed)
+		fmt.Fprintf(w, "  %-12s %s duplicated (%s), %s before commit, %d after commit, %s killed\n", "chaos",
+			plural(c.Duplicated, "message", "messages"), plural(c.Copies, "copy", "copies"),
+			plural(c.CrashesBefore, "crash", "crashes"), c.CrashesAfter, plural(c.ConnectionsKilled, "connection", "connections"))
+		fmt.Fprintf(w, "  %-12s gateway faults %s (all runs); %s, of which %s; %s answered from the store\n", "",
+			countList(c.GatewayFaults, "none"), plural(c.Attempts, "handler attempt", "handler attempts"),
+			plural(c.Retries, "retry", "retries"), plural(c.Replayed, "duplicate command", "duplicate commands"))
 		fmt.Fprintf(w, "  %-12s seed %d\n", "", s.Seed)
 	}
 	if s.InvariantsOK {
@@ -537,18 +576,53 @@ func reasonList(reasons map[string]int) string {
 	if len(reasons) == 0 {
 		return ""
 	}
-	keys := make([]string, 0, len(reasons))
-	for k := range reasons {
-		keys = append(keys, k)
-	}
-	sort.Slice(keys, func(i, j int) bool {
-		return reasons[keys[i]] > reasons[keys[j]] || reasons[keys[i]] == reasons[keys[j]] && keys[i] < keys[j]
-	})
-	parts := make([]string, len(keys))
-	for i, k := range keys {
-		parts[i] = fmt.Sprintf("%s: %d", k, reasons[k])
+	parts := make([]string, 0, len(reasons))
+	for _, k := range byCount(reasons) {
+		parts = append(parts, fmt.Sprintf("%s: %d", k, reasons[k]))
 	}
 	return " (" + strings.Join(parts, ", ") + ")"
+}
+
+// countList reads "lost 4, slow 4, decline 1", most frequent first, or
+// none when counts is empty.
+func countList(counts map[string]int, none string) string {
+	if len(counts) == 0 {
+		return none
+	}
+	parts := make([]string, 0, len(counts))
+	for _, k := range byCount(counts) {
+		parts = append(parts, fmt.Sprintf("%s %d", k, counts[k]))
+	}
+	return strings.Join(parts, ", ")
+}
+
+// byCount returns the keys of counts, most frequent first, then by name.
+func byCount(counts map[string]int) []string {
+	keys := slices.Collect(maps.Keys(counts))
+	sort.Slice(keys, func(i, j int) bool {
+		return counts[keys[i]] > counts[keys[j]] || counts[keys[i]] == counts[keys[j]] && keys[i] < keys[j]
+	})
+	return keys
+}
+
+// latencyText is the latency line of the table: there is none to show
+// when no saga finished (and "p50 0ms" would claim one).
+func latencyText(s summary) string {
+	switch {
+	case s.Sagas == 0:
+		return "none (no sagas)"
+	case s.Completed+s.Compensated+s.Failed == 0:
+		return "none (no saga finished)"
+	}
+	return fmt.Sprintf("p50 %s, p99 %s (order placed to saga finished)", fmtMillis(s.P50Millis), fmtMillis(s.P99Millis))
+}
+
+// plural is n followed by the noun's singular or plural form.
+func plural(n int, one, many string) string {
+	if n == 1 {
+		return "1 " + one
+	}
+	return fmt.Sprintf("%d %s", n, many)
 }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }

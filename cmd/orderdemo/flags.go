@@ -34,7 +34,9 @@ func (o options) chaos() bool {
 func parseFlags(args []string, stderr io.Writer) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("orderdemo", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	// The flag package prints its error and the whole usage on a bad flag;
+	// run prints one line instead, and the usage goes out on -h only.
+	fs.SetOutput(io.Discard)
 	fs.IntVar(&o.orders, "orders", 50, "orders to place")
 	fs.IntVar(&o.workers, "workers", 1, "independent workers (routers and consumer sets) in this process")
 	fs.DurationVar(&o.timeout, "timeout", 2*time.Minute, "give up waiting for terminal states after this long")
@@ -45,47 +47,64 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.Float64Var(&o.crashRate, "crash-rate", 0, "chaos: share of handler attempts crashed at a commit boundary (45% of them before commit, 45% after commit before the ack, 10% by killing the database connection)")
 	fs.Float64Var(&o.gatewayFaultRate, "gateway-fault-rate", 0, "chaos: share of payment gateway calls that are slow, fail with 503, lose their answer after acting, or decline a charge")
 	fs.Uint64Var(&o.seed, "seed", 0, "seed of the order plan and the chaos (default: random, printed)")
-	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), `Usage: orderdemo [flags]
+	fs.Usage = func() {}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			printUsage(fs, stderr)
+			return o, errHelp
+		}
+		return o, err
+	}
+	err := validate(fs, &o)
+	return o, err
+}
+
+func printUsage(fs *flag.FlagSet, w io.Writer) {
+	fmt.Fprintf(w, `Usage: orderdemo [flags]
 
 Runs the sample order-payment saga end to end and reports how every saga
-ended. Exit status 0 only if every saga it waited for is terminal and every
-invariant holds; 1 otherwise; 2 for bad flags; 3 when it cannot start.
+ended. Exit status:
+
+  0  every saga it waited for is terminal and every invariant holds;
+  1  otherwise: sagas left unfinished (-timeout, or SIGINT or SIGTERM, which
+     stop the wait: the workers stop and the report follows), an invariant
+     broken, or a worker that stopped during the run (its cause is printed);
+  2  bad flags;
+  3  it cannot start: no database, or a worker that cannot run (the cause
+     is printed).
 
 The database is DATABASE_URL, else a PostgreSQL on 127.0.0.1:5432 (database
 "pgsaga", created if missing), else an embedded PostgreSQL it starts.
 
 Flags:
 `)
-		fs.PrintDefaults()
-	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return o, errHelp
-		}
-		return o, err
-	}
+	fs.SetOutput(w)
+	fs.PrintDefaults()
+}
+
+// validate checks the parsed flags together.
+func validate(fs *flag.FlagSet, o *options) error {
 	switch {
 	case fs.NArg() > 0:
-		return o, fmt.Errorf("unexpected arguments %q (flags only; see -h)", fs.Args())
+		return fmt.Errorf("unexpected arguments %q: it takes flags only", fs.Args())
 	case o.orders < 0:
-		return o, fmt.Errorf("-orders must not be negative, got %d", o.orders)
+		return fmt.Errorf("-orders must not be negative, got %d", o.orders)
 	case o.orders > 100_000:
-		return o, fmt.Errorf("-orders must be at most 100000, got %d", o.orders)
+		return fmt.Errorf("-orders must be at most 100000, got %d", o.orders)
 	case o.workers < 1 || o.workers > 16:
-		return o, fmt.Errorf("-workers must be between 1 and 16, got %d", o.workers)
+		return fmt.Errorf("-workers must be between 1 and 16, got %d", o.workers)
 	case o.timeout <= 0:
-		return o, fmt.Errorf("-timeout must be positive, got %s", o.timeout)
+		return fmt.Errorf("-timeout must be positive, got %s", o.timeout)
 	case o.resume && flagSet(fs, "orders"):
-		return o, errors.New("-resume places no orders; drop -orders")
+		return errors.New("-resume places no orders; drop -orders")
 	}
 	for name, r := range map[string]float64{"-duplicate-rate": o.duplicateRate, "-crash-rate": o.crashRate, "-gateway-fault-rate": o.gatewayFaultRate} {
 		if r < 0 || r > 1 || r != r {
-			return o, fmt.Errorf("%s must be between 0 and 1, got %v", name, r)
+			return fmt.Errorf("%s must be between 0 and 1, got %v", name, r)
 		}
 	}
 	o.seedSet = flagSet(fs, "seed")
-	return o, nil
+	return nil
 }
 
 func flagSet(fs *flag.FlagSet, name string) bool {

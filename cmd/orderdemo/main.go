@@ -15,6 +15,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -22,11 +23,14 @@ import (
 	"syscall"
 )
 
-func main() {
+func main() { os.Exit(runWithSignals(os.Args[1:], os.Stdout, os.Stderr)) }
+
+// runWithSignals runs the command; SIGINT or SIGTERM ends the wait for the
+// sagas as -timeout does (the workers stop, the report follows, exit 1).
+func runWithSignals(args []string, stdout, stderr io.Writer) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
-	stop()
-	os.Exit(code)
+	defer stop()
+	return run(ctx, args, stdout, stderr)
 }
 
 // Exit codes.
@@ -34,16 +38,16 @@ const (
 	exitOK        = 0
 	exitFailed    = 1 // sagas left unfinished, or an invariant broken
 	exitUsage     = 2
-	exitNoService = 3 // no database, gateway could not start, …
+	exitNoService = 3 // no database, gateway or worker could not start, …
 )
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	opts, err := parseFlags(args, stderr)
 	if err != nil {
-		if err == errHelp {
+		if errors.Is(err, errHelp) {
 			return exitOK
 		}
-		fmt.Fprintln(stderr, "orderdemo:", err)
+		fmt.Fprintf(stderr, "orderdemo: %v (orderdemo -h lists the flags)\n", err)
 		return exitUsage
 	}
 	d, err := newDemo(ctx, opts, stdout, stderr)

@@ -23,9 +23,10 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	// A copy of the test binary started by a test runs the command itself.
+	// A copy of the test binary started by a test runs the command itself,
+	// signals included.
 	if args, ok := os.LookupEnv("ORDERDEMO_ARGS"); ok {
-		os.Exit(run(context.Background(), strings.Fields(args), os.Stdout, os.Stderr))
+		os.Exit(runWithSignals(strings.Fields(args), os.Stdout, os.Stderr))
 	}
 	testdb.Main(m)
 }

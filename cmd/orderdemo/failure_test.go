@@ -1,0 +1,183 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/saga/orderpayment"
+)
+
+// A run whose role may open too few connections ends at once with the
+// cause, exit 1 or 3 depending on which step hit the limit first (usually a
+// worker's start, or placing the orders); it used to wait forever for a
+// worker that could not start, deaf to SIGTERM and -timeout.
+func TestTooFewConnectionsEndTheRun(t *testing.T) {
+	t.Setenv("DATABASE_URL", limitedRole(t, 3))
+	var stdout, stderr lockedBuffer
+	done := make(chan int, 1)
+	start := time.Now()
+	go func() {
+		done <- run(context.Background(), []string{"-orders", "5", "-timeout", "1m"}, &stdout, &stderr)
+	}()
+	bound, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	select {
+	case code := <-done:
+		t.Logf("exit %d after %s: %s", code, time.Since(start).Round(time.Millisecond), lastLine(stderr.String(), "orderdemo:"))
+		assert.Contains(t, []int{exitFailed, exitNoService}, code)
+		assert.Contains(t, lastLine(stderr.String(), "orderdemo:"), "too many connections for role", "the cause is named")
+	case <-bound.Done():
+		t.Fatalf("run did not return within 30s:\nstdout:\n%s\nstderr:\n%s", stdout.String(), tail(stderr.String(), 5))
+	}
+}
+
+// A worker that cannot run stops startWorkers at once with the cause.
+// (Its role may hold one connection, and the test holds it.)
+func TestStartWorkersSaysWhyAWorkerCannotRun(t *testing.T) {
+	t.Parallel()
+	url := limitedRole(t, 1)
+	ctx := context.Background()
+	held, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	defer held.Close(ctx)
+	pool, err := pgxpool.New(ctx, url) // connects on first use
+	require.NoError(t, err)
+	defer pool.Close()
+	sqlDB := stdlib.OpenDBFromPool(pool)
+	defer sqlDB.Close()
+	discard := slog.New(slog.DiscardHandler)
+	app, err := orderpayment.New(orderpayment.Config{DB: sqlDB, GatewayURL: "http://127.0.0.1:1", Logger: discard})
+	require.NoError(t, err)
+	d := &demo{opts: options{workers: 2}, app: app, log: discard}
+	defer d.stopWorkers()
+
+	started := make(chan error, 1)
+	go func() {
+		_, _, err := d.startWorkers(ctx)
+		started <- err
+	}()
+	bound, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	select {
+	case err := <-started:
+		require.Error(t, err)
+		assert.Contains(t, err.Error(), "worker 1 of 2")
+		assert.Contains(t, err.Error(), "too many connections for role")
+		assert.Empty(t, d.workers)
+	case <-bound.Done():
+		t.Fatal("startWorkers did not return within 20s")
+	}
+}
+
+// lastLine is the last line of s that starts with prefix.
+func lastLine(s, prefix string) string {
+	lines := strings.Split(s, "\n")
+	for i := len(lines) - 1; i >= 0; i-- {
+		if strings.HasPrefix(lines[i], prefix) {
+			return lines[i]
+		}
+	}
+	return ""
+}
+
+// tail is the last n lines of s.
+func tail(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
+}
+
+// SIGTERM stops a run as SIGINT does: the workers stop, the report says
+// what finished, and the exit status is 1 (sagas left unfinished).
+func TestSIGTERMStopsTheRun(t *testing.T) {
+	db := testdb.Fresh(t)
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "ORDERDEMO_ARGS=-orders 400 -timeout 2m", "DATABASE_URL="+db.URL)
+	out := &lockedBuffer{}
+	cmd.Stdout, cmd.Stderr = out, out
+	require.NoError(t, cmd.Start())
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+
+	bound, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	waitFor(bound, t, out, "sagas 400:") // waiting for the sagas
+	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+	sent := time.Now()
+	stopBound, cancelStop := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancelStop()
+	select {
+	case err := <-exited:
+		t.Logf("exited %s after SIGTERM", time.Since(sent).Round(time.Millisecond))
+		var exit *exec.ExitError
+		require.ErrorAs(t, err, &exit, "output:\n%s", out.String())
+		assert.Equal(t, exitFailed, exit.ExitCode(), "output:\n%s", out.String())
+		assert.Contains(t, out.String(), "interrupted")
+		assert.Contains(t, out.String(), "invariants", "the report is printed")
+	case <-stopBound.Done():
+		_ = cmd.Process.Kill()
+		t.Fatalf("still running 15s after SIGTERM:\n%s", tail(out.String(), 10))
+	}
+}
+
+// waitFor waits until out holds want, or fails the test when ctx ends.
+func waitFor(ctx context.Context, t *testing.T, out *lockedBuffer, want string) {
+	t.Helper()
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for !strings.Contains(out.String(), want) {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("no %q in the output:\n%s", want, out.String())
+		case <-tick.C:
+		}
+	}
+}
+
+// Nothing the program prints shows the database password, whatever form
+// the connection string takes, in a run or in a failure. (The server trusts
+// local connections, so the password is never checked.)
+func TestNoPasswordInOutput(t *testing.T) {
+	db := testdb.Fresh(t)
+	host := "host=127.0.0.1 port=5432 user=postgres dbname=" + db.Name + " sslmode=disable"
+	base := strings.TrimSuffix(db.URL, "?sslmode=disable")
+	for name, c := range map[string]struct {
+		url    string
+		args   []string
+		code   int
+		secret []string
+	}{
+		"url userinfo":   {strings.Replace(db.URL, "postgres@", "postgres:s3cr3t@", 1), []string{"-orders", "1"}, exitOK, []string{"s3cr3t"}},
+		"url query":      {base + "?sslmode=disable&password=s3cr3t", []string{"-orders", "1", "-v"}, exitOK, []string{"s3cr3t"}},
+		"keyword plain":  {host + " password=s3cr3t", []string{"-orders", "1", "-json"}, exitOK, []string{"s3cr3t"}},
+		"keyword quoted": {host + ` password='pa55 w\'0rd'`, []string{"-orders", "1"}, exitOK, []string{"pa55", "0rd"}},
+		"bad port":       {`host=127.0.0.1 port=notaport user=postgres password='pa55 w\'0rd'`, []string{"-orders", "1"}, exitNoService, []string{"pa55", "0rd"}},
+		"refused":        {`host=127.0.0.1 port=1 user=postgres password='pa55 w\'0rd' connect_timeout=2`, []string{"-orders", "1"}, exitNoService, []string{"pa55", "0rd"}},
+		"unparsable":     {`host=127.0.0.1 user=postgres password='pa55 w\'0rd`, []string{"-orders", "1"}, exitNoService, []string{"pa55", "0rd"}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Setenv("DATABASE_URL", c.url)
+			var stdout, stderr bytes.Buffer
+			code := run(context.Background(), c.args, &stdout, &stderr)
+			all := stdout.String() + stderr.String()
+			assert.Equal(t, c.code, code, all)
+			for _, s := range c.secret {
+				assert.NotContains(t, all, s)
+			}
+			t.Logf("%s", tail(all, 2))
+		})
+	}
+}
