@@ -60,7 +60,6 @@ type bench struct {
 	app     *orderpayment.App
 	front   *orderpayment.App // the clients' view: places orders
 	workers []*orderpayment.Worker
-	done    []chan error
 
 	stopRetention context.CancelFunc
 	retentionDone chan error
@@ -154,19 +153,31 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	go func() {
 		b.retentionDone <- b.app.RunRetention(rctx, orderpayment.Retention{})
 	}()
-	for range opts.workers {
-		w, err := b.app.NewWorker()
-		if err != nil {
-			return nil, err
-		}
-		done := make(chan error, 1)
-		go func() { done <- w.Run(context.WithoutCancel(ctx)) }()
-		<-w.Running()
-		b.workers = append(b.workers, w)
-		b.done = append(b.done, done)
-	}
 	ok = true
 	return b, nil
+}
+
+// startWorkers starts the workers and returns once all run, or with the
+// reason one cannot (close stops those already started). The context it
+// returns ends when ctx does or when a worker stops (see watchWorkers);
+// call stopWatching before stopping the workers.
+func (b *bench) startWorkers(ctx context.Context) (_ context.Context, stopWatching func(), _ error) {
+	watched := make([]stoppable, 0, b.opts.workers)
+	for i := range b.opts.workers {
+		w, err := b.app.NewWorker()
+		if err != nil {
+			return nil, nil, fmt.Errorf("building worker %d of %d: %w", i+1, b.opts.workers, err)
+		}
+		// Workers stop through Stop (draining), never through ctx: ctx
+		// bounds their start only.
+		if err := w.Start(ctx); err != nil {
+			return nil, nil, fmt.Errorf("worker %d of %d: %w", i+1, b.opts.workers, err)
+		}
+		b.workers = append(b.workers, w)
+		watched = append(watched, w)
+	}
+	ctx, stopWatching = watchWorkers(ctx, watched)
+	return ctx, stopWatching, nil
 }
 
 // topicsHint is the number of topics the sample's worker consumes, for
@@ -174,16 +185,28 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 // projection.
 var topicsHint = [7]struct{}{}
 
-// checkConnections fails early, and clearly, when the server cannot take
-// the connections the run needs.
+// checkConnections fails early, and clearly, when the server or the role
+// cannot take the connections the run needs: short of them, seeding or a
+// worker's start fails midway with "too many connections".
 func (b *bench) checkConnections(ctx context.Context, need int) error {
-	var maxConns, used int
-	err := b.admin.SQL.QueryRowContext(ctx, `SELECT current_setting('max_connections')::int, (SELECT count(*) FROM pg_stat_activity)`).Scan(&maxConns, &used)
+	var (
+		maxConns, used, roleLimit, roleUsed int
+		role                                string
+	)
+	err := b.admin.SQL.QueryRowContext(ctx, `SELECT current_setting('max_connections')::int, (SELECT count(*) FROM pg_stat_activity),
+    current_user, CASE WHEN r.rolsuper THEN -1 ELSE r.rolconnlimit END,
+    (SELECT count(*) FROM pg_stat_activity WHERE usename = current_user)
+FROM pg_roles r WHERE r.rolname = current_user`).Scan(&maxConns, &used, &role, &roleLimit, &roleUsed)
 	if err != nil {
-		return fmt.Errorf("reading max_connections: %w", err)
+		return fmt.Errorf("reading max_connections and the role's connection limit: %w", err)
 	}
 	if free := maxConns - used - 3; need > free {
 		return fmt.Errorf("this run needs up to %d connections but the server has %d free (max_connections %d): use fewer -consumers or -workers, or raise max_connections", need, free, maxConns)
+	}
+	// A superuser's limit is not enforced.
+	if free := roleLimit - roleUsed; roleLimit >= 0 && need > free {
+		return fmt.Errorf("this run needs up to %d connections but role %s may open %d more (CONNECTION LIMIT %d): use fewer -consumers or -workers, or raise the limit (ALTER ROLE %s CONNECTION LIMIT %d)",
+			need, role, max(free, 0), roleLimit, pgx.Identifier{role}.Sanitize(), roleUsed+need)
 	}
 	return nil
 }
@@ -314,11 +337,15 @@ func (b *bench) place(ctx context.Context, phase string, i int, rng *mrand.Rand,
 
 // stopWorkers drains and stops the workers.
 func (b *bench) stopWorkers() {
-	for i, w := range b.workers {
-		if err := w.Close(); err != nil {
-			b.log.Error("closing worker", "err", err)
+	for _, w := range b.workers {
+		select {
+		case <-w.Stopped(): // stopped by itself: run reported why
+			_ = w.Stop()
+		default:
+			if err := w.Stop(); err != nil {
+				b.log.Error("stopping worker", "err", err)
+			}
 		}
-		<-b.done[i]
 	}
 	b.workers = nil
 }

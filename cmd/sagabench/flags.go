@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
 	"time"
 )
 
@@ -30,7 +31,9 @@ type options struct {
 func parseFlags(args []string, stderr io.Writer) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("sagabench", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	// The flag package prints its error and the whole usage on a bad flag;
+	// run prints one line instead, and the usage goes out on -h only.
+	fs.SetOutput(io.Discard)
 	fs.IntVar(&o.sagas, "sagas", 20_000, "throughput phase: sagas to run (closed loop); 0 skips the phase")
 	fs.IntVar(&o.inflight, "inflight", 500, "throughput phase: sagas in flight at most")
 	fs.Float64Var(&o.rate, "rate", 100, "latency phase: sagas offered per second (open loop); 0 skips the phase")
@@ -45,48 +48,133 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.profile, "cpuprofile", "", "write a CPU profile of the throughput phase to this file (go tool pprof)")
 	fs.BoolVar(&o.keep, "keep", false, "keep the benchmark database instead of dropping it")
 	fs.BoolVar(&o.verbose, "v", false, "log what the workers do (to stderr)")
-	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), `Usage: sagabench [flags]
-
-Runs the order-payment saga workload on a fresh database (created next to
-the one cmd/orderdemo uses, dropped afterwards) and prints the figures, the
-last line of stdout being one JSON object. Exit status 0 only if every saga
-finished and every invariant holds; 1 otherwise; 2 for bad flags; 3 when it
-cannot start.
-
-Flags:
-`)
-		fs.PrintDefaults()
-	}
+	fs.Usage = func() {}
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
+			printUsage(fs, stderr)
 			return o, errHelp
 		}
 		return o, err
 	}
+	err := validate(fs, &o)
+	return o, err
+}
+
+func printUsage(fs *flag.FlagSet, w io.Writer) {
+	fmt.Fprint(w, usageText)
+	fs.SetOutput(w)
+	fs.PrintDefaults()
+}
+
+// usageText is the head of -h. It describes every field of the JSON line
+// (a test holds it to that).
+const usageText = `Usage: sagabench [flags]
+
+Runs the order-payment saga workload on a fresh database (created next to
+the one cmd/orderdemo uses, dropped afterwards) and prints the figures, the
+last line of stdout being one JSON object. Exit status 0 only if every saga
+finished and every invariant holds; 1 otherwise (SIGINT or SIGTERM ends the
+phase under way, the figures so far are printed; a worker that stops during
+the run ends it with its cause); 2 for bad flags; 3 when it cannot start
+(no database, too few connections, a worker that cannot run: the cause is
+printed).
+
+The JSON line (its field names are a contract; a skipped phase's figures
+are 0):
+
+    ok                      every saga finished, every invariant holds and the
+                            run was not interrupted (as the exit status)
+  Throughput phase (closed loop, -sagas, -inflight):
+    sagas                   sagas run
+    sagas_per_s             sagas ended a second, first placement to last end
+    steps_per_s             idempotent steps a second: saga reactions (a start,
+                            a reply applied) and participant steps
+    steps_per_saga          steps a saga (5 for this saga)
+    throughput_s            how long the phase took, seconds
+    sagas_per_s_by_quarter  sagas_per_s in each quarter of the phase: flat when
+                            nothing degrades as the tables fill
+    topic_rows_left         messages still queued at the end (retention runs)
+    cpu_s_per_1k_sagas      CPU seconds per 1,000 sagas: process (this one),
+                            postgres (every server process; null when they
+                            cannot be read)
+  Latency phase (open loop, -rate, -duration):
+    rate                    sagas offered a second
+    latency_sagas           sagas timed, each from its scheduled placement to
+                            the notification of its end
+    p50_ms, p95_ms, p99_ms, max_ms
+                            their latency percentiles and maximum
+  Baseline (-baseline):
+    commit_tps              PostgreSQL's single-row insert commits a second at
+                            16 connections, on the same database
+    steps_per_commit        steps_per_s / commit_tps
+  Idle (-idle):
+    idle_cpu_pct            CPU use while nothing happens, percent of one core:
+                            process, postgres (as above)
+  Every saga of the run, checked at the end (as cmd/orderdemo checks):
+    completed, compensated, failed, unfinished
+                            sagas by final status
+    invariants_ok           every invariant holds
+    violations              the broken ones, in words
+  The run:
+    config                  the settings: consumers, lanes (old name of
+                            consumers), workers, batch, inflight, duration_s,
+                            baseline_s, idle_s
+    machine                 cores, goos, goarch, go (version), postgres (server
+                            version)
+
+Flags:
+`
+
+// validate checks the parsed flags together.
+func validate(fs *flag.FlagSet, o *options) error {
 	switch {
 	case fs.NArg() > 0:
-		return o, fmt.Errorf("unexpected arguments %q (flags only; see -h)", fs.Args())
+		return fmt.Errorf("unexpected arguments %q: it takes flags only", fs.Args())
 	case o.sagas < 0 || o.sagas > 1_000_000:
-		return o, fmt.Errorf("-sagas must be between 0 and 1000000, got %d", o.sagas)
+		return fmt.Errorf("-sagas must be between 0 and 1000000, got %d", o.sagas)
 	case o.inflight < 1:
-		return o, fmt.Errorf("-inflight must be positive, got %d", o.inflight)
+		return fmt.Errorf("-inflight must be positive, got %d", o.inflight)
 	case o.rate < 0 || o.rate > 10_000 || o.rate != o.rate:
-		return o, fmt.Errorf("-rate must be between 0 and 10000, got %v", o.rate)
+		return fmt.Errorf("-rate must be between 0 and 10000, got %v", o.rate)
 	case o.rate > 0 && o.duration <= 0:
-		return o, fmt.Errorf("-duration must be positive, got %s", o.duration)
+		return fmt.Errorf("-duration must be positive, got %s", o.duration)
 	case o.consumers < 1 || o.consumers > 64:
-		return o, fmt.Errorf("-consumers must be between 1 and 64, got %d", o.consumers)
+		return fmt.Errorf("-consumers must be between 1 and 64, got %d", o.consumers)
 	case o.workers < 1 || o.workers > 16:
-		return o, fmt.Errorf("-workers must be between 1 and 16, got %d", o.workers)
+		return fmt.Errorf("-workers must be between 1 and 16, got %d", o.workers)
 	case o.batch < 1 || o.batch > 1000:
-		return o, fmt.Errorf("-batch must be between 1 and 1000, got %d", o.batch)
+		return fmt.Errorf("-batch must be between 1 and 1000, got %d", o.batch)
 	case o.baseline < 0 || o.idle < 0:
-		return o, errors.New("-baseline and -idle must not be negative")
+		return errors.New("-baseline and -idle must not be negative")
 	case o.timeout <= 0:
-		return o, fmt.Errorf("-timeout must be positive, got %s", o.timeout)
+		return fmt.Errorf("-timeout must be positive, got %s", o.timeout)
 	case o.sagas == 0 && o.rate == 0:
-		return o, errors.New("nothing to measure: -sagas and -rate are both 0")
+		return errors.New("nothing to measure: -sagas and -rate are both 0")
+	case o.profile != "" && o.sagas == 0:
+		return errors.New("-cpuprofile profiles the throughput phase, which -sagas 0 skips")
 	}
-	return o, nil
+	if o.profile != "" {
+		// Found now, not after minutes of seeding.
+		if err := checkWritable(o.profile); err != nil {
+			return fmt.Errorf("-cpuprofile: %w", err)
+		}
+	}
+	return nil
+}
+
+// checkWritable fails unless path can be written as a file, and leaves the
+// file system as it found it.
+func checkWritable(path string) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	if errors.Is(err, os.ErrExist) {
+		if f, err = os.OpenFile(path, os.O_WRONLY, 0); err != nil {
+			return err
+		}
+		return f.Close()
+	}
+	if err != nil {
+		return err
+	}
+	_ = f.Close()
+	return os.Remove(path)
 }

@@ -31,11 +31,14 @@ import (
 	"syscall"
 )
 
-func main() {
+func main() { os.Exit(runWithSignals(os.Args[1:], os.Stdout, os.Stderr)) }
+
+// runWithSignals runs the command; SIGINT or SIGTERM ends the phase under
+// way as -timeout does (the workers stop, the figures follow, exit 1).
+func runWithSignals(args []string, stdout, stderr io.Writer) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
-	stop()
-	os.Exit(code)
+	defer stop()
+	return run(ctx, args, stdout, stderr)
 }
 
 // Exit codes.
@@ -43,7 +46,7 @@ const (
 	exitOK        = 0
 	exitFailed    = 1 // an invariant broken, or sagas left unfinished
 	exitUsage     = 2
-	exitNoService = 3 // no database, gateway could not start, …
+	exitNoService = 3 // no database, gateway or worker could not start, …
 )
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -52,7 +55,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		if errors.Is(err, errHelp) {
 			return exitOK
 		}
-		fmt.Fprintln(stderr, "sagabench:", err)
+		fmt.Fprintf(stderr, "sagabench: %v (sagabench -h lists the flags)\n", err)
 		return exitUsage
 	}
 	b, err := newBench(ctx, opts, stdout, stderr)

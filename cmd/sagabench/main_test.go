@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"os"
 	"regexp"
 	"strings"
 	"testing"
@@ -14,7 +15,14 @@ import (
 	"github.com/pgsaga/pgsaga/internal/testdb"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+func TestMain(m *testing.M) {
+	// A copy of the test binary started by a test runs the command itself,
+	// signals included.
+	if args, ok := os.LookupEnv("SAGABENCH_ARGS"); ok {
+		os.Exit(runWithSignals(strings.Fields(args), os.Stdout, os.Stderr))
+	}
+	testdb.Main(m)
+}
 
 // A small run reports every figure of the JSON contract, with every
 // invariant checked, and drops its database.
@@ -33,6 +41,7 @@ func TestSmallRun(t *testing.T) {
 		"cpu_s_per_1k_sagas", "idle_cpu_pct", "invariants_ok", "violations", "config", "machine"} {
 		assert.Contains(t, raw, field)
 	}
+	assertDocumented(t, helpText(t), jsonKeys(t, []byte(lines[len(lines)-1])))
 	var r result
 	require.NoError(t, json.Unmarshal([]byte(lines[len(lines)-1]), &r))
 	assert.True(t, r.OK)

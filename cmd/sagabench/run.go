@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -92,6 +93,13 @@ type machine struct {
 }
 
 func (b *bench) run(ctx context.Context) int {
+	interrupted := ctx // SIGINT, SIGTERM
+	ctx, stopWatching, err := b.startWorkers(ctx)
+	if err != nil {
+		fmt.Fprintln(b.status, "sagabench:", err)
+		return exitNoService
+	}
+	defer stopWatching()
 	r := result{Violations: []string{}, Rate: b.opts.rate,
 		Config: benchConfig{Consumers: b.opts.consumers, Lanes: b.opts.consumers, Workers: b.opts.workers, Batch: b.opts.batch, Inflight: b.opts.inflight,
 			DurationS: b.opts.duration.Seconds(), BaselineS: b.opts.baseline.Seconds(), IdleS: b.opts.idle.Seconds()},
@@ -102,7 +110,7 @@ func (b *bench) run(ctx context.Context) int {
 	if b.opts.baseline > 0 {
 		tps, err := b.commitBaseline(ctx)
 		if err != nil {
-			fmt.Fprintln(b.status, "sagabench: baseline:", err)
+			fmt.Fprintln(b.status, "sagabench: baseline:", cmp.Or(workerStopped(ctx), err))
 			return exitFailed
 		}
 		r.CommitTPS = tps
@@ -112,7 +120,7 @@ func (b *bench) run(ctx context.Context) int {
 	if b.opts.sagas > 0 {
 		ok, err := b.throughput(ctx, &r)
 		if err != nil {
-			fmt.Fprintln(b.status, "sagabench: throughput phase:", err)
+			fmt.Fprintln(b.status, "sagabench: throughput phase:", cmp.Or(workerStopped(ctx), err))
 			return exitFailed
 		}
 		finished = finished && ok
@@ -120,7 +128,7 @@ func (b *bench) run(ctx context.Context) int {
 	if b.opts.rate > 0 && ctx.Err() == nil {
 		ok, err := b.latency(ctx, &r)
 		if err != nil {
-			fmt.Fprintln(b.status, "sagabench: latency phase:", err)
+			fmt.Fprintln(b.status, "sagabench: latency phase:", cmp.Or(workerStopped(ctx), err))
 			return exitFailed
 		}
 		finished = finished && ok
@@ -136,6 +144,11 @@ func (b *bench) run(ctx context.Context) int {
 		r.IdleCPUPct = figures(u, func(d time.Duration) float64 { return 100 * d.Seconds() / u.wall.Seconds() })
 	}
 
+	stopWatching() // the workers' own stop below is no failure
+	if err := workerStopped(ctx); err != nil {
+		fmt.Fprintln(b.status, "sagabench:", err)
+		return exitFailed
+	}
 	// Stop the workers before checking, so nothing moves under the check.
 	b.stopWorkers()
 	report, err := orderpayment.Check(context.WithoutCancel(ctx), b.db.SQL, nil)
@@ -152,7 +165,7 @@ func (b *bench) run(ctx context.Context) int {
 	if r.CommitTPS > 0 {
 		r.StepsPerCommit = r.StepsPerS / r.CommitTPS
 	}
-	r.OK = finished && r.InvariantsOK && r.Unfinished == 0 && ctx.Err() == nil
+	r.OK = finished && r.InvariantsOK && r.Unfinished == 0 && interrupted.Err() == nil
 	b.print(r)
 	if !r.OK {
 		return exitFailed
@@ -203,7 +216,7 @@ func (b *bench) commitBaseline(ctx context.Context) (float64, error) {
 	wg.Wait()
 	elapsed := time.Since(start)
 	close(errs)
-	if err := <-errs; err != nil {
+	if err := firstError(ctx, errs); err != nil {
 		return 0, err
 	}
 	return float64(n.Load()) / elapsed.Seconds(), nil
@@ -213,7 +226,8 @@ func (b *bench) commitBaseline(ctx context.Context) (float64, error) {
 func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 	const phase = "throughput"
 	n := b.opts.sagas
-	fmt.Fprintf(b.status, "throughput   %d sagas, at most %d in flight, %d consumers a handler, %d workers, batch %d\n", n, b.opts.inflight, b.opts.consumers, b.opts.workers, b.opts.batch)
+	fmt.Fprintf(b.status, "throughput   %s, at most %d in flight, %s a handler, %s, batch %d\n", plural(n, "saga", "sagas"), b.opts.inflight,
+		plural(b.opts.consumers, "consumer", "consumers"), plural(b.opts.workers, "worker", "workers"), b.opts.batch)
 	slots := make(chan struct{}, b.opts.inflight)
 	b.tracker.setWindow(phase, slots)
 	if b.opts.profile != "" {
@@ -262,7 +276,7 @@ func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 	ok := b.waitPhase(ctx, phase, n, errs)
 	wg.Wait()
 	close(errs)
-	if err := <-errs; err != nil {
+	if err := firstError(ctx, errs); err != nil {
 		return false, err
 	}
 	cpu := since(cpuStart, b.cpu.read())
@@ -289,7 +303,7 @@ func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 		per := 1000 / float64(r.Sagas)
 		r.CPUPer1kSagas = figures(cpu, func(d time.Duration) float64 { return d.Seconds() * per })
 	}
-	fmt.Fprintf(b.status, "throughput   %d sagas in %.1fs: %.0f sagas/s, %.0f steps/s\n", r.Sagas, took.Seconds(), r.SagasPerS, r.StepsPerS)
+	fmt.Fprintf(b.status, "throughput   %s in %.1fs: %.0f sagas/s, %.0f steps/s\n", plural(r.Sagas, "saga", "sagas"), took.Seconds(), r.SagasPerS, r.StepsPerS)
 	return ok, nil
 }
 
@@ -319,7 +333,7 @@ func (b *bench) countSteps(ctx context.Context) (int, error) {
 func (b *bench) latency(ctx context.Context, r *result) (bool, error) {
 	const phase = "latency"
 	n := int(b.opts.rate * b.opts.duration.Seconds())
-	fmt.Fprintf(b.status, "latency      %.0f sagas/s offered for %s (%d sagas)\n", b.opts.rate, b.opts.duration, n)
+	fmt.Fprintf(b.status, "latency      %.0f sagas/s offered for %s (%s)\n", b.opts.rate, b.opts.duration, plural(n, "saga", "sagas"))
 	errs := make(chan error, n)
 	var wg sync.WaitGroup
 	go func() {
@@ -345,7 +359,7 @@ func (b *bench) latency(ctx context.Context, r *result) (bool, error) {
 	ok := b.waitPhase(ctx, phase, n, errs)
 	wg.Wait()
 	close(errs)
-	if err := <-errs; err != nil {
+	if err := firstError(ctx, errs); err != nil {
 		return false, err
 	}
 	res := b.tracker.result(phase)
@@ -360,6 +374,17 @@ func (b *bench) latency(ctx context.Context, r *result) (bool, error) {
 	}
 	fmt.Fprintf(b.status, "latency      p50 %.1fms, p95 %.1fms, p99 %.1fms, max %.1fms\n", r.P50Ms, r.P95Ms, r.P99Ms, r.MaxMs)
 	return ok, nil
+}
+
+// firstError is the first error of a phase's clients, unless ctx ended:
+// then calls cut short are the interruption's doing (the phase reports it)
+// and the figures so far still count.
+func firstError(ctx context.Context, errs <-chan error) error {
+	err := <-errs
+	if ctx.Err() != nil {
+		return nil
+	}
+	return err
 }
 
 func ms(d time.Duration) float64 { return round(float64(d.Microseconds()) / 1000) }
@@ -383,10 +408,12 @@ func (b *bench) waitPhase(ctx context.Context, phase string, n int, errs chan er
 		}
 		select {
 		case <-ctx.Done():
-			fmt.Fprintln(b.status, "interrupted")
+			if workerStopped(ctx) == nil { // else run says why
+				fmt.Fprintln(b.status, "interrupted")
+			}
 			return false
 		case <-deadline.C:
-			fmt.Fprintf(b.status, "gave up waiting after %s: %d of %d sagas ended\n", b.opts.timeout, ended, n)
+			fmt.Fprintf(b.status, "gave up waiting after %s: %d of %s ended\n", b.opts.timeout, ended, plural(n, "saga", "sagas"))
 			return false
 		case err := <-errs:
 			errs <- err // for the caller
@@ -399,15 +426,15 @@ func (b *bench) waitPhase(ctx context.Context, phase string, n int, errs chan er
 func (b *bench) print(r result) {
 	w := b.out
 	fmt.Fprintln(w)
-	fmt.Fprintf(w, "  %-18s %s, %d cores, Go %s, PostgreSQL %s\n", "machine", r.Machine.GOOS+"/"+r.Machine.GOARCH, r.Machine.Cores, r.Machine.Go, r.Machine.Postgres)
-	fmt.Fprintf(w, "  %-18s consumers %d a handler, workers %d, batch %d\n", "config", r.Config.Consumers, r.Config.Workers, r.Config.Batch)
+	fmt.Fprintf(w, "  %-18s %s, %s, Go %s, PostgreSQL %s\n", "machine", r.Machine.GOOS+"/"+r.Machine.GOARCH, plural(r.Machine.Cores, "core", "cores"), r.Machine.Go, r.Machine.Postgres)
+	fmt.Fprintf(w, "  %-18s %s a handler, %s, batch %d\n", "config", plural(r.Config.Consumers, "consumer", "consumers"), plural(r.Config.Workers, "worker", "workers"), r.Config.Batch)
 	if r.CommitTPS > 0 {
 		fmt.Fprintf(w, "  %-18s %.0f single-insert commits/s (16 connections)\n", "baseline", r.CommitTPS)
 	}
 	if r.Sagas > 0 {
 		fmt.Fprintf(w, "  %-18s %.0f sagas/s, %.0f steps/s (%.1f steps a saga; %.2f steps per baseline commit)\n", "throughput", r.SagasPerS, r.StepsPerS, r.StepsPerSaga, r.StepsPerCommit)
-		fmt.Fprintf(w, "  %-18s %.0f, %.0f, %.0f, %.0f sagas/s by quarter; %d messages left in the topics (retention on)\n", "steadiness",
-			r.SagasPerSByQuarter[0], r.SagasPerSByQuarter[1], r.SagasPerSByQuarter[2], r.SagasPerSByQuarter[3], r.TopicRowsLeft)
+		fmt.Fprintf(w, "  %-18s %.0f, %.0f, %.0f, %.0f sagas/s by quarter; %s left in the topics (retention on)\n", "steadiness",
+			r.SagasPerSByQuarter[0], r.SagasPerSByQuarter[1], r.SagasPerSByQuarter[2], r.SagasPerSByQuarter[3], plural(r.TopicRowsLeft, "message", "messages"))
 		fmt.Fprintf(w, "  %-18s process %.2f s%s\n", "CPU per 1k sagas", r.CPUPer1kSagas.Process, pgFigure(r.CPUPer1kSagas.Postgres, " s"))
 	}
 	if r.LatencySagas > 0 {

@@ -1,0 +1,172 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/saga/orderpayment"
+)
+
+// A run whose role may not open the connections it needs ends at once,
+// saying so. With 14 it used to seed the customers, then wait forever for
+// a worker that could not start, deaf to SIGTERM and -timeout.
+func TestTooFewConnectionsEndTheRun(t *testing.T) {
+	for _, limit := range []int{3, 14} {
+		t.Run(fmt.Sprintf("limit %d", limit), func(t *testing.T) {
+			t.Setenv("DATABASE_URL", limitedRole(t, limit))
+			var stdout, stderr lockedBuffer
+			done := make(chan int, 1)
+			start := time.Now()
+			go func() {
+				done <- run(context.Background(), []string{"-sagas", "100", "-rate", "0", "-baseline", "0", "-idle", "0", "-timeout", "1m"}, &stdout, &stderr)
+			}()
+			bound, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			select {
+			case code := <-done:
+				t.Logf("exit %d after %s: %s", code, time.Since(start).Round(time.Millisecond), tail(stderr.String(), 1))
+				assert.Equal(t, exitNoService, code)
+				assert.Regexp(t, `CONNECTION LIMIT|too many connections for role`, tail(stderr.String(), 1), "the cause is named")
+			case <-bound.Done():
+				t.Fatalf("run did not return within 30s:\nstderr:\n%s", tail(stderr.String(), 5))
+			}
+		})
+	}
+}
+
+// SIGTERM stops a run as SIGINT does: the phase stops, the workers stop,
+// the figures so far are printed and the exit status is 1.
+func TestSIGTERMStopsTheRun(t *testing.T) {
+	db := testdb.Shared(t)
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "SAGABENCH_ARGS=-sagas 100000 -rate 0 -baseline 0 -idle 0", "DATABASE_URL="+db.URL)
+	out := &lockedBuffer{}
+	cmd.Stdout, cmd.Stderr = out, out
+	require.NoError(t, cmd.Start())
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+
+	bound, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	waitFor(bound, t, out, "placed ") // the throughput phase's progress
+	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+	sent := time.Now()
+	stopBound, cancelStop := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancelStop()
+	select {
+	case err := <-exited:
+		t.Logf("exited %s after SIGTERM", time.Since(sent).Round(time.Millisecond))
+		var exit *exec.ExitError
+		require.ErrorAs(t, err, &exit, "output:\n%s", out.String())
+		assert.Equal(t, exitFailed, exit.ExitCode(), "output:\n%s", tail(out.String(), 10))
+		assert.Contains(t, out.String(), "interrupted")
+		assert.Contains(t, out.String(), `"ok":false`, "the figures are printed")
+	case <-stopBound.Done():
+		_ = cmd.Process.Kill()
+		t.Fatalf("still running 30s after SIGTERM:\n%s", tail(out.String(), 10))
+	}
+	name := regexp.MustCompile(`pgsaga_bench_[0-9a-f]+`).FindString(out.String())
+	var exists bool
+	require.NoError(t, db.SQL.QueryRow(`SELECT EXISTS (SELECT FROM pg_database WHERE datname = $1)`, name).Scan(&exists))
+	assert.False(t, exists, "the benchmark database is dropped")
+}
+
+// A -cpuprofile that cannot be written is a bad flag, found before any
+// work: it used to surface after the seeding, as a failed run.
+func TestUnwritableProfileIsAUsageError(t *testing.T) {
+	t.Setenv("DATABASE_URL", testdb.Shared(t).URL)
+	dir := t.TempDir()
+	for _, args := range [][]string{
+		{"-cpuprofile", filepath.Join(dir, "no-such-dir", "cpu.prof")},
+		{"-cpuprofile", dir}, // a directory
+		{"-cpuprofile", filepath.Join(dir, "cpu.prof"), "-sagas", "0", "-rate", "10"}, // nothing to profile
+	} {
+		var stdout, stderr bytes.Buffer
+		start := time.Now()
+		small := []string{"-sagas", "10", "-rate", "0", "-baseline", "0", "-idle", "0"} // args come later and win
+		code := run(context.Background(), append(small, args...), &stdout, &stderr)
+		assert.Equal(t, exitUsage, code, "%v: %s", args, stderr.String())
+		assert.Contains(t, stderr.String(), "-cpuprofile", args)
+		assert.NotContains(t, stderr.String(), "seeding", "%v: found before any work", args)
+		assert.Less(t, time.Since(start), 5*time.Second, args)
+	}
+	// A writable path is left as it was found: no file yet.
+	var stderr bytes.Buffer
+	path := filepath.Join(dir, "cpu.prof")
+	_, err := parseFlags([]string{"-cpuprofile", path}, &stderr)
+	require.NoError(t, err)
+	assert.NoFileExists(t, path)
+}
+
+// A flag that does not parse costs one line naming it and pointing at -h,
+// not the whole usage.
+func TestFlagErrorIsOneLine(t *testing.T) {
+	t.Parallel()
+	for args, flag := range map[string]string{
+		"-no-such-flag": "-no-such-flag",
+		"-sagas many":   "-sagas",
+		"-keep=maybe":   "-keep",
+	} {
+		var stdout, stderr bytes.Buffer
+		assert.Equal(t, exitUsage, run(context.Background(), strings.Fields(args), &stdout, &stderr), args)
+		msg := stderr.String()
+		assert.Equal(t, 1, strings.Count(msg, "\n"), "%s: %q", args, msg)
+		assert.Contains(t, msg, flag, args)
+		assert.Contains(t, msg, "sagabench -h", args)
+	}
+}
+
+// A worker that cannot run stops startWorkers at once with the cause.
+// (Its role may hold one connection, and the test holds it.)
+func TestStartWorkersSaysWhyAWorkerCannotRun(t *testing.T) {
+	t.Parallel()
+	url := limitedRole(t, 1)
+	ctx := context.Background()
+	held, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	defer held.Close(ctx)
+	pool, err := pgxpool.New(ctx, url) // connects on first use
+	require.NoError(t, err)
+	defer pool.Close()
+	sqlDB := stdlib.OpenDBFromPool(pool)
+	defer sqlDB.Close()
+	discard := slog.New(slog.DiscardHandler)
+	app, err := orderpayment.New(orderpayment.Config{DB: sqlDB, GatewayURL: "http://127.0.0.1:1", Logger: discard})
+	require.NoError(t, err)
+	b := &bench{opts: options{workers: 2}, app: app, log: discard}
+	defer b.stopWorkers()
+
+	started := make(chan error, 1)
+	go func() {
+		_, _, err := b.startWorkers(ctx)
+		started <- err
+	}()
+	bound, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	select {
+	case err := <-started:
+		require.Error(t, err)
+		assert.Contains(t, err.Error(), "worker 1 of 2")
+		assert.Contains(t, err.Error(), "too many connections for role")
+		assert.Empty(t, b.workers)
+	case <-bound.Done():
+		t.Fatal("startWorkers did not return within 20s")
+	}
+}
