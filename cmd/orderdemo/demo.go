@@ -1,7 +1,6 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -231,7 +230,7 @@ func (d *demo) run(ctx context.Context) int {
 	if !d.opts.resume {
 		ids, err = d.placeOrders(ctx)
 		if err != nil {
-			fmt.Fprintln(d.errs, "orderdemo:", cmp.Or(workerStopped(ctx), err))
+			d.placingFailed(ctx, err)
 			return exitFailed
 		}
 	}
@@ -249,6 +248,20 @@ func (d *demo) run(ctx context.Context) int {
 		return exitFailed
 	}
 	return d.report(ids, report, time.Since(start), finished)
+}
+
+// placingFailed says why placing the orders stopped: a worker that
+// stopped, an interruption (whose cancelled calls are no failure of their
+// own), or err.
+func (d *demo) placingFailed(ctx context.Context, err error) {
+	switch {
+	case workerStopped(ctx) != nil:
+		fmt.Fprintf(d.errs, "orderdemo: %v (run again with -resume to finish the sagas placed)\n", workerStopped(ctx))
+	case ctx.Err() != nil:
+		fmt.Fprintln(d.errs, "orderdemo: interrupted while placing the orders (run again with -resume to finish the sagas placed)")
+	default:
+		fmt.Fprintln(d.errs, "orderdemo:", err)
+	}
 }
 
 // placeOrders seeds customers and places the orders: some beyond their

@@ -100,36 +100,46 @@ func tail(s string, n int) string {
 	return strings.Join(lines[max(0, len(lines)-n):], "\n")
 }
 
-// SIGTERM stops a run as SIGINT does: the workers stop, the report says
-// what finished, and the exit status is 1 (sagas left unfinished).
+// SIGTERM stops a run as SIGINT does, while it waits for the sagas (the
+// workers stop, the report says what finished) or while it places the
+// orders; either way the exit status is 1 and the output says to resume.
 func TestSIGTERMStopsTheRun(t *testing.T) {
-	db := testdb.Fresh(t)
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "ORDERDEMO_ARGS=-orders 400 -timeout 2m", "DATABASE_URL="+db.URL)
-	out := &lockedBuffer{}
-	cmd.Stdout, cmd.Stderr = out, out
-	require.NoError(t, cmd.Start())
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
+	for name, c := range map[string]struct{ args, when, says string }{
+		"waiting": {"-orders 400 -timeout 2m", "sagas 400:", "invariants"},
+		"placing": {"-orders 5000 -timeout 2m", "placing 5000 orders", "interrupted while placing the orders"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			db := testdb.Fresh(t)
+			cmd := exec.Command(os.Args[0], "-test.run=^$")
+			cmd.Env = append(os.Environ(), "ORDERDEMO_ARGS="+c.args, "DATABASE_URL="+db.URL)
+			out := &lockedBuffer{}
+			cmd.Stdout, cmd.Stderr = out, out
+			require.NoError(t, cmd.Start())
+			exited := make(chan error, 1)
+			go func() { exited <- cmd.Wait() }()
 
-	bound, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	waitFor(bound, t, out, "sagas 400:") // waiting for the sagas
-	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
-	sent := time.Now()
-	stopBound, cancelStop := context.WithTimeout(context.Background(), 15*time.Second)
-	defer cancelStop()
-	select {
-	case err := <-exited:
-		t.Logf("exited %s after SIGTERM", time.Since(sent).Round(time.Millisecond))
-		var exit *exec.ExitError
-		require.ErrorAs(t, err, &exit, "output:\n%s", out.String())
-		assert.Equal(t, exitFailed, exit.ExitCode(), "output:\n%s", out.String())
-		assert.Contains(t, out.String(), "interrupted")
-		assert.Contains(t, out.String(), "invariants", "the report is printed")
-	case <-stopBound.Done():
-		_ = cmd.Process.Kill()
-		t.Fatalf("still running 15s after SIGTERM:\n%s", tail(out.String(), 10))
+			bound, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+			waitFor(bound, t, out, c.when)
+			require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+			sent := time.Now()
+			stopBound, cancelStop := context.WithTimeout(context.Background(), 15*time.Second)
+			defer cancelStop()
+			select {
+			case err := <-exited:
+				t.Logf("exited %s after SIGTERM", time.Since(sent).Round(time.Millisecond))
+				var exit *exec.ExitError
+				require.ErrorAs(t, err, &exit, "output:\n%s", out.String())
+				assert.Equal(t, exitFailed, exit.ExitCode(), "output:\n%s", out.String())
+				assert.Contains(t, out.String(), "interrupted")
+				assert.Contains(t, out.String(), c.says)
+				assert.Contains(t, out.String(), "-resume")
+				assert.NotContains(t, out.String(), "context canceled", "an interruption is no failure")
+			case <-stopBound.Done():
+				_ = cmd.Process.Kill()
+				t.Fatalf("still running 15s after SIGTERM:\n%s", tail(out.String(), 10))
+			}
+		})
 	}
 }
 
