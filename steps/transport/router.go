@@ -157,8 +157,11 @@ func (r *Router) AddMiddleware(m ...message.HandlerMiddleware) { r.router.AddMid
 // router until ctx is cancelled or Close is called; either way it drains
 // before stopping. It returns at once, with the reason, if the database
 // cannot be used (see ErrNotUTF8).
-func (r *Router) Run(ctx context.Context) error {
-	if err := r.t.Subscribe(ctx, r.Subscriptions()...); err != nil {
+func (r *Router) Run(ctx context.Context) error { return r.run(ctx, ctx) }
+
+// run is Run with the subscriptions recorded under startCtx.
+func (r *Router) run(startCtx, ctx context.Context) error {
+	if err := r.t.Subscribe(startCtx, r.Subscriptions()...); err != nil {
 		return err
 	}
 	r.mu.Lock()
@@ -201,7 +204,9 @@ func (r *Router) Start(ctx context.Context) error {
 	r.mu.Unlock()
 	go func() {
 		defer close(r.stopped)
-		r.runErr = r.Run(context.WithoutCancel(ctx))
+		// Recording the subscriptions may wait (a lock, a full pool): ctx
+		// bounds that wait; the run itself goes on until Stop.
+		r.runErr = r.run(ctx, context.WithoutCancel(ctx))
 	}()
 	select {
 	case <-r.router.Running():

@@ -73,3 +73,32 @@ func TestStartAndStop(t *testing.T) {
 	require.ErrorIs(t, r2.Start(ctx), context.Canceled)
 	require.NoError(t, r2.Stop(), "nothing ran")
 }
+
+// Start's context bounds the start: recording the subscriptions behind a
+// lock held elsewhere gives up when it ends, instead of waiting for the
+// lock.
+func TestStartGivesUpWithItsContext(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, func(c *transport.Config) { c.LockTimeout = time.Minute; c.StatementTimeout = time.Minute })
+	holder, err := e.db.SQL.Begin()
+	require.NoError(t, err)
+	defer holder.Rollback() //nolint:errcheck
+	_, err = holder.Exec(`LOCK TABLE pgsaga_subscriptions IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(*message.Message) error { return nil }))
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	started := make(chan error, 1)
+	go func() { started <- r.Start(ctx) }()
+	select {
+	case err := <-started:
+		require.Error(t, err)
+	case <-time.After(20 * time.Second):
+		t.Fatal("Start waited for the lock past its context")
+	}
+	require.NoError(t, holder.Rollback())
+	<-r.Stopped()
+}
