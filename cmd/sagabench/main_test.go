@@ -27,6 +27,8 @@ func TestMain(m *testing.M) {
 // A small run reports every figure of the JSON contract, with every
 // invariant checked, and drops its database.
 func TestSmallRun(t *testing.T) {
+	// It takes most of the server's connections and CPU for a while.
+	testdb.ServerWide(t)
 	db := testdb.Shared(t)
 	t.Setenv("DATABASE_URL", db.URL)
 	var stdout, stderr bytes.Buffer
