@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"os"
@@ -180,7 +179,7 @@ func TestNoPasswordInOutput(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Setenv("DATABASE_URL", c.url)
-			var stdout, stderr bytes.Buffer
+			var stdout, stderr lockedBuffer // with -v, Watermill logs "Subscriber stopped" after its Close returns
 			code := run(context.Background(), c.args, &stdout, &stderr)
 			all := stdout.String() + stderr.String()
 			assert.Equal(t, c.code, code, all)
