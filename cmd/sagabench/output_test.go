@@ -65,6 +65,7 @@ func TestHelpDescribesEveryJSONField(t *testing.T) {
 
 // Counts of one are singular.
 func TestOneIsSingular(t *testing.T) {
+	testdb.ServerWide(t) // a real run takes many connections
 	t.Setenv("DATABASE_URL", testdb.Shared(t).URL)
 	var stdout, stderr bytes.Buffer
 	code := run(context.Background(), []string{"-sagas", "1", "-inflight", "1", "-rate", "1", "-duration", "1s",
@@ -80,6 +81,7 @@ func TestOneIsSingular(t *testing.T) {
 // the connection string takes. (The server trusts local connections, so
 // the password is never checked.)
 func TestNoPasswordInOutput(t *testing.T) {
+	testdb.ServerWide(t) // real runs take many connections
 	db := testdb.Shared(t)
 	base := strings.TrimSuffix(db.URL, "?sslmode=disable")
 	for name, url := range map[string]string{
