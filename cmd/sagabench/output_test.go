@@ -92,7 +92,7 @@ func TestNoPasswordInOutput(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Setenv("DATABASE_URL", url)
 			var stdout, stderr bytes.Buffer
-			code := run(context.Background(), []string{"-sagas", "5", "-rate", "0", "-baseline", "200ms", "-idle", "0"}, &stdout, &stderr)
+			code := run(context.Background(), []string{"-sagas", "5", "-rate", "0", "-baseline", "200ms", "-idle", "0", "-consumers", "1"}, &stdout, &stderr)
 			all := stdout.String() + stderr.String()
 			assert.Equal(t, exitOK, code, all)
 			assert.NotContains(t, all, "s3cr3t")
