@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
+	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/steps/events"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
@@ -34,19 +35,20 @@ type View struct {
 	UpdatedAt    time.Time
 }
 
-// RegisterProjection subscribes the order_views projection to EventsTopic on r.
+// Projection is the order_views projection of EventsTopic, for a
+// saga.Client (AddProjections).
 //
 // Events may arrive twice, late or out of order. For each one the projection
 // folds the order's stream up to that event's version, in the delivery's
 // transaction, and writes the state only if it is newer than the row (a
 // guarded upsert). A late event therefore never moves a row back, and a
 // reordered one brings the state of its version, not a partial delta.
-func (s *Service) RegisterProjection(r *transport.Router) error {
-	return r.AddHandler(ProjectionName, EventsTopic, ProjectionName, s.Project)
+func (s *Service) Projection() saga.Projection {
+	return saga.Projection{Name: ProjectionName, Topic: EventsTopic, Handle: s.Project}
 }
 
-// Project applies one event message to order_views; RegisterProjection runs
-// it for every event of EventsTopic.
+// Project applies one event message to order_views; Projection runs it for
+// every event of EventsTopic.
 func (s *Service) Project(msg *message.Message) error {
 	ctx := msg.Context()
 	tx, ok := transport.TxFromContext(ctx)

@@ -151,7 +151,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	rctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	b.stopRetention, b.retentionDone = cancel, make(chan error, 1)
 	go func() {
-		b.retentionDone <- b.app.RunRetention(rctx, orderpayment.Retention{})
+		b.retentionDone <- b.app.RunRetention(rctx)
 	}()
 	ok = true
 	return b, nil

@@ -338,7 +338,7 @@ func TestQueuesEmptyWhenSagasFinish(t *testing.T) {
 	e := newEnv(t, 2, func(c *orderpayment.Config) { c.Transport.Consumers = 3 })
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- e.app.RunRetention(ctx, orderpayment.Retention{}) }()
+	go func() { done <- e.app.RunRetention(ctx) }()
 	customer := e.customer(1_000_000)
 	var ids []uuid.UUID
 	for range 30 {

@@ -11,7 +11,7 @@ import (
 )
 
 // Worker is what Churn starts and stops: a router, or a set of routers and
-// sweepers (orderpayment.Worker is one). Run returns after Close.
+// sweepers (saga.Worker is one). Run returns after Close.
 type Worker interface {
 	Run(ctx context.Context) error
 	Close() error

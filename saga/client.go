@@ -1,0 +1,504 @@
+package saga
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/pglisten"
+	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/events"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// Defaults of ClientConfig.
+const (
+	KeyTTLDefault     = 7 * 24 * time.Hour
+	HistoryTTLDefault = 30 * 24 * time.Hour
+)
+
+// ClientConfig configures a Client. Zero values take the defaults.
+type ClientConfig struct {
+	// Transport configures delivery; its DB and Logger are filled in.
+	Transport transport.Config
+
+	// RegisterEvents registers the domain event types the steps append
+	// (steps.Tx.Append). Optional: without it the client has an event
+	// store with no types, and appending fails.
+	RegisterEvents []func(*events.Registry) error
+	// EventsTopic names the topic a stream's appended events are also
+	// published to, for projections and other services; "" publishes
+	// nothing. Default: nothing is published.
+	EventsTopic func(streamID string) string
+
+	// SweepInterval, FinishedChannel and Retry configure the engine (see
+	// Config).
+	SweepInterval   time.Duration
+	FinishedChannel string
+	Retry           *transport.RetryPolicy
+
+	// KeyTTL is how long finished idempotency keys are kept; a duplicate
+	// arriving later runs again. Default: KeyTTLDefault.
+	KeyTTL time.Duration
+	// Prune says which finished sagas are deleted, and when. Default: their
+	// timelines after HistoryTTLDefault, instances kept.
+	Prune PruneConfig
+	// DisableRetention turns the retention jobs (finished keys, finished
+	// sagas) off in this process: run them in another.
+	DisableRetention bool
+
+	// Logger. Default: slog.Default().
+	Logger *slog.Logger
+}
+
+// Projection is a handler that keeps a read model (a view table) from the
+// events of a topic, in the transaction of each delivery: see
+// transport.TxFromContext.
+type Projection struct {
+	// Name names the handler and its consumer group.
+	Name string
+	// Topic it consumes.
+	Topic string
+	// Handle applies one event message.
+	Handle transport.HandlerFunc
+}
+
+// Client is pgsaga in one process: the transport, the idempotency store, the
+// event store, the step runtime and the saga engine over one pool, the sagas,
+// steps and projections this process serves, and the workers, sweeper and
+// retention jobs that run them. Build it with NewClient, use its stores to
+// build your services, add what it serves, then Start it; Stop drains it.
+type Client struct {
+	db          *sql.DB
+	transport   *transport.Transport
+	idempotency *idempotency.Store
+	events      *events.Store
+	runtime     *steps.Runtime
+	engine      *Engine
+	cfg         ClientConfig
+	log         *slog.Logger
+
+	mu          sync.Mutex
+	steps       []steps.Step
+	projections []Projection
+	started     bool
+	worker      *Worker
+	stopJobs    context.CancelFunc
+	jobs        sync.WaitGroup
+	jobErrs     []error
+}
+
+// NewClient validates cfg and builds a client over pool. It starts nothing
+// and touches no table: run the migrations first (migrations.Apply).
+func NewClient(pool *pgxpool.Pool, cfg ClientConfig) (*Client, error) {
+	if pool == nil {
+		return nil, errors.New("saga: NewClient needs a pool")
+	}
+	return newClient(stdlib.OpenDBFromPool(pool), cfg)
+}
+
+// NewClientFromDB is NewClient over a database/sql handle of a pgx pool
+// (stdlib.OpenDBFromPool), for code that has one already.
+func NewClientFromDB(db *sql.DB, cfg ClientConfig) (*Client, error) {
+	if db == nil {
+		return nil, errors.New("saga: NewClientFromDB needs a database")
+	}
+	return newClient(db, cfg)
+}
+
+func newClient(db *sql.DB, cfg ClientConfig) (*Client, error) {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.KeyTTL == 0 {
+		cfg.KeyTTL = KeyTTLDefault
+	}
+	if cfg.Prune.History == 0 && cfg.Prune.Instances == 0 {
+		cfg.Prune.History = HistoryTTLDefault
+	}
+	tcfg := cfg.Transport
+	tcfg.DB, tcfg.Logger = db, cfg.Logger
+	tr, err := transport.New(tcfg)
+	if err != nil {
+		return nil, err
+	}
+	store, err := idempotency.NewStore(idempotency.Config{DB: db, Logger: cfg.Logger})
+	if err != nil {
+		return nil, err
+	}
+	reg := events.NewRegistry()
+	for _, r := range cfg.RegisterEvents {
+		if err := r(reg); err != nil {
+			return nil, err
+		}
+	}
+	es, err := events.NewStore(events.Config{Registry: reg, Topic: cfg.EventsTopic,
+		Publisher: func(tx events.DBTX) message.Publisher { return tr.Publisher(tx) }})
+	if err != nil {
+		return nil, err
+	}
+	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Events: es, Retry: cfg.Retry, Logger: cfg.Logger})
+	if err != nil {
+		return nil, err
+	}
+	engine, err := NewEngine(Config{DB: db, Transport: tr, Retry: cfg.Retry, SweepInterval: cfg.SweepInterval,
+		FinishedChannel: cfg.FinishedChannel, Logger: cfg.Logger})
+	if err != nil {
+		return nil, err
+	}
+	return &Client{db: db, transport: tr, idempotency: store, events: es, runtime: rt, engine: engine, cfg: cfg, log: cfg.Logger}, nil
+}
+
+// DB is the client's database/sql handle.
+func (c *Client) DB() *sql.DB { return c.db }
+
+// Transport publishes and delivers the client's messages.
+func (c *Client) Transport() *transport.Transport { return c.transport }
+
+// Idempotency is the idempotency key store (steps' keys, HTTP keys,
+// leases of external calls).
+func (c *Client) Idempotency() *idempotency.Store { return c.idempotency }
+
+// Events is the event store steps append to.
+func (c *Client) Events() *events.Store { return c.events }
+
+// Runtime runs the client's steps.
+func (c *Client) Runtime() *steps.Runtime { return c.runtime }
+
+// Engine drives the client's sagas: inspect, list and retry them there.
+func (c *Client) Engine() *Engine { return c.engine }
+
+// ErrClientStarted is returned when adding to a client that started.
+var ErrClientStarted = errors.New("saga: the client has started; add sagas, steps and projections before Start")
+
+// Register adds saga definitions this process drives.
+func (c *Client) Register(defs ...*Definition) error {
+	if err := c.notStarted(); err != nil {
+		return err
+	}
+	for _, d := range defs {
+		if err := c.engine.Register(d); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// AddSteps adds participant steps this process serves.
+func (c *Client) AddSteps(s ...steps.Step) error {
+	if err := c.notStarted(); err != nil {
+		return err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.steps = append(c.steps, s...)
+	return nil
+}
+
+// AddProjections adds projections this process maintains.
+func (c *Client) AddProjections(p ...Projection) error {
+	if err := c.notStarted(); err != nil {
+		return err
+	}
+	for _, pr := range p {
+		if pr.Name == "" || pr.Handle == nil {
+			return errors.New("saga: a projection needs a Name and a Handle")
+		}
+		if err := transport.ValidateTopic(pr.Topic); err != nil {
+			return fmt.Errorf("saga: projection %s: %w", pr.Name, err)
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.projections = append(c.projections, p...)
+	return nil
+}
+
+func (c *Client) notStarted() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.started {
+		return ErrClientStarted
+	}
+	return nil
+}
+
+// Subscriptions lists what the client's workers consume: its steps, its
+// projections and its sagas' triggers and replies.
+func (c *Client) Subscriptions() []transport.Subscription {
+	c.mu.Lock()
+	subs := c.runtime.Subscriptions(c.steps...)
+	for _, p := range c.projections {
+		subs = append(subs, transport.Subscription{Topic: p.Topic, ConsumerGroup: p.Name})
+	}
+	c.mu.Unlock()
+	return append(subs, c.engine.Subscriptions()...)
+}
+
+// Setup records the client's subscriptions, so that nothing published
+// before its first worker starts goes unrouted (a message reaches the
+// consumer groups its topic had when it was published). Start does it;
+// call it earlier, before publishing, if publishing may come first. Safe
+// in several processes at once.
+func (c *Client) Setup(ctx context.Context) error {
+	return c.transport.Subscribe(ctx, c.Subscriptions()...)
+}
+
+// NewWorker builds a worker with every handler of the client: its steps,
+// projections and sagas. Start runs one; more, in this process or others,
+// share the work (tests start and stop several).
+func (c *Client) NewWorker() (*Worker, error) {
+	r, err := c.transport.NewRouter()
+	if err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
+	stepList := append([]steps.Step(nil), c.steps...)
+	projections := append([]Projection(nil), c.projections...)
+	c.mu.Unlock()
+	for _, s := range stepList {
+		if err := c.runtime.Register(r, s); err != nil {
+			return nil, fmt.Errorf("saga: registering step %s: %w", s.Name, err)
+		}
+	}
+	for _, p := range projections {
+		if err := r.AddHandler(p.Name, p.Topic, p.Name, p.Handle); err != nil {
+			return nil, fmt.Errorf("saga: registering projection %s: %w", p.Name, err)
+		}
+	}
+	if err := c.engine.AddHandlers(r); err != nil {
+		return nil, err
+	}
+	return &Worker{engine: c.engine, router: r, stopped: make(chan struct{})}, nil
+}
+
+// Start records the subscriptions, starts a worker and the retention jobs,
+// and returns once the worker runs, or with the reason it cannot. ctx
+// bounds the start only; the client runs until Stop.
+func (c *Client) Start(ctx context.Context) error {
+	c.mu.Lock()
+	if c.started {
+		c.mu.Unlock()
+		return ErrClientStarted
+	}
+	c.started = true
+	c.mu.Unlock()
+	w, err := c.startWorker(ctx)
+	if err != nil {
+		c.mu.Lock()
+		c.started = false // nothing runs: a later Start may try again
+		c.mu.Unlock()
+		return err
+	}
+	jobsCtx, stop := context.WithCancel(context.WithoutCancel(ctx))
+	c.mu.Lock()
+	c.worker, c.stopJobs = w, stop
+	c.mu.Unlock()
+	if !c.cfg.DisableRetention {
+		c.jobs.Go(func() {
+			if err := c.RunRetention(jobsCtx); err != nil {
+				c.log.Error("retention stopped", "err", err)
+				c.mu.Lock()
+				c.jobErrs = append(c.jobErrs, err)
+				c.mu.Unlock()
+			}
+		})
+	}
+	return nil
+}
+
+func (c *Client) startWorker(ctx context.Context) (*Worker, error) {
+	if err := c.Setup(ctx); err != nil {
+		return nil, err
+	}
+	w, err := c.NewWorker()
+	if err != nil {
+		return nil, err
+	}
+	if err := w.Start(ctx); err != nil {
+		return nil, err
+	}
+	return w, nil
+}
+
+// RunRetention runs the retention jobs until ctx is done: finished
+// idempotency keys older than KeyTTL, finished sagas as Prune says. Start
+// runs it unless DisableRetention; every job is safe to run in several
+// processes at once. (Delivered messages need none: a queue row is deleted
+// with the transaction that handled it.)
+func (c *Client) RunRetention(ctx context.Context) error {
+	keys, err := idempotency.NewReaper(idempotency.ReaperConfig{DB: c.db, TTL: c.cfg.KeyTTL, Logger: c.log})
+	if err != nil {
+		return err
+	}
+	var (
+		wg   sync.WaitGroup
+		mu   sync.Mutex
+		errs []error
+	)
+	for name, job := range map[string]func(context.Context) error{
+		"idempotency keys": keys.Run,
+		"finished sagas":   func(ctx context.Context) error { return c.engine.RunPrune(ctx, c.cfg.Prune) },
+	} {
+		wg.Go(func() {
+			if err := job(ctx); err != nil && !errors.Is(err, context.Canceled) {
+				mu.Lock()
+				errs = append(errs, fmt.Errorf("saga: retention of %s: %w", name, err))
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// Stopped is closed once the client's worker has stopped, by Stop or
+// because it failed (Health then says why). Nil before Start.
+func (c *Client) Stopped() <-chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.worker == nil {
+		return nil
+	}
+	return c.worker.Stopped()
+}
+
+// Health is nil while the client runs: its worker runs and the database
+// answers. Otherwise it says what is wrong.
+func (c *Client) Health(ctx context.Context) error {
+	c.mu.Lock()
+	w := c.worker
+	c.mu.Unlock()
+	if w == nil {
+		return errors.New("saga: the client is not running")
+	}
+	select {
+	case <-w.Stopped():
+		if err := w.Err(); err != nil {
+			return fmt.Errorf("saga: the worker stopped: %w", err)
+		}
+		return errors.New("saga: the worker stopped")
+	default:
+	}
+	if err := c.db.PingContext(ctx); err != nil {
+		return fmt.Errorf("saga: the database does not answer: %w", err)
+	}
+	return nil
+}
+
+// Stop drains and stops the worker (attempts in flight finish, up to the
+// transport's CloseTimeout) and the retention jobs, and returns what went
+// wrong while the client ran.
+func (c *Client) Stop() error {
+	c.mu.Lock()
+	w, stop := c.worker, c.stopJobs
+	c.mu.Unlock()
+	var err error
+	if w != nil {
+		err = w.Stop()
+	}
+	if stop != nil {
+		stop()
+	}
+	c.jobs.Wait()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return errors.Join(append([]error{err}, c.jobErrs...)...)
+}
+
+// StartTx starts an instance of the named saga from trigger, in the
+// caller's transaction tx: the saga starts if, and only if, tx commits
+// (as River's InsertTx). trigger is what the saga's Trigger.Start decodes;
+// its key makes a second start of the same instance a no-op.
+func (c *Client) StartTx(ctx context.Context, tx *sql.Tx, name string, trigger *message.Message) error {
+	c.engine.mu.RLock()
+	def := c.engine.latest[name]
+	c.engine.mu.RUnlock()
+	if def == nil {
+		return fmt.Errorf("%w: %s", ErrUnknownDefinition, name)
+	}
+	return c.PublishTx(ctx, tx, def.Trigger, trigger)
+}
+
+// PublishTx publishes msgs to topic in the caller's transaction tx: they
+// are delivered if, and only if, tx commits.
+func (c *Client) PublishTx(ctx context.Context, tx *sql.Tx, topic string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		m.SetContext(ctx)
+	}
+	if err := c.transport.Publisher(tx).Publish(topic, msgs...); err != nil {
+		return fmt.Errorf("saga: publishing to %s: %w", topic, err)
+	}
+	return nil
+}
+
+// WaitFinished waits until instance id ends (completed, compensated or
+// failed) and returns it with its timeline. It needs
+// ClientConfig.FinishedChannel: it listens for the instance's end, looking
+// it up once it listens and after every reconnect, so no end is missed, and
+// never polls. An instance not started yet is waited for too.
+func (c *Client) WaitFinished(ctx context.Context, id uuid.UUID) (Instance, error) {
+	if c.cfg.FinishedChannel == "" {
+		return Instance{}, errors.New("saga: WaitFinished needs ClientConfig.FinishedChannel")
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	check := make(chan struct{}, 1)
+	poke := func() {
+		select {
+		case check <- struct{}{}:
+		default: // a look-up is pending already
+		}
+	}
+	want := id.String()
+	l, err := pglisten.New(pglisten.Config{DB: c.db, Channels: []string{c.cfg.FinishedChannel}, Logger: c.log,
+		OnNotify: func(_, payload string) {
+			if payload == want {
+				poke()
+			}
+		},
+		OnListen: poke,
+	})
+	if err != nil {
+		cancel()
+		return Instance{}, fmt.Errorf("saga: waiting for %s: %w", id, err)
+	}
+	done := make(chan struct{})
+	var runErr error
+	go func() {
+		defer close(done)
+		runErr = l.Run(ctx)
+	}()
+	defer func() {
+		cancel()
+		<-done
+	}()
+	for {
+		select {
+		case <-check:
+			inst, err := c.engine.Get(ctx, id)
+			switch {
+			case err == nil && inst.Status.Terminal():
+				return inst, nil
+			case err != nil && !errors.Is(err, ErrNotFound):
+				return Instance{}, fmt.Errorf("saga: waiting for %s: %w", id, err)
+			}
+		case <-done:
+			if runErr == nil {
+				runErr = context.Cause(ctx)
+			}
+			return Instance{}, fmt.Errorf("saga: waiting for %s: %w", id, runErr)
+		case <-ctx.Done():
+			return Instance{}, fmt.Errorf("saga: waiting for %s: %w", id, context.Cause(ctx))
+		}
+	}
+}

@@ -1,0 +1,146 @@
+package saga_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/steps"
+)
+
+// A signup saga: open an account, then send a welcome e-mail; if the
+// e-mail cannot be sent, close the account again.
+
+type SignedUp struct {
+	Email string `json:"email"`
+}
+
+func (SignedUp) MessageType() string { return "example.SignedUp" }
+
+type OpenAccount struct {
+	Email string `json:"email"`
+}
+
+func (OpenAccount) MessageType() string { return "example.OpenAccount" }
+
+type CloseAccount struct {
+	Email string `json:"email"`
+}
+
+func (CloseAccount) MessageType() string { return "example.CloseAccount" }
+
+type SendWelcome struct {
+	Email string `json:"email"`
+}
+
+func (SendWelcome) MessageType() string { return "example.SendWelcome" }
+
+type Done struct{}
+
+func (Done) MessageType() string { return "example.Done" }
+
+type signup struct {
+	Email string `json:"email"`
+}
+
+// Define a saga and its steps, serve them with a Client, start an instance
+// in your own transaction, and read its timeline once it ends.
+func ExampleClient() {
+	ctx := context.Background()
+	db := testdb.ForExample()
+	run := uuid.NewString()[:8] // keeps this example's topics apart in a shared database
+
+	client, err := saga.NewClient(db.Pool, saga.ClientConfig{
+		FinishedChannel: "signup_finished_" + run,
+		Logger:          slog.New(slog.NewTextHandler(io.Discard, nil)),
+	})
+	if err != nil {
+		panic(err)
+	}
+
+	// The participants' steps: typed handlers whose writes go through the
+	// step's transaction, with the command's idempotency key claimed in it.
+	open := steps.Define("accounts.open-"+run, "accounts.open."+run,
+		func(ctx context.Context, tx *steps.Tx, cmd OpenAccount) (steps.Message, error) {
+			return Done{}, nil
+		})
+	closeAccount := steps.Define("accounts.close-"+run, "accounts.close."+run,
+		func(ctx context.Context, tx *steps.Tx, cmd CloseAccount) (steps.Message, error) {
+			return Done{}, nil
+		})
+	welcome := steps.Define("mail.welcome-"+run, "mail.welcome."+run,
+		func(ctx context.Context, tx *steps.Tx, cmd SendWelcome) (steps.Message, error) {
+			if cmd.Email == "" {
+				return nil, steps.Fail(nil, "no address") // final: the saga compensates
+			}
+			return Done{}, nil
+		})
+
+	// The saga: a trigger and its steps, in order.
+	def := saga.MustDefine(saga.Spec[signup]{
+		Name: "signup-" + run,
+		Trigger: saga.Trigger[signup]{Topic: "signups." + run, Start: func(msg *message.Message) (string, signup, error) {
+			s, err := steps.Decode[SignedUp](msg)
+			return s.Email, signup(s), err
+		}},
+		Steps: []saga.Step[signup]{
+			{Name: "account",
+				Action:       &saga.Command[signup]{Topic: open.Topic, Build: func(s signup) steps.Message { return OpenAccount(s) }},
+				Compensation: &saga.Command[signup]{Topic: closeAccount.Topic, Build: func(s signup) steps.Message { return CloseAccount(s) }},
+				Deadline:     10 * time.Second},
+			{Name: "welcome",
+				Action:   &saga.Command[signup]{Topic: welcome.Topic, Build: func(s signup) steps.Message { return SendWelcome(s) }},
+				Deadline: 10 * time.Second},
+		},
+	})
+	if err := client.Register(def); err != nil {
+		panic(err)
+	}
+	if err := client.AddSteps(open, closeAccount, welcome); err != nil {
+		panic(err)
+	}
+	if err := client.Start(ctx); err != nil {
+		panic(err)
+	}
+	defer client.Stop() //nolint:errcheck
+
+	// Start a saga in your own transaction: it starts if, and only if, the
+	// transaction commits, with whatever else you wrote in it.
+	tx, err := client.DB().BeginTx(ctx, nil)
+	if err != nil {
+		panic(err)
+	}
+	trigger, _ := steps.NewMessage(SignedUp{Email: "ada@example.com"}, steps.Envelope{})
+	if err := client.StartTx(ctx, tx, def.Name, trigger); err != nil {
+		panic(err)
+	}
+	if err := tx.Commit(); err != nil {
+		panic(err)
+	}
+
+	// Wait for it to end (no polling: the engine announces every end).
+	inst, err := client.WaitFinished(ctx, saga.ID(def.Name, "ada@example.com"))
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println(inst.Status)
+	for _, h := range inst.History {
+		fmt.Println(strings.TrimSpace(fmt.Sprintf("%-9s %s", h.Kind, h.Step)))
+	}
+	// Output:
+	// completed
+	// started
+	// sent      account
+	// reply_ok  account
+	// sent      welcome
+	// reply_ok  welcome
+	// completed
+}

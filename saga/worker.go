@@ -1,0 +1,84 @@
+package saga
+
+import (
+	"context"
+	"fmt"
+	"sync"
+
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// Worker is one router with every handler of a Client (its steps,
+// projections and sagas) and a deadline sweeper. Several workers, in one
+// process or many, share the work: the consumers of a handler's group
+// claim different messages. Build one with Client.NewWorker.
+type Worker struct {
+	engine *Engine
+	router *transport.Router
+
+	mu      sync.Mutex
+	started bool          // Start succeeded
+	stopped chan struct{} // closed once it stopped, sweeper included
+}
+
+// Run runs the worker until ctx is cancelled or Close is called, then
+// drains it; it returns once everything stopped. Prefer Start and Stop.
+func (w *Worker) Run(ctx context.Context) error {
+	sweepCtx, stopSweeper := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Go(func() { _ = w.engine.RunSweeper(sweepCtx) })
+	err := w.router.Run(ctx)
+	stopSweeper()
+	wg.Wait()
+	return err
+}
+
+// Running is closed once the worker's router runs; never if Run fails
+// first (Start waits for both).
+func (w *Worker) Running() chan struct{} { return w.router.Running() }
+
+// Close drains and stops a worker begun with Run.
+func (w *Worker) Close() error { return w.router.Close() }
+
+// Start runs the worker in the background and returns once it runs, or with
+// the reason it could not start. ctx bounds the start only: the worker runs
+// until Stop or until it fails (see Stopped).
+func (w *Worker) Start(ctx context.Context) error {
+	if err := w.router.Start(ctx); err != nil {
+		return fmt.Errorf("saga: starting worker: %w", err)
+	}
+	w.mu.Lock()
+	w.started = true
+	w.mu.Unlock()
+	sweepCtx, stopSweeper := context.WithCancel(context.WithoutCancel(ctx))
+	var wg sync.WaitGroup
+	wg.Go(func() { _ = w.engine.RunSweeper(sweepCtx) })
+	go func() {
+		<-w.router.Stopped()
+		stopSweeper()
+		wg.Wait()
+		close(w.stopped)
+	}()
+	return nil
+}
+
+// Stopped is closed once a worker begun with Start has stopped, by Stop or
+// because it failed; Err then says why.
+func (w *Worker) Stopped() <-chan struct{} { return w.stopped }
+
+// Err is what the worker's run ended with, once Stopped is closed: nil
+// after a clean Stop.
+func (w *Worker) Err() error { return w.router.Err() }
+
+// Stop drains and stops a worker begun with Start and returns what its run
+// ended with.
+func (w *Worker) Stop() error {
+	err := w.router.Stop()
+	w.mu.Lock()
+	started := w.started
+	w.mu.Unlock()
+	if started {
+		<-w.stopped
+	}
+	return err
+}
