@@ -3,8 +3,8 @@ package steps_test
 import (
 	"context"
 	"fmt"
-	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/idempotency"
@@ -27,15 +27,25 @@ type SeatReserved struct {
 func (SeatReserved) MessageType() string { return "example.SeatReserved" }
 
 // A step is a typed handler; the runtime claims the command's key, runs the
-// handler in the subscriber's transaction, and publishes the reply.
+// handler in the delivery's transaction, and publishes the reply. A
+// duplicate of the command is answered with the stored reply.
 func ExampleDefine() {
 	db := testdb.ForExample().SQL
 	ctx := context.Background()
-	tr, _ := transport.New(transport.Config{DB: db, PollInterval: 20 * time.Millisecond})
-	store, _ := idempotency.NewStore(idempotency.Config{DB: db})
-	rt, _ := steps.New(steps.Config{Transport: tr, Store: store})
+	tr, err := transport.New(transport.Config{DB: db})
+	if err != nil {
+		panic(err)
+	}
+	store, err := idempotency.NewStore(idempotency.Config{DB: db})
+	if err != nil {
+		panic(err)
+	}
+	rt, err := steps.New(steps.Config{Transport: tr, Store: store})
+	if err != nil {
+		panic(err)
+	}
 
-	suffix := uuid.NewString()[:8]
+	suffix := uuid.NewString()[:8] // keeps this example apart in a shared database
 	reserve := steps.Define("reserve-seat-"+suffix, "seats_"+suffix,
 		func(ctx context.Context, tx *steps.Tx, cmd ReserveSeat) (steps.Message, error) {
 			// Business writes go through tx, in the same transaction.
@@ -45,29 +55,41 @@ func ExampleDefine() {
 			return SeatReserved(cmd), nil
 		})
 	replies := "seat_replies_" + suffix
-	// Replies stay queued for a reader that does not run here.
-	if err := tr.Subscribe(ctx, transport.Subscription{Topic: replies, ConsumerGroup: "reader"}); err != nil {
+
+	router, err := tr.NewRouter()
+	if err != nil {
 		panic(err)
 	}
-
-	router, _ := tr.NewRouter()
 	if err := rt.Register(router, reserve); err != nil {
 		panic(err)
 	}
-	go func() { _ = router.Run(ctx) }()
-	<-router.Running()
-	defer router.Close()
-
-	cmd, _ := steps.NewMessage(ReserveSeat{Seat: "12A"}, steps.Envelope{Key: "booking-7:reserve", ReplyTo: replies})
-	_ = tr.Publisher(db).Publish(reserve.Topic, cmd)
-
-	var payload string
-	for range 500 {
-		if db.QueryRow(`SELECT convert_from(payload, 'UTF8') FROM pgsaga_queue WHERE topic = $1`, replies).Scan(&payload) == nil {
-			break
-		}
-		time.Sleep(10 * time.Millisecond)
+	// Whoever sent the command reads the replies.
+	got := make(chan string, 2)
+	if err := router.AddHandler("reader-"+suffix, replies, "", func(msg *message.Message) error {
+		got <- fmt.Sprintf("%s replayed=%t", msg.Payload, msg.Metadata.Get(idempotency.ReplayedMetadata) == "true")
+		return nil
+	}); err != nil {
+		panic(err)
 	}
-	fmt.Println(payload)
-	// Output: {"seat":"12A"}
+	if err := router.Start(ctx); err != nil {
+		panic(err)
+	}
+	defer router.Stop() //nolint:errcheck
+
+	cmd, err := steps.NewMessage(ReserveSeat{Seat: "12A"}, steps.Envelope{Key: "booking-7:reserve", ReplyTo: replies})
+	if err != nil {
+		panic(err)
+	}
+	if err := tr.Publisher(db).Publish(reserve.Topic, cmd); err != nil {
+		panic(err)
+	}
+	fmt.Println(<-got)
+	// The same command again: answered from the store, not run again.
+	if err := tr.Publisher(db).Publish(reserve.Topic, cmd); err != nil {
+		panic(err)
+	}
+	fmt.Println(<-got)
+	// Output:
+	// {"seat":"12A"} replayed=false
+	// {"seat":"12A"} replayed=true
 }
