@@ -45,16 +45,17 @@ import (
 	"unicode/utf8"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgsaga/pgsaga/internal/dbtx"
 )
 
-// DBTX is the transaction the store runs its statements in. *sql.Tx and
-// pgsaga's transport.Tx satisfy it.
-type DBTX interface {
-	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
-	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
-	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
-}
+// DBTX is the transaction the store runs its statements in:
+// ExecContext, QueryContext and QueryRowContext, as *sql.Tx, *sql.Conn and
+// *sql.DB have them. It is the same interface as transport.Tx and
+// events.DBTX.
+type DBTX = dbtx.DBTX
 
 // Status of a key.
 type Status string
@@ -406,9 +407,9 @@ func (s *Store) claimError(req Request, err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		switch pgErr.Code {
-		case "55P03": // lock_not_available: the holder outlived lock_timeout
+		case pgerrcode.LockNotAvailable: // the holder outlived lock_timeout
 			return fmt.Errorf("%w: %w", &InProgressError{Scope: req.Scope, Key: req.Key}, err)
-		case "40001", "40P01": // a racer under REPEATABLE READ / SERIALIZABLE
+		case pgerrcode.SerializationFailure, pgerrcode.DeadlockDetected: // a racer under REPEATABLE READ / SERIALIZABLE
 			return fmt.Errorf("%w: %s/%s: %w", ErrConflict, req.Scope, req.Key, err)
 		}
 	}

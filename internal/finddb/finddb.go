@@ -29,6 +29,7 @@ import (
 	"time"
 
 	embeddedpostgres "github.com/fergusstrange/embedded-postgres"
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
@@ -339,7 +340,7 @@ func ensureDatabase(ctx context.Context, adminURL, name string, timeout time.Dur
 	if !exists {
 		_, err := conn.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize())
 		var pgErr *pgconn.PgError
-		if err != nil && !(errors.As(err, &pgErr) && pgErr.Code == "42P04") { // created meanwhile
+		if err != nil && !(errors.As(err, &pgErr) && pgErr.Code == pgerrcode.DuplicateDatabase) { // created meanwhile
 			return "", fmt.Errorf("creating database %s on %s: %w", name, pgdb.Redact(adminURL), err)
 		}
 	}

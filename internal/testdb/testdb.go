@@ -46,6 +46,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -410,7 +411,7 @@ func create(ctx context.Context, migrated bool, options ...string) (*DB, error) 
 			break
 		}
 		var pgErr *pgconn.PgError
-		if attempt < 50 && errors.As(err, &pgErr) && pgErr.Code == "55006" {
+		if attempt < 50 && errors.As(err, &pgErr) && pgErr.Code == pgerrcode.ObjectInUse {
 			time.Sleep(100 * time.Millisecond)
 			continue
 		}

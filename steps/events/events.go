@@ -17,7 +17,6 @@ package events
 
 import (
 	"context"
-	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -28,6 +27,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/internal/dbtx"
 )
 
 // Event is a domain event: a JSON-encodable value with a stable type name.
@@ -37,13 +38,10 @@ type Event interface {
 	EventType() string
 }
 
-// DBTX is the transaction events are read and written in. *sql.Tx and
-// pgsaga's transport.Tx satisfy it.
-type DBTX interface {
-	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
-	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
-	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
-}
+// DBTX is the transaction events are read and written in: ExecContext,
+// QueryContext and QueryRowContext, as *sql.Tx, *sql.Conn and *sql.DB have
+// them. It is the same interface as transport.Tx and idempotency.DBTX.
+type DBTX = dbtx.DBTX
 
 // Errors callers can branch on.
 var (

@@ -13,20 +13,21 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgsaga/pgsaga/internal/pgerr"
+
+	"github.com/pgsaga/pgsaga/internal/dbtx"
 )
 
 // Tx is what a step's statements run on: the transaction of a delivery
 // attempt, or a transaction the caller opened itself. *sql.Tx, *sql.Conn and
 // *sql.DB satisfy it, so code written against Tx runs unchanged in either
-// mode and in tests.
-type Tx interface {
-	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
-	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
-	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
-}
+// mode and in tests. Its methods are ExecContext, QueryContext and
+// QueryRowContext; it is the same interface as idempotency.DBTX and
+// events.DBTX.
+type Tx = dbtx.DBTX
 
 type txKey struct{}
 
@@ -500,7 +501,7 @@ func (a *attemptTx) keep(ctx context.Context, d *deliveryTx, id int64) error {
 	}
 	stmts, ahead := d.ending(stmts)
 	err := a.c.send(ctx, stmts...)
-	if pgerr.Is(err, "3B001") { // invalid_savepoint_specification: the handler released or rolled back past it
+	if pgerr.Is(err, pgerrcode.InvalidSavepointSpecification) { // the handler released or rolled back past it
 		return fmt.Errorf("%w: %w", ErrTransactionEnded, err)
 	}
 	d.spOpen = err == nil && ahead
@@ -540,7 +541,7 @@ func (d *deliveryTx) record(ctx context.Context, stmts ...stmt) error {
 // rollback instead; it is then sent again.
 func (a *attemptTx) rollback(ctx context.Context) error {
 	err := a.c.exec(ctx, "rolling back the attempt", rollbackAttemptSQL)
-	if pgerr.Is(err, "57014") { // query_canceled
+	if pgerr.Is(err, pgerrcode.QueryCanceled) {
 		err = a.c.exec(ctx, "rolling back the attempt", rollbackAttemptSQL)
 	}
 	return err

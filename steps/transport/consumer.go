@@ -488,7 +488,7 @@ func (c *consumer) recordAfter(f failure) {
 	}
 	done, err := c.t.execWaiting(query, args...)
 	switch {
-	case pgerr.Is(err, "55P03"): // lock_not_available: another consumer holds it
+	case pgerr.LockNotAvailable(err): // another consumer holds it
 		log.Info("the message whose attempt broke its batch is held by another consumer; its failure is not recorded", "err", f.cause)
 	case err != nil:
 		log.Error("recording the failed attempt of a message that broke its batch failed; it will be delivered again", "err", err, "cause", f.cause)

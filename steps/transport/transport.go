@@ -51,6 +51,7 @@ import (
 	"sync"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
 
@@ -225,7 +226,7 @@ func (t *Transport) agree(ctx context.Context, name, value string) (string, erro
 }
 
 func migrationHint(err error) error {
-	if pgerr.UndefinedTable(err) || pgerr.Is(err, "42883") { // undefined_function
+	if pgerr.UndefinedTable(err) || pgerr.Is(err, pgerrcode.UndefinedFunction) {
 		return fmt.Errorf("%w (apply the migrations first: migrations.Apply)", err)
 	}
 	return err
