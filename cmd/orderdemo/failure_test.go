@@ -25,7 +25,7 @@ import (
 // worker's start, or placing the orders); it used to wait forever for a
 // worker that could not start, deaf to SIGTERM and -timeout.
 func TestTooFewConnectionsEndTheRun(t *testing.T) {
-	t.Setenv("DATABASE_URL", limitedRole(t, 3))
+	t.Setenv("DATABASE_URL", testdb.LimitedRole(t, 3))
 	var stdout, stderr lockedBuffer
 	done := make(chan int, 1)
 	start := time.Now()
@@ -48,7 +48,7 @@ func TestTooFewConnectionsEndTheRun(t *testing.T) {
 // (Its role may hold one connection, and the test holds it.)
 func TestStartWorkersSaysWhyAWorkerCannotRun(t *testing.T) {
 	t.Parallel()
-	url := limitedRole(t, 1)
+	url := testdb.LimitedRole(t, 1)
 	ctx := context.Background()
 	held, err := pgx.Connect(ctx, url)
 	require.NoError(t, err)

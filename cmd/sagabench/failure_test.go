@@ -30,7 +30,7 @@ import (
 func TestTooFewConnectionsEndTheRun(t *testing.T) {
 	for _, limit := range []int{3, 14} {
 		t.Run(fmt.Sprintf("limit %d", limit), func(t *testing.T) {
-			t.Setenv("DATABASE_URL", limitedRole(t, limit))
+			t.Setenv("DATABASE_URL", testdb.LimitedRole(t, limit))
 			var stdout, stderr lockedBuffer
 			done := make(chan int, 1)
 			start := time.Now()
@@ -137,7 +137,7 @@ func TestFlagErrorIsOneLine(t *testing.T) {
 // (Its role may hold one connection, and the test holds it.)
 func TestStartWorkersSaysWhyAWorkerCannotRun(t *testing.T) {
 	t.Parallel()
-	url := limitedRole(t, 1)
+	url := testdb.LimitedRole(t, 1)
 	ctx := context.Background()
 	held, err := pgx.Connect(ctx, url)
 	require.NoError(t, err)

@@ -372,6 +372,48 @@ func LongWriteElsewhere(t testing.TB) (stillOpen func() bool) {
 	}
 }
 
+// LimitedRole creates a role that may hold at most limit connections at
+// once (and create databases), owning a fresh empty database, and returns a
+// URL for that database as that role, with a password, so it works on
+// servers that trust local connections and on those that ask (the embedded
+// one). The role, its password and every database it owns go when the test
+// ends.
+func LimitedRole(t testing.TB, limit int) string {
+	t.Helper()
+	ctx := context.Background()
+	srv := ServerURL()
+	admin, err := pgx.Connect(ctx, srv)
+	if err != nil {
+		t.Fatalf("testdb: connecting to %s: %v", pgdb.Redact(srv), err)
+	}
+	t.Cleanup(func() { _ = admin.Close(context.Background()) })
+	role, password := "pgsaga_test_limited_"+randomHex(4), randomHex(12)
+	if _, err := admin.Exec(ctx, fmt.Sprintf("CREATE ROLE %s LOGIN CREATEDB CONNECTION LIMIT %d PASSWORD '%s'",
+		pgx.Identifier{role}.Sanitize(), limit, password)); err != nil {
+		t.Fatalf("testdb: creating role %s: %v", role, err)
+	}
+	t.Cleanup(func() {
+		ctx := context.Background()
+		rows, _ := admin.Query(ctx, `SELECT datname FROM pg_database WHERE datdba = (SELECT oid FROM pg_roles WHERE rolname = $1)`, role)
+		owned, _ := pgx.CollectRows(rows, pgx.RowTo[string])
+		for _, db := range owned {
+			_, _ = admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{db}.Sanitize()+" WITH (FORCE)")
+		}
+		if _, err := admin.Exec(ctx, "DROP ROLE "+pgx.Identifier{role}.Sanitize()); err != nil {
+			t.Errorf("testdb: dropping role %s: %v", role, err)
+		}
+	})
+	db := Empty(t) // dropped before the role: cleanups run last first
+	if _, err := admin.Exec(ctx, "ALTER DATABASE "+pgx.Identifier{db.Name}.Sanitize()+" OWNER TO "+pgx.Identifier{role}.Sanitize()); err != nil {
+		t.Fatalf("testdb: giving %s to %s: %v", db.Name, role, err)
+	}
+	cfg, err := pgx.ParseConfig(srv)
+	if err != nil {
+		t.Fatalf("testdb: %v", err)
+	}
+	return fmt.Sprintf("postgres://%s:%s@%s:%d/%s?sslmode=disable", role, password, cfg.Host, cfg.Port, db.Name)
+}
+
 // Open connects to the database at url with a pool of at most maxConns.
 // Tests use it to simulate a second process.
 func Open(t testing.TB, url string, maxConns int32) *pgdb.DB {
