@@ -227,6 +227,14 @@ func (p RetryPolicy) validate() error {
 	return nil
 }
 
+// final reports whether failed attempt n (1-based) is the message's last,
+// wherever it runs (a consumer, HandleInTx): it failed permanently, its
+// handler ended the transaction (it would every time), or it was the last
+// attempt allowed.
+func (p RetryPolicy) final(n int, cause error) bool {
+	return IsPermanent(cause) || errors.Is(cause, ErrTransactionEnded) || n >= p.MaxAttempts
+}
+
 // backoff is the wait after the given failed attempt (1-based).
 func (p RetryPolicy) backoff(attempt int) time.Duration {
 	d := p.InitialBackoff

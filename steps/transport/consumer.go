@@ -430,12 +430,9 @@ func (c *consumer) fail(b *batch, log *slog.Logger, d delivery, n int, cause err
 	log.Warn("attempt failed; the message will be retried", "attempt", n, "of", c.rt.retry.MaxAttempts, "retry_in", wait, "err", cause)
 }
 
-// final reports whether failed attempt n is the message's last: it failed
-// permanently, its handler ended the transaction (it would every time), or
-// it was the last attempt allowed.
-func (c *consumer) final(n int, cause error) bool {
-	return IsPermanent(cause) || errors.Is(cause, ErrTransactionEnded) || n >= c.rt.retry.MaxAttempts
-}
+// final reports whether failed attempt n is the message's last (see
+// RetryPolicy.final).
+func (c *consumer) final(n int, cause error) bool { return c.rt.retry.final(n, cause) }
 
 // deadLetter moves the message to pgsaga_dead_letters, in the batch.
 func (c *consumer) deadLetter(b *batch, log *slog.Logger, d delivery, n int, cause error) {

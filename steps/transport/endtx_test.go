@@ -74,7 +74,9 @@ func TestHandlerEndingItsTransactionCommitsNothing(t *testing.T) {
 			t.Parallel()
 			e := newEnv(t, nil)
 			msg := message.NewMessage("ends-"+e.id, []byte(`{}`))
+			var calls atomic.Int32
 			err := e.tr.HandleInTx(context.Background(), "h", e.in, msg, func(msg *message.Message) error {
+				calls.Add(1)
 				if err := effect(msg, e.eff, "a"); err != nil {
 					return err
 				}
@@ -85,7 +87,10 @@ func TestHandlerEndingItsTransactionCommitsNothing(t *testing.T) {
 			require.ErrorIs(t, err, transport.ErrDeadLettered)
 			require.ErrorIs(t, err, transport.ErrTransactionEnded)
 			assert.Zero(t, e.count(`SELECT count(*) FROM `+e.eff), "nothing committed")
-			require.Len(t, e.deadLetters(e.in), 1)
+			dead := e.deadLetters(e.in)
+			require.Len(t, dead, 1)
+			assert.Equal(t, 1, dead[0].Attempts, "one attempt: it would end its transaction every time")
+			assert.EqualValues(t, 1, calls.Load())
 		})
 	}
 }

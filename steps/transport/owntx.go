@@ -45,7 +45,7 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 			return err
 		}
 		permanent := IsPermanent(err)
-		if !permanent && n < o.retry.MaxAttempts {
+		if !o.retry.final(n, err) {
 			wait := o.retry.backoff(n)
 			log.Warn("attempt failed; retrying", "attempt", n, "retry_in", wait, "err", err)
 			select {
