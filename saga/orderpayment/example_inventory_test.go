@@ -15,7 +15,6 @@ import (
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
 	"github.com/pgsaga/pgsaga/steps"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // The inventory participant's messages.
@@ -111,21 +110,18 @@ func Example_addInventoryStep() {
 	defer gateway.Close()
 	app, err := orderpayment.New(orderpayment.Config{
 		DB: db, GatewayURL: gateway.URL(),
-		Steps:        extended,
-		Version:      2, // the steps changed
-		Participants: participants,
-		Transport:    transport.Config{PollInterval: 20 * time.Millisecond},
+		Steps:           extended,
+		Version:         2, // the steps changed
+		Participants:    participants,
+		FinishedChannel: "inventory_finished_" + suffix, // for WaitFinished
 	})
 	if err != nil {
 		panic(err)
 	}
-	if err := app.Setup(ctx); err != nil {
+	if err := app.Client.Start(ctx); err != nil {
 		panic(err)
 	}
-	worker, _ := app.NewWorker()
-	go func() { _ = worker.Run(ctx) }()
-	<-worker.Running()
-	defer worker.Close()
+	defer app.Client.Stop() //nolint:errcheck
 
 	customer := "reader-" + suffix
 	_ = app.Orders.AddCustomer(ctx, customer, "A Reader")
@@ -137,7 +133,12 @@ func Example_addInventoryStep() {
 		if err != nil {
 			panic(err)
 		}
-		inst := waitTerminal(ctx, app, saga.ID(orderpayment.Name, placed.OrderID.String()))
+		waitCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		inst, err := app.Client.WaitFinished(waitCtx, saga.ID(orderpayment.Name, placed.OrderID.String()))
+		cancel()
+		if err != nil {
+			panic(err)
+		}
 		fmt.Println(strings.TrimSpace(fmt.Sprintf("%s: %s %s", name, inst.Status, inst.FailureReason)))
 	}
 	var onHand int
@@ -154,15 +155,4 @@ func mustExec(db *sql.DB, q string) {
 	if _, err := db.Exec(q); err != nil {
 		panic(err)
 	}
-}
-
-func waitTerminal(ctx context.Context, app *orderpayment.App, id uuid.UUID) saga.Instance {
-	for range 3000 {
-		inst, err := app.Engine.Get(ctx, id)
-		if err == nil && inst.Status.Terminal() {
-			return inst
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	panic("saga did not finish")
 }
