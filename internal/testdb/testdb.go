@@ -37,6 +37,7 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
+	"net/url"
 	"os"
 	"path/filepath"
 	"sort"
@@ -373,12 +374,19 @@ func LongWriteElsewhere(t testing.TB) (stillOpen func() bool) {
 }
 
 // LimitedRole creates a role that may hold at most limit connections at
-// once (and create databases), owning a fresh empty database, and returns a
-// URL for that database as that role, with a password, so it works on
-// servers that trust local connections and on those that ask (the embedded
-// one). The role, its password and every database it owns go when the test
-// ends.
+// once (see Role) and returns a URL for its database.
 func LimitedRole(t testing.TB, limit int) string {
+	t.Helper()
+	return Role(t, limit, randomHex(12))
+}
+
+// Role creates a role with password (any text) that may create databases
+// and hold at most limit connections at once (-1: no limit), owning a
+// fresh empty database, and returns a URL for that database as that role.
+// The password makes it work on servers that trust local connections and
+// on those that ask (the embedded one). The role and every database it
+// owns go when the test ends.
+func Role(t testing.TB, limit int, password string) string {
 	t.Helper()
 	ctx := context.Background()
 	srv := ServerURL()
@@ -387,9 +395,10 @@ func LimitedRole(t testing.TB, limit int) string {
 		t.Fatalf("testdb: connecting to %s: %v", pgdb.Redact(srv), err)
 	}
 	t.Cleanup(func() { _ = admin.Close(context.Background()) })
-	role, password := "pgsaga_test_limited_"+randomHex(4), randomHex(12)
-	if _, err := admin.Exec(ctx, fmt.Sprintf("CREATE ROLE %s LOGIN CREATEDB CONNECTION LIMIT %d PASSWORD '%s'",
-		pgx.Identifier{role}.Sanitize(), limit, password)); err != nil {
+	role := "pgsaga_test_role_" + randomHex(4)
+	literal := "'" + strings.ReplaceAll(password, "'", "''") + "'"
+	if _, err := admin.Exec(ctx, fmt.Sprintf("CREATE ROLE %s LOGIN CREATEDB CONNECTION LIMIT %d PASSWORD %s",
+		pgx.Identifier{role}.Sanitize(), limit, literal)); err != nil {
 		t.Fatalf("testdb: creating role %s: %v", role, err)
 	}
 	t.Cleanup(func() {
@@ -411,7 +420,32 @@ func LimitedRole(t testing.TB, limit int) string {
 	if err != nil {
 		t.Fatalf("testdb: %v", err)
 	}
-	return fmt.Sprintf("postgres://%s:%s@%s:%d/%s?sslmode=disable", role, password, cfg.Host, cfg.Port, db.Name)
+	u := url.URL{Scheme: "postgres", User: url.UserPassword(role, password), Host: fmt.Sprintf("%s:%d", cfg.Host, cfg.Port),
+		Path: "/" + db.Name, RawQuery: "sslmode=disable"}
+	return u.String()
+}
+
+// Keywords is the keyword/value form of connURL without its password
+// ("host=… port=… user=… dbname=… sslmode=disable"), for tests of how a
+// program handles that form; append a password as the test needs.
+func Keywords(t testing.TB, connURL string) string {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(connURL)
+	if err != nil {
+		t.Fatalf("testdb: %v", err)
+	}
+	return fmt.Sprintf("host=%s port=%d user=%s dbname=%s sslmode=disable", cfg.Host, cfg.Port, cfg.User, cfg.Database)
+}
+
+// WithoutPassword is connURL with no password in its user info.
+func WithoutPassword(t testing.TB, connURL string) string {
+	t.Helper()
+	u, err := url.Parse(connURL)
+	if err != nil {
+		t.Fatalf("testdb: %v", err)
+	}
+	u.User = url.User(u.User.Username())
+	return u.String()
 }
 
 // Open connects to the database at url with a pool of at most maxConns.
