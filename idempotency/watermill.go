@@ -8,15 +8,17 @@ import (
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/pgsaga/pgsaga/steps/metadata"
 )
 
 // Metadata keys the Watermill middleware reads and writes.
 const (
 	// ReplyToMetadata names the topic replies go to, by default.
-	ReplyToMetadata = "reply_to"
+	ReplyToMetadata = metadata.ReplyTo
 	// ReplayedMetadata is set to "true" on a reply published again for a
 	// duplicate; the reply keeps its original message UUID.
-	ReplayedMetadata = "idempotent_replay"
+	ReplayedMetadata = metadata.Replayed
 )
 
 // MiddlewareConfig configures Store.Middleware.

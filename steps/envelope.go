@@ -9,6 +9,8 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+
+	"github.com/pgsaga/pgsaga/steps/metadata"
 )
 
 // Message is the payload of a command, a reply or an event: a value that
@@ -18,33 +20,33 @@ type Message interface {
 	MessageType() string
 }
 
-// Metadata keys of the envelope. Every message pgsaga sends carries them;
-// they are the contract between the saga engine, the participants and
-// anything else reading the topics.
+// Metadata keys of the envelope (see package metadata). Every message
+// pgsaga sends carries them; they are the contract between the saga
+// engine, the participants and anything else reading the topics.
 const (
 	// MetaType is the payload's type name (Message.MessageType).
-	MetaType = "type"
+	MetaType = metadata.Type
 	// MetaCorrelationID ties together every message of one business
 	// transaction (a saga): copied from command to reply to next command.
-	MetaCorrelationID = "correlation_id"
+	MetaCorrelationID = metadata.CorrelationID
 	// MetaCausationID is the UUID of the message that caused this one.
-	MetaCausationID = "causation_id"
+	MetaCausationID = metadata.CausationID
 	// MetaSagaID is the saga instance the message belongs to, if any.
-	MetaSagaID = "saga_id"
+	MetaSagaID = metadata.SagaID
 	// MetaStep is the saga step a command or reply belongs to.
-	MetaStep = "step"
+	MetaStep = metadata.Step
 	// MetaKey is the idempotency key of a command: stable across re-sends
 	// (for a saga, derived from saga id and step, never from the attempt).
-	MetaKey = "idempotency_key"
+	MetaKey = metadata.Key
 	// MetaReplyTo is the topic a command's reply goes to.
-	MetaReplyTo = idempotency.ReplyToMetadata
+	MetaReplyTo = metadata.ReplyTo
 	// MetaOutcome is "ok" or "failed" on a reply.
-	MetaOutcome = "outcome"
+	MetaOutcome = metadata.Outcome
 	// MetaReason explains a failed reply.
-	MetaReason = "reason"
+	MetaReason = metadata.Reason
 	// MetaReplayed is "true" on a reply published again for a duplicate
 	// command; it keeps the original reply's UUID.
-	MetaReplayed = idempotency.ReplayedMetadata
+	MetaReplayed = metadata.Replayed
 )
 
 // Outcomes of a reply.

@@ -29,6 +29,8 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
+
+	"github.com/pgsaga/pgsaga/steps/metadata"
 )
 
 // Event is a domain event: a JSON-encodable value with a stable type name.
@@ -148,11 +150,11 @@ type Aggregate interface {
 // shared with steps (type, correlation_id, causation_id, saga_id,
 // idempotency_key).
 const (
-	MetaStreamID = "stream_id"
-	MetaVersion  = "stream_version"
+	MetaStreamID = metadata.StreamID
+	MetaVersion  = metadata.StreamVersion
 	// MetaPartitionKey is the stream id again, under the name partitioned
 	// brokers order by.
-	MetaPartitionKey = "partition_key"
+	MetaPartitionKey = metadata.PartitionKey
 )
 
 // Config configures a Store.
@@ -260,8 +262,8 @@ func (s *Store) publish(tx DBTX, recorded []Recorded, payloads []string) error {
 	for i, r := range recorded {
 		m := message.NewMessage(r.ID.String(), []byte(payloads[i]))
 		for k, v := range map[string]string{
-			"type": r.Type, "correlation_id": r.Metadata.CorrelationID, "causation_id": r.Metadata.CausationID,
-			"saga_id": r.Metadata.SagaID, "idempotency_key": r.Metadata.IdempotencyKey,
+			metadata.Type: r.Type, metadata.CorrelationID: r.Metadata.CorrelationID, metadata.CausationID: r.Metadata.CausationID,
+			metadata.SagaID: r.Metadata.SagaID, metadata.Key: r.Metadata.IdempotencyKey,
 			MetaStreamID: r.StreamID, MetaVersion: strconv.Itoa(r.Version),
 			// Relays to brokers keep one stream's events in order by it.
 			MetaPartitionKey: r.StreamID,

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/pgsaga/pgsaga/steps/metadata"
 )
 
 // DeadLetter is a message kept in pgsaga_dead_letters: one no consumer
@@ -30,12 +32,12 @@ type DeadLetter struct {
 
 // Metadata a dead letter carries besides the message's own.
 const (
-	DeadLetterReason   = "dead_letter_reason"
-	DeadLetterAttempts = "dead_letter_attempts"
-	DeadLetterTopic    = "dead_letter_topic"
-	DeadLetterHandler  = "dead_letter_handler"
-	DeadLetterGroup    = "dead_letter_group"
-	DeadLetterAt       = "dead_letter_at"
+	DeadLetterReason   = metadata.DeadLetterReason
+	DeadLetterAttempts = metadata.DeadLetterAttempts
+	DeadLetterTopic    = metadata.DeadLetterTopic
+	DeadLetterHandler  = metadata.DeadLetterHandler
+	DeadLetterGroup    = metadata.DeadLetterGroup
+	DeadLetterAt       = metadata.DeadLetterAt
 )
 
 // DeadLetterFilter selects dead letters.
