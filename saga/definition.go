@@ -1,14 +1,24 @@
-// Package saga is pgsaga's orchestrator: saga definitions (ordered steps,
-// each an action and an optional compensation), saga instances in
-// saga_instances, the engine that reacts to triggers and replies,
-// compensation in reverse order, deadlines and recovery of stuck sagas, and
-// inspection and operator actions.
+// Package saga is pgsaga's entry point and orchestrator.
 //
-// Every reaction of the engine is one transaction: the instance's update, its
-// timeline, the next command (published through the outbox) and the
-// consumer's offset. Commands carry keys derived from the saga and the step,
-// never from the attempt, so a re-sent command is deduplicated by the
-// participant, and a duplicate or late reply changes nothing.
+// A process uses one Client (NewClient, over its pgx pool): it holds the
+// transport, the idempotency store, the event store, the step runtime and
+// the Engine. Build your services from its stores, add what the process
+// serves (Register saga Definitions, AddSteps, AddProjections), then Start
+// it; Stop drains it. StartTx starts a saga in your own transaction;
+// WaitFinished waits for one to end; Engine().Get, List and Retry inspect
+// and repair instances.
+//
+// A saga is a Definition (Define a Spec: a Trigger and ordered Steps, each
+// an action and an optional compensation, with a deadline and attempts).
+// Its instances live in saga_instances with their timeline in
+// saga_history. Every reaction of the engine is one transaction: the
+// instance's update, its timeline, the next command (published through the
+// outbox) and the removal of the message it reacted to. Commands carry keys
+// derived from the saga and the step, never from the attempt, so a re-sent
+// command is deduplicated by the participant, and a duplicate or late reply
+// changes nothing. A failed step compensates the completed ones in reverse
+// order; the deadline sweeper re-sends overdue commands and gives up on
+// them in the end.
 package saga
 
 import (
