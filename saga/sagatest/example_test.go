@@ -9,7 +9,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
-	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
@@ -61,9 +60,11 @@ func Example() {
 	}
 
 	// 2. Your app, as you build it, with the injector installed.
-	tr, _ := transport.New(transport.Config{DB: db, PollInterval: 20 * time.Millisecond, Intercept: injector.Intercept, Logger: quiet})
-	store, _ := idempotency.NewStore(idempotency.Config{DB: db})
-	runtime, _ := steps.New(steps.Config{Transport: tr, Store: store, Logger: quiet})
+	client, err := saga.NewClientFromDB(db, saga.ClientConfig{
+		Transport: transport.Config{Intercept: injector.Intercept}, Logger: quiet})
+	if err != nil {
+		panic(err)
+	}
 	reserve := steps.Define("hotel.reserve-"+suffix, "hotel.reserve."+suffix, func(ctx context.Context, tx *steps.Tx, cmd ReserveRoom) (steps.Message, error) {
 		_, err := tx.ExecContext(ctx, `INSERT INTO `+rooms+` VALUES ($1)`, cmd.Guest)
 		return RoomReserved{}, err
@@ -77,27 +78,30 @@ func Example() {
 		Steps: []saga.Step[booking]{{Name: "reserve", Action: &saga.Command[booking]{
 			Topic: reserve.Topic, Build: func(b booking) steps.Message { return ReserveRoom(b) }}}},
 	})
-	engine, _ := saga.NewEngine(saga.Config{DB: db, Transport: tr, Logger: quiet})
-	_ = engine.Register(def)
-	// Record who consumes what before anything is published.
-	_ = tr.Subscribe(ctx, append(runtime.Subscriptions(reserve), engine.Subscriptions()...)...)
-	newWorker := func() (sagatest.Worker, error) {
-		r, err := tr.NewRouter()
-		if err != nil {
-			return nil, err
-		}
-		if err := runtime.Register(r, reserve); err != nil {
-			return nil, err
-		}
-		return r, engine.AddHandlers(r)
+	if err := client.Register(def); err != nil {
+		panic(err)
 	}
+	if err := client.AddSteps(reserve); err != nil {
+		panic(err)
+	}
+	// Record who consumes what before anything is published; the churn
+	// below runs the client's workers instead of Start.
+	if err := client.Setup(ctx); err != nil {
+		panic(err)
+	}
+	newWorker := func() (sagatest.Worker, error) { return client.NewWorker() }
 
 	// 3. Two workers, stopped and replaced at random.
-	churn, _ := sagatest.StartChurn(sagatest.ChurnConfig{Workers: 2, New: newWorker, Seed: 42, Logger: quiet})
+	churn, err := sagatest.StartChurn(sagatest.ChurnConfig{Workers: 2, New: newWorker, Seed: 42, Logger: quiet})
+	if err != nil {
+		panic(err)
+	}
 	var ids []uuid.UUID
 	for _, guest := range []string{"ada", "bob", "cy"} {
 		msg, _ := steps.NewMessage(Booked{Guest: guest}, steps.Envelope{})
-		_ = tr.Publisher(db).Publish(def.Trigger, msg)
+		if err := client.Transport().Publisher(db).Publish(def.Trigger, msg); err != nil {
+			panic(err)
+		}
 		ids = append(ids, saga.ID(def.Name, guest))
 	}
 
