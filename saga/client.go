@@ -10,12 +10,10 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgsaga/pgsaga/idempotency"
-	"github.com/pgsaga/pgsaga/internal/pglisten"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 	"github.com/pgsaga/pgsaga/steps/transport"
@@ -96,6 +94,14 @@ type Client struct {
 	stopJobs    context.CancelFunc
 	jobs        sync.WaitGroup
 	jobErrs     []error
+
+	life        sync.Mutex         // held by Start and Stop throughout
+	cancelStart context.CancelFunc // ends a Start in progress (under mu)
+	stopped     bool               // Stop was called (under mu)
+	done        chan struct{}      // Stopped: closed once nothing runs after Start or Stop
+	doneOnce    sync.Once
+
+	finished finishedHub // WaitFinished's one listener
 }
 
 // NewClient validates cfg and builds a client over pool. It starts nothing
@@ -125,6 +131,9 @@ func newClient(db *sql.DB, cfg ClientConfig) (*Client, error) {
 	}
 	if cfg.Prune.History == 0 && cfg.Prune.Instances == 0 {
 		cfg.Prune.History = HistoryTTLDefault
+	}
+	if err := cfg.validate(); err != nil {
+		return nil, err
 	}
 	tcfg := cfg.Transport
 	tcfg.DB, tcfg.Logger = db, cfg.Logger
@@ -156,7 +165,29 @@ func newClient(db *sql.DB, cfg ClientConfig) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Client{db: db, transport: tr, idempotency: store, events: es, runtime: rt, engine: engine, cfg: cfg, log: cfg.Logger}, nil
+	c := &Client{db: db, transport: tr, idempotency: store, events: es, runtime: rt, engine: engine, cfg: cfg, log: cfg.Logger,
+		done: make(chan struct{})}
+	c.finished.c = c
+	return c, nil
+}
+
+// validate checks what would otherwise fail only once the client runs.
+func (cfg ClientConfig) validate() error {
+	var errs []error
+	if cfg.KeyTTL < 0 {
+		errs = append(errs, fmt.Errorf("KeyTTL must not be negative, got %s", cfg.KeyTTL))
+	}
+	prune := cfg.Prune
+	if err := prune.setDefaults(); err != nil {
+		errs = append(errs, err)
+	}
+	if len(cfg.FinishedChannel) > 63 {
+		errs = append(errs, fmt.Errorf("FinishedChannel must be at most 63 bytes, got %d", len(cfg.FinishedChannel)))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("saga: invalid client config: %w", err)
+	}
+	return nil
 }
 
 // DB is the client's database/sql handle.
@@ -183,33 +214,28 @@ var ErrClientStarted = errors.New("saga: the client has started; add sagas, step
 
 // Register adds saga definitions this process drives.
 func (c *Client) Register(defs ...*Definition) error {
-	if err := c.notStarted(); err != nil {
-		return err
-	}
-	for _, d := range defs {
-		if err := c.engine.Register(d); err != nil {
-			return err
+	return c.beforeStart(func() error {
+		for _, d := range defs {
+			if err := c.engine.Register(d); err != nil {
+				return err
+			}
 		}
-	}
-	return nil
+		return nil
+	})
 }
 
 // AddSteps adds participant steps this process serves.
 func (c *Client) AddSteps(s ...steps.Step) error {
-	if err := c.notStarted(); err != nil {
-		return err
-	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.steps = append(c.steps, s...)
-	return nil
+	return c.beforeStart(func() error {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		c.steps = append(c.steps, s...)
+		return nil
+	})
 }
 
 // AddProjections adds projections this process maintains.
 func (c *Client) AddProjections(p ...Projection) error {
-	if err := c.notStarted(); err != nil {
-		return err
-	}
 	for _, pr := range p {
 		if pr.Name == "" || pr.Handle == nil {
 			return errors.New("saga: a projection needs a Name and a Handle")
@@ -218,19 +244,26 @@ func (c *Client) AddProjections(p ...Projection) error {
 			return fmt.Errorf("saga: projection %s: %w", pr.Name, err)
 		}
 	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.projections = append(c.projections, p...)
-	return nil
+	return c.beforeStart(func() error {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		c.projections = append(c.projections, p...)
+		return nil
+	})
 }
 
-func (c *Client) notStarted() error {
+// beforeStart runs add unless the client started (or is starting, or was
+// stopped): what a client serves is fixed when it starts.
+func (c *Client) beforeStart(add func() error) error {
+	c.life.Lock()
+	defer c.life.Unlock()
 	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.started {
+	started := c.started || c.stopped
+	c.mu.Unlock()
+	if started {
 		return ErrClientStarted
 	}
-	return nil
+	return add()
 }
 
 // Subscriptions lists what the client's workers consume: its steps, its
@@ -287,23 +320,27 @@ func (c *Client) NewWorker() (*Worker, error) {
 // bounds the start only; the client runs until Stop.
 func (c *Client) Start(ctx context.Context) error {
 	c.mu.Lock()
-	if c.started {
+	if c.started || c.stopped {
 		c.mu.Unlock()
 		return ErrClientStarted
 	}
 	c.started = true
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	c.cancelStart = cancel // Stop ends a Start in progress
 	c.mu.Unlock()
+	c.life.Lock()
+	defer c.life.Unlock()
 	w, err := c.startWorker(ctx)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.cancelStart = nil
 	if err != nil {
-		c.mu.Lock()
-		c.started = false // nothing runs: a later Start may try again
-		c.mu.Unlock()
+		c.started = c.stopped // nothing runs: a later Start may try again, unless stopped
 		return err
 	}
 	jobsCtx, stop := context.WithCancel(context.WithoutCancel(ctx))
-	c.mu.Lock()
 	c.worker, c.stopJobs = w, stop
-	c.mu.Unlock()
 	if !c.cfg.DisableRetention {
 		c.jobs.Go(func() {
 			if err := c.RunRetention(jobsCtx); err != nil {
@@ -314,8 +351,14 @@ func (c *Client) Start(ctx context.Context) error {
 			}
 		})
 	}
+	go func() {
+		<-w.Stopped()
+		c.closeDone()
+	}()
 	return nil
 }
+
+func (c *Client) closeDone() { c.doneOnce.Do(func() { close(c.done) }) }
 
 func (c *Client) startWorker(ctx context.Context) (*Worker, error) {
 	if err := c.Setup(ctx); err != nil {
@@ -331,7 +374,8 @@ func (c *Client) startWorker(ctx context.Context) (*Worker, error) {
 	return w, nil
 }
 
-// RunRetention runs the retention jobs until ctx is done: finished
+// RunRetention runs the retention jobs until ctx is done, or until one fails
+// (then it returns at once, with why): finished
 // idempotency keys older than KeyTTL, finished sagas as Prune says. Start
 // runs it unless DisableRetention; every job is safe to run in several
 // processes at once. (Delivered messages need none: a queue row is deleted
@@ -341,6 +385,8 @@ func (c *Client) RunRetention(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	var (
 		wg   sync.WaitGroup
 		mu   sync.Mutex
@@ -355,6 +401,7 @@ func (c *Client) RunRetention(ctx context.Context) error {
 				mu.Lock()
 				errs = append(errs, fmt.Errorf("saga: retention of %s: %w", name, err))
 				mu.Unlock()
+				cancel() // one failed job ends the run, so that it is known now
 			}
 		})
 	}
@@ -363,21 +410,16 @@ func (c *Client) RunRetention(ctx context.Context) error {
 }
 
 // Stopped is closed once the client's worker has stopped, by Stop or
-// because it failed (Health then says why). Nil before Start.
-func (c *Client) Stopped() <-chan struct{} {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.worker == nil {
-		return nil
-	}
-	return c.worker.Stopped()
-}
+// because it failed (Health then says why), or once Stop was called on a
+// client that never started.
+func (c *Client) Stopped() <-chan struct{} { return c.done }
 
-// Health is nil while the client runs: its worker runs and the database
-// answers. Otherwise it says what is wrong.
+// Health is nil while the client runs: its worker runs, its retention jobs
+// have not failed and the database answers. Otherwise it says what is
+// wrong.
 func (c *Client) Health(ctx context.Context) error {
 	c.mu.Lock()
-	w := c.worker
+	w, jobErrs := c.worker, append([]error(nil), c.jobErrs...)
 	c.mu.Unlock()
 	if w == nil {
 		return errors.New("saga: the client is not running")
@@ -390,6 +432,9 @@ func (c *Client) Health(ctx context.Context) error {
 		return errors.New("saga: the worker stopped")
 	default:
 	}
+	if err := errors.Join(jobErrs...); err != nil {
+		return err
+	}
 	if err := c.db.PingContext(ctx); err != nil {
 		return fmt.Errorf("saga: the database does not answer: %w", err)
 	}
@@ -401,6 +446,14 @@ func (c *Client) Health(ctx context.Context) error {
 // wrong while the client ran.
 func (c *Client) Stop() error {
 	c.mu.Lock()
+	c.stopped = true
+	if c.cancelStart != nil {
+		c.cancelStart() // a Start in progress gives up
+	}
+	c.mu.Unlock()
+	c.life.Lock() // wait for it
+	defer c.life.Unlock()
+	c.mu.Lock()
 	w, stop := c.worker, c.stopJobs
 	c.mu.Unlock()
 	var err error
@@ -411,6 +464,7 @@ func (c *Client) Stop() error {
 		stop()
 	}
 	c.jobs.Wait()
+	c.closeDone()
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return errors.Join(append([]error{err}, c.jobErrs...)...)
@@ -433,72 +487,11 @@ func (c *Client) StartTx(ctx context.Context, tx *sql.Tx, name string, trigger *
 // PublishTx publishes msgs to topic in the caller's transaction tx: they
 // are delivered if, and only if, tx commits.
 func (c *Client) PublishTx(ctx context.Context, tx *sql.Tx, topic string, msgs ...*message.Message) error {
-	for _, m := range msgs {
-		m.SetContext(ctx)
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("saga: publishing to %s: %w", topic, context.Cause(ctx))
 	}
 	if err := c.transport.Publisher(tx).Publish(topic, msgs...); err != nil {
 		return fmt.Errorf("saga: publishing to %s: %w", topic, err)
 	}
 	return nil
-}
-
-// WaitFinished waits until instance id ends (completed, compensated or
-// failed) and returns it with its timeline. It needs
-// ClientConfig.FinishedChannel: it listens for the instance's end, looking
-// it up once it listens and after every reconnect, so no end is missed, and
-// never polls. An instance not started yet is waited for too.
-func (c *Client) WaitFinished(ctx context.Context, id uuid.UUID) (Instance, error) {
-	if c.cfg.FinishedChannel == "" {
-		return Instance{}, errors.New("saga: WaitFinished needs ClientConfig.FinishedChannel")
-	}
-	ctx, cancel := context.WithCancel(ctx)
-	check := make(chan struct{}, 1)
-	poke := func() {
-		select {
-		case check <- struct{}{}:
-		default: // a look-up is pending already
-		}
-	}
-	want := id.String()
-	l, err := pglisten.New(pglisten.Config{DB: c.db, Channels: []string{c.cfg.FinishedChannel}, Logger: c.log,
-		OnNotify: func(_, payload string) {
-			if payload == want {
-				poke()
-			}
-		},
-		OnListen: poke,
-	})
-	if err != nil {
-		cancel()
-		return Instance{}, fmt.Errorf("saga: waiting for %s: %w", id, err)
-	}
-	done := make(chan struct{})
-	var runErr error
-	go func() {
-		defer close(done)
-		runErr = l.Run(ctx)
-	}()
-	defer func() {
-		cancel()
-		<-done
-	}()
-	for {
-		select {
-		case <-check:
-			inst, err := c.engine.Get(ctx, id)
-			switch {
-			case err == nil && inst.Status.Terminal():
-				return inst, nil
-			case err != nil && !errors.Is(err, ErrNotFound):
-				return Instance{}, fmt.Errorf("saga: waiting for %s: %w", id, err)
-			}
-		case <-done:
-			if runErr == nil {
-				runErr = context.Cause(ctx)
-			}
-			return Instance{}, fmt.Errorf("saga: waiting for %s: %w", id, runErr)
-		case <-ctx.Done():
-			return Instance{}, fmt.Errorf("saga: waiting for %s: %w", id, context.Cause(ctx))
-		}
-	}
 }

@@ -2,11 +2,14 @@ package saga_test
 
 import (
 	"context"
+	"fmt"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -20,10 +23,26 @@ import (
 // records each e-mail in a table, on a database of its own.
 func newSignupClient(t *testing.T) (*saga.Client, *saga.Definition, *testdb.DB) {
 	t.Helper()
+	return newSignupClientOnPool(t, 0)
+}
+
+// newSignupClientOnPool is newSignupClient over a pool of its own of at
+// most maxConns connections (0: the database's shared pool).
+func newSignupClientOnPool(t *testing.T, maxConns int32) (*saga.Client, *saga.Definition, *testdb.DB) {
+	t.Helper()
 	db := testdb.Fresh(t)
 	_, err := db.SQL.Exec(`CREATE TABLE opened (email text PRIMARY KEY)`)
 	require.NoError(t, err)
-	c, err := saga.NewClient(db.Pool, saga.ClientConfig{
+	pool := db.Pool
+	if maxConns > 0 {
+		pcfg, err := pgxpool.ParseConfig(db.URL)
+		require.NoError(t, err)
+		pcfg.MaxConns = maxConns
+		pool, err = pgxpool.NewWithConfig(context.Background(), pcfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+	}
+	c, err := saga.NewClient(pool, saga.ClientConfig{
 		Transport:       transport.Config{PollInterval: 20 * time.Millisecond, IdlePollInterval: testdb.NoSafetyPoll},
 		FinishedChannel: "signup_finished",
 		Logger:          logger(),
@@ -165,4 +184,114 @@ func TestClientStartSaysWhyItCannotRun(t *testing.T) {
 	require.ErrorIs(t, c.Start(context.Background()), transport.ErrNotUTF8, "not ErrClientStarted: nothing runs")
 	require.Error(t, c.Health(context.Background()))
 	require.NoError(t, c.Stop())
+}
+
+// Waiters share one LISTEN connection: many of them on a small pool (4, as
+// pgxpool gives a small machine) neither starve the worker nor each other.
+func TestClientWaitersShareOneConnection(t *testing.T) {
+	t.Parallel()
+	c, def, db := newSignupClientOnPool(t, 4)
+	startRunning(t, c)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	const waiters = 6
+	results := make(chan error, waiters)
+	for range waiters {
+		go func() {
+			inst, err := c.WaitFinished(ctx, saga.ID(def.Name, "many@example.com"))
+			if err == nil && inst.Status != saga.StatusCompleted {
+				err = fmt.Errorf("status %s", inst.Status)
+			}
+			results <- err
+		}()
+	}
+	// Every waiter waits on the one listener before the saga starts.
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		var listening int
+		require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN "signup_finished"%'`).Scan(&listening))
+		if listening > 0 {
+			require.Equal(t, 1, listening, "one LISTEN connection for all waiters")
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "nobody listens")
+		time.Sleep(5 * time.Millisecond)
+	}
+	signUp(t, c, def, "many@example.com", true)
+	for range waiters {
+		require.NoError(t, <-results)
+	}
+}
+
+// Stop during a Start that waits (here for a lock another session holds)
+// ends that Start: nothing runs after Stop returns.
+func TestClientStopDuringStartLeavesNothingRunning(t *testing.T) {
+	t.Parallel()
+	c, _, db := newSignupClient(t)
+	ctx := context.Background()
+	blocker, err := db.SQL.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer blocker.Rollback() //nolint:errcheck
+	_, err = blocker.Exec(`LOCK TABLE pgsaga_subscriptions IN EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	started := make(chan error, 1)
+	go func() { started <- c.Start(ctx) }()
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		var waiting int
+		require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting))
+		if waiting > 0 {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "Start never waited for the lock")
+		time.Sleep(5 * time.Millisecond)
+	}
+	require.NoError(t, c.Stop())
+	require.Error(t, <-started, "the Start in progress gave up")
+	require.NoError(t, blocker.Rollback())
+	select {
+	case <-c.Stopped():
+	default:
+		t.Fatal("Stopped is not closed after Stop")
+	}
+	require.Error(t, c.Health(ctx))
+	require.ErrorIs(t, c.Start(ctx), saga.ErrClientStarted, "a stopped client does not start again")
+}
+
+// Stopped can be taken before Start: it closes when the client stops.
+func TestClientStoppedTakenEarly(t *testing.T) {
+	t.Parallel()
+	c, _, _ := newSignupClient(t)
+	early := c.Stopped()
+	require.NotNil(t, early)
+	startRunning(t, c)
+	require.NoError(t, c.Stop())
+	<-early
+}
+
+// Settings that would fail only once the client runs are refused when it
+// is built; a cancelled context publishes nothing and the caller's message
+// keeps its own context.
+func TestClientChecksItsInputsUpFront(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Shared(t).Pool
+	for _, cfg := range []saga.ClientConfig{
+		{KeyTTL: -time.Hour},
+		{Prune: saga.PruneConfig{History: -time.Hour}},
+		{FinishedChannel: strings.Repeat("x", 64)},
+	} {
+		_, err := saga.NewClient(pool, cfg)
+		require.Error(t, err, "%+v", cfg)
+	}
+
+	c, def, _ := newSignupClient(t)
+	require.NoError(t, c.Setup(context.Background()))
+	tx, err := c.DB().BeginTx(context.Background(), nil)
+	require.NoError(t, err)
+	defer tx.Rollback() //nolint:errcheck
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	m := trigger(t, "late@example.com")
+	type key struct{}
+	m.SetContext(context.WithValue(context.Background(), key{}, "trace"))
+	require.ErrorIs(t, c.StartTx(ctx, tx, def.Name, m), context.Canceled)
+	assert.Equal(t, "trace", m.Context().Value(key{}), "the message keeps its context")
 }

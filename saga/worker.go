@@ -44,12 +44,14 @@ func (w *Worker) Close() error { return w.router.Close() }
 // the reason it could not start. ctx bounds the start only: the worker runs
 // until Stop or until it fails (see Stopped).
 func (w *Worker) Start(ctx context.Context) error {
+	// Held throughout: a Stop meanwhile waits for the start, then stops
+	// what started.
+	w.mu.Lock()
+	defer w.mu.Unlock()
 	if err := w.router.Start(ctx); err != nil {
 		return fmt.Errorf("saga: starting worker: %w", err)
 	}
-	w.mu.Lock()
 	w.started = true
-	w.mu.Unlock()
 	sweepCtx, stopSweeper := context.WithCancel(context.WithoutCancel(ctx))
 	var wg sync.WaitGroup
 	wg.Go(func() { _ = w.engine.RunSweeper(sweepCtx) })
@@ -73,10 +75,10 @@ func (w *Worker) Err() error { return w.router.Err() }
 // Stop drains and stops a worker begun with Start and returns what its run
 // ended with.
 func (w *Worker) Stop() error {
-	err := w.router.Stop()
 	w.mu.Lock()
 	started := w.started
 	w.mu.Unlock()
+	err := w.router.Stop()
 	if started {
 		<-w.stopped
 	}

@@ -205,6 +205,14 @@ func findServer(ctx context.Context) (string, error) {
 	return found.URL, nil
 }
 
+// underGoCommand reports whether this test binary is a child of the go
+// command (go test), where one run shares a parent; where that cannot be
+// told, it is not.
+func underGoCommand() bool {
+	comm, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", os.Getppid()))
+	return err == nil && strings.TrimSpace(string(comm)) == "go"
+}
+
 // runID names this `go test` run: the go command's process id and, where
 // /proc tells it, its start time, so that a later run given the same id by
 // the system is told apart.
@@ -228,6 +236,10 @@ func runID() string {
 // of the go command, so the first to say it leaves a mark under the go
 // command's process id, and the others print a line pointing to it.
 func sayOnce(err error) {
+	if !underGoCommand() {
+		fmt.Fprintf(os.Stderr, "\ntestdb: %v\n\n", err) // run directly: nobody said it before
+		return
+	}
 	mark := filepath.Join(os.TempDir(), "pgsaga-testdb-"+runID())
 	f, ferr := os.OpenFile(mark, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
 	if ferr != nil {
@@ -380,7 +392,8 @@ func LimitedRole(t testing.TB, limit int) string {
 	return Role(t, limit, randomHex(12))
 }
 
-// Role creates a role with password (any text) that may create databases
+// Role creates a role with password (any text that does not look like a
+// stored hash: md5… or SCRAM-SHA-256$…) that may create databases
 // and hold at most limit connections at once (-1: no limit), owning a
 // fresh empty database, and returns a URL for that database as that role.
 // The password makes it work on servers that trust local connections and
@@ -396,9 +409,13 @@ func Role(t testing.TB, limit int, password string) string {
 	}
 	t.Cleanup(func() { _ = admin.Close(context.Background()) })
 	role := "pgsaga_test_role_" + randomHex(4)
-	literal := "'" + strings.ReplaceAll(password, "'", "''") + "'"
-	if _, err := admin.Exec(ctx, fmt.Sprintf("CREATE ROLE %s LOGIN CREATEDB CONNECTION LIMIT %d PASSWORD %s",
-		pgx.Identifier{role}.Sanitize(), limit, literal)); err != nil {
+	// The server quotes the password (format's %L), whatever its settings.
+	var create string
+	if err := admin.QueryRow(ctx, `SELECT format('CREATE ROLE %I LOGIN CREATEDB CONNECTION LIMIT %s PASSWORD %L', $1::text, $2::int, $3::text)`,
+		role, limit, password).Scan(&create); err != nil {
+		t.Fatalf("testdb: quoting role %s: %v", role, err)
+	}
+	if _, err := admin.Exec(ctx, create); err != nil {
 		t.Fatalf("testdb: creating role %s: %v", role, err)
 	}
 	t.Cleanup(func() {
@@ -468,27 +485,33 @@ func create(ctx context.Context, migrated bool, options ...string) (*DB, error) 
 	}
 	defer admin.Close(ctx)
 
-	stmt := "CREATE DATABASE " + pgx.Identifier{name}.Sanitize()
-	for _, o := range options {
-		stmt += " " + o
-	}
-	if migrated {
-		tpl, err := templateName(ctx, admin)
-		if err != nil {
-			return nil, err
-		}
-		stmt += " TEMPLATE " + pgx.Identifier{tpl}.Sanitize()
-	}
 	// A template being copied by another process at the same instant can make
 	// CREATE DATABASE fail with "source database is being accessed"; retry.
+	// One dropped meanwhile (a checkout that thought it stale) is found or
+	// built again.
 	for attempt := 0; ; attempt++ {
+		stmt := "CREATE DATABASE " + pgx.Identifier{name}.Sanitize()
+		for _, o := range options {
+			stmt += " " + o
+		}
+		if migrated {
+			tpl, err := templateName(ctx, admin)
+			if err != nil {
+				return nil, err
+			}
+			stmt += " TEMPLATE " + pgx.Identifier{tpl}.Sanitize()
+		}
 		_, err = admin.Exec(ctx, stmt)
 		if err == nil {
 			break
 		}
 		var pgErr *pgconn.PgError
-		if attempt < 50 && errors.As(err, &pgErr) && pgErr.Code == pgerrcode.ObjectInUse {
+		switch {
+		case attempt < 50 && errors.As(err, &pgErr) && pgErr.Code == pgerrcode.ObjectInUse:
 			time.Sleep(100 * time.Millisecond)
+			continue
+		case attempt < 3 && migrated && errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InvalidCatalogName:
+			forgetTemplate()
 			continue
 		}
 		return nil, fmt.Errorf("creating database %s: %w", name, err)
@@ -507,6 +530,13 @@ func create(ctx context.Context, migrated bool, options ...string) (*DB, error) 
 func (db *DB) close() {
 	_ = db.SQL.Close()
 	db.Pool.Close()
+}
+
+// forgetTemplate makes the next templateName look the template up again.
+func forgetTemplate() {
+	tplMu.Lock()
+	defer tplMu.Unlock()
+	template = ""
 }
 
 func templateName(ctx context.Context, admin *pgx.Conn) (string, error) {

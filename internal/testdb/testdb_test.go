@@ -44,3 +44,23 @@ func TestOtherCheckoutsTemplateSurvives(t *testing.T) {
 	assert.True(t, exists(fresh), "another checkout's fresh template is kept")
 	assert.False(t, exists(stale), "a stale template is dropped")
 }
+
+// A template that disappeared under this process (another checkout dropped
+// it as stale) is found or built again instead of failing every later
+// database.
+func TestVanishedTemplateIsFoundAgain(t *testing.T) {
+	Fresh(t) // the template is known
+	tplMu.Lock()
+	template = templatePrefix + "0000000000000000_1" // as if dropped by someone else
+	tplMu.Unlock()
+	db := Fresh(t)
+	var n int
+	require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_queue`).Scan(&n), "a migrated database")
+	tplMu.Lock()
+	defer tplMu.Unlock()
+	h, _, ok := parseTemplateName(template)
+	require.True(t, ok)
+	hash, err := migrationsHash()
+	require.NoError(t, err)
+	assert.Equal(t, hash, h)
+}

@@ -44,6 +44,8 @@ type Router struct {
 	background bool          // Start began a Run (under mu)
 	stopped    chan struct{} // closed when the Run that Start began returned
 	runErr     error         // what it returned; read after stopped
+
+	ran chan struct{} // closed when the Watermill router's Run returned
 }
 
 // NewRouter returns a router for this transport.
@@ -52,7 +54,7 @@ func (t *Transport) NewRouter() (*Router, error) {
 	if err != nil {
 		return nil, fmt.Errorf("transport: creating router: %w", err)
 	}
-	r := &Router{t: t, router: wr, log: t.log, gate: newGate(), handlers: map[string]bool{}, stopped: make(chan struct{})}
+	r := &Router{t: t, router: wr, log: t.log, gate: newGate(), handlers: map[string]bool{}, stopped: make(chan struct{}), ran: make(chan struct{})}
 	// Outermost: once draining starts, no new message reaches the handlers.
 	wr.AddMiddleware(r.gate.middleware(t.log))
 	return r, nil
@@ -179,6 +181,7 @@ func (r *Router) run(startCtx, ctx context.Context) error {
 	defer stop()
 	// The router's own context is never cancelled from outside: cancelling
 	// it would stop the subscribers under running attempts.
+	defer close(r.ran)
 	return r.router.Run(context.WithoutCancel(ctx))
 }
 
@@ -272,6 +275,17 @@ func (r *Router) Close() error {
 				a.requestCut()
 			}
 			r.gate.wait(r.t.cfg.StatementTimeout + 5*time.Second)
+		}
+		// Watermill's Close waits for every added handler: close it only once
+		// its Run got them all running; one that gave up has nothing to close.
+		select {
+		case <-r.router.Running():
+		case <-r.ran:
+			select {
+			case <-r.router.Running():
+			default:
+				return
+			}
 		}
 		r.closeErr = r.router.Close()
 	})

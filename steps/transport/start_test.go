@@ -102,3 +102,36 @@ func TestStartGivesUpWithItsContext(t *testing.T) {
 	require.NoError(t, holder.Rollback())
 	<-r.Stopped()
 }
+
+// A Start that fails while Watermill subscribes the handlers (here the
+// second handler's subscription is refused) leaves nothing running, and
+// Stop returns at once instead of waiting CloseTimeout for handlers that
+// never started.
+func TestStopAfterAFailedStartReturnsAtOnce(t *testing.T) {
+	t.Parallel()
+	db := testdb.Fresh(t)
+	_, err := db.SQL.Exec(`CREATE SEQUENCE upd;
+CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN IF nextval('upd') > 1 THEN RAISE EXCEPTION 'refused'; END IF; RETURN NEW; END $$;
+CREATE TRIGGER refuse BEFORE UPDATE ON pgsaga_subscriptions FOR EACH ROW EXECUTE FUNCTION refuse();`)
+	require.NoError(t, err)
+	cfg := fastConfig(db)
+	cfg.CloseTimeout = time.Hour
+	tr, err := transport.New(cfg)
+	require.NoError(t, err)
+	r, err := tr.NewRouter()
+	require.NoError(t, err)
+	h := func(*message.Message) error { return nil }
+	require.NoError(t, r.AddHandler("h1", "topic_a", "g", h))
+	require.NoError(t, r.AddHandler("h2", "topic_b", "g", h))
+	require.ErrorContains(t, r.Start(context.Background()), "refused")
+
+	stopped := make(chan error, 1)
+	go func() { stopped <- r.Stop() }()
+	select {
+	case err := <-stopped:
+		require.ErrorContains(t, err, "refused", "Stop reports why the run ended")
+	case <-time.After(20 * time.Second):
+		t.Fatal("Stop waited for handlers that never started")
+	}
+}
