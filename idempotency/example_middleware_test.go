@@ -46,15 +46,18 @@ func ExampleStore_Middleware() {
 		handled <- struct{}{}
 		return err
 	})
-	go func() { _ = router.Run(ctx) }()
-	<-router.Running()
+	if err := router.Start(ctx); err != nil {
+		panic(err)
+	}
 
 	cmd := message.NewMessage(uuid.NewString(), []byte(`"world"`))
 	cmd.Metadata.Set(idempotency.ReplyToMetadata, replies)
 	_ = tr.Publisher(db).Publish(commands, cmd, cmd) // delivered twice
 	<-handled
 	<-handled
-	_ = router.Close()
+	if err := router.Stop(); err != nil {
+		panic(err)
+	}
 
 	var n, ids int
 	_ = db.QueryRow(`SELECT count(*), count(DISTINCT uuid) FROM pgsaga_queue WHERE topic = $1`, replies).Scan(&n, &ids)

@@ -48,9 +48,7 @@ func consume(t *testing.T, e *env, topic string) {
 	r, err := e.tr.NewRouter()
 	require.NoError(t, err)
 	require.NoError(t, r.AddHandler("projection-"+topic, topic, orders.ProjectionName, e.svc.Project))
-	done := make(chan error, 1)
-	go func() { done <- r.Run(context.Background()) }()
-	<-r.Running()
+	require.NoError(t, r.Start(context.Background()))
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		n := e.count(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1 AND consumer_group = $2`, topic, orders.ProjectionName)
@@ -60,8 +58,7 @@ func consume(t *testing.T, e *env, topic string) {
 		require.True(t, time.Now().Before(deadline), "projection did not catch up (%d left)", n)
 		time.Sleep(10 * time.Millisecond)
 	}
-	require.NoError(t, r.Close())
-	require.NoError(t, <-done)
+	require.NoError(t, r.Stop())
 	require.Zero(t, e.count(`SELECT count(*) FROM pgsaga_dead_letters WHERE topic = $1`, topic), "nothing dead-lettered")
 }
 

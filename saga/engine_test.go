@@ -171,10 +171,8 @@ func newEnv(t *testing.T, o options) *env {
 		}
 		require.NoError(t, rt.Register(r, steps.Define("participant-"+op+"-"+id, topic, e.participant(op))))
 	}
-	done := make(chan error, 1)
-	go func() { done <- r.Run(context.Background()) }()
-	<-r.Running()
-	t.Cleanup(func() { _ = r.Close(); <-done })
+	require.NoError(t, r.Start(context.Background()))
+	t.Cleanup(func() { _ = r.Stop() })
 	return e
 }
 

@@ -156,10 +156,8 @@ var modes = []mode{
 		r, err := e.tr.NewRouter()
 		require.NoError(e.t, err)
 		require.NoError(e.t, e.rt.Register(r, e.step))
-		done := make(chan error, 1)
-		go func() { done <- r.Run(context.Background()) }()
-		<-r.Running()
-		defer func() { require.NoError(e.t, r.Close()); <-done }()
+		require.NoError(e.t, r.Start(context.Background()))
+		defer func() { require.NoError(e.t, r.Stop()) }()
 		for range times {
 			require.NoError(e.t, e.tr.Publisher(e.db.SQL).Publish(e.cmds, msg))
 		}
@@ -424,10 +422,8 @@ func TestConcurrentDuplicatesInTwoBatches(t *testing.T) {
 		r, err := e.tr.NewRouter()
 		require.NoError(t, err)
 		require.NoError(t, e.rt.Register(r, s))
-		done := make(chan error, 1)
-		go func() { done <- r.Run(context.Background()) }()
-		<-r.Running()
-		stops = append(stops, func() { require.NoError(t, r.Close()); <-done })
+		require.NoError(t, r.Start(context.Background()))
+		stops = append(stops, func() { require.NoError(t, r.Stop()) })
 	}
 	defer func() {
 		for _, stop := range stops {

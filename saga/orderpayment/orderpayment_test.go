@@ -86,10 +86,8 @@ func newEnv(t *testing.T, workers int, mutate func(*orderpayment.Config)) *env {
 func (e *env) startWorker() {
 	w, err := e.app.NewWorker()
 	require.NoError(e.t, err)
-	done := make(chan error, 1)
-	go func() { done <- w.Run(context.Background()) }()
-	<-w.Running()
-	e.t.Cleanup(func() { _ = w.Close(); <-done })
+	require.NoError(e.t, w.Start(context.Background()))
+	e.t.Cleanup(func() { _ = w.Stop() })
 }
 
 func (e *env) customer(balance int64) string {

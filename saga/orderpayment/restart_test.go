@@ -52,11 +52,9 @@ func TestDatabaseRestart(t *testing.T) {
 	for range 2 {
 		w, err := app.NewWorker()
 		require.NoError(t, err)
-		done := make(chan error, 1)
-		go func() { done <- w.Run(context.Background()) }()
-		<-w.Running()
+		require.NoError(t, w.Start(context.Background()))
 		workers = append(workers, w)
-		t.Cleanup(func() { _ = w.Close(); <-done })
+		t.Cleanup(func() { _ = w.Stop() })
 	}
 
 	customers := make([]string, 10)
@@ -102,7 +100,7 @@ func TestDatabaseRestart(t *testing.T) {
 	require.NoError(t, err)
 	t.Logf("after two restarts: %v", counts)
 	for _, w := range workers {
-		require.NoError(t, w.Close())
+		require.NoError(t, w.Stop())
 	}
 	violations, err := sagatest.Checker{DB: db.SQL, Definitions: []*saga.Definition{app.Definition},
 		Domain: domainInvariants()}.Check(ctx)

@@ -99,9 +99,7 @@ func TestInjectorOnARouter(t *testing.T) {
 		_, err := tx.ExecContext(msg.Context(), `INSERT INTO seen VALUES ($1, $2)`, msg.UUID, msg.Metadata.Get(sagatest.CopyMetadata))
 		return err
 	}))
-	done := make(chan error, 1)
-	go func() { done <- r.Run(context.Background()) }()
-	<-r.Running()
+	require.NoError(t, r.Start(context.Background()))
 	var msgs []*message.Message
 	// Fixed UUIDs: the faults of each message's first attempt are the same
 	// every run, and include every kind counted below.
@@ -130,8 +128,7 @@ func TestInjectorOnARouter(t *testing.T) {
 	waitUntil("every row consumed", func() bool {
 		return count(`SELECT count(*) FROM pgsaga_queue WHERE consumer_group = 'h'`) == 0
 	})
-	require.NoError(t, r.Close())
-	<-done
+	require.NoError(t, r.Stop())
 	require.NoError(t, inj.Close())
 	assert.Equal(t, count(`SELECT count(*) FROM pgsaga_queue WHERE consumer_group = 'archive'`), count(`SELECT count(*) FROM seen`),
 		"one effect per delivered row")
