@@ -49,6 +49,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
+
+	"github.com/pgsaga/pgsaga/steps/outcome"
 )
 
 // DBTX is the transaction the store runs its statements in:
@@ -122,7 +124,7 @@ type Claim struct {
 // Errors callers can branch on with errors.Is.
 var (
 	ErrInProgress     = errors.New("idempotency: a request with this key is in progress")
-	ErrKeyReused      = errors.New("idempotency: key reused with a different request")
+	ErrKeyReused      = outcome.New(outcome.Permanent, "idempotency: key reused with a different request")
 	ErrConflict       = errors.New("idempotency: claim raced a concurrent claim; retry in a new transaction")
 	ErrLeaseLost      = errors.New("idempotency: lease lost; another worker took the key over")
 	ErrNotClaimed     = errors.New("idempotency: key has no pending claim to complete")
@@ -287,6 +289,9 @@ type Failure struct {
 }
 
 func (f *Failure) Error() string { return "idempotency: request failed: " + f.Reason }
+
+// Outcome implements outcome.Classifier: a business failure.
+func (f *Failure) Outcome() outcome.Kind { return outcome.BusinessFailure }
 
 // Result is the outcome of Do.
 type Result struct {

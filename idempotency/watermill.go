@@ -10,6 +10,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/pgsaga/pgsaga/steps/metadata"
+
+	"github.com/pgsaga/pgsaga/steps/outcome"
 )
 
 // Metadata keys the Watermill middleware reads and writes.
@@ -53,6 +55,9 @@ type Rejection struct {
 }
 
 func (r *Rejection) Error() string { return "rejected: " + r.Reason }
+
+// Outcome implements outcome.Classifier: a business failure.
+func (r *Rejection) Outcome() outcome.Kind { return outcome.BusinessFailure }
 
 // Reject returns a Rejection.
 func Reject(reason string, replies ...*message.Message) error {

@@ -11,6 +11,8 @@ import (
 	"github.com/pgsaga/pgsaga/idempotency"
 
 	"github.com/pgsaga/pgsaga/steps/metadata"
+
+	"github.com/pgsaga/pgsaga/steps/outcome"
 )
 
 // Message is the payload of a command, a reply or an event: a value that
@@ -130,6 +132,10 @@ func (e *DecodeError) Error() string {
 	}
 	return fmt.Sprintf("steps: message %s has type %q, want %q", e.MessageID, e.Got, e.Want)
 }
+
+// Outcome implements outcome.Classifier: a message that cannot be decoded
+// never will be.
+func (e *DecodeError) Outcome() outcome.Kind { return outcome.Permanent }
 
 func (e *DecodeError) Unwrap() error { return e.Err }
 

@@ -32,6 +32,8 @@ import (
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/steps/events"
 	"github.com/pgsaga/pgsaga/steps/transport"
+
+	"github.com/pgsaga/pgsaga/steps/outcome"
 )
 
 // Handler handles one command of type C in the step's transaction.
@@ -46,6 +48,9 @@ type BusinessError struct {
 }
 
 func (e *BusinessError) Error() string { return "business failure: " + e.Reason }
+
+// Outcome implements outcome.Classifier: a business failure.
+func (e *BusinessError) Outcome() outcome.Kind { return outcome.BusinessFailure }
 
 // Fail returns a BusinessError. reply may be nil when the command has no
 // failure reply.

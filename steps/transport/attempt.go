@@ -571,21 +571,21 @@ func (a *attemptTx) run(msg *message.Message, n int, deadline time.Time, h Handl
 	return ErrAttemptTimeout
 }
 
-// outcome of one attempt.
-type outcome int
+// attemptEnd is how one attempt ended.
+type attemptEnd int
 
 const (
-	kept    outcome = iota // the attempt's work is in the transaction
-	failed                 // rolled back; the transaction is usable
-	broken                 // the transaction can no longer commit
-	refused                // not started: the router is closing
+	kept    attemptEnd = iota // the attempt's work is in the transaction
+	failed                    // rolled back; the transaction is usable
+	broken                    // the transaction can no longer commit
+	refused                   // not started: the router is closing
 )
 
 // handle runs h on msg as attempt n in d (see attempt), and, if h asks for
 // it with Instead, its replacement in a fresh attempt, within the same
 // deadline: Config.AttemptTimeout from now. handler names h for
 // Config.Intercept, which wraps the replacement too.
-func (t *Transport) handle(d *deliveryTx, g *gate, msg *message.Message, id int64, n int, handler string, h HandlerFunc) (outcome, error) {
+func (t *Transport) handle(d *deliveryTx, g *gate, msg *message.Message, id int64, n int, handler string, h HandlerFunc) (attemptEnd, error) {
 	deadline := time.Now().Add(t.cfg.AttemptTimeout)
 	out, err := t.attempt(d, g, msg, id, n, deadline, h)
 	var instead *InsteadError
@@ -602,7 +602,7 @@ func (t *Transport) handle(d *deliveryTx, g *gate, msg *message.Message, id int6
 // attempt runs h once, in a savepoint of d, and keeps its work, removing
 // the message (queue id; 0 for none) from its queue with it, or rolls it
 // back.
-func (t *Transport) attempt(d *deliveryTx, g *gate, msg *message.Message, id int64, n int, deadline time.Time, h HandlerFunc) (outcome, error) {
+func (t *Transport) attempt(d *deliveryTx, g *gate, msg *message.Message, id int64, n int, deadline time.Time, h HandlerFunc) (attemptEnd, error) {
 	a := newAttemptTx(d)
 	if g != nil {
 		if !g.track(a) {

@@ -8,6 +8,8 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/internal/pgserver"
+
+	"github.com/pgsaga/pgsaga/steps/outcome"
 )
 
 // Errors callers can branch on.
@@ -69,6 +71,9 @@ type PermanentError struct{ Err error }
 func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
 func (e *PermanentError) Unwrap() error { return e.Err }
 
+// Outcome implements outcome.Classifier.
+func (e *PermanentError) Outcome() outcome.Kind { return outcome.Permanent }
+
 // Permanent marks err as permanent. Permanent(nil) is nil.
 func Permanent(err error) error {
 	if err == nil {
@@ -77,13 +82,14 @@ func Permanent(err error) error {
 	return &PermanentError{Err: err}
 }
 
-// IsPermanent reports whether err, or an error it wraps, is permanent:
-// marked with Permanent, the handler ending its transaction, or PostgreSQL
-// refusing bytes it can never store (invalid in the database encoding, or a
-// JSON \u0000), which the same message would hit every time.
+// IsPermanent reports whether no retry can change how err ended handling:
+// a permanent error or a business failure (see package outcome: Permanent,
+// steps.Fail, idempotency.Reject, a message that cannot be decoded, a key
+// reused for another request), the handler ending its transaction, or
+// PostgreSQL refusing bytes it can never store (invalid in the database
+// encoding, or a JSON \u0000), which the same message would hit every time.
 func IsPermanent(err error) bool {
-	var p *PermanentError
-	return errors.As(err, &p) || errors.Is(err, ErrTransactionEnded) || pgerr.BadInput(err)
+	return outcome.Final(err) || errors.Is(err, ErrTransactionEnded) || pgerr.BadInput(err)
 }
 
 // InsteadError asks for the failed attempt to be rolled back and Handler to

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
@@ -134,4 +135,22 @@ CREATE TRIGGER refuse BEFORE UPDATE ON pgsaga_subscriptions FOR EACH ROW EXECUTE
 	case <-time.After(20 * time.Second):
 		t.Fatal("Stop waited for handlers that never started")
 	}
+}
+
+// A business failure that reaches the transport (a handler that refuses a
+// message for good, outside the step runtime) is not retried: it is
+// dead-lettered after its one attempt, with its reason.
+func TestBusinessFailureIsNotRetried(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	tries := newAttempts()
+	e.runOne(t, func(msg *message.Message) error {
+		tries.next(msg.UUID)
+		return idempotency.Reject("card declined")
+	})
+	waitFor(t, 30*time.Second, "the dead letter", func() bool { return len(e.deadLetters(e.in)) == 1 })
+	dead := e.deadLetters(e.in)[0]
+	assert.Equal(t, 1, dead.Attempts)
+	assert.Contains(t, dead.Reason, "card declined")
+	assert.Equal(t, 1, tries.of(dead.UUID))
 }
