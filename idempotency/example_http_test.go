@@ -15,7 +15,10 @@ import (
 // The HTTP middleware answers a retried POST with the first response.
 func ExampleStore_HTTPMiddleware() {
 	db := testdb.ForExample().SQL
-	store, _ := idempotency.NewStore(idempotency.Config{DB: db})
+	store, err := idempotency.NewStore(idempotency.Config{DB: db})
+	if err != nil {
+		panic(err)
+	}
 	protect, err := store.HTTPMiddleware(idempotency.HTTPConfig{
 		Scope:    "POST /payments",
 		Required: true,
@@ -35,7 +38,10 @@ func ExampleStore_HTTPMiddleware() {
 
 	key := uuid.NewString()
 	for range 2 {
-		req, _ := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader(`{"amount":100}`))
+		req, err := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader(`{"amount":100}`))
+		if err != nil {
+			panic(err)
+		}
 		req.Header.Set("X-Api-Key", "client-1")
 		req.Header.Set(idempotency.KeyHeader, key)
 		resp, err := http.DefaultClient.Do(req)

@@ -3,7 +3,6 @@ package idempotency_test
 import (
 	"context"
 	"fmt"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
@@ -18,14 +17,20 @@ import (
 func ExampleStore_Middleware() {
 	db := testdb.ForExample().SQL
 	ctx := context.Background()
-	tr, _ := transport.New(transport.Config{DB: db, PollInterval: 20 * time.Millisecond})
+	tr, err := transport.New(transport.Config{DB: db})
+	if err != nil {
+		panic(err)
+	}
 	suffix := uuid.NewString()[:8]
 	commands, replies := "greet_"+suffix, "greeted_"+suffix
 	// Replies stay queued for a reader that does not run here.
 	if err := tr.Subscribe(ctx, transport.Subscription{Topic: replies, ConsumerGroup: "reader"}); err != nil {
 		panic(err)
 	}
-	store, _ := idempotency.NewStore(idempotency.Config{DB: db})
+	store, err := idempotency.NewStore(idempotency.Config{DB: db})
+	if err != nil {
+		panic(err)
+	}
 	once, err := store.Middleware(idempotency.MiddlewareConfig{
 		Scope:         "greeter",
 		TxFromContext: func(ctx context.Context) (idempotency.DBTX, bool) { return transport.TxFromContext(ctx) },
@@ -39,20 +44,27 @@ func ExampleStore_Middleware() {
 		return []*message.Message{message.NewMessage(uuid.NewString(), []byte(`"hello"`))}, nil
 	})
 
-	router, _ := tr.NewRouter()
+	router, err := tr.NewRouter()
+	if err != nil {
+		panic(err)
+	}
 	handled := make(chan struct{}, 2)
-	_ = router.AddHandler("greeter", commands, "", func(msg *message.Message) error {
+	if err := router.AddHandler("greeter", commands, "", func(msg *message.Message) error {
 		_, err := greet(msg)
 		handled <- struct{}{}
 		return err
-	})
+	}); err != nil {
+		panic(err)
+	}
 	if err := router.Start(ctx); err != nil {
 		panic(err)
 	}
 
 	cmd := message.NewMessage(uuid.NewString(), []byte(`"world"`))
 	cmd.Metadata.Set(idempotency.ReplyToMetadata, replies)
-	_ = tr.Publisher(db).Publish(commands, cmd, cmd) // delivered twice
+	if err := tr.Publisher(db).Publish(commands, cmd, cmd); err != nil { // delivered twice
+		panic(err)
+	}
 	<-handled
 	<-handled
 	if err := router.Stop(); err != nil {
@@ -60,7 +72,9 @@ func ExampleStore_Middleware() {
 	}
 
 	var n, ids int
-	_ = db.QueryRow(`SELECT count(*), count(DISTINCT uuid) FROM pgsaga_queue WHERE topic = $1`, replies).Scan(&n, &ids)
+	if err := db.QueryRow(`SELECT count(*), count(DISTINCT uuid) FROM pgsaga_queue WHERE topic = $1`, replies).Scan(&n, &ids); err != nil {
+		panic(err)
+	}
 	fmt.Println(n, "replies,", ids, "distinct id")
 	// Output:
 	// greeting "world"

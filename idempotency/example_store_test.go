@@ -47,7 +47,10 @@ func ExampleStore_Do() {
 func ExampleStore_Acquire() {
 	db := testdb.ForExample().SQL
 	ctx := context.Background()
-	store, _ := idempotency.NewStore(idempotency.Config{DB: db})
+	store, err := idempotency.NewStore(idempotency.Config{DB: db})
+	if err != nil {
+		panic(err)
+	}
 	req := idempotency.Request{Scope: "gateway", Key: uuid.NewString(), Hash: idempotency.Fingerprint([]byte("charge 100"))}
 
 	acq, err := store.Acquire(ctx, req)
@@ -60,7 +63,10 @@ func ExampleStore_Acquire() {
 		err = store.CompleteLease(ctx, acq.Lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte("ch_1")})
 		fmt.Println("executed, attempt", acq.Lease.Attempt, "err:", err)
 	}
-	again, _ := store.Acquire(ctx, req)
+	again, err := store.Acquire(ctx, req)
+	if err != nil {
+		panic(err)
+	}
 	fmt.Println("second time replays:", string(again.Record.Response.Body))
 	// Output:
 	// executed, attempt 1 err: <nil>

@@ -118,7 +118,10 @@ func ExampleClient() {
 	if err != nil {
 		panic(err)
 	}
-	trigger, _ := steps.NewMessage(SignedUp{Email: "ada@example.com"}, steps.Envelope{})
+	trigger, err := steps.NewMessage(SignedUp{Email: "ada@example.com"}, steps.Envelope{})
+	if err != nil {
+		panic(err)
+	}
 	if err := client.StartTx(ctx, tx, def.Name, trigger); err != nil {
 		panic(err)
 	}

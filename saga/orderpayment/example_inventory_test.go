@@ -106,7 +106,10 @@ func Example_addInventoryStep() {
 	extended := append(append(base[:2:2], reserve), base[2:]...) // order, charge, reserve, confirm
 
 	// 3. The app, as usual, with the new steps and participants.
-	gateway, _ := fakegateway.Start(ctx, fakegateway.Config{DB: db})
+	gateway, err := fakegateway.Start(ctx, fakegateway.Config{DB: db})
+	if err != nil {
+		panic(err)
+	}
 	defer gateway.Close()
 	app, err := orderpayment.New(orderpayment.Config{
 		DB: db, GatewayURL: gateway.URL(),
@@ -124,9 +127,15 @@ func Example_addInventoryStep() {
 	defer app.Client.Stop() //nolint:errcheck
 
 	customer := "reader-" + suffix
-	_ = app.Orders.AddCustomer(ctx, customer, "A Reader")
-	_ = app.Payments.OpenAccount(ctx, customer)
-	_ = app.Payments.Deposit(ctx, customer, 10_000, "seed")
+	if err := app.Orders.AddCustomer(ctx, customer, "A Reader"); err != nil {
+		panic(err)
+	}
+	if err := app.Payments.OpenAccount(ctx, customer); err != nil {
+		panic(err)
+	}
+	if err := app.Payments.Deposit(ctx, customer, 10_000, "seed"); err != nil {
+		panic(err)
+	}
 
 	for _, name := range []string{"first order", "second order"} {
 		placed, err := app.Orders.Place(ctx, orders.PlaceRequest{Key: name, CustomerID: customer, AmountCents: 2_000})
@@ -142,8 +151,13 @@ func Example_addInventoryStep() {
 		fmt.Println(strings.TrimSpace(fmt.Sprintf("%s: %s %s", name, inst.Status, inst.FailureReason)))
 	}
 	var onHand int
-	_ = db.QueryRow(`SELECT on_hand FROM ` + inv.table).Scan(&onHand)
-	balance, _ := app.Payments.Balance(ctx, customer)
+	if err := db.QueryRow(`SELECT on_hand FROM ` + inv.table).Scan(&onHand); err != nil {
+		panic(err)
+	}
+	balance, err := app.Payments.Balance(ctx, customer)
+	if err != nil {
+		panic(err)
+	}
 	fmt.Printf("copies left: %d; balance: $%.2f (one book paid for, the other refunded)\n", onHand, float64(balance)/100)
 	// Output:
 	// first order: completed

@@ -98,7 +98,10 @@ func Example() {
 	}
 	var ids []uuid.UUID
 	for _, guest := range []string{"ada", "bob", "cy"} {
-		msg, _ := steps.NewMessage(Booked{Guest: guest}, steps.Envelope{})
+		msg, err := steps.NewMessage(Booked{Guest: guest}, steps.Envelope{})
+		if err != nil {
+			panic(err)
+		}
 		if err := client.Transport().Publisher(db).Publish(def.Trigger, msg); err != nil {
 			panic(err)
 		}
@@ -111,8 +114,12 @@ func Example() {
 		panic(err)
 	}
 	churn.Calm()
-	_ = churn.Stop()
-	_ = injector.Close()
+	if err := churn.Stop(); err != nil {
+		panic(err)
+	}
+	if err := injector.Close(); err != nil {
+		panic(err)
+	}
 	violations, err := sagatest.Checker{
 		DB: db, Definitions: []*saga.Definition{def},
 		Domain: []sagatest.Invariant{{
