@@ -1,0 +1,81 @@
+package events_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/steps/events"
+)
+
+type Deposited struct {
+	Cents int64 `json:"cents"`
+}
+
+func (Deposited) EventType() string { return "example.Deposited" }
+
+type Withdrawn struct {
+	Cents int64 `json:"cents"`
+}
+
+func (Withdrawn) EventType() string { return "example.Withdrawn" }
+
+// wallet is an aggregate: the state folded from its stream.
+type wallet struct{ balance int64 }
+
+func (a *wallet) Apply(r events.Recorded) error {
+	switch e := r.Data.(type) {
+	case Deposited:
+		a.balance += e.Cents
+	case Withdrawn:
+		a.balance -= e.Cents
+	}
+	return nil
+}
+
+// Append events to a stream at the version you read, in your transaction,
+// and fold them back into state. A writer that read an older version is
+// refused (ErrVersionConflict): it retries on fresh state.
+func Example() {
+	ctx := context.Background()
+	db := testdb.ForExample().SQL
+	reg := events.NewRegistry()
+	events.MustRegister[Deposited](reg)
+	events.MustRegister[Withdrawn](reg)
+	store, err := events.NewStore(events.Config{Registry: reg})
+	if err != nil {
+		panic(err)
+	}
+	stream := "account-" + uuid.NewString()
+
+	if _, err := store.AppendTx(ctx, db, stream, 0, events.Metadata{}, Deposited{Cents: 10_000}); err != nil {
+		panic(err)
+	}
+	var acc wallet
+	version, err := store.FoldTx(ctx, db, stream, 0, &acc)
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println("balance", acc.balance, "at version", version)
+
+	if _, err := store.AppendTx(ctx, db, stream, version, events.Metadata{}, Withdrawn{Cents: 2_500}); err != nil {
+		panic(err)
+	}
+	// A second writer that also read version 1 is refused.
+	_, err = store.AppendTx(ctx, db, stream, version, events.Metadata{}, Withdrawn{Cents: 9_000})
+	fmt.Println("stale writer refused:", errors.Is(err, events.ErrVersionConflict))
+
+	acc = wallet{}
+	version, err = store.FoldTx(ctx, db, stream, 0, &acc)
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println("balance", acc.balance, "at version", version)
+	// Output:
+	// balance 10000 at version 1
+	// stale writer refused: true
+	// balance 7500 at version 2
+}
