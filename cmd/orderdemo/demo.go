@@ -18,6 +18,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/workerwatch"
 	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
@@ -143,39 +144,21 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 
 // startWorkers starts the workers and returns once all run, or with the
 // reason one cannot (close stops those already started). The context it
-// returns ends when ctx does or when a worker stops (see watchWorkers);
+// returns ends when ctx does or when a worker stops (see workerwatch.Watch);
 // call stopWatching before stopping the workers.
 func (d *demo) startWorkers(ctx context.Context) (_ context.Context, stopWatching func(), _ error) {
-	watched := make([]stoppable, 0, d.opts.workers)
-	for i := range d.opts.workers {
-		w, err := d.app.NewWorker()
-		if err != nil {
-			return nil, nil, fmt.Errorf("building worker %d of %d: %w", i+1, d.opts.workers, err)
-		}
-		// Workers stop through Stop (draining), never through ctx: ctx
-		// bounds their start only.
-		if err := w.Start(ctx); err != nil {
-			return nil, nil, fmt.Errorf("worker %d of %d: %w", i+1, d.opts.workers, err)
-		}
-		d.workers = append(d.workers, w)
-		watched = append(watched, w)
+	workers, err := workerwatch.StartAll(ctx, d.opts.workers, d.app.NewWorker)
+	d.workers = workers
+	if err != nil {
+		return nil, nil, err
 	}
-	ctx, stopWatching = watchWorkers(ctx, watched)
+	ctx, stopWatching = workerwatch.Watch(ctx, workers)
 	return ctx, stopWatching, nil
 }
 
 // stopWorkers drains and stops the workers.
 func (d *demo) stopWorkers() {
-	for _, w := range d.workers {
-		select {
-		case <-w.Stopped(): // stopped by itself: run reported why
-			_ = w.Stop()
-		default:
-			if err := w.Stop(); err != nil {
-				d.log.Error("stopping worker", "err", err)
-			}
-		}
-	}
+	workerwatch.StopAll(d.workers, d.log)
 	d.workers = nil
 }
 
@@ -236,7 +219,7 @@ func (d *demo) run(ctx context.Context) int {
 	}
 	finished := d.wait(ctx, ids, start)
 	stopWatching() // the workers' own stop below is no failure
-	if err := workerStopped(ctx); err != nil {
+	if err := workerwatch.Stopped(ctx); err != nil {
 		fmt.Fprintf(d.errs, "orderdemo: %v (run again with -resume to finish)\n", err)
 		return exitFailed
 	}
@@ -255,8 +238,8 @@ func (d *demo) run(ctx context.Context) int {
 // own), or err.
 func (d *demo) placingFailed(ctx context.Context, err error) {
 	switch {
-	case workerStopped(ctx) != nil:
-		fmt.Fprintf(d.errs, "orderdemo: %v (run again with -resume to finish the sagas placed)\n", workerStopped(ctx))
+	case workerwatch.Stopped(ctx) != nil:
+		fmt.Fprintf(d.errs, "orderdemo: %v (run again with -resume to finish the sagas placed)\n", workerwatch.Stopped(ctx))
 	case ctx.Err() != nil:
 		fmt.Fprintln(d.errs, "orderdemo: interrupted while placing the orders (run again with -resume to finish the sagas placed)")
 	default:
@@ -404,7 +387,7 @@ func (d *demo) wait(ctx context.Context, ids []uuid.UUID, start time.Time) bool 
 		}
 		select {
 		case <-ctx.Done():
-			if workerStopped(ctx) == nil { // else run says why
+			if workerwatch.Stopped(ctx) == nil { // else run says why
 				fmt.Fprintln(d.status, "interrupted; stopping the workers (run again with -resume to finish)")
 			}
 			return false

@@ -18,6 +18,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/pglisten"
+	"github.com/pgsaga/pgsaga/internal/workerwatch"
 	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
@@ -159,24 +160,15 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 
 // startWorkers starts the workers and returns once all run, or with the
 // reason one cannot (close stops those already started). The context it
-// returns ends when ctx does or when a worker stops (see watchWorkers);
+// returns ends when ctx does or when a worker stops (see workerwatch.Watch);
 // call stopWatching before stopping the workers.
 func (b *bench) startWorkers(ctx context.Context) (_ context.Context, stopWatching func(), _ error) {
-	watched := make([]stoppable, 0, b.opts.workers)
-	for i := range b.opts.workers {
-		w, err := b.app.NewWorker()
-		if err != nil {
-			return nil, nil, fmt.Errorf("building worker %d of %d: %w", i+1, b.opts.workers, err)
-		}
-		// Workers stop through Stop (draining), never through ctx: ctx
-		// bounds their start only.
-		if err := w.Start(ctx); err != nil {
-			return nil, nil, fmt.Errorf("worker %d of %d: %w", i+1, b.opts.workers, err)
-		}
-		b.workers = append(b.workers, w)
-		watched = append(watched, w)
+	workers, err := workerwatch.StartAll(ctx, b.opts.workers, b.app.NewWorker)
+	b.workers = workers
+	if err != nil {
+		return nil, nil, err
 	}
-	ctx, stopWatching = watchWorkers(ctx, watched)
+	ctx, stopWatching = workerwatch.Watch(ctx, workers)
 	return ctx, stopWatching, nil
 }
 
@@ -337,16 +329,7 @@ func (b *bench) place(ctx context.Context, phase string, i int, rng *mrand.Rand,
 
 // stopWorkers drains and stops the workers.
 func (b *bench) stopWorkers() {
-	for _, w := range b.workers {
-		select {
-		case <-w.Stopped(): // stopped by itself: run reported why
-			_ = w.Stop()
-		default:
-			if err := w.Stop(); err != nil {
-				b.log.Error("stopping worker", "err", err)
-			}
-		}
-	}
+	workerwatch.StopAll(b.workers, b.log)
 	b.workers = nil
 }
 

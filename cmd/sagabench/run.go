@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/workerwatch"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
 )
@@ -110,7 +111,7 @@ func (b *bench) run(ctx context.Context) int {
 	if b.opts.baseline > 0 {
 		tps, err := b.commitBaseline(ctx)
 		if err != nil {
-			fmt.Fprintln(b.status, "sagabench: baseline:", cmp.Or(workerStopped(ctx), err))
+			fmt.Fprintln(b.status, "sagabench: baseline:", cmp.Or(workerwatch.Stopped(ctx), err))
 			return exitFailed
 		}
 		r.CommitTPS = tps
@@ -120,7 +121,7 @@ func (b *bench) run(ctx context.Context) int {
 	if b.opts.sagas > 0 {
 		ok, err := b.throughput(ctx, &r)
 		if err != nil {
-			fmt.Fprintln(b.status, "sagabench: throughput phase:", cmp.Or(workerStopped(ctx), err))
+			fmt.Fprintln(b.status, "sagabench: throughput phase:", cmp.Or(workerwatch.Stopped(ctx), err))
 			return exitFailed
 		}
 		finished = finished && ok
@@ -128,7 +129,7 @@ func (b *bench) run(ctx context.Context) int {
 	if b.opts.rate > 0 && ctx.Err() == nil {
 		ok, err := b.latency(ctx, &r)
 		if err != nil {
-			fmt.Fprintln(b.status, "sagabench: latency phase:", cmp.Or(workerStopped(ctx), err))
+			fmt.Fprintln(b.status, "sagabench: latency phase:", cmp.Or(workerwatch.Stopped(ctx), err))
 			return exitFailed
 		}
 		finished = finished && ok
@@ -145,7 +146,7 @@ func (b *bench) run(ctx context.Context) int {
 	}
 
 	stopWatching() // the workers' own stop below is no failure
-	if err := workerStopped(ctx); err != nil {
+	if err := workerwatch.Stopped(ctx); err != nil {
 		fmt.Fprintln(b.status, "sagabench:", err)
 		return exitFailed
 	}
@@ -408,7 +409,7 @@ func (b *bench) waitPhase(ctx context.Context, phase string, n int, errs chan er
 		}
 		select {
 		case <-ctx.Done():
-			if workerStopped(ctx) == nil { // else run says why
+			if workerwatch.Stopped(ctx) == nil { // else run says why
 				fmt.Fprintln(b.status, "interrupted")
 			}
 			return false
