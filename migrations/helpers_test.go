@@ -1,11 +1,9 @@
 package migrations_test
 
 import (
-	"bytes"
 	"context"
 	"io/fs"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -59,21 +57,4 @@ func countSources(t *testing.T) int {
 	names, err := fs.Glob(migrations.FS(), "*.sql")
 	require.NoError(t, err)
 	return len(names)
-}
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

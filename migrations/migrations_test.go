@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/migrations"
 )
 
@@ -114,11 +115,11 @@ func TestConcurrentProcesses(t *testing.T) {
 	const procs = 4
 
 	cmds := make([]*exec.Cmd, procs)
-	outs := make([]*lockedBuffer, procs)
+	outs := make([]*testout.Buffer, procs)
 	for i := range cmds {
 		cmd := exec.Command(os.Args[0], "-test.run=^$")
 		cmd.Env = append(os.Environ(), "PGSAGA_MIGRATE_HELPER_URL="+db.URL)
-		outs[i] = &lockedBuffer{}
+		outs[i] = &testout.Buffer{}
 		cmd.Stdout, cmd.Stderr = outs[i], outs[i]
 		cmds[i] = cmd
 	}

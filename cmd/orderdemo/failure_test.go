@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"log/slog"
 	"os"
 	"os/exec"
 	"strings"
@@ -10,14 +9,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
-	"github.com/pgsaga/pgsaga/saga/orderpayment"
+	"github.com/pgsaga/pgsaga/internal/testout"
 )
 
 // A run whose role may open too few connections ends at once with the
@@ -26,7 +22,7 @@ import (
 // worker that could not start, deaf to SIGTERM and -timeout.
 func TestTooFewConnectionsEndTheRun(t *testing.T) {
 	t.Setenv("DATABASE_URL", testdb.LimitedRole(t, 3))
-	var stdout, stderr lockedBuffer
+	var stdout, stderr testout.Buffer
 	done := make(chan int, 1)
 	start := time.Now()
 	go func() {
@@ -40,45 +36,7 @@ func TestTooFewConnectionsEndTheRun(t *testing.T) {
 		assert.Contains(t, []int{exitFailed, exitNoService}, code)
 		assert.Contains(t, lastLine(stderr.String(), "orderdemo:"), "too many connections for role", "the cause is named")
 	case <-bound.Done():
-		t.Fatalf("run did not return within 30s:\nstdout:\n%s\nstderr:\n%s", stdout.String(), tail(stderr.String(), 5))
-	}
-}
-
-// A worker that cannot run stops startWorkers at once with the cause.
-// (Its role may hold one connection, and the test holds it.)
-func TestStartWorkersSaysWhyAWorkerCannotRun(t *testing.T) {
-	t.Parallel()
-	url := testdb.LimitedRole(t, 1)
-	ctx := context.Background()
-	held, err := pgx.Connect(ctx, url)
-	require.NoError(t, err)
-	defer held.Close(ctx)
-	pool, err := pgxpool.New(ctx, url) // connects on first use
-	require.NoError(t, err)
-	defer pool.Close()
-	sqlDB := stdlib.OpenDBFromPool(pool)
-	defer sqlDB.Close()
-	discard := slog.New(slog.DiscardHandler)
-	app, err := orderpayment.New(orderpayment.Config{DB: sqlDB, GatewayURL: "http://127.0.0.1:1", Logger: discard})
-	require.NoError(t, err)
-	d := &demo{opts: options{workers: 2}, app: app, log: discard}
-	defer d.stopWorkers()
-
-	started := make(chan error, 1)
-	go func() {
-		_, _, err := d.startWorkers(ctx)
-		started <- err
-	}()
-	bound, cancel := context.WithTimeout(ctx, 20*time.Second)
-	defer cancel()
-	select {
-	case err := <-started:
-		require.Error(t, err)
-		assert.Contains(t, err.Error(), "worker 1 of 2")
-		assert.Contains(t, err.Error(), "too many connections for role")
-		assert.Empty(t, d.workers)
-	case <-bound.Done():
-		t.Fatal("startWorkers did not return within 20s")
+		t.Fatalf("run did not return within 30s:\nstdout:\n%s\nstderr:\n%s", stdout.String(), testout.Tail(stderr.String(), 5))
 	}
 }
 
@@ -93,12 +51,6 @@ func lastLine(s, prefix string) string {
 	return ""
 }
 
-// tail is the last n lines of s.
-func tail(s string, n int) string {
-	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
-	return strings.Join(lines[max(0, len(lines)-n):], "\n")
-}
-
 // SIGTERM stops a run as SIGINT does, while it waits for the sagas (the
 // workers stop, the report says what finished) or while it places the
 // orders; either way the exit status is 1 and the output says to resume.
@@ -111,7 +63,7 @@ func TestSIGTERMStopsTheRun(t *testing.T) {
 			db := testdb.Fresh(t)
 			cmd := exec.Command(os.Args[0], "-test.run=^$")
 			cmd.Env = append(os.Environ(), "ORDERDEMO_ARGS="+c.args, "DATABASE_URL="+db.URL)
-			out := &lockedBuffer{}
+			out := &testout.Buffer{}
 			cmd.Stdout, cmd.Stderr = out, out
 			require.NoError(t, cmd.Start())
 			exited := make(chan error, 1)
@@ -119,7 +71,7 @@ func TestSIGTERMStopsTheRun(t *testing.T) {
 
 			bound, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 			defer cancel()
-			waitFor(bound, t, out, c.when)
+			out.WaitFor(bound, t, c.when)
 			require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
 			sent := time.Now()
 			stopBound, cancelStop := context.WithTimeout(context.Background(), 15*time.Second)
@@ -136,23 +88,9 @@ func TestSIGTERMStopsTheRun(t *testing.T) {
 				assert.NotContains(t, out.String(), "context canceled", "an interruption is no failure")
 			case <-stopBound.Done():
 				_ = cmd.Process.Kill()
-				t.Fatalf("still running 15s after SIGTERM:\n%s", tail(out.String(), 10))
+				t.Fatalf("still running 15s after SIGTERM:\n%s", testout.Tail(out.String(), 10))
 			}
 		})
-	}
-}
-
-// waitFor waits until out holds want, or fails the test when ctx ends.
-func waitFor(ctx context.Context, t *testing.T, out *lockedBuffer, want string) {
-	t.Helper()
-	tick := time.NewTicker(10 * time.Millisecond)
-	defer tick.Stop()
-	for !strings.Contains(out.String(), want) {
-		select {
-		case <-ctx.Done():
-			t.Fatalf("no %q in the output:\n%s", want, out.String())
-		case <-tick.C:
-		}
 	}
 }
 
@@ -179,14 +117,14 @@ func TestNoPasswordInOutput(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Setenv("DATABASE_URL", c.url)
-			var stdout, stderr lockedBuffer // with -v, Watermill logs "Subscriber stopped" after its Close returns
+			var stdout, stderr testout.Buffer // with -v, Watermill logs "Subscriber stopped" after its Close returns
 			code := run(context.Background(), c.args, &stdout, &stderr)
 			all := stdout.String() + stderr.String()
 			assert.Equal(t, c.code, code, all)
 			for _, s := range c.secret {
 				assert.NotContains(t, all, s)
 			}
-			t.Logf("%s", tail(all, 2))
+			t.Logf("%s", testout.Tail(all, 2))
 		})
 	}
 }

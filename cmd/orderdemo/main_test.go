@@ -9,7 +9,6 @@ import (
 	"os"
 	"os/exec"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -18,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
 )
@@ -104,10 +104,10 @@ func TestKillAndResume(t *testing.T) {
 	t.Logf("seed %d", seed)
 	rng := rand.New(rand.NewPCG(seed, 9))
 	chaos := fmt.Sprintf("-duplicate-rate 0.2 -crash-rate 0.1 -gateway-fault-rate 0.05 -seed %d", seed)
-	child := func(args string) (*exec.Cmd, *lockedBuffer) {
+	child := func(args string) (*exec.Cmd, *testout.Buffer) {
 		cmd := exec.Command(os.Args[0], "-test.run=^$")
 		cmd.Env = append(os.Environ(), "ORDERDEMO_ARGS="+args, "DATABASE_URL="+db.URL)
-		out := &lockedBuffer{}
+		out := &testout.Buffer{}
 		cmd.Stdout, cmd.Stderr = out, out
 		return cmd, out
 	}
@@ -164,24 +164,6 @@ func TestKillAndResume(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, r.OK(), "%v", r.Violations)
 	assert.Zero(t, r.Sagas[saga.StatusRunning]+r.Sagas[saga.StatusCompensating])
-}
-
-// lockedBuffer is a buffer a child process writes while the test reads it.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 // A resume with nothing to do reports nothing, not every saga in the

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,14 +13,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
-	"github.com/pgsaga/pgsaga/saga/orderpayment"
+	"github.com/pgsaga/pgsaga/internal/testout"
 )
 
 // A run whose role may not open the connections it needs ends at once,
@@ -31,7 +27,7 @@ func TestTooFewConnectionsEndTheRun(t *testing.T) {
 	for _, limit := range []int{3, 14} {
 		t.Run(fmt.Sprintf("limit %d", limit), func(t *testing.T) {
 			t.Setenv("DATABASE_URL", testdb.LimitedRole(t, limit))
-			var stdout, stderr lockedBuffer
+			var stdout, stderr testout.Buffer
 			done := make(chan int, 1)
 			start := time.Now()
 			go func() {
@@ -41,11 +37,11 @@ func TestTooFewConnectionsEndTheRun(t *testing.T) {
 			defer cancel()
 			select {
 			case code := <-done:
-				t.Logf("exit %d after %s: %s", code, time.Since(start).Round(time.Millisecond), tail(stderr.String(), 1))
+				t.Logf("exit %d after %s: %s", code, time.Since(start).Round(time.Millisecond), testout.Tail(stderr.String(), 1))
 				assert.Equal(t, exitNoService, code)
-				assert.Regexp(t, `CONNECTION LIMIT|too many connections for role`, tail(stderr.String(), 1), "the cause is named")
+				assert.Regexp(t, `CONNECTION LIMIT|too many connections for role`, testout.Tail(stderr.String(), 1), "the cause is named")
 			case <-bound.Done():
-				t.Fatalf("run did not return within 30s:\nstderr:\n%s", tail(stderr.String(), 5))
+				t.Fatalf("run did not return within 30s:\nstderr:\n%s", testout.Tail(stderr.String(), 5))
 			}
 		})
 	}
@@ -57,7 +53,7 @@ func TestSIGTERMStopsTheRun(t *testing.T) {
 	db := testdb.Shared(t)
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), "SAGABENCH_ARGS=-sagas 100000 -rate 0 -baseline 0 -idle 0", "DATABASE_URL="+db.URL)
-	out := &lockedBuffer{}
+	out := &testout.Buffer{}
 	cmd.Stdout, cmd.Stderr = out, out
 	require.NoError(t, cmd.Start())
 	exited := make(chan error, 1)
@@ -65,7 +61,7 @@ func TestSIGTERMStopsTheRun(t *testing.T) {
 
 	bound, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
-	waitFor(bound, t, out, "placed ") // the throughput phase's progress
+	out.WaitFor(bound, t, "placed ") // the throughput phase's progress
 	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
 	sent := time.Now()
 	stopBound, cancelStop := context.WithTimeout(context.Background(), 30*time.Second)
@@ -75,12 +71,12 @@ func TestSIGTERMStopsTheRun(t *testing.T) {
 		t.Logf("exited %s after SIGTERM", time.Since(sent).Round(time.Millisecond))
 		var exit *exec.ExitError
 		require.ErrorAs(t, err, &exit, "output:\n%s", out.String())
-		assert.Equal(t, exitFailed, exit.ExitCode(), "output:\n%s", tail(out.String(), 10))
+		assert.Equal(t, exitFailed, exit.ExitCode(), "output:\n%s", testout.Tail(out.String(), 10))
 		assert.Contains(t, out.String(), "interrupted")
 		assert.Contains(t, out.String(), `"ok":false`, "the figures are printed")
 	case <-stopBound.Done():
 		_ = cmd.Process.Kill()
-		t.Fatalf("still running 30s after SIGTERM:\n%s", tail(out.String(), 10))
+		t.Fatalf("still running 30s after SIGTERM:\n%s", testout.Tail(out.String(), 10))
 	}
 	name := regexp.MustCompile(`pgsaga_bench_[0-9a-f]+`).FindString(out.String())
 	var exists bool
@@ -130,43 +126,5 @@ func TestFlagErrorIsOneLine(t *testing.T) {
 		assert.Equal(t, 1, strings.Count(msg, "\n"), "%s: %q", args, msg)
 		assert.Contains(t, msg, flag, args)
 		assert.Contains(t, msg, "sagabench -h", args)
-	}
-}
-
-// A worker that cannot run stops startWorkers at once with the cause.
-// (Its role may hold one connection, and the test holds it.)
-func TestStartWorkersSaysWhyAWorkerCannotRun(t *testing.T) {
-	t.Parallel()
-	url := testdb.LimitedRole(t, 1)
-	ctx := context.Background()
-	held, err := pgx.Connect(ctx, url)
-	require.NoError(t, err)
-	defer held.Close(ctx)
-	pool, err := pgxpool.New(ctx, url) // connects on first use
-	require.NoError(t, err)
-	defer pool.Close()
-	sqlDB := stdlib.OpenDBFromPool(pool)
-	defer sqlDB.Close()
-	discard := slog.New(slog.DiscardHandler)
-	app, err := orderpayment.New(orderpayment.Config{DB: sqlDB, GatewayURL: "http://127.0.0.1:1", Logger: discard})
-	require.NoError(t, err)
-	b := &bench{opts: options{workers: 2}, app: app, log: discard}
-	defer b.stopWorkers()
-
-	started := make(chan error, 1)
-	go func() {
-		_, _, err := b.startWorkers(ctx)
-		started <- err
-	}()
-	bound, cancel := context.WithTimeout(ctx, 20*time.Second)
-	defer cancel()
-	select {
-	case err := <-started:
-		require.Error(t, err)
-		assert.Contains(t, err.Error(), "worker 1 of 2")
-		assert.Contains(t, err.Error(), "too many connections for role")
-		assert.Empty(t, b.workers)
-	case <-bound.Done():
-		t.Fatal("startWorkers did not return within 20s")
 	}
 }
