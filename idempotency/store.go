@@ -26,8 +26,10 @@
 // CompleteLease): the pending claim commits with a lease before the external
 // call, and only the lease holder can complete it.
 //
-// The package stands alone: it knows nothing of sagas, and offers a Watermill
-// middleware and a net/http middleware over the same store.
+// The package stands alone: it knows nothing of sagas. Over the same store
+// it offers keys for messages (MessageKeys: claim, work, finish, in the
+// caller's transaction), the same as a Watermill middleware (Middleware),
+// and a net/http middleware (HTTPMiddleware).
 package idempotency
 
 import (

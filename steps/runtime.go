@@ -171,68 +171,72 @@ func (rt *Runtime) Execute(ctx context.Context, s Step, msg *message.Message) er
 	return rt.tr.HandleInTx(ctx, s.Name, s.Topic, msg, rt.handler(s), transport.WithRetry(rt.retry))
 }
 
-// handler composes the step: claim → handler → reply → complete, through the
-// idempotency middleware, in the attempt's transaction.
+// handler composes the step in the attempt's transaction: claim the
+// command's key (a duplicate gets its stored reply again), run the handler,
+// publish the reply and finish the key, calling the idempotency store
+// directly.
 func (rt *Runtime) handler(s Step) transport.HandlerFunc {
-	mwCfg := idempotency.MiddlewareConfig{
+	keys, err := rt.store.MessageKeys(idempotency.MiddlewareConfig{
 		Scope:       s.Name,
 		KeyMetadata: MetaKey,
 		Fingerprint: func(m *message.Message) []byte {
 			return idempotency.Fingerprint([]byte(m.Metadata.Get(MetaType)), m.Payload)
 		},
-		TxFromContext: func(ctx context.Context) (idempotency.DBTX, bool) { return transport.TxFromContext(ctx) },
-		Publisher:     func(tx idempotency.DBTX) message.Publisher { return rt.tr.Publisher(tx) },
-	}
-	mw, err := rt.store.Middleware(mwCfg)
+		Publisher: func(tx idempotency.DBTX) message.Publisher { return rt.tr.Publisher(tx) },
+	})
 	if err != nil {
 		// Scope was validated with the step; this cannot happen.
 		panic(err)
 	}
-
-	execute := mw(func(msg *message.Message) ([]*message.Message, error) {
+	return func(msg *message.Message) error {
 		ctx := msg.Context()
-		ttx, _ := transport.TxFromContext(ctx)
+		ttx, ok := transport.TxFromContext(ctx)
+		if !ok {
+			return fmt.Errorf("steps: %s: message %s carries no transaction", s.Name, msg.UUID)
+		}
+		claim, err := keys.ClaimTx(ctx, ttx, msg)
+		if err != nil || !claim.Run {
+			return err // ErrKeyReused is permanent (outcome.Permanent)
+		}
 		env := EnvelopeOf(msg)
 		key := idempotencyKey(msg)
-		tx := &Tx{Tx: ttx, rt: rt, step: s, env: env, key: key}
-		reply, err := s.handle(ctx, tx, msg)
-		if err != nil {
-			return nil, err
-		}
-		return rt.replies(s, env, key, reply, OutcomeOK, "")
-	})
-
-	return func(msg *message.Message) error {
-		_, err := execute(msg)
+		reply, err := s.handle(ctx, &Tx{Tx: ttx, rt: rt, step: s, env: env, key: key}, msg)
 		var biz *BusinessError
 		switch {
-		case err == nil:
-			return nil
 		case errors.As(err, &biz):
-			// Roll back the handler's writes, then store the failure and
-			// publish its reply in a fresh attempt.
-			return transport.Instead(rt.recordFailure(s, mw, biz), err)
-		case errors.Is(err, idempotency.ErrKeyReused):
-			return transport.Permanent(err)
+			// The attempt, the handler's writes and the claim with it, is
+			// rolled back; the failure is stored in a fresh one.
+			return transport.Instead(rt.recordFailure(s, keys, biz), err)
+		case err != nil:
+			return err
 		}
-		return err
+		replies, err := rt.replies(s, env, key, reply, OutcomeOK, "")
+		if err != nil {
+			return err
+		}
+		return keys.FinishTx(ctx, ttx, claim, idempotency.StatusCompleted, "", replies...)
 	}
 }
 
 // recordFailure stores a business failure for the command and publishes its
-// reply, without running the handler again.
-func (rt *Runtime) recordFailure(s Step, mw message.HandlerMiddleware, biz *BusinessError) transport.HandlerFunc {
+// reply, without running the handler again. A duplicate handled meanwhile
+// has its stored reply published again instead.
+func (rt *Runtime) recordFailure(s Step, keys *idempotency.MessageKeys, biz *BusinessError) transport.HandlerFunc {
 	return func(msg *message.Message) error {
-		_, err := mw(func(msg *message.Message) ([]*message.Message, error) {
-			env := EnvelopeOf(msg)
-			key := idempotencyKey(msg)
-			replies, err := rt.replies(s, env, key, biz.Reply, OutcomeFailed, biz.Reason)
-			if err != nil {
-				return nil, err
-			}
-			return nil, idempotency.Reject(biz.Reason, replies...)
-		})(msg)
-		return err
+		ctx := msg.Context()
+		ttx, ok := transport.TxFromContext(ctx)
+		if !ok {
+			return fmt.Errorf("steps: %s: message %s carries no transaction", s.Name, msg.UUID)
+		}
+		claim, err := keys.ClaimTx(ctx, ttx, msg)
+		if err != nil || !claim.Run {
+			return err
+		}
+		replies, err := rt.replies(s, EnvelopeOf(msg), idempotencyKey(msg), biz.Reply, OutcomeFailed, biz.Reason)
+		if err != nil {
+			return err
+		}
+		return keys.FinishTx(ctx, ttx, claim, idempotency.StatusFailed, biz.Reason, replies...)
 	}
 }
 
