@@ -33,14 +33,12 @@ type Config struct {
 	// Timeouts of the saga's steps.
 	Timeouts StepTimeouts
 	// Steps of the saga. Default: Steps(Timeouts). Extend the saga by
-	// appending to Steps(...) and registering the new participants.
+	// appending to Steps(...) and adding the new participants to the
+	// App's Client (Client.AddSteps) before it starts.
 	Steps []saga.Step[Data]
 	// Version of the saga definition. Default: 1. Bump it when the steps
 	// change while instances may be running.
 	Version int
-	// Participants are further steps (the new step's participants) that
-	// every worker runs.
-	Participants []steps.Step
 	// RegisterEvents adds further event types to the event store.
 	RegisterEvents func(*events.Registry) error
 	// SweepInterval of the saga engine's deadline sweeper. Default: 1s.
@@ -116,7 +114,7 @@ func New(cfg Config) (*App, error) {
 	if err != nil {
 		return nil, err
 	}
-	participants := append([]steps.Step{ord.ConfirmStep(), ord.CancelStep(), pay.ChargeStep(), pay.RefundStep()}, cfg.Participants...)
+	participants := []steps.Step{ord.ConfirmStep(), ord.CancelStep(), pay.ChargeStep(), pay.RefundStep()}
 	if err := c.Register(def); err != nil {
 		return nil, err
 	}
@@ -134,7 +132,8 @@ func New(cfg Config) (*App, error) {
 // steps, the order projection and the saga engine.
 func (a *App) Subscriptions() []transport.Subscription { return a.Client.Subscriptions() }
 
-// StepNames lists the participants' step names (their idempotency scopes).
+// StepNames lists the sample participants' step names (their idempotency
+// scopes); steps added to the Client later are not among them.
 func (a *App) StepNames() []string {
 	out := make([]string, len(a.participants))
 	for i, s := range a.participants {

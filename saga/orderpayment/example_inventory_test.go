@@ -105,7 +105,7 @@ func Example_addInventoryStep() {
 	}
 	extended := append(append(base[:2:2], reserve), base[2:]...) // order, charge, reserve, confirm
 
-	// 3. The app, as usual, with the new steps and participants.
+	// 3. The app with the new steps, and the participants on its Client.
 	gateway, err := fakegateway.Start(ctx, fakegateway.Config{DB: db})
 	if err != nil {
 		panic(err)
@@ -114,11 +114,13 @@ func Example_addInventoryStep() {
 	app, err := orderpayment.New(orderpayment.Config{
 		DB: db, GatewayURL: gateway.URL(),
 		Steps:           extended,
-		Version:         2, // the steps changed
-		Participants:    participants,
+		Version:         2,                              // the steps changed
 		FinishedChannel: "inventory_finished_" + suffix, // for WaitFinished
 	})
 	if err != nil {
+		panic(err)
+	}
+	if err := app.Client.AddSteps(participants...); err != nil {
 		panic(err)
 	}
 	if err := app.Client.Start(ctx); err != nil {
