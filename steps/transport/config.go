@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"time"
+
+	"github.com/jackc/pgx/v5/stdlib"
 )
 
 // Defaults of Config and RetryPolicy.
@@ -162,6 +164,8 @@ func (c *Config) validate() error {
 	var errs []error
 	if c.DB == nil {
 		errs = append(errs, errors.New("DB is required"))
+	} else if _, ok := c.DB.Driver().(*stdlib.Driver); !ok {
+		errs = append(errs, fmt.Errorf("%w, not %T", ErrNotPgx, c.DB.Driver()))
 	}
 	if c.BatchSize < 1 || c.BatchSize > 1000 {
 		errs = append(errs, fmt.Errorf("BatchSize must be between 1 and 1000, got %d", c.BatchSize))
