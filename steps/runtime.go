@@ -190,11 +190,7 @@ func (rt *Runtime) handler(s Step) transport.HandlerFunc {
 	}
 	return func(msg *message.Message) error {
 		ctx := msg.Context()
-		ttx, ok := transport.TxFromContext(ctx)
-		if !ok {
-			return fmt.Errorf("steps: %s: message %s carries no transaction", s.Name, msg.UUID)
-		}
-		claim, err := keys.ClaimTx(ctx, ttx, msg)
+		ttx, claim, err := claimIn(s, keys, msg)
 		if err != nil || !claim.Run {
 			return err // ErrKeyReused is permanent (outcome.Permanent)
 		}
@@ -223,12 +219,7 @@ func (rt *Runtime) handler(s Step) transport.HandlerFunc {
 // has its stored reply published again instead.
 func (rt *Runtime) recordFailure(s Step, keys *idempotency.MessageKeys, biz *BusinessError) transport.HandlerFunc {
 	return func(msg *message.Message) error {
-		ctx := msg.Context()
-		ttx, ok := transport.TxFromContext(ctx)
-		if !ok {
-			return fmt.Errorf("steps: %s: message %s carries no transaction", s.Name, msg.UUID)
-		}
-		claim, err := keys.ClaimTx(ctx, ttx, msg)
+		ttx, claim, err := claimIn(s, keys, msg)
 		if err != nil || !claim.Run {
 			return err
 		}
@@ -236,8 +227,18 @@ func (rt *Runtime) recordFailure(s Step, keys *idempotency.MessageKeys, biz *Bus
 		if err != nil {
 			return err
 		}
-		return keys.FinishTx(ctx, ttx, claim, idempotency.StatusFailed, biz.Reason, replies...)
+		return keys.FinishTx(msg.Context(), ttx, claim, idempotency.StatusFailed, biz.Reason, replies...)
 	}
+}
+
+// claimIn claims msg's key in the transaction of its attempt.
+func claimIn(s Step, keys *idempotency.MessageKeys, msg *message.Message) (transport.Tx, *idempotency.MessageClaim, error) {
+	ttx, ok := transport.TxFromContext(msg.Context())
+	if !ok {
+		return nil, nil, fmt.Errorf("steps: %s: message %s carries no transaction", s.Name, msg.UUID)
+	}
+	claim, err := keys.ClaimTx(msg.Context(), ttx, msg)
+	return ttx, claim, err
 }
 
 // replies builds the reply to a command; none when the command names no

@@ -10,20 +10,12 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/sagatest"
 )
 
-// Violation is a broken invariant, with the offending rows.
-type Violation struct {
-	Invariant string
-	Rows      []string
-}
-
-func (v Violation) String() string {
-	if len(v.Rows) == 0 {
-		return v.Invariant
-	}
-	return fmt.Sprintf("%s: %v", v.Invariant, v.Rows)
-}
+// Violation is a broken invariant, with the offending rows: the failure
+// kit's.
+type Violation = sagatest.Violation
 
 // Report is the state of the sample's sagas and whether the invariants hold.
 type Report struct {
@@ -142,7 +134,7 @@ func Check(ctx context.Context, db *sql.DB, ids []uuid.UUID) (Report, error) {
 		checks = append(checks, check{"orders charged more than once at the gateway", gatewayDoubleChargesSQL, nil})
 	}
 	for _, c := range checks {
-		bad, err := strings(ctx, db, c.query, c.args...)
+		bad, err := sagatest.Rows(ctx, db, c.query, c.args...)
 		if err != nil {
 			return r, fmt.Errorf("orderpayment: checking %s: %w", c.name, err)
 		}
@@ -151,23 +143,6 @@ func Check(ctx context.Context, db *sql.DB, ids []uuid.UUID) (Report, error) {
 		}
 	}
 	return r, nil
-}
-
-func strings(ctx context.Context, db *sql.DB, query string, args ...any) ([]string, error) {
-	rows, err := db.QueryContext(ctx, query, args...)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	var out []string
-	for rows.Next() {
-		var s string
-		if err := rows.Scan(&s); err != nil {
-			return nil, err
-		}
-		out = append(out, s)
-	}
-	return out, rows.Err()
 }
 
 func firstN(rows []string) []string {

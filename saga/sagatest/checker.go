@@ -27,6 +27,9 @@ type Violation struct {
 }
 
 func (v Violation) String() string {
+	if len(v.Rows) == 0 {
+		return v.Invariant
+	}
 	return fmt.Sprintf("%s: %s", v.Invariant, strings.Join(v.Rows, "; "))
 }
 
