@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"crypto/rand"
+	"database/sql"
 	"encoding/hex"
 	"fmt"
 	"io"
@@ -69,6 +70,11 @@ type bench struct {
 	stopListener context.CancelFunc
 	listenerDone chan struct{}
 	cpu          *cpuMeter
+
+	statements     statementCounter // what db, clients and gwDB send
+	statsDB        *sql.DB          // reads pg_stat_statements, uncounted
+	statsPool      *pgdb.DB
+	statementStats bool // pg_stat_statements is usable in the database
 }
 
 func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*bench, error) {
@@ -112,18 +118,23 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	if err := b.checkConnections(ctx, int(maxConns)+placers+8); err != nil {
 		return nil, err
 	}
-	if b.db, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: maxConns, ApplicationName: "sagabench"}); err != nil {
+	if b.db, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: maxConns, ApplicationName: "sagabench", Tracer: &b.statements}); err != nil {
 		return nil, err
 	}
 	if _, err := migrations.Apply(ctx, b.db.SQL); err != nil {
 		return nil, err
 	}
-	if b.clients, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: placers, ApplicationName: "sagabench-clients"}); err != nil {
+	if b.clients, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: placers, ApplicationName: "sagabench-clients", Tracer: &b.statements}); err != nil {
 		return nil, err
 	}
-	if b.gwDB, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: 8, ApplicationName: "sagabench-gateway"}); err != nil {
+	if b.gwDB, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: 8, ApplicationName: "sagabench-gateway", Tracer: &b.statements}); err != nil {
 		return nil, err
 	}
+	if b.statsPool, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: 2, ApplicationName: "sagabench-stats"}); err != nil {
+		return nil, err
+	}
+	b.statsDB = b.statsPool.SQL
+	b.statementStats = enableStatementStats(ctx, b.statsDB)
 	if b.gateway, err = fakegateway.Start(ctx, fakegateway.Config{DB: b.gwDB.SQL, Logger: b.log}); err != nil {
 		return nil, err
 	}
@@ -348,7 +359,7 @@ func (b *bench) close() {
 	if b.gateway != nil {
 		_ = b.gateway.Close()
 	}
-	for _, db := range []*pgdb.DB{b.gwDB, b.clients, b.db} {
+	for _, db := range []*pgdb.DB{b.statsPool, b.gwDB, b.clients, b.db} {
 		if db != nil {
 			db.Close()
 		}

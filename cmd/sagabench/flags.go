@@ -97,6 +97,13 @@ are 0):
     cpu_s_per_1k_sagas      CPU seconds per 1,000 sagas: process (this one),
                             postgres (every server process; null when they
                             cannot be read)
+    statements_per_saga     statements a saga, gateway's included: counted by
+                            pg_stat_statements in the run's database when the
+                            server preloads it, else by this program's pools
+    statements_source       "pg_stat_statements" or "client": which count
+    client_statements_per_saga
+                            statements this program's pools sent a saga
+                            (BEGIN and COMMIT included)
   Latency phase (open loop, -rate, -duration):
     rate                    sagas offered a second
     latency_sagas           sagas timed, each from its scheduled placement to

@@ -59,6 +59,11 @@ func TestSmallRun(t *testing.T) {
 	assert.GreaterOrEqual(t, r.P99Ms, r.P95Ms)
 	assert.Positive(t, r.CommitTPS)
 	assert.Positive(t, r.CPUPer1kSagas.Process)
+	// Five steps of a few statements each, the gateway's and the
+	// transport's: a count that works finds dozens.
+	assert.Contains(t, []string{"pg_stat_statements", "client"}, r.StatementsSource)
+	assert.Greater(t, r.StatementsPerSaga, 20.0)
+	assert.Greater(t, r.ClientStatementsPerSaga, 20.0)
 	assert.Equal(t, 20, r.Config.Batch)
 	assert.Equal(t, 2, r.Config.Consumers)
 

@@ -55,7 +55,14 @@ type result struct {
 	// while idle in percent of one core. Postgres figures are null when the
 	// server's processes cannot be read.
 	CPUPer1kSagas cpuFigures `json:"cpu_s_per_1k_sagas"`
-	IdleCPUPct    cpuFigures `json:"idle_cpu_pct"`
+	// StatementsPerSaga in the throughput phase: counted by
+	// pg_stat_statements in the benchmark's database when it can be used
+	// (StatementsSource "pg_stat_statements"), else by the benchmark's
+	// pools ("client"). ClientStatementsPerSaga is always the pools' count.
+	StatementsPerSaga       float64    `json:"statements_per_saga"`
+	StatementsSource        string     `json:"statements_source"`
+	ClientStatementsPerSaga float64    `json:"client_statements_per_saga"`
+	IdleCPUPct              cpuFigures `json:"idle_cpu_pct"`
 
 	Completed    int      `json:"completed"`
 	Compensated  int      `json:"compensated"`
@@ -243,6 +250,7 @@ func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 		defer pprof.StopCPUProfile()
 	}
 	cpuStart := b.cpu.read()
+	stmtStart := b.countStatements(ctx)
 	next := make(chan int)
 	errs := make(chan error, placers)
 	var wg sync.WaitGroup
@@ -281,9 +289,11 @@ func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 		return false, err
 	}
 	cpu := since(cpuStart, b.cpu.read())
+	stmtEnd := b.countStatements(context.WithoutCancel(ctx))
 	res := b.tracker.result(phase)
 	took := res.last.Sub(res.first)
 	r.Sagas = len(res.latencies)
+	r.StatementsPerSaga, r.ClientStatementsPerSaga, r.StatementsSource = perSaga(stmtStart, stmtEnd, r.Sagas)
 	r.ThroughputS = round(took.Seconds())
 	if took > 0 {
 		r.SagasPerS = round(float64(r.Sagas) / took.Seconds())
@@ -437,6 +447,7 @@ func (b *bench) print(r result) {
 		fmt.Fprintf(w, "  %-18s %.0f, %.0f, %.0f, %.0f sagas/s by quarter; %s left in the topics (retention on)\n", "steadiness",
 			r.SagasPerSByQuarter[0], r.SagasPerSByQuarter[1], r.SagasPerSByQuarter[2], r.SagasPerSByQuarter[3], plural(r.TopicRowsLeft, "message", "messages"))
 		fmt.Fprintf(w, "  %-18s process %.2f s%s\n", "CPU per 1k sagas", r.CPUPer1kSagas.Process, pgFigure(r.CPUPer1kSagas.Postgres, " s"))
+		fmt.Fprintf(w, "  %-18s %.1f (%s; the pools sent %.1f)\n", "statements/saga", r.StatementsPerSaga, r.StatementsSource, r.ClientStatementsPerSaga)
 	}
 	if r.LatencySagas > 0 {
 		fmt.Fprintf(w, "  %-18s p50 %.1f ms, p95 %.1f ms, p99 %.1f ms, max %.1f ms at %.0f sagas/s offered\n", "latency", r.P50Ms, r.P95Ms, r.P99Ms, r.MaxMs, r.Rate)

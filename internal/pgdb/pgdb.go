@@ -15,6 +15,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 )
@@ -37,6 +38,9 @@ type Config struct {
 	ApplicationName string
 	// ConnectTimeout bounds the initial ping. Default: 10s.
 	ConnectTimeout time.Duration
+	// Tracer sees every statement the pool's connections send (pgx's
+	// QueryTracer, and BatchTracer if it has the method). Default: none.
+	Tracer pgx.QueryTracer
 }
 
 func (c *Config) setDefaults() {
@@ -86,6 +90,9 @@ func Open(ctx context.Context, cfg Config) (*DB, error) {
 		return nil, fmt.Errorf("pgdb: parsing database URL %s: %w", Redact(cfg.URL), redactParseError(err, cfg.URL))
 	}
 	pcfg.MaxConns = cfg.MaxConns
+	if cfg.Tracer != nil {
+		pcfg.ConnConfig.Tracer = cfg.Tracer
+	}
 	if _, ok := pcfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 		pcfg.ConnConfig.RuntimeParams["application_name"] = cfg.ApplicationName
 	}
