@@ -2,7 +2,6 @@ package transport_test
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"strings"
@@ -12,7 +11,9 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -577,7 +578,11 @@ func TestFanOutAndDropGroup(t *testing.T) {
 
 func TestConfigValidation(t *testing.T) {
 	t.Parallel()
-	db := &sql.DB{}
+	// A pgx handle that never connects: New does not touch the database.
+	conf, err := pgx.ParseConfig("postgres://nobody@127.0.0.1:1/nothing")
+	require.NoError(t, err)
+	db := stdlib.OpenDB(*conf)
+	t.Cleanup(func() { _ = db.Close() })
 	cases := map[string]transport.Config{
 		"no db":                 {},
 		"negative batch":        {DB: db, BatchSize: -1},

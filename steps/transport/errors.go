@@ -50,6 +50,9 @@ var (
 	// ErrRouterClosed is returned when adding handlers to, or starting, a
 	// router that is closed or already runs.
 	ErrRouterClosed = errors.New("transport: router is closed")
+	// ErrSubscriberClosed is returned by a Subscriber's Subscribe and
+	// SubscribeInitialize once it is closed.
+	ErrSubscriberClosed = errors.New("transport: subscriber is closed")
 	// ErrDeadLettered is returned by HandleInTx for a message it
 	// dead-lettered.
 	ErrDeadLettered = errors.New("transport: message dead-lettered")

@@ -75,6 +75,23 @@ func WithRetry(p RetryPolicy) HandlerOption { return func(o *handlerOptions) { o
 // Config.Consumers.
 func WithConsumers(n int) HandlerOption { return func(o *handlerOptions) { o.consumers = n } }
 
+// handlerOptions applies opts to the transport's defaults and validates
+// the result.
+func (t *Transport) handlerOptions(opts []HandlerOption) (handlerOptions, error) {
+	o := handlerOptions{retry: t.cfg.Retry, consumers: t.cfg.Consumers}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	o.retry.setDefaults()
+	if err := o.retry.validate(); err != nil {
+		return handlerOptions{}, err
+	}
+	if o.consumers < 1 || o.consumers > 64 {
+		return handlerOptions{}, fmt.Errorf("consumers must be between 1 and 64, got %d", o.consumers)
+	}
+	return o, nil
+}
+
 // AddHandler makes h consume topic as consumerGroup; an empty consumerGroup
 // means the handler's name, which must be unique in the router. Handlers are
 // added before Run. Every
@@ -103,16 +120,9 @@ func (r *Router) AddHandler(name, topic, consumerGroup string, h HandlerFunc, op
 	if err := ValidateConsumerGroup(consumerGroup); err != nil {
 		return fmt.Errorf("transport: handler %s: %w", name, err)
 	}
-	o := handlerOptions{retry: r.t.cfg.Retry, consumers: r.t.cfg.Consumers}
-	for _, opt := range opts {
-		opt(&o)
-	}
-	o.retry.setDefaults()
-	if err := o.retry.validate(); err != nil {
+	o, err := r.t.handlerOptions(opts)
+	if err != nil {
 		return fmt.Errorf("transport: handler %s: %w", name, err)
-	}
-	if o.consumers < 1 || o.consumers > 64 {
-		return fmt.Errorf("transport: handler %s: consumers must be between 1 and 64, got %d", name, o.consumers)
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
