@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -34,10 +35,17 @@ type ClientConfig struct {
 	// (steps.Tx.Append). Optional: without it the client has an event
 	// store with no types, and appending fails.
 	RegisterEvents []func(*events.Registry) error
-	// EventsTopic names the topic a stream's appended events are also
-	// published to, for projections and other services; "" publishes
-	// nothing. Default: nothing is published.
+	// EventsTopic names the topic of a stream's appended events: they are
+	// published to it through the appending transaction (unless
+	// EventsNotPublished), for asynchronous projections and other
+	// services, and the topic's inline projections (Projection.Inline) run
+	// in that transaction. "" for none. Default: none.
 	EventsTopic func(streamID string) string
+	// EventsNotPublished keeps events off the outbox: for events whose
+	// every projection is inline and that nothing else consumes (a message
+	// published to a topic no consumer group subscribes to is
+	// dead-lettered). Needs EventsTopic.
+	EventsNotPublished bool
 
 	// SweepInterval, FinishedChannel and Retry configure the engine (see
 	// Config).
@@ -60,15 +68,24 @@ type ClientConfig struct {
 }
 
 // Projection is a handler that keeps a read model (a view table) from the
-// events of a topic, in the transaction of each delivery: see
-// transport.TxFromContext.
+// events of a topic, in a transaction that transport.TxFromContext finds:
+// asynchronous, in the transaction of each delivery of the event (the
+// default), or inline, in the transaction that appends it.
 type Projection struct {
-	// Name names the handler and its consumer group.
+	// Name names the handler and, asynchronous, its consumer group.
 	Name string
-	// Topic it consumes.
+	// Topic whose events it applies (see ClientConfig.EventsTopic).
 	Topic string
 	// Handle applies one event message.
 	Handle transport.HandlerFunc
+	// Inline runs Handle in the appending transaction, in every process
+	// that appends to the topic through this client's event store: the view
+	// is current when the append commits, and costs no message, delivery
+	// or worker. Handle's error fails the append (a step that appends is
+	// retried, or dead-lettered for a permanent error), so an inline
+	// projection must be as sure as the step itself. Events appended by
+	// other processes that lack the projection are not projected.
+	Inline bool
 }
 
 // Client is pgsaga in one process: the transport, the idempotency store, the
@@ -88,12 +105,15 @@ type Client struct {
 
 	mu          sync.Mutex
 	steps       []steps.Step
-	projections []Projection
-	started     bool
-	worker      *Worker
-	stopJobs    context.CancelFunc
-	jobs        sync.WaitGroup
-	jobErrs     []error
+	projections []Projection // asynchronous
+	// inline holds the inline projections by topic; replaced whole (under
+	// mu) before Start, read by every append.
+	inline   atomic.Pointer[map[string][]transport.HandlerFunc]
+	started  bool
+	worker   *Worker
+	stopJobs context.CancelFunc
+	jobs     sync.WaitGroup
+	jobErrs  []error
 
 	life        sync.Mutex         // held by Start and Stop throughout
 	cancelStart context.CancelFunc // ends a Start in progress (under mu)
@@ -151,8 +171,15 @@ func newClient(db *sql.DB, cfg ClientConfig) (*Client, error) {
 			return nil, err
 		}
 	}
-	es, err := events.NewStore(events.Config{Registry: reg, Topic: cfg.EventsTopic,
-		Publisher: func(tx events.DBTX) message.Publisher { return tr.Publisher(tx) }})
+	c := &Client{cfg: cfg, log: cfg.Logger, done: make(chan struct{})}
+	ecfg := events.Config{Registry: reg}
+	if cfg.EventsTopic != nil {
+		ecfg.Topic, ecfg.Project = cfg.EventsTopic, c.project
+		if !cfg.EventsNotPublished {
+			ecfg.Publisher = func(tx events.DBTX) message.Publisher { return tr.Publisher(tx) }
+		}
+	}
+	es, err := events.NewStore(ecfg)
 	if err != nil {
 		return nil, err
 	}
@@ -165,8 +192,7 @@ func newClient(db *sql.DB, cfg ClientConfig) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Client{db: db, transport: tr, idempotency: store, events: es, runtime: rt, engine: engine, cfg: cfg, log: cfg.Logger,
-		done: make(chan struct{})}
+	c.db, c.transport, c.idempotency, c.events, c.runtime, c.engine = db, tr, store, es, rt, engine
 	c.finished.c = c
 	return c, nil
 }
@@ -183,6 +209,9 @@ func (cfg ClientConfig) validate() error {
 	}
 	if len(cfg.FinishedChannel) > 63 {
 		errs = append(errs, fmt.Errorf("FinishedChannel must be at most 63 bytes, got %d", len(cfg.FinishedChannel)))
+	}
+	if cfg.EventsNotPublished && cfg.EventsTopic == nil {
+		errs = append(errs, errors.New("EventsNotPublished needs EventsTopic"))
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("saga: invalid client config: %w", err)
@@ -240,6 +269,9 @@ func (c *Client) AddProjections(p ...Projection) error {
 		if pr.Name == "" || pr.Handle == nil {
 			return errors.New("saga: a projection needs a Name and a Handle")
 		}
+		if pr.Inline && c.cfg.EventsTopic == nil {
+			return fmt.Errorf("saga: inline projection %s: the client's events have no topic (ClientConfig.EventsTopic)", pr.Name)
+		}
 		if err := transport.ValidateTopic(pr.Topic); err != nil {
 			return fmt.Errorf("saga: projection %s: %w", pr.Name, err)
 		}
@@ -247,9 +279,47 @@ func (c *Client) AddProjections(p ...Projection) error {
 	return c.beforeStart(func() error {
 		c.mu.Lock()
 		defer c.mu.Unlock()
-		c.projections = append(c.projections, p...)
+		inline := map[string][]transport.HandlerFunc{}
+		for topic, hs := range c.inlineByTopic() {
+			inline[topic] = hs
+		}
+		for _, pr := range p {
+			if !pr.Inline {
+				c.projections = append(c.projections, pr)
+				continue
+			}
+			inline[pr.Topic] = append(inline[pr.Topic], pr.Handle)
+		}
+		c.inline.Store(&inline)
 		return nil
 	})
+}
+
+// inlineByTopic is the inline projections by topic (nil map: none).
+func (c *Client) inlineByTopic() map[string][]transport.HandlerFunc {
+	if m := c.inline.Load(); m != nil {
+		return *m
+	}
+	return nil
+}
+
+// project runs the inline projections of topic on the event messages of
+// an append, in its transaction (events.Config.Project).
+func (c *Client) project(ctx context.Context, tx events.DBTX, topic string, msgs []*message.Message) error {
+	hs := c.inlineByTopic()[topic]
+	if len(hs) == 0 {
+		return nil
+	}
+	ctx = transport.ContextWithTx(ctx, tx)
+	for _, m := range msgs {
+		m.SetContext(ctx)
+		for _, h := range hs {
+			if err := h(m); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // beforeStart runs add unless the client started (or is starting, or was

@@ -140,14 +140,15 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	}
 	tcfg := transport.Config{BatchSize: opts.batch, Consumers: opts.consumers}
 	b.app, err = orderpayment.New(orderpayment.Config{DB: b.db.SQL, GatewayURL: b.gateway.URL(), Transport: tcfg,
-		FinishedChannel: finishedChannel, Logger: b.log})
+		AsyncProjection: opts.asyncProjection, FinishedChannel: finishedChannel, Logger: b.log})
 	if err != nil {
 		return nil, err
 	}
 	if err := b.app.Setup(ctx); err != nil {
 		return nil, err
 	}
-	b.front, err = orderpayment.New(orderpayment.Config{DB: b.clients.SQL, GatewayURL: b.gateway.URL(), Transport: tcfg, Logger: b.log})
+	b.front, err = orderpayment.New(orderpayment.Config{DB: b.clients.SQL, GatewayURL: b.gateway.URL(), Transport: tcfg,
+		AsyncProjection: opts.asyncProjection, Logger: b.log})
 	if err != nil {
 		return nil, err
 	}

@@ -25,7 +25,10 @@ type options struct {
 	timeout   time.Duration
 	keep      bool
 	verbose   bool
-	profile   string
+	// asyncProjection delivers the order events to the projection instead
+	// of projecting them inline.
+	asyncProjection bool
+	profile         string
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -47,6 +50,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.DurationVar(&o.timeout, "timeout", 10*time.Minute, "give up waiting for a phase's sagas after this long")
 	fs.StringVar(&o.profile, "cpuprofile", "", "write a CPU profile of the throughput phase to this file (go tool pprof)")
 	fs.BoolVar(&o.keep, "keep", false, "keep the benchmark database instead of dropping it")
+	fs.BoolVar(&o.asyncProjection, "async-projection", false, "keep order_views by delivering each order event to the projection's consumer group, instead of inline in the appending transaction")
 	fs.BoolVar(&o.verbose, "v", false, "log what the workers do (to stderr)")
 	fs.Usage = func() {}
 	if err := fs.Parse(args); err != nil {
@@ -125,7 +129,8 @@ are 0):
   The run:
     config                  the settings: consumers, lanes (old name of
                             consumers), workers, batch, inflight, duration_s,
-                            baseline_s, idle_s
+                            baseline_s, idle_s, async_projection (true: the
+                            order_views projection ran as a consumer)
     machine                 cores, goos, goarch, go (version), postgres (server
                             version)
 

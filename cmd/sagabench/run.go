@@ -90,6 +90,8 @@ type benchConfig struct {
 	DurationS float64 `json:"duration_s"`
 	BaselineS float64 `json:"baseline_s"`
 	IdleS     float64 `json:"idle_s"`
+	// AsyncProjection: order_views kept by a consumer, not inline.
+	AsyncProjection bool `json:"async_projection"`
 }
 
 type machine struct {
@@ -110,7 +112,8 @@ func (b *bench) run(ctx context.Context) int {
 	defer stopWatching()
 	r := result{Violations: []string{}, Rate: b.opts.rate,
 		Config: benchConfig{Consumers: b.opts.consumers, Lanes: b.opts.consumers, Workers: b.opts.workers, Batch: b.opts.batch, Inflight: b.opts.inflight,
-			DurationS: b.opts.duration.Seconds(), BaselineS: b.opts.baseline.Seconds(), IdleS: b.opts.idle.Seconds()},
+			DurationS: b.opts.duration.Seconds(), BaselineS: b.opts.baseline.Seconds(), IdleS: b.opts.idle.Seconds(),
+			AsyncProjection: b.opts.asyncProjection},
 		Machine: machine{Cores: runtime.NumCPU(), GOOS: runtime.GOOS, GOARCH: runtime.GOARCH, Go: runtime.Version()}}
 	_ = b.db.SQL.QueryRowContext(ctx, `SELECT current_setting('server_version')`).Scan(&r.Machine.Postgres)
 	finished := true

@@ -41,6 +41,11 @@ type Config struct {
 	Version int
 	// RegisterEvents adds further event types to the event store.
 	RegisterEvents func(*events.Registry) error
+	// AsyncProjection keeps order_views by delivering each order event to
+	// the projection's consumer group (orders.events is published) instead
+	// of in the transaction that appends it (the default: inline, nothing
+	// published).
+	AsyncProjection bool
 	// SweepInterval of the saga engine's deadline sweeper. Default: 1s.
 	SweepInterval time.Duration
 	// FinishedChannel is the saga engine's notification channel for
@@ -87,7 +92,7 @@ func New(cfg Config) (*App, error) {
 		regs = append(regs, cfg.RegisterEvents)
 	}
 	c, err := saga.NewClientFromDB(cfg.DB, saga.ClientConfig{Transport: cfg.Transport, RegisterEvents: regs,
-		EventsTopic: orders.StreamTopic, SweepInterval: cfg.SweepInterval, FinishedChannel: cfg.FinishedChannel,
+		EventsTopic: orders.StreamTopic, EventsNotPublished: !cfg.AsyncProjection, SweepInterval: cfg.SweepInterval, FinishedChannel: cfg.FinishedChannel,
 		KeyTTL: cfg.Retention.KeyTTL, Prune: cfg.Retention.Sagas, Logger: cfg.Logger})
 	if err != nil {
 		return nil, err
@@ -121,7 +126,9 @@ func New(cfg Config) (*App, error) {
 	if err := c.AddSteps(participants...); err != nil {
 		return nil, err
 	}
-	if err := c.AddProjections(ord.Projection()); err != nil {
+	projection := ord.Projection()
+	projection.Inline = !cfg.AsyncProjection
+	if err := c.AddProjections(projection); err != nil {
 		return nil, err
 	}
 	return &App{Client: c, DB: cfg.DB, Transport: c.Transport(), Idempotency: c.Idempotency(), Events: c.Events(), Runtime: c.Runtime(),

@@ -46,13 +46,17 @@ func onlyDelivery(c *orderpayment.Config) {
 }
 
 // A malformed message on every topic the sample consumes (the projection's
-// included) is dead-lettered in one attempt, with the reason, while the
-// sagas around it run as usual: all complete, with no step deadline to
-// re-send what a stalled delivery held up. Malformed: bytes that are not JSON, JSON of another type, no
-// type at all, metadata that is not an object of strings.
+// included: it runs asynchronously here) is dead-lettered in one attempt,
+// with the reason, while the sagas around it run as usual: all complete,
+// with no step deadline to re-send what a stalled delivery held up.
+// Malformed: bytes that are not JSON, JSON of another type, no type at
+// all, metadata that is not an object of strings.
 func TestMalformedMessagesOnEveryTopicAreDeadLettered(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, 1, onlyDelivery)
+	e := newEnv(t, 1, func(c *orderpayment.Config) {
+		onlyDelivery(c)
+		c.AsyncProjection = true
+	})
 	customer := e.customer(1_000_000)
 	_, before := e.placeAndWait(customer, 10)
 

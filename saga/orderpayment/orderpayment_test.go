@@ -144,6 +144,18 @@ func (e *env) order(id uuid.UUID) orders.Order {
 	return o
 }
 
+// viewIsCurrent checks the order's row of order_views against its stream,
+// at once: the sample's projection is inline, so the view is current when
+// the event commits.
+func (e *env) viewIsCurrent(id uuid.UUID) {
+	e.t.Helper()
+	o := e.order(id)
+	v, err := e.app.Orders.View(context.Background(), id)
+	require.NoError(e.t, err, "the inline projection wrote the view with the event")
+	assert.Equal(e.t, o.Version, v.Version)
+	assert.Equal(e.t, o.Status, v.Status)
+}
+
 func TestHappyPath(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 1, nil)
@@ -156,6 +168,7 @@ func TestHappyPath(t *testing.T) {
 	var data orderpayment.Data
 	require.NoError(t, json.Unmarshal(inst.Data, &data))
 	assert.Regexp(t, `^ch_`, data.ChargeID, "the charge reply's id was kept in the saga's data")
+	e.viewIsCurrent(orderID)
 	e.checkInvariants([]uuid.UUID{sagaID})
 	stats, err := e.gw.Stats(context.Background())
 	require.NoError(t, err)
@@ -203,6 +216,7 @@ func TestCustomerCancelBeatsConfirmation(t *testing.T) {
 	assert.Equal(t, []string{"charge/action", "confirm/action", "charge/compensation", "order/compensation"}, steps, "refund, then cancel")
 	assert.Equal(t, int64(10_000), e.balance(cust), "refunded")
 	assert.Equal(t, orders.ByCustomer, e.order(orderID).CancelledBy)
+	e.viewIsCurrent(orderID)
 	e.checkInvariants([]uuid.UUID{sagaID})
 	stats, err := e.gw.Stats(context.Background())
 	require.NoError(t, err)

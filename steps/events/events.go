@@ -161,12 +161,20 @@ const (
 type Config struct {
 	// Registry decodes stored events. Required.
 	Registry *Registry
-	// Topic names the topic a stream's events are also published to, through
-	// the appending transaction (the outbox), for projections; "" publishes
-	// nothing. Default: nothing is published.
+	// Topic names the topic of a stream's events: the topic they are
+	// published to (with Publisher) and the one inline projections
+	// (Project) are given; "" for none. Default: none.
 	Topic func(streamID string) string
-	// Publisher publishes through a transaction. Required with Topic.
+	// Publisher publishes a stream's events to its topic through the
+	// appending transaction (the outbox), for asynchronous projections and
+	// other consumers. Nil: events are not published.
 	Publisher func(tx DBTX) message.Publisher
+	// Project runs inline projections: it is given the event messages of
+	// each append (as they would be published) in the appending
+	// transaction, after the insert, so its statements see the new events
+	// and commit or roll back with them. Its error fails the append (the
+	// caller must roll back). Nil: none. Needs Topic.
+	Project func(ctx context.Context, tx DBTX, topic string, msgs []*message.Message) error
 }
 
 // Store appends and loads events.
@@ -179,8 +187,8 @@ func NewStore(cfg Config) (*Store, error) {
 	if cfg.Registry == nil {
 		return nil, errors.New("events: Config.Registry is required")
 	}
-	if cfg.Topic != nil && cfg.Publisher == nil {
-		return nil, errors.New("events: Config.Publisher is required with Config.Topic")
+	if cfg.Topic == nil && (cfg.Publisher != nil || cfg.Project != nil) {
+		return nil, errors.New("events: Config.Topic is required with Config.Publisher or Config.Project")
 	}
 	return &Store{cfg: cfg}, nil
 }
@@ -244,20 +252,39 @@ func (s *Store) AppendTx(ctx context.Context, tx DBTX, stream string, expected i
 		// partial append needs a writer that skipped the version check).
 		return nil, &VersionConflictError{Stream: stream, Expected: expected}
 	}
-	if err := s.publish(tx, recorded, payloads); err != nil {
+	if err := s.project(ctx, tx, recorded, payloads); err != nil {
 		return nil, err
 	}
 	return recorded, nil
 }
 
-func (s *Store) publish(tx DBTX, recorded []Recorded, payloads []string) error {
-	if s.cfg.Topic == nil || len(recorded) == 0 {
+// project hands the appended events to the inline projections and the
+// publisher, as messages of the stream's topic.
+func (s *Store) project(ctx context.Context, tx DBTX, recorded []Recorded, payloads []string) error {
+	if s.cfg.Topic == nil || (s.cfg.Publisher == nil && s.cfg.Project == nil) {
 		return nil
 	}
 	topic := s.cfg.Topic(recorded[0].StreamID)
 	if topic == "" {
 		return nil
 	}
+	msgs := messages(recorded, payloads)
+	if s.cfg.Project != nil {
+		if err := s.cfg.Project(ctx, tx, topic, msgs); err != nil {
+			return fmt.Errorf("events: projecting events of %s: %w", recorded[0].StreamID, err)
+		}
+	}
+	if s.cfg.Publisher == nil {
+		return nil
+	}
+	if err := s.cfg.Publisher(tx).Publish(topic, msgs...); err != nil {
+		return fmt.Errorf("events: publishing events of %s: %w", recorded[0].StreamID, err)
+	}
+	return nil
+}
+
+// messages are the event messages of recorded, as they are published.
+func messages(recorded []Recorded, payloads []string) []*message.Message {
 	msgs := make([]*message.Message, len(recorded))
 	for i, r := range recorded {
 		m := message.NewMessage(r.ID.String(), []byte(payloads[i]))
@@ -274,10 +301,7 @@ func (s *Store) publish(tx DBTX, recorded []Recorded, payloads []string) error {
 		}
 		msgs[i] = m
 	}
-	if err := s.cfg.Publisher(tx).Publish(topic, msgs...); err != nil {
-		return fmt.Errorf("events: publishing events of %s: %w", recorded[0].StreamID, err)
-	}
-	return nil
+	return msgs
 }
 
 // LoadTx reads stream's events in version order, up to version upTo (0: all).
