@@ -62,6 +62,8 @@ type bench struct {
 	app     *orderpayment.App
 	front   *orderpayment.App // the clients' view: places orders
 	workers []*orderpayment.Worker
+	procs   []*workerProcess // -worker-processes
+	url     string           // the run's database
 
 	stopRetention context.CancelFunc
 	retentionDone chan error
@@ -111,11 +113,16 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	if err != nil {
 		return nil, err
 	}
+	b.url = url
 	fmt.Fprintf(b.status, "using a fresh database %s on %s\n", b.dbName, found.Describe())
 
 	perWorker := opts.consumers * (len(topicsHint) + 2) // a connection per busy consumer, plus charge leases
 	maxConns := int32(perWorker*opts.workers + 8)
-	if err := b.checkConnections(ctx, int(maxConns)+placers+8); err != nil {
+	need := int(maxConns) + placers + 8
+	if opts.workerProcs > 0 {
+		need += opts.workerProcs * (perWorker + 4)
+	}
+	if err := b.checkConnections(ctx, need); err != nil {
 		return nil, err
 	}
 	if b.db, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: maxConns, ApplicationName: "sagabench", Tracer: &b.statements}); err != nil {
@@ -175,6 +182,19 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 // returns ends when ctx does or when a worker stops (see workerwatch.Watch);
 // call stopWatching before stopping the workers.
 func (b *bench) startWorkers(ctx context.Context) (_ context.Context, stopWatching func(), _ error) {
+	if b.opts.workerProcs > 0 {
+		spec := workerSpec{URL: b.url, GatewayURL: b.gateway.URL(), Consumers: b.opts.consumers, Batch: b.opts.batch,
+			AsyncProjection: b.opts.asyncProjection, MaxConns: int32(b.opts.consumers*(len(topicsHint)+2) + 4), Verbose: b.opts.verbose}
+		for range b.opts.workerProcs {
+			p, err := startWorkerProcess(ctx, spec, b.status)
+			if err != nil {
+				return nil, nil, err
+			}
+			b.procs = append(b.procs, p)
+		}
+		ctx, stopWatching = workerwatch.Watch(ctx, b.procs)
+		return ctx, stopWatching, nil
+	}
 	workers, err := workerwatch.StartAll(ctx, b.opts.workers, b.app.NewWorker)
 	b.workers = workers
 	if err != nil {
@@ -343,6 +363,16 @@ func (b *bench) place(ctx context.Context, phase string, i int, rng *mrand.Rand,
 func (b *bench) stopWorkers() {
 	workerwatch.StopAll(b.workers, b.log)
 	b.workers = nil
+	var wg sync.WaitGroup
+	for _, p := range b.procs {
+		wg.Go(func() {
+			if err := p.stop(); err != nil {
+				b.log.Error("stopping a worker process", "err", err)
+			}
+		})
+	}
+	wg.Wait()
+	b.procs = nil
 }
 
 func (b *bench) close() {

@@ -12,7 +12,8 @@ import (
 	"time"
 )
 
-// cpuMeter reads the CPU time used by this process and, when the server
+// cpuMeter reads the CPU time used by this process and its worker
+// processes (-worker-processes; those still running) and, when the server
 // runs on this machine and /proc is readable, by every PostgreSQL process
 // (the postmaster and its children: backends, WAL writer, checkpointer…).
 type cpuMeter struct {
@@ -52,27 +53,31 @@ func (m *cpuMeter) read() sample {
 	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) == nil {
 		s.process = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 	}
-	if m.postmaster == 0 {
-		return s
-	}
 	dirs, err := filepath.Glob("/proc/[0-9]*")
 	if err != nil {
 		return s
 	}
-	var ticks uint64
+	self := os.Getpid()
+	var pgTicks, childTicks uint64
 	for _, d := range dirs {
 		pid, err := strconv.Atoi(filepath.Base(d))
 		if err != nil {
 			continue
 		}
 		st, err := readStat(pid)
-		if err != nil || (pid != m.postmaster && st.ppid != m.postmaster) {
-			continue
+		switch {
+		case err != nil:
+		case st.ppid == self:
+			childTicks += st.utime + st.stime
+		case m.postmaster != 0 && (pid == m.postmaster || st.ppid == m.postmaster):
+			pgTicks += st.utime + st.stime
 		}
-		ticks += st.utime + st.stime
 	}
-	s.postgres = time.Duration(ticks) * time.Second / clockTicks
-	s.pgOK = true
+	s.process += time.Duration(childTicks) * time.Second / clockTicks
+	if m.postmaster != 0 {
+		s.postgres = time.Duration(pgTicks) * time.Second / clockTicks
+		s.pgOK = true
+	}
 	return s
 }
 

@@ -25,6 +25,9 @@ type options struct {
 	timeout   time.Duration
 	keep      bool
 	verbose   bool
+	// workerProcs runs the workers as this many separate processes instead
+	// of -workers in this one.
+	workerProcs int
 	// asyncProjection delivers the order events to the projection instead
 	// of projecting them inline.
 	asyncProjection bool
@@ -44,6 +47,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.IntVar(&o.consumers, "consumers", defaultConsumers, "consumers each handler of the worker runs in parallel")
 	fs.IntVar(&o.consumers, "lanes", defaultConsumers, "old name of -consumers (delivery no longer has lanes)")
 	fs.IntVar(&o.workers, "workers", 1, "independent workers (routers) in this process")
+	fs.IntVar(&o.workerProcs, "worker-processes", 0, "run the workers as this many separate processes (copies of this program) instead of -workers in this one; 0: none")
 	fs.IntVar(&o.batch, "batch", defaultBatch, "messages a subscriber reads per transaction")
 	fs.DurationVar(&o.baseline, "baseline", 5*time.Second, "how long to measure PostgreSQL's own commit rate; 0 skips it")
 	fs.DurationVar(&o.idle, "idle", 10*time.Second, "how long to measure CPU use while idle; 0 skips it")
@@ -106,8 +110,9 @@ are 0):
                             server preloads it, else by this program's pools
     statements_source       "pg_stat_statements" or "client": which count
     client_statements_per_saga
-                            statements this program's pools sent a saga
-                            (BEGIN and COMMIT included)
+                            statements this process's pools sent a saga
+                            (BEGIN and COMMIT included; not those of
+                            -worker-processes)
   Latency phase (open loop, -rate, -duration):
     rate                    sagas offered a second
     latency_sagas           sagas timed, each from its scheduled placement to
@@ -130,7 +135,9 @@ are 0):
     config                  the settings: consumers, lanes (old name of
                             consumers), workers, batch, inflight, duration_s,
                             baseline_s, idle_s, async_projection (true: the
-                            order_views projection ran as a consumer)
+                            order_views projection ran as a consumer),
+                            worker_processes (workers run as that many
+                            processes; their CPU counts as the process's)
     machine                 cores, goos, goarch, go (version), postgres (server
                             version)
 
@@ -154,6 +161,8 @@ func validate(fs *flag.FlagSet, o *options) error {
 		return fmt.Errorf("-consumers must be between 1 and 64, got %d", o.consumers)
 	case o.workers < 1 || o.workers > 16:
 		return fmt.Errorf("-workers must be between 1 and 16, got %d", o.workers)
+	case o.workerProcs < 0 || o.workerProcs > 16:
+		return fmt.Errorf("-worker-processes must be between 0 and 16, got %d", o.workerProcs)
 	case o.batch < 1 || o.batch > 1000:
 		return fmt.Errorf("-batch must be between 1 and 1000, got %d", o.batch)
 	case o.baseline < 0 || o.idle < 0:

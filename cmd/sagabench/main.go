@@ -31,7 +31,12 @@ import (
 	"syscall"
 )
 
-func main() { os.Exit(runWithSignals(os.Args[1:], os.Stdout, os.Stderr)) }
+func main() {
+	if spec, ok := os.LookupEnv(workerEnv); ok {
+		os.Exit(runWorkerProcess(spec, os.Stdout, os.Stderr))
+	}
+	os.Exit(runWithSignals(os.Args[1:], os.Stdout, os.Stderr))
+}
 
 // runWithSignals runs the command; SIGINT or SIGTERM ends the phase under
 // way as -timeout does (the workers stop, the figures follow, exit 1).

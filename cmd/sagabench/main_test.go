@@ -18,6 +18,9 @@ import (
 func TestMain(m *testing.M) {
 	// A copy of the test binary started by a test runs the command itself,
 	// signals included.
+	if spec, ok := os.LookupEnv(workerEnv); ok {
+		os.Exit(runWorkerProcess(spec, os.Stdout, os.Stderr))
+	}
 	if args, ok := os.LookupEnv("SAGABENCH_ARGS"); ok {
 		os.Exit(runWithSignals(strings.Fields(args), os.Stdout, os.Stderr))
 	}
@@ -74,22 +77,43 @@ func TestSmallRun(t *testing.T) {
 	assert.False(t, exists, "the benchmark database is dropped")
 }
 
+// With -worker-processes the sagas are driven by workers in separate
+// processes (copies of the program): none runs in this one, so the run
+// finishes only if they work, and they drain when it ends.
+func TestWorkerProcesses(t *testing.T) {
+	testdb.ServerWide(t)
+	db := testdb.Shared(t)
+	t.Setenv("DATABASE_URL", db.URL)
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), []string{"-sagas", "60", "-inflight", "20", "-rate", "0", "-baseline", "0", "-idle", "0",
+		"-consumers", "1", "-batch", "10", "-worker-processes", "2", "-timeout", "2m"}, &stdout, &stderr)
+	require.Equal(t, exitOK, code, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
+	lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
+	var r result
+	require.NoError(t, json.Unmarshal([]byte(lines[len(lines)-1]), &r))
+	assert.True(t, r.OK)
+	assert.Equal(t, 2, r.Config.WorkerProcesses)
+	assert.Equal(t, 60, r.Completed+r.Compensated)
+	assert.Greater(t, r.StatementsPerSaga, 20.0)
+}
+
 func TestBadFlags(t *testing.T) {
 	t.Parallel()
 	for args, want := range map[string]string{
-		"-sagas -1":        "-sagas must be between 0 and 1000000",
-		"-inflight 0":      "-inflight must be positive",
-		"-rate -5":         "-rate must be between 0 and 10000",
-		"-duration 0s":     "-duration must be positive",
-		"-consumers 0":     "-consumers must be between 1 and 64",
-		"-lanes 65":        "-consumers must be between 1 and 64",
-		"-workers 17":      "-workers must be between 1 and 16",
-		"-batch 0":         "-batch must be between 1 and 1000",
-		"-idle -1s":        "must not be negative",
-		"-timeout 0s":      "-timeout must be positive",
-		"-sagas 0 -rate 0": "nothing to measure",
-		"extra":            "unexpected arguments",
-		"-no-such-flag":    "flag provided but not defined",
+		"-sagas -1":            "-sagas must be between 0 and 1000000",
+		"-inflight 0":          "-inflight must be positive",
+		"-rate -5":             "-rate must be between 0 and 10000",
+		"-duration 0s":         "-duration must be positive",
+		"-consumers 0":         "-consumers must be between 1 and 64",
+		"-lanes 65":            "-consumers must be between 1 and 64",
+		"-workers 17":          "-workers must be between 1 and 16",
+		"-worker-processes 17": "-worker-processes must be between 0 and 16",
+		"-batch 0":             "-batch must be between 1 and 1000",
+		"-idle -1s":            "must not be negative",
+		"-timeout 0s":          "-timeout must be positive",
+		"-sagas 0 -rate 0":     "nothing to measure",
+		"extra":                "unexpected arguments",
+		"-no-such-flag":        "flag provided but not defined",
 	} {
 		var stdout, stderr bytes.Buffer
 		code := run(context.Background(), strings.Fields(args), &stdout, &stderr)

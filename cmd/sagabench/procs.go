@@ -1,0 +1,167 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"os/signal"
+	"syscall"
+
+	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/saga/orderpayment"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// workerEnv, set in a process's environment, makes sagabench run one
+// worker of the run described by its value (a workerSpec in JSON) instead
+// of a benchmark: -worker-processes starts its workers so.
+const workerEnv = "SAGABENCH_WORKER"
+
+// workerReady is the line a worker process prints once its worker runs.
+const workerReady = "sagabench worker ready"
+
+// workerSpec is what a worker process needs of the run.
+type workerSpec struct {
+	URL             string `json:"url"`
+	GatewayURL      string `json:"gateway_url"`
+	Consumers       int    `json:"consumers"`
+	Batch           int    `json:"batch"`
+	AsyncProjection bool   `json:"async_projection"`
+	MaxConns        int32  `json:"max_conns"`
+	Verbose         bool   `json:"verbose"`
+}
+
+// runWorkerProcess is a worker process: it runs one worker of the sample
+// over the run's database until SIGTERM or SIGINT, then drains it. Exit
+// status 0 once drained; 1 if the worker could not start or stopped by
+// itself.
+func runWorkerProcess(raw string, stdout, stderr io.Writer) int {
+	var spec workerSpec
+	if err := json.Unmarshal([]byte(raw), &spec); err != nil {
+		fmt.Fprintln(stderr, "sagabench worker: reading", workerEnv+":", err)
+		return exitUsage
+	}
+	level := slog.LevelWarn
+	if spec.Verbose {
+		level = slog.LevelDebug
+	}
+	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level})).With("worker_pid", os.Getpid())
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	db, err := pgdb.Open(ctx, pgdb.Config{URL: spec.URL, MaxConns: spec.MaxConns, ApplicationName: "sagabench-worker"})
+	if err != nil {
+		fmt.Fprintln(stderr, "sagabench worker:", err)
+		return exitNoService
+	}
+	defer db.Close()
+	app, err := orderpayment.New(orderpayment.Config{DB: db.SQL, GatewayURL: spec.GatewayURL,
+		Transport:       transport.Config{BatchSize: spec.Batch, Consumers: spec.Consumers},
+		AsyncProjection: spec.AsyncProjection, FinishedChannel: finishedChannel, Logger: log})
+	if err != nil {
+		fmt.Fprintln(stderr, "sagabench worker:", err)
+		return exitNoService
+	}
+	w, err := app.NewWorker()
+	if err == nil {
+		err = w.Start(ctx)
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "sagabench worker: starting:", err)
+		return exitNoService
+	}
+	fmt.Fprintln(stdout, workerReady)
+	select {
+	case <-ctx.Done():
+		if err := w.Stop(); err != nil {
+			fmt.Fprintln(stderr, "sagabench worker: stopping:", err)
+			return exitFailed
+		}
+		return exitOK
+	case <-w.Stopped():
+		fmt.Fprintln(stderr, "sagabench worker: the worker stopped by itself:", w.Err())
+		return exitFailed
+	}
+}
+
+// workerProcess is a worker process of the run (workerwatch.Stoppable).
+type workerProcess struct {
+	cmd     *exec.Cmd
+	stopped chan struct{}
+	err     error // why it exited; read after stopped
+}
+
+func (p *workerProcess) Stopped() <-chan struct{} { return p.stopped }
+func (p *workerProcess) Err() error               { return p.err }
+
+// startWorkerProcess starts a copy of this program as a worker of spec and
+// returns once its worker runs, or with the reason it could not start.
+func startWorkerProcess(ctx context.Context, spec workerSpec, stderr io.Writer) (*workerProcess, error) {
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		return nil, err
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, fmt.Errorf("finding this program to start a worker process: %w", err)
+	}
+	cmd := exec.Command(exe)
+	cmd.Env = append(os.Environ(), workerEnv+"="+string(raw))
+	cmd.Stderr = stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("starting a worker process: %w", err)
+	}
+	p := &workerProcess{cmd: cmd, stopped: make(chan struct{})}
+	ready := make(chan bool, 1)
+	go func() {
+		lines := bufio.NewScanner(out)
+		ok := lines.Scan() && lines.Text() == workerReady
+		ready <- ok
+		_, _ = io.Copy(io.Discard, out) // nothing more is expected; keep the pipe drained
+	}()
+	go func() {
+		p.err = cmd.Wait()
+		if p.err == nil {
+			p.err = errors.New("the worker process exited")
+		}
+		close(p.stopped)
+	}()
+	select {
+	case ok := <-ready:
+		if ok {
+			return p, nil
+		}
+		<-p.stopped
+		return nil, fmt.Errorf("a worker process did not start: %w", p.err)
+	case <-ctx.Done():
+		p.stop()
+		return nil, context.Cause(ctx)
+	}
+}
+
+// stop asks the process to drain and waits for it to exit.
+func (p *workerProcess) stop() error {
+	select {
+	case <-p.stopped:
+		return nil // exited already; Watch reported why
+	default:
+	}
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		return fmt.Errorf("stopping worker process %d: %w", p.cmd.Process.Pid, err)
+	}
+	<-p.stopped
+	var exit *exec.ExitError
+	if errors.As(p.err, &exit) && !exit.Success() {
+		return fmt.Errorf("worker process %d: %w", p.cmd.Process.Pid, p.err)
+	}
+	return nil
+}
