@@ -84,6 +84,8 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	if opts.verbose {
 		level = slog.LevelDebug
 	}
+	// Progress, logs and the worker processes' stderr share the stream.
+	stderr = &syncWriter{w: stderr}
 	b := &bench{opts: opts, out: stdout, status: stderr,
 		log: slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))}
 	ok := false

@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"sync"
 	"syscall"
 
 	"github.com/pgsaga/pgsaga/internal/pgdb"
@@ -164,4 +165,16 @@ func (p *workerProcess) stop() error {
 		return fmt.Errorf("worker process %d: %w", p.cmd.Process.Pid, p.err)
 	}
 	return nil
+}
+
+// syncWriter serializes writes to w.
+type syncWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (s *syncWriter) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.w.Write(p)
 }
