@@ -122,7 +122,10 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	maxConns := int32(perWorker*opts.workers + 8)
 	need := int(maxConns) + placers + 8
 	if opts.workerProcs > 0 {
-		need += opts.workerProcs * (perWorker + 4)
+		// The workers are elsewhere: this process seeds, checks and
+		// runs the retention jobs.
+		maxConns = 8
+		need = int(maxConns) + placers + 8 + opts.workerProcs*(perWorker+4)
 	}
 	if err := b.checkConnections(ctx, need); err != nil {
 		return nil, err
