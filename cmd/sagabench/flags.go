@@ -108,7 +108,9 @@ are 0):
     statements_per_saga     statements a saga, gateway's included: counted by
                             pg_stat_statements in the run's database when the
                             server preloads it, else by this program's pools
-    statements_source       "pg_stat_statements" or "client": which count
+    statements_source       "pg_stat_statements" or "client": which count;
+                            "unavailable" (statements_per_saga 0) with
+                            -worker-processes and no pg_stat_statements
     client_statements_per_saga
                             statements this process's pools sent a saga
                             (BEGIN and COMMIT included; not those of

@@ -13,6 +13,7 @@ import (
 	"os/signal"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
@@ -39,7 +40,8 @@ type workerSpec struct {
 }
 
 // runWorkerProcess is a worker process: it runs one worker of the sample
-// over the run's database until SIGTERM or SIGINT, then drains it. Exit
+// over the run's database until SIGTERM, SIGINT or the end of its stdin
+// (the parent's end), then drains it. Exit
 // status 0 once drained; 1 if the worker could not start or stopped by
 // itself.
 func runWorkerProcess(raw string, stdout, stderr io.Writer) int {
@@ -55,6 +57,12 @@ func runWorkerProcess(raw string, stdout, stderr io.Writer) int {
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level})).With("worker_pid", os.Getpid())
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	// The parent holds stdin open while it runs: its end is ours.
+	ctx, parentGone := context.WithCancel(ctx)
+	go func() {
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		parentGone()
+	}()
 	db, err := pgdb.Open(ctx, pgdb.Config{URL: spec.URL, MaxConns: spec.MaxConns, ApplicationName: "sagabench-worker"})
 	if err != nil {
 		fmt.Fprintln(stderr, "sagabench worker:", err)
@@ -93,9 +101,13 @@ func runWorkerProcess(raw string, stdout, stderr io.Writer) int {
 // workerProcess is a worker process of the run (workerwatch.Stoppable).
 type workerProcess struct {
 	cmd     *exec.Cmd
+	stdin   *os.File // closing it stops the worker
 	stopped chan struct{}
 	err     error // why it exited; read after stopped
 }
+
+// workerStopTimeout bounds a worker process's drain; then it is killed.
+const workerStopTimeout = time.Minute
 
 func (p *workerProcess) Stopped() <-chan struct{} { return p.stopped }
 func (p *workerProcess) Err() error               { return p.err }
@@ -111,23 +123,38 @@ func startWorkerProcess(ctx context.Context, spec workerSpec, stderr io.Writer) 
 	if err != nil {
 		return nil, fmt.Errorf("finding this program to start a worker process: %w", err)
 	}
-	cmd := exec.Command(exe)
-	cmd.Env = append(os.Environ(), workerEnv+"="+string(raw))
-	cmd.Stderr = stderr
-	out, err := cmd.StdoutPipe()
+	// The worker outlives no parent: it stops when its stdin, a pipe this
+	// process holds, ends (however this process ends), and the kernel
+	// sends it SIGTERM if this process dies first.
+	stdin, toChild, err := os.Pipe()
 	if err != nil {
 		return nil, err
 	}
-	if err := cmd.Start(); err != nil {
+	fromChild, stdout, err := os.Pipe()
+	if err != nil {
+		_ = stdin.Close()
+		_ = toChild.Close()
+		return nil, err
+	}
+	cmd := exec.Command(exe)
+	cmd.Env = append(os.Environ(), workerEnv+"="+string(raw))
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = stdin, stdout, stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
+	err = cmd.Start()
+	_ = stdin.Close() // the child's ends
+	_ = stdout.Close()
+	if err != nil {
+		_ = toChild.Close()
+		_ = fromChild.Close()
 		return nil, fmt.Errorf("starting a worker process: %w", err)
 	}
-	p := &workerProcess{cmd: cmd, stopped: make(chan struct{})}
+	p := &workerProcess{cmd: cmd, stopped: make(chan struct{}), stdin: toChild}
 	ready := make(chan bool, 1)
 	go func() {
-		lines := bufio.NewScanner(out)
-		ok := lines.Scan() && lines.Text() == workerReady
-		ready <- ok
-		_, _ = io.Copy(io.Discard, out) // nothing more is expected; keep the pipe drained
+		defer fromChild.Close()
+		lines := bufio.NewScanner(fromChild)
+		ready <- lines.Scan() && lines.Text() == workerReady
+		_, _ = io.Copy(io.Discard, fromChild) // nothing more is expected; keep the pipe drained
 	}()
 	go func() {
 		p.err = cmd.Wait()
@@ -141,16 +168,19 @@ func startWorkerProcess(ctx context.Context, spec workerSpec, stderr io.Writer) 
 		if ok {
 			return p, nil
 		}
+		_ = cmd.Process.Kill()
 		<-p.stopped
 		return nil, fmt.Errorf("a worker process did not start: %w", p.err)
 	case <-ctx.Done():
-		p.stop()
+		_ = p.stop()
 		return nil, context.Cause(ctx)
 	}
 }
 
-// stop asks the process to drain and waits for it to exit.
+// stop asks the process to drain and waits for it to exit, killing it
+// after workerStopTimeout.
 func (p *workerProcess) stop() error {
+	defer p.stdin.Close()
 	select {
 	case <-p.stopped:
 		return nil // exited already; Watch reported why
@@ -159,7 +189,13 @@ func (p *workerProcess) stop() error {
 	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		return fmt.Errorf("stopping worker process %d: %w", p.cmd.Process.Pid, err)
 	}
-	<-p.stopped
+	select {
+	case <-p.stopped:
+	case <-time.After(workerStopTimeout):
+		_ = p.cmd.Process.Kill()
+		<-p.stopped
+		return fmt.Errorf("worker process %d did not drain within %s and was killed", p.cmd.Process.Pid, workerStopTimeout)
+	}
 	var exit *exec.ExitError
 	if errors.As(p.err, &exit) && !exit.Success() {
 		return fmt.Errorf("worker process %d: %w", p.cmd.Process.Pid, p.err)

@@ -299,7 +299,7 @@ func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 	res := b.tracker.result(phase)
 	took := res.last.Sub(res.first)
 	r.Sagas = len(res.latencies)
-	r.StatementsPerSaga, r.ClientStatementsPerSaga, r.StatementsSource = perSaga(stmtStart, stmtEnd, r.Sagas)
+	r.StatementsPerSaga, r.ClientStatementsPerSaga, r.StatementsSource = perSaga(stmtStart, stmtEnd, r.Sagas, b.opts.workerProcs > 0)
 	r.ThroughputS = round(took.Seconds())
 	if took > 0 {
 		r.SagasPerS = round(float64(r.Sagas) / took.Seconds())

@@ -72,14 +72,19 @@ func (b *bench) countStatements(ctx context.Context) statementCount {
 }
 
 // perSaga turns two readings into statements per saga and says where the
-// figure comes from.
-func perSaga(from, to statementCount, sagas int) (perSaga, clientPerSaga float64, source string) {
+// figure comes from. elsewhere: workers ran in other processes, whose
+// statements this process did not see, so its own count is no figure of
+// the saga's.
+func perSaga(from, to statementCount, sagas int, elsewhere bool) (perSaga, clientPerSaga float64, source string) {
 	if sagas == 0 {
 		return 0, 0, ""
 	}
 	clientPerSaga = round(float64(to.client-from.client) / float64(sagas))
-	if from.serverOK && to.serverOK {
+	switch {
+	case from.serverOK && to.serverOK:
 		return round(float64(to.server-from.server) / float64(sagas)), clientPerSaga, "pg_stat_statements"
+	case elsewhere:
+		return 0, clientPerSaga, "unavailable"
 	}
 	return clientPerSaga, clientPerSaga, "client"
 }
