@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"reflect"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -46,8 +47,10 @@ type MessageClaim struct {
 	// whose stored replies ClaimTx already published again.
 	Run bool
 
-	msg *message.Message
-	req Request
+	msg      *message.Message
+	req      Request
+	tx       DBTX // the transaction that made the claim
+	finished bool
 }
 
 // ClaimTx claims msg's key in tx. For a duplicate of a finished message it
@@ -63,29 +66,40 @@ func (k *MessageKeys) ClaimTx(ctx context.Context, tx DBTX, msg *message.Message
 	if !claim.Execute {
 		return &MessageClaim{msg: msg, req: req}, k.replay(tx, claim.Record)
 	}
-	return &MessageClaim{Run: true, msg: msg, req: req}, nil
+	return &MessageClaim{Run: true, msg: msg, req: req, tx: tx}, nil
+}
+
+// sameTx reports whether a and b are the same transaction value.
+func sameTx(a, b DBTX) bool {
+	va, vb := reflect.ValueOf(a), reflect.ValueOf(b)
+	return va.IsValid() && vb.IsValid() && va.Type() == vb.Type() && va.Comparable() && va.Equal(vb)
 }
 
 // ErrNothingToFinish is returned by FinishTx for a claim that does not run
-// (a duplicate: its outcome is stored already).
-var ErrNothingToFinish = errors.New("idempotency: the claim is a duplicate's; its outcome is stored already")
+// (a duplicate: its outcome is stored already) or that was finished
+// already.
+var ErrNothingToFinish = errors.New("idempotency: the claim's outcome is stored already")
 
 // FinishTx publishes replies through tx to the claimed message's reply
 // topic and stores the key's final outcome with them: StatusCompleted, or
 // StatusFailed with reason (a business failure, replayed like a success).
-// Every later duplicate gets the same replies. Call it in the transaction
-// that made the claim: a key with no pending claim fails with
-// ErrNotClaimed.
+// Every later duplicate gets the same replies. A claim is finished once,
+// in the transaction that made it: in another, FinishTx fails with
+// ErrNotClaimed, and a second time with ErrNothingToFinish, before
+// anything is published.
 func (k *MessageKeys) FinishTx(ctx context.Context, tx DBTX, c *MessageClaim, status Status, reason string, replies ...*message.Message) error {
 	switch {
 	case c == nil:
 		return fmt.Errorf("%w: no claim to finish", ErrInvalidRequest)
-	case !c.Run:
+	case !c.Run || c.finished:
 		return fmt.Errorf("%w: %s/%s", ErrNothingToFinish, c.req.Scope, c.req.Key)
+	case !sameTx(c.tx, tx):
+		return fmt.Errorf("%w: %s/%s was claimed in another transaction", ErrNotClaimed, c.req.Scope, c.req.Key)
 	}
 	if err := checkFinal(status); err != nil {
 		return err
 	}
+	c.finished = true
 	out := storedOutcome{Reason: reason}
 	if len(replies) > 0 {
 		topic := k.cfg.ReplyTopic(c.msg)

@@ -180,3 +180,35 @@ func TestMessageKeysRefuseBadCalls(t *testing.T) {
 	_, err = e.store.MessageKeys(idempotency.MiddlewareConfig{})
 	require.ErrorIs(t, err, idempotency.ErrInvalidRequest)
 }
+
+// A claim is finished once, in the transaction that made it: a second
+// FinishTx publishes nothing more and says why; finishing in another
+// transaction is refused before anything is published.
+func TestMessageKeysFinishOnceInTheClaimsTransaction(t *testing.T) {
+	t.Parallel()
+	e := newMessageKeys(t)
+	ctx := context.Background()
+	require.NoError(t, e.inTx(t, func(tx *sql.Tx) error {
+		claim, err := e.keys.ClaimTx(ctx, tx, command("k1", `{}`))
+		require.NoError(t, err)
+		require.NoError(t, e.keys.FinishTx(ctx, tx, claim, idempotency.StatusCompleted, "", message.NewMessage(uuid.NewString(), []byte(`{"ok":true}`))))
+		err = e.keys.FinishTx(ctx, tx, claim, idempotency.StatusFailed, "changed my mind", message.NewMessage(uuid.NewString(), []byte(`{"ok":false}`)))
+		require.ErrorIs(t, err, idempotency.ErrNothingToFinish)
+		return nil
+	}))
+	require.Len(t, e.pub.out["replies"], 1, "the second finish published nothing")
+	rec, err := e.store.Get(ctx, e.scope, "k1")
+	require.NoError(t, err)
+	assert.Equal(t, idempotency.StatusCompleted, rec.Status)
+
+	err = e.inTx(t, func(tx *sql.Tx) error {
+		claim, err := e.keys.ClaimTx(ctx, tx, command("k2", `{}`))
+		require.NoError(t, err)
+		other, err := e.db.Begin()
+		require.NoError(t, err)
+		defer other.Rollback() //nolint:errcheck
+		return e.keys.FinishTx(ctx, other, claim, idempotency.StatusCompleted, "", message.NewMessage(uuid.NewString(), nil))
+	})
+	require.ErrorIs(t, err, idempotency.ErrNotClaimed)
+	require.Len(t, e.pub.out["replies"], 1, "nothing published for a claim finished elsewhere")
+}
