@@ -87,14 +87,19 @@ func upsertView(ctx context.Context, tx transport.Tx, o Order) error {
 
 // RebuildViews recomputes order_views from the event store, from scratch, in
 // one transaction, and returns how many orders it wrote. The result equals
-// what the projection converges to.
+// what the projection converges to. It locks order_views for its duration:
+// with the projection inline (the sample's default), every order write
+// (Place, a customer's cancellation, the confirm and cancel steps) waits
+// for it, and a step that waits longer than the transport's LockTimeout is
+// retried; run it when orders are quiet.
 func (s *Service) RebuildViews(ctx context.Context) (int, error) {
 	tx, err := s.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
 	if err != nil {
 		return 0, fmt.Errorf("orders: rebuilding views: %w", err)
 	}
 	defer tx.Rollback() //nolint:errcheck // no-op after Commit
-	// Keep the projection consumer out while the table is rebuilt.
+	// Keep the projection out (its consumer, or the order writers when it
+	// runs inline) while the table is rebuilt.
 	if _, err := tx.ExecContext(ctx, lockViewsSQL); err != nil {
 		return 0, fmt.Errorf("orders: rebuilding views: %w", err)
 	}

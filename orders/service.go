@@ -163,7 +163,9 @@ func New(cfg Config) (*Service, error) {
 }
 
 // Subscriptions lists what the domain consumes besides its steps (see
-// ConfirmStep, CancelStep): the order_views projection of EventsTopic.
+// ConfirmStep, CancelStep): the order_views projection of EventsTopic,
+// when it runs asynchronously (an inline projection consumes nothing, and
+// the events are then published only if the client says so).
 func (s *Service) Subscriptions() []transport.Subscription {
 	return []transport.Subscription{{Topic: EventsTopic, ConsumerGroup: ProjectionName}}
 }

@@ -108,7 +108,7 @@ type Client struct {
 	projections []Projection // asynchronous
 	// inline holds the inline projections by topic; replaced whole (under
 	// mu) before Start, read by every append.
-	inline   atomic.Pointer[map[string][]transport.HandlerFunc]
+	inline   atomic.Pointer[map[string][]Projection]
 	started  bool
 	worker   *Worker
 	stopJobs context.CancelFunc
@@ -279,16 +279,16 @@ func (c *Client) AddProjections(p ...Projection) error {
 	return c.beforeStart(func() error {
 		c.mu.Lock()
 		defer c.mu.Unlock()
-		inline := map[string][]transport.HandlerFunc{}
-		for topic, hs := range c.inlineByTopic() {
-			inline[topic] = hs
+		inline := map[string][]Projection{}
+		for topic, ps := range c.inlineByTopic() {
+			inline[topic] = ps
 		}
 		for _, pr := range p {
 			if !pr.Inline {
 				c.projections = append(c.projections, pr)
 				continue
 			}
-			inline[pr.Topic] = append(inline[pr.Topic], pr.Handle)
+			inline[pr.Topic] = append(inline[pr.Topic], pr)
 		}
 		c.inline.Store(&inline)
 		return nil
@@ -296,7 +296,7 @@ func (c *Client) AddProjections(p ...Projection) error {
 }
 
 // inlineByTopic is the inline projections by topic (nil map: none).
-func (c *Client) inlineByTopic() map[string][]transport.HandlerFunc {
+func (c *Client) inlineByTopic() map[string][]Projection {
 	if m := c.inline.Load(); m != nil {
 		return *m
 	}
@@ -306,16 +306,16 @@ func (c *Client) inlineByTopic() map[string][]transport.HandlerFunc {
 // project runs the inline projections of topic on the event messages of
 // an append, in its transaction (events.Config.Project).
 func (c *Client) project(ctx context.Context, tx events.DBTX, topic string, msgs []*message.Message) error {
-	hs := c.inlineByTopic()[topic]
-	if len(hs) == 0 {
+	ps := c.inlineByTopic()[topic]
+	if len(ps) == 0 {
 		return nil
 	}
 	ctx = transport.ContextWithTx(ctx, tx)
 	for _, m := range msgs {
 		m.SetContext(ctx)
-		for _, h := range hs {
-			if err := h(m); err != nil {
-				return err
+		for _, p := range ps {
+			if err := p.Handle(m); err != nil {
+				return fmt.Errorf("saga: inline projection %s: %w", p.Name, err)
 			}
 		}
 	}
