@@ -36,7 +36,11 @@ import (
 	"github.com/pgsaga/pgsaga/steps/outcome"
 )
 
-// Handler handles one command of type C in the step's transaction.
+// Handler handles one command of type C in the step's transaction. It
+// returns the reply, Fail for a business failure (stored and answered), or
+// another error: transient ones are retried, final ones (outcome.Final:
+// transport.Permanent, and the other packages' business failures such as
+// idempotency.Reject, which a step does not answer) dead-letter the command.
 type Handler[C Message] func(ctx context.Context, tx *Tx, cmd C) (Message, error)
 
 // BusinessError is a final business outcome: the command was understood and
