@@ -44,7 +44,8 @@ type ClientConfig struct {
 	// EventsNotPublished keeps events off the outbox: for events whose
 	// every projection is inline and that nothing else consumes (a message
 	// published to a topic no consumer group subscribes to is
-	// dead-lettered). Needs EventsTopic.
+	// dead-lettered). Needs EventsTopic; the client then takes inline
+	// projections only (an asynchronous one would receive nothing).
 	EventsNotPublished bool
 
 	// SweepInterval, FinishedChannel and Retry configure the engine (see
@@ -271,6 +272,9 @@ func (c *Client) AddProjections(p ...Projection) error {
 		}
 		if pr.Inline && c.cfg.EventsTopic == nil {
 			return fmt.Errorf("saga: inline projection %s: the client's events have no topic (ClientConfig.EventsTopic)", pr.Name)
+		}
+		if !pr.Inline && c.cfg.EventsNotPublished {
+			return fmt.Errorf("saga: projection %s would receive nothing: the client's events are not published (ClientConfig.EventsNotPublished); make it Inline", pr.Name)
 		}
 		if err := transport.ValidateTopic(pr.Topic); err != nil {
 			return fmt.Errorf("saga: projection %s: %w", pr.Name, err)

@@ -142,3 +142,13 @@ func TestInlineProjectionNeedsEventsTopic(t *testing.T) {
 	_, err = saga.NewClientFromDB(db.SQL, saga.ClientConfig{EventsNotPublished: true, Logger: logger()})
 	require.ErrorContains(t, err, "EventsTopic")
 }
+
+// An asynchronous projection of events that are not published would wait
+// forever: the client refuses it.
+func TestAsyncProjectionOfUnpublishedEventsIsRefused(t *testing.T) {
+	t.Parallel()
+	c, _ := newNotesClient(t, true)
+	err := c.AddProjections(saga.Projection{Name: "notes.search", Topic: "notes", Handle: projectNote})
+	require.ErrorContains(t, err, "would receive nothing")
+	assert.Empty(t, c.Subscriptions())
+}
