@@ -142,6 +142,7 @@ type InProgressError struct {
 	LockedUntil time.Time
 }
 
+// Error implements error.
 func (e *InProgressError) Error() string {
 	if e.LockedUntil.IsZero() {
 		return fmt.Sprintf("idempotency: %s/%s is being executed by another transaction", e.Scope, e.Key)
@@ -290,6 +291,7 @@ type Failure struct {
 	Reason   string
 }
 
+// Error implements error.
 func (f *Failure) Error() string { return "idempotency: request failed: " + f.Reason }
 
 // Outcome implements outcome.Classifier: a business failure.

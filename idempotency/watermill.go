@@ -52,6 +52,7 @@ type Rejection struct {
 	Replies []*message.Message
 }
 
+// Error implements error.
 func (r *Rejection) Error() string { return "rejected: " + r.Reason }
 
 // Outcome implements outcome.Classifier: a business failure.

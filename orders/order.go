@@ -55,11 +55,13 @@ type Placed struct {
 	Note        string    `json:"note,omitempty"`
 }
 
+// EventType implements events.Event: the type name in the event store.
 func (Placed) EventType() string { return "orders.placed" }
 
 // Confirmed: the order was paid for and is final.
 type Confirmed struct{}
 
+// EventType implements events.Event: the type name in the event store.
 func (Confirmed) EventType() string { return "orders.confirmed" }
 
 // Cancelled: by the customer, or by the saga's compensation.
@@ -68,6 +70,7 @@ type Cancelled struct {
 	Reason string `json:"reason,omitempty"`
 }
 
+// EventType implements events.Event: the type name in the event store.
 func (Cancelled) EventType() string { return "orders.cancelled" }
 
 // RegisterEvents adds the order events to reg.
@@ -142,6 +145,7 @@ type OrderCreated struct {
 	AmountCents int64     `json:"amount_cents"`
 }
 
+// MessageType implements steps.Message: the type name on the wire.
 func (OrderCreated) MessageType() string { return "orders.OrderCreated" }
 
 // ConfirmOrder asks to confirm a placed order.
@@ -149,6 +153,7 @@ type ConfirmOrder struct {
 	OrderID uuid.UUID `json:"order_id"`
 }
 
+// MessageType implements steps.Message: the type name on the wire.
 func (ConfirmOrder) MessageType() string { return "orders.ConfirmOrder" }
 
 // OrderConfirmed answers ConfirmOrder.
@@ -156,6 +161,7 @@ type OrderConfirmed struct {
 	OrderID uuid.UUID `json:"order_id"`
 }
 
+// MessageType implements steps.Message: the type name on the wire.
 func (OrderConfirmed) MessageType() string { return "orders.OrderConfirmed" }
 
 // ConfirmRejected answers ConfirmOrder when the order cannot be confirmed
@@ -165,6 +171,7 @@ type ConfirmRejected struct {
 	Reason  string    `json:"reason"`
 }
 
+// MessageType implements steps.Message: the type name on the wire.
 func (ConfirmRejected) MessageType() string { return "orders.ConfirmRejected" }
 
 // CancelOrder asks to cancel an order (the saga's compensation).
@@ -173,6 +180,7 @@ type CancelOrder struct {
 	Reason  string    `json:"reason,omitempty"`
 }
 
+// MessageType implements steps.Message: the type name on the wire.
 func (CancelOrder) MessageType() string { return "orders.CancelOrder" }
 
 // OrderCancelled answers CancelOrder; AlreadyCancelled when it was.
@@ -181,6 +189,7 @@ type OrderCancelled struct {
 	AlreadyCancelled bool      `json:"already_cancelled,omitempty"`
 }
 
+// MessageType implements steps.Message: the type name on the wire.
 func (OrderCancelled) MessageType() string { return "orders.OrderCancelled" }
 
 // CancelRejected answers CancelOrder for an order that does not exist.
@@ -189,4 +198,5 @@ type CancelRejected struct {
 	Reason  string    `json:"reason"`
 }
 
+// MessageType implements steps.Message: the type name on the wire.
 func (CancelRejected) MessageType() string { return "orders.CancelRejected" }

@@ -29,6 +29,7 @@ type GatewayError struct {
 	Body   string
 }
 
+// Error implements error.
 func (e *GatewayError) Error() string {
 	return fmt.Sprintf("payments: gateway answered %d: %s", e.Status, e.Body)
 }

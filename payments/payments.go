@@ -55,6 +55,7 @@ type Deposited struct {
 	AmountCents int64 `json:"amount_cents"`
 }
 
+// EventType implements events.Event: the type name in the event store.
 func (Deposited) EventType() string { return "payments.deposited" }
 
 // Charged takes an order's amount from an account: reserved before the
@@ -64,6 +65,7 @@ type Charged struct {
 	AmountCents int64     `json:"amount_cents"`
 }
 
+// EventType implements events.Event: the type name in the event store.
 func (Charged) EventType() string { return "payments.charged" }
 
 // ChargeCaptured records the gateway's charge for a reserved charge.
@@ -72,6 +74,7 @@ type ChargeCaptured struct {
 	ChargeID string    `json:"charge_id"`
 }
 
+// EventType implements events.Event: the type name in the event store.
 func (ChargeCaptured) EventType() string { return "payments.charge_captured" }
 
 // ChargeVoided gives a reserved charge back: the gateway declined it.
@@ -81,6 +84,7 @@ type ChargeVoided struct {
 	Reason      string    `json:"reason"`
 }
 
+// EventType implements events.Event: the type name in the event store.
 func (ChargeVoided) EventType() string { return "payments.charge_voided" }
 
 // Refunded returns an order's charge to the account.
@@ -90,6 +94,7 @@ type Refunded struct {
 	RefundID    string    `json:"refund_id"`
 }
 
+// EventType implements events.Event: the type name in the event store.
 func (Refunded) EventType() string { return "payments.refunded" }
 
 // RegisterEvents adds the account events to reg.
@@ -115,6 +120,7 @@ type ChargePayment struct {
 	AmountCents int64     `json:"amount_cents"`
 }
 
+// MessageType implements steps.Message: the type name on the wire.
 func (ChargePayment) MessageType() string { return "payments.ChargePayment" }
 
 // PaymentCharged answers ChargePayment.
@@ -124,6 +130,7 @@ type PaymentCharged struct {
 	ChargeID    string    `json:"charge_id"`
 }
 
+// MessageType implements steps.Message: the type name on the wire.
 func (PaymentCharged) MessageType() string { return "payments.PaymentCharged" }
 
 // PaymentFailed answers ChargePayment when nothing was charged.
@@ -132,6 +139,7 @@ type PaymentFailed struct {
 	Reason  string    `json:"reason"`
 }
 
+// MessageType implements steps.Message: the type name on the wire.
 func (PaymentFailed) MessageType() string { return "payments.PaymentFailed" }
 
 // RefundPayment asks to refund what was charged for an order.
@@ -140,6 +148,7 @@ type RefundPayment struct {
 	AccountID string    `json:"account_id"`
 }
 
+// MessageType implements steps.Message: the type name on the wire.
 func (RefundPayment) MessageType() string { return "payments.RefundPayment" }
 
 // RefundFailed answers RefundPayment when the gateway refused the refund:
@@ -149,6 +158,7 @@ type RefundFailed struct {
 	Reason  string    `json:"reason"`
 }
 
+// MessageType implements steps.Message: the type name on the wire.
 func (RefundFailed) MessageType() string { return "payments.RefundFailed" }
 
 // PaymentRefunded answers RefundPayment. AmountCents is 0 when the order was
@@ -160,6 +170,7 @@ type PaymentRefunded struct {
 	Already     bool      `json:"already,omitempty"`
 }
 
+// MessageType implements steps.Message: the type name on the wire.
 func (PaymentRefunded) MessageType() string { return "payments.PaymentRefunded" }
 
 // Reasons a charge fails.

@@ -126,6 +126,7 @@ type DecodeError struct {
 	Err       error
 }
 
+// Error implements error.
 func (e *DecodeError) Error() string {
 	if e.Err != nil {
 		return fmt.Sprintf("steps: message %s: decoding %s: %v", e.MessageID, e.Want, e.Err)
@@ -137,6 +138,7 @@ func (e *DecodeError) Error() string {
 // never will be.
 func (e *DecodeError) Outcome() outcome.Kind { return outcome.Permanent }
 
+// Unwrap returns the underlying error.
 func (e *DecodeError) Unwrap() error { return e.Err }
 
 // Decode decodes msg's payload as T after checking its type name.

@@ -51,6 +51,7 @@ type BusinessError struct {
 	Reason string
 }
 
+// Error implements error.
 func (e *BusinessError) Error() string { return "business failure: " + e.Reason }
 
 // Outcome implements outcome.Classifier: a business failure.

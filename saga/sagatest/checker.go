@@ -26,6 +26,7 @@ type Violation struct {
 	Rows      []string
 }
 
+// String implements fmt.Stringer.
 func (v Violation) String() string {
 	if len(v.Rows) == 0 {
 		return v.Invariant

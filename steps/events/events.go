@@ -62,6 +62,7 @@ type VersionConflictError struct {
 	Expected int
 }
 
+// Error implements error.
 func (e *VersionConflictError) Error() string {
 	return fmt.Sprintf("events: stream %s is no longer at version %d", e.Stream, e.Expected)
 }

@@ -127,7 +127,10 @@ type StatementError struct {
 	Err  error
 }
 
+// Error implements error.
 func (e *StatementError) Error() string { return e.Name + ": " + e.Err.Error() }
+
+// Unwrap returns the underlying error.
 func (e *StatementError) Unwrap() error { return e.Err }
 
 // errNotInTransaction: the connection's transaction has ended, so a

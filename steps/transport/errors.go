@@ -71,7 +71,10 @@ var (
 // dead-lettered at once.
 type PermanentError struct{ Err error }
 
+// Error implements error.
 func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
+
+// Unwrap returns the underlying error.
 func (e *PermanentError) Unwrap() error { return e.Err }
 
 // Outcome implements outcome.Classifier.
@@ -104,7 +107,10 @@ type InsteadError struct {
 	Cause   error
 }
 
+// Error implements error.
 func (e *InsteadError) Error() string { return "rolled back: " + e.Cause.Error() }
+
+// Unwrap returns the underlying error.
 func (e *InsteadError) Unwrap() error { return e.Cause }
 
 // Instead returns an InsteadError.
