@@ -114,6 +114,7 @@ func Check(ctx context.Context, db *sql.DB, ids []uuid.UUID) (Report, error) {
 		{"orders with more than one charge, void or refund posting", duplicatePostingsSQL, nil},
 		{"completed sagas without exactly one net charge of their amount", completedNetSQL, []any{Name, idArg}},
 		{"compensated sagas still holding money", compensatedNetSQL, []any{Name, idArg}},
+		{"order views ahead of their order's events, or at its version with another status", viewsSQL, nil},
 	}
 	if ids == nil {
 		checks = append(checks, check{"placed orders without a saga", ordersWithoutSagaSQL, []any{Name}})
@@ -196,6 +197,17 @@ WHERE s.saga_type = $1 AND ($2::text[] IS NULL OR s.id::text = ANY ($2::text[]))
 	ordersWithoutSagaSQL = `SELECT e.payload->>'order_id' FROM domain_events e
 WHERE e.event_type = 'orders.placed'
   AND NOT EXISTS (SELECT FROM saga_instances s WHERE s.saga_type = $1 AND s.data->>'order_id' = e.payload->>'order_id')`
+
+	// viewsSQL: order_views rows that no projection could have written: a
+	// version beyond the order's last event, or the last event's version
+	// with a status other than the one that event leaves. (A view behind
+	// its stream is allowed: an asynchronous projection may lag.)
+	viewsSQL = `SELECT v.order_id::text FROM order_views v
+JOIN LATERAL (SELECT e.version, e.event_type FROM domain_events e
+    WHERE e.stream_id = 'order-' || v.order_id::text ORDER BY e.version DESC LIMIT 1) last ON true
+WHERE v.version > last.version
+   OR (v.version = last.version AND v.status IS DISTINCT FROM CASE last.event_type
+        WHEN 'orders.placed' THEN 'placed' WHEN 'orders.confirmed' THEN 'confirmed' WHEN 'orders.cancelled' THEN 'cancelled' END)`
 
 	// gatewayTablesSQL: whether the fake gateway's operations exist, and
 	// carry the order id.

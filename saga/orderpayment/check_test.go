@@ -59,5 +59,11 @@ func TestCheckCatchesBrokenStates(t *testing.T) {
 	violated("without a saga",
 		`INSERT INTO domain_events (event_id, stream_id, version, event_type, payload) VALUES ('`+uuid.NewString()+`', 'order-x', 1, 'orders.placed', '{"order_id": "`+uuid.NewString()+`"}')`,
 		`DELETE FROM domain_events WHERE stream_id = 'order-x'`)
+	violated("order views ahead",
+		`UPDATE order_views SET version = version + 1`,
+		`UPDATE order_views SET version = version - 1`)
+	violated("order views ahead",
+		`UPDATE order_views SET status = 'placed'`,
+		`UPDATE order_views SET status = 'confirmed'`)
 	e.checkInvariants(nil)
 }
