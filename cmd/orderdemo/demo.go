@@ -559,7 +559,7 @@ func (d *demo) printTable(s summary) {
 	if s.InvariantsOK {
 		fmt.Fprintf(w, "  %-12s all hold: every saga finished and none parked, no pending keys, no account below zero,\n", "invariants")
 		fmt.Fprintf(w, "  %-12s one charge per order at most, completed = charged once, compensated = nothing held,\n", "")
-		fmt.Fprintf(w, "  %-12s orders match their sagas, the gateway matches the ledger\n", "")
+		fmt.Fprintf(w, "  %-12s orders match their sagas and their views, the gateway matches the ledger\n", "")
 	} else {
 		fmt.Fprintf(w, "  %-12s BROKEN\n", "invariants")
 		for _, v := range s.Violations {
