@@ -240,6 +240,18 @@ type attemptTx struct {
 
 	cut     chan struct{} // closed to cut the attempt off
 	cutOnce sync.Once
+
+	// In-process deliveries (see InProcess): the router's handlers that
+	// take them, how deep this attempt is nested in its publisher's, when
+	// it must end, and the one running inside it now.
+	local *localRoutes
+	first bool // the message's first attempt, or a delivery in process
+	// brokenBy: an in-process delivery inside this attempt broke its
+	// transaction (ErrInProcessBroke); not the handler's doing.
+	brokenBy error
+	depth    int
+	deadline time.Time
+	child    atomic.Pointer[attemptTx]
 }
 
 var (
@@ -249,7 +261,7 @@ var (
 
 func newAttemptTx(d *deliveryTx) *attemptTx {
 	ctx, cancel := context.WithCancel(context.Background())
-	return &attemptTx{c: d.c, tx: d.tx, expired: d.expired, rowsCtx: ctx, cancelRows: cancel, cut: make(chan struct{})}
+	return &attemptTx{c: d.c, tx: d.tx, expired: d.expired, rowsCtx: ctx, cancelRows: cancel, cut: make(chan struct{}), local: d.local}
 }
 
 // usable returns why no statement may run now, or nil. The caller holds mu.
@@ -272,7 +284,8 @@ var errTransactionGone = errors.New("transport: the delivery transaction is gone
 
 // check returns nil if the transaction is open. If it has ended on a
 // working connection before its deadline, a statement of the handler ended
-// it (nothing else does): the attempt is marked ended, ErrTransactionEnded.
+// it (nothing else does, but an in-process delivery inside the attempt:
+// then brokenBy): the attempt is marked ended, ErrTransactionEnded.
 // Otherwise (the connection is lost, or the transaction was rolled back at
 // its deadline) errTransactionGone. The caller holds mu.
 func (a *attemptTx) check() error {
@@ -280,6 +293,9 @@ func (a *attemptTx) check() error {
 	case txOpen:
 		return nil
 	case txIdle:
+		if a.brokenBy != nil {
+			return a.brokenBy
+		}
 		if !a.expired() {
 			a.ended = true
 			return ErrTransactionEnded
@@ -437,8 +453,12 @@ func (a *attemptTx) revoke() {
 }
 
 // cutOff stops the attempt now: the statement it runs, if any, is
-// cancelled, and the handler can run no more.
+// cancelled, and the handler can run no more; an in-process delivery
+// running inside it is cut off first.
 func (a *attemptTx) cutOff() {
+	if ch := a.child.Load(); ch != nil {
+		ch.cutOff()
+	}
 	if a.inFlight.Load() {
 		a.c.cancelRunning()
 	}
@@ -467,6 +487,9 @@ type deliveryTx struct {
 	own bool
 	// expired reports whether the transaction's deadline has passed.
 	expired func() bool
+	// local: the handlers that take in-process deliveries from its
+	// attempts (nil: none).
+	local *localRoutes
 }
 
 // open starts the attempt: a savepoint (already open, if the previous step
@@ -488,27 +511,41 @@ func (a *attemptTx) open(ctx context.Context, d *deliveryTx) error {
 func (a *attemptTx) keep(ctx context.Context, d *deliveryTx, id int64) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	switch {
-	case a.sendErr != nil:
-		return a.sendErr
-	case a.ended:
-		return ErrTransactionEnded
-	}
-	if err := a.check(); err != nil {
+	stmts, err := a.release(stmt{"keeping the attempt", releaseAttemptSQL, nil})
+	if err != nil {
 		return err
 	}
-	stmts := append(a.queue, stmt{"keeping the attempt", releaseAttemptSQL, nil})
-	a.queue = nil
 	if id != 0 {
 		stmts = append(stmts, stmt{"removing the message from its queue", ackSQL, []any{id}})
 	}
 	stmts, ahead := d.ending(stmts)
-	err := a.c.send(ctx, stmts...)
+	err = a.c.send(ctx, stmts...)
 	if pgerr.Is(err, pgerrcode.InvalidSavepointSpecification) { // the handler released or rolled back past it
+		if a.brokenBy != nil {
+			return errors.Join(a.brokenBy, err)
+		}
 		return fmt.Errorf("%w: %w", ErrTransactionEnded, err)
 	}
 	d.spOpen = err == nil && ahead
 	return err
+}
+
+// release returns what keeps the attempt's work: its queued statements,
+// then rel (the release of its savepoint), unless the attempt cannot be
+// kept. It runs after revoke; the caller holds mu.
+func (a *attemptTx) release(rel stmt) ([]stmt, error) {
+	switch {
+	case a.sendErr != nil:
+		return nil, a.sendErr
+	case a.ended:
+		return nil, ErrTransactionEnded
+	}
+	if err := a.check(); err != nil {
+		return nil, err
+	}
+	stmts := append(a.queue, rel)
+	a.queue = nil
+	return stmts, nil
 }
 
 // ending appends what ends a step of d to stmts: the next attempt's
@@ -559,6 +596,7 @@ func (a *attemptTx) rollback(ctx context.Context) error {
 func (a *attemptTx) run(msg *message.Message, n int, deadline time.Time, h HandlerFunc) error {
 	ctx, cancel := context.WithDeadline(context.WithoutCancel(msg.Context()), deadline)
 	defer cancel()
+	a.deadline = deadline
 	hm := handlerCopy(msg)
 	hm.SetContext(context.WithValue(ContextWithTx(ctx, a), attemptKey{}, n))
 	done := make(chan error, 1)
@@ -607,6 +645,7 @@ func (t *Transport) handle(d *deliveryTx, g *gate, msg *message.Message, id int6
 // back.
 func (t *Transport) attempt(d *deliveryTx, g *gate, msg *message.Message, id int64, n int, deadline time.Time, h HandlerFunc) (attemptEnd, error) {
 	a := newAttemptTx(d)
+	a.first = n == 1
 	if g != nil {
 		if !g.track(a) {
 			return refused, ErrClosing

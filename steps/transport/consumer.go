@@ -34,11 +34,12 @@ type route struct {
 // It is the subscriber's Beginner: each batch runs on a connection of its
 // own, held from the claim to the commit.
 type consumer struct {
-	t    *Transport
-	rt   route
-	gate *gate
-	poll *pollState // set when it subscribes
-	log  *slog.Logger
+	t     *Transport
+	rt    route
+	gate  *gate
+	local *localRoutes // the router's in-process handlers
+	poll  *pollState   // set when it subscribes
+	log   *slog.Logger
 
 	mu  sync.Mutex
 	cur *batch // the open batch, nil between batches
@@ -90,8 +91,8 @@ type failure struct {
 
 var _ wsql.Beginner = (*consumer)(nil)
 
-func newConsumer(t *Transport, rt route, g *gate) *consumer {
-	return &consumer{t: t, rt: rt, gate: g, log: t.log.With("handler", rt.name, "topic", rt.topic)}
+func newConsumer(t *Transport, rt route, g *gate, local *localRoutes) *consumer {
+	return &consumer{t: t, rt: rt, gate: g, local: local, log: t.log.With("handler", rt.name, "topic", rt.topic)}
 }
 
 // BeginTx opens a batch: a connection of its own (with its commit guard)
@@ -112,7 +113,7 @@ func (c *consumer) BeginTx(ctx context.Context, opts *sql.TxOptions) (*sql.Tx, e
 	b := &batch{cancel: cancel}
 	b.deadline, _ = txCtx.Deadline()
 	b.settled = sync.NewCond(&b.mu)
-	b.d = deliveryTx{c: cn, tx: tx, more: b.more, expired: func() bool { return txCtx.Err() != nil }}
+	b.d = deliveryTx{c: cn, tx: tx, more: b.more, local: c.local, expired: func() bool { return txCtx.Err() != nil }}
 	c.mu.Lock()
 	c.cur = b
 	c.mu.Unlock()

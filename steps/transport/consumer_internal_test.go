@@ -35,7 +35,7 @@ func internalConsumer(t *testing.T, mutate func(*Config)) (*consumer, *testdb.DB
 	require.NoError(t, err)
 	topic := "internal_" + time.Now().Format("150405.000000000")
 	require.NoError(t, tr.Subscribe(context.Background(), Subscription{Topic: topic, ConsumerGroup: "g"}))
-	return newConsumer(tr, route{name: "h", topic: topic, group: "g", retry: tr.cfg.Retry}, newGate()), db
+	return newConsumer(tr, route{name: "h", topic: topic, group: "g", retry: tr.cfg.Retry}, newGate(), nil), db
 }
 
 // queued publishes one message to c's topic and returns its queue row.

@@ -32,6 +32,9 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 	if err := o.retry.validate(); err != nil {
 		return fmt.Errorf("transport: %s: %w", name, err)
 	}
+	if o.inProcess {
+		return fmt.Errorf("transport: %s: %w", name, errInProcessRouterOnly)
+	}
 	if err := t.checkServer(ctx); err != nil {
 		return err
 	}

@@ -15,7 +15,9 @@ import (
 // queued for every consumer group subscribed to its topic when the insert
 // runs; a message no group subscribes to is stored as a dead letter saying
 // so. In a delivery attempt, the insert is queued (see Queuer) and sent with
-// the attempt's other writes. It is cheap; make one per transaction.
+// the attempt's other writes; a handler of the attempt's router that takes
+// in-process deliveries (InProcess) handles it there and then. It is
+// cheap; make one per transaction.
 func (t *Transport) Publisher(tx Tx) message.Publisher {
 	return &txPublisher{t: t, tx: tx}
 }
@@ -39,6 +41,9 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 	}
 	var exec wsql.ContextExecutor = executor{p.tx}
 	if a, ok := p.tx.(*attemptTx); ok {
+		if routes := a.local.of(topic); len(routes) > 0 {
+			return p.publishLocal(a, topic, routes, msgs)
+		}
 		exec = queueExecutor{a: a, name: "publishing to " + topic}
 	}
 	pub, err := wsql.NewPublisher(exec, wsql.PublisherConfig{SchemaAdapter: p.t.schema}, p.t.wlog)

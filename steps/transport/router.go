@@ -31,6 +31,7 @@ type Router struct {
 	router *message.Router
 	log    *slog.Logger
 	gate   *gate
+	local  *localRoutes // handlers added with InProcess
 
 	mu       sync.Mutex
 	handlers map[string]bool
@@ -54,7 +55,7 @@ func (t *Transport) NewRouter() (*Router, error) {
 	if err != nil {
 		return nil, fmt.Errorf("transport: creating router: %w", err)
 	}
-	r := &Router{t: t, router: wr, log: t.log, gate: newGate(), handlers: map[string]bool{}, stopped: make(chan struct{}), ran: make(chan struct{})}
+	r := &Router{t: t, router: wr, log: t.log, gate: newGate(), local: &localRoutes{}, handlers: map[string]bool{}, stopped: make(chan struct{}), ran: make(chan struct{})}
 	// Outermost: once draining starts, no new message reaches the handlers.
 	wr.AddMiddleware(r.gate.middleware(t.log))
 	return r, nil
@@ -66,6 +67,7 @@ type HandlerOption func(*handlerOptions)
 type handlerOptions struct {
 	retry     RetryPolicy
 	consumers int
+	inProcess bool
 }
 
 // WithRetry sets the handler's retry policy instead of Config.Retry.
@@ -138,8 +140,11 @@ func (r *Router) AddHandler(name, topic, consumerGroup string, h HandlerFunc, op
 	r.handlers[name] = true
 	r.subs = append(r.subs, Subscription{Topic: topic, ConsumerGroup: consumerGroup})
 	rt := route{name: name, topic: topic, group: consumerGroup, h: h, retry: o.retry}
+	if o.inProcess {
+		r.local.add(rt)
+	}
 	for i := range o.consumers {
-		c := newConsumer(r.t, rt, r.gate)
+		c := newConsumer(r.t, rt, r.gate, r.local)
 		handlerName := name
 		if o.consumers > 1 {
 			handlerName = name + "[" + strconv.Itoa(i) + "]"

@@ -38,8 +38,11 @@ func (s schemaAdapter) InsertQuery(topic string, msgs message.Messages) (wsql.Qu
 		}
 		uuids[i], payloads[i], metadata[i] = m.UUID, m.Payload, string(b)
 	}
-	return wsql.Query{Query: publishSQL, Args: []any{topic, uuids, payloads, metadata, s.notifyChannel}}, nil
+	return wsql.Query{Query: publishSQL, Args: []any{topic, uuids, payloads, metadata, s.notifyChannel, noGroups}}, nil
 }
+
+// noGroups: no group handled the messages in process (publishSQL's $6).
+var noGroups = []string{}
 
 // SelectQuery claims the consumer's next batch (see claimSQL).
 func (s schemaAdapter) SelectQuery(topic, consumerGroup string, _ wsql.OffsetsAdapter) wsql.Query {

@@ -8,7 +8,10 @@ const (
 	// never dropped. With a channel ($5 <> ''), the topic's consumers are
 	// woken when (and only if) the transaction commits; PostgreSQL sends
 	// identical notifications of one transaction once.
-	// $2 uuids, $3 payloads, $4 metadata (JSON objects).
+	// $2 uuids, $3 payloads, $4 metadata (JSON objects). $6: groups that
+	// handled the messages in process already (see InProcess): they get
+	// no row, and a message they handled is routed even if no group is
+	// recorded for the topic.
 	publishSQL = `WITH msgs AS (
     SELECT * FROM unnest($2::text[], $3::bytea[], $4::jsonb[]) WITH ORDINALITY AS m(uuid, payload, metadata, ord)
 ), groups AS (
@@ -16,6 +19,7 @@ const (
 ), queued AS (
     INSERT INTO pgsaga_queue (topic, consumer_group, uuid, payload, metadata)
     SELECT $1, g.consumer_group, m.uuid, m.payload, m.metadata FROM msgs m CROSS JOIN groups g
+    WHERE g.consumer_group <> ALL ($6::text[])
     ORDER BY m.ord, g.consumer_group
     RETURNING 1
 ), unrouted AS (
@@ -23,7 +27,7 @@ const (
     SELECT m.uuid, $1, '', '', m.payload,
         pgsaga_dead_letter_metadata(m.metadata, $1, '', '', 'no consumer group subscribes to topic ' || $1, 0),
         'no consumer group subscribes to topic ' || $1, 0, clock_timestamp()
-    FROM msgs m WHERE NOT EXISTS (SELECT FROM groups)
+    FROM msgs m WHERE NOT EXISTS (SELECT FROM groups) AND cardinality($6::text[]) = 0
     ORDER BY m.ord
     RETURNING 1
 )

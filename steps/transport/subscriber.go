@@ -62,8 +62,12 @@ func (t *Transport) NewSubscriber(consumerGroup string, opts ...HandlerOption) (
 	if err := ValidateConsumerGroup(consumerGroup); err != nil {
 		return nil, fmt.Errorf("transport: new subscriber: %w", err)
 	}
-	if _, err := t.handlerOptions(opts); err != nil {
+	o, err := t.handlerOptions(opts)
+	if err != nil {
 		return nil, fmt.Errorf("transport: subscriber %s: %w", consumerGroup, err)
+	}
+	if o.inProcess {
+		return nil, fmt.Errorf("transport: subscriber %s: %w", consumerGroup, errInProcessRouterOnly)
 	}
 	return &Subscriber{t: t, group: consumerGroup, opts: append([]HandlerOption(nil), opts...), subs: map[*subscription]struct{}{}}, nil
 }
