@@ -45,6 +45,12 @@ const (
 	EventsTopic = "orders.events"
 )
 
+// Names of the steps (their idempotency scopes and consumer groups).
+const (
+	ConfirmStepName = "orders.confirm"
+	CancelStepName  = "orders.cancel"
+)
+
 // Events of an order stream.
 
 // Placed starts an order's stream.

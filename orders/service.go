@@ -293,12 +293,12 @@ func (s *Service) cancelByCustomer(ctx context.Context, id uuid.UUID, reason str
 
 // ConfirmStep returns the step that confirms orders for the saga.
 func (s *Service) ConfirmStep() steps.Step {
-	return steps.Define("orders.confirm", ConfirmTopic, s.confirm)
+	return steps.Define(ConfirmStepName, ConfirmTopic, s.confirm)
 }
 
 // CancelStep returns the step that cancels orders for the saga.
 func (s *Service) CancelStep() steps.Step {
-	return steps.Define("orders.cancel", CancelTopic, s.cancel)
+	return steps.Define(CancelStepName, CancelTopic, s.cancel)
 }
 
 func (s *Service) confirm(ctx context.Context, tx *steps.Tx, cmd ConfirmOrder) (steps.Message, error) {

@@ -48,6 +48,22 @@ type ClientConfig struct {
 	// projections only (an asynchronous one would receive nothing).
 	EventsNotPublished bool
 
+	// InProcessSteps names steps this client serves (AddSteps) that take
+	// in-process deliveries (transport.InProcess): a command for one of
+	// them published from a delivery attempt of this process (the
+	// engine's, typically) runs at once in that attempt, with the same
+	// idempotency key, stored reply and saga timeline as through the
+	// queue; if it fails in any way it is queued and retried as usual.
+	// For steps that touch only the database, quickly: the step's work
+	// and locks join the publisher's transaction. Default: none.
+	InProcessSteps []string
+	// InProcessEngine lets the engine take in-process deliveries of its
+	// sagas' triggers and replies: a reply a step of this process
+	// publishes from its delivery attempt is applied in that attempt, and
+	// the next command sent from there (in process too, if its step is
+	// in InProcessSteps). Default: off, every reply is queued.
+	InProcessEngine bool
+
 	// SweepInterval, FinishedChannel and Retry configure the engine (see
 	// Config).
 	SweepInterval   time.Duration
@@ -373,17 +389,33 @@ func (c *Client) NewWorker() (*Worker, error) {
 	stepList := append([]steps.Step(nil), c.steps...)
 	projections := append([]Projection(nil), c.projections...)
 	c.mu.Unlock()
+	inProcess := map[string]bool{}
+	for _, name := range c.cfg.InProcessSteps {
+		inProcess[name] = true
+	}
 	for _, s := range stepList {
-		if err := c.runtime.Register(r, s); err != nil {
+		var opts []transport.HandlerOption
+		if inProcess[s.Name] {
+			opts = append(opts, transport.InProcess())
+			delete(inProcess, s.Name)
+		}
+		if err := c.runtime.Register(r, s, opts...); err != nil {
 			return nil, fmt.Errorf("saga: registering step %s: %w", s.Name, err)
 		}
+	}
+	for name := range inProcess {
+		return nil, fmt.Errorf("saga: ClientConfig.InProcessSteps names %q, a step this client does not serve (AddSteps)", name)
 	}
 	for _, p := range projections {
 		if err := r.AddHandler(p.Name, p.Topic, p.Name, p.Handle); err != nil {
 			return nil, fmt.Errorf("saga: registering projection %s: %w", p.Name, err)
 		}
 	}
-	if err := c.engine.AddHandlers(r); err != nil {
+	var engineOpts []transport.HandlerOption
+	if c.cfg.InProcessEngine {
+		engineOpts = append(engineOpts, transport.InProcess())
+	}
+	if err := c.engine.AddHandlers(r, engineOpts...); err != nil {
 		return nil, err
 	}
 	return &Worker{engine: c.engine, router: r, stopped: make(chan struct{})}, nil

@@ -295,3 +295,13 @@ func TestClientChecksItsInputsUpFront(t *testing.T) {
 	require.ErrorIs(t, c.StartTx(ctx, tx, def.Name, m), context.Canceled)
 	assert.Equal(t, "trace", m.Context().Value(key{}), "the message keeps its context")
 }
+
+// ClientConfig.InProcessSteps names steps the client serves; a name it
+// does not serve is refused when a worker is built.
+func TestClientInProcessStepsMustBeServed(t *testing.T) {
+	t.Parallel()
+	c, err := saga.NewClient(testdb.Shared(t).Pool, saga.ClientConfig{InProcessSteps: []string{"nobody.serves"}, Logger: logger()})
+	require.NoError(t, err)
+	_, err = c.NewWorker()
+	require.ErrorContains(t, err, `InProcessSteps names "nobody.serves"`)
+}

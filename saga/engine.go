@@ -177,8 +177,9 @@ func triggerHandler(saga string) string { return "saga." + saga + ".trigger" }
 func replyHandler(saga string) string   { return "saga." + saga + ".replies" }
 
 // AddHandlers subscribes the engine to the trigger and reply topics of every
-// registered saga on r.
-func (e *Engine) AddHandlers(r *transport.Router) error {
+// registered saga on r. opts add to the handlers' options
+// (transport.InProcess, say); their retry policy is the engine's.
+func (e *Engine) AddHandlers(r *transport.Router, opts ...transport.HandlerOption) error {
 	e.mu.RLock()
 	latest := make([]*Definition, 0, len(e.latest))
 	for _, d := range e.latest {
@@ -187,12 +188,13 @@ func (e *Engine) AddHandlers(r *transport.Router) error {
 	e.mu.RUnlock()
 	for _, d := range latest {
 		name := d.Name
+		hopts := append([]transport.HandlerOption{transport.WithRetry(e.retry)}, opts...)
 		if err := r.AddHandler(triggerHandler(name), d.Trigger, "", func(msg *message.Message) error {
 			return e.HandleTrigger(name, msg)
-		}, transport.WithRetry(e.retry)); err != nil {
+		}, hopts...); err != nil {
 			return err
 		}
-		if err := r.AddHandler(replyHandler(name), d.ReplyTopic, "", e.HandleReply, transport.WithRetry(e.retry)); err != nil {
+		if err := r.AddHandler(replyHandler(name), d.ReplyTopic, "", e.HandleReply, hopts...); err != nil {
 			return err
 		}
 	}

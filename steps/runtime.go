@@ -158,12 +158,13 @@ func (rt *Runtime) Subscriptions(steps ...Step) []transport.Subscription {
 }
 
 // Register subscribes step s to its topic on r, under the consumer group
-// s.Name.
-func (rt *Runtime) Register(r *transport.Router, s Step) error {
+// s.Name. opts add to the handler's options (transport.InProcess, say);
+// its retry policy is the runtime's.
+func (rt *Runtime) Register(r *transport.Router, s Step, opts ...transport.HandlerOption) error {
 	if err := s.validate(); err != nil {
 		return err
 	}
-	return r.AddHandler(s.Name, s.Topic, s.Name, rt.handler(s), transport.WithRetry(rt.retry))
+	return r.AddHandler(s.Name, s.Topic, s.Name, rt.handler(s), append([]transport.HandlerOption{transport.WithRetry(rt.retry)}, opts...)...)
 }
 
 // Execute runs step s for msg outside a subscriber, each attempt in a READ

@@ -152,7 +152,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	}
 	tcfg := transport.Config{BatchSize: opts.batch, Consumers: opts.consumers}
 	b.app, err = orderpayment.New(orderpayment.Config{DB: b.db.SQL, GatewayURL: b.gateway.URL(), Transport: tcfg,
-		AsyncProjection: opts.asyncProjection, FinishedChannel: finishedChannel, Logger: b.log})
+		AsyncProjection: opts.asyncProjection, QueueEveryHop: opts.queueEveryHop, FinishedChannel: finishedChannel, Logger: b.log})
 	if err != nil {
 		return nil, err
 	}
@@ -160,7 +160,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 		return nil, err
 	}
 	b.front, err = orderpayment.New(orderpayment.Config{DB: b.clients.SQL, GatewayURL: b.gateway.URL(), Transport: tcfg,
-		AsyncProjection: opts.asyncProjection, Logger: b.log})
+		AsyncProjection: opts.asyncProjection, QueueEveryHop: opts.queueEveryHop, Logger: b.log})
 	if err != nil {
 		return nil, err
 	}
@@ -189,7 +189,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 func (b *bench) startWorkers(ctx context.Context) (_ context.Context, stopWatching func(), _ error) {
 	if b.opts.workerProcs > 0 {
 		spec := workerSpec{URL: b.url, GatewayURL: b.gateway.URL(), Consumers: b.opts.consumers, Batch: b.opts.batch,
-			AsyncProjection: b.opts.asyncProjection, MaxConns: int32(b.opts.consumers*(len(topicsHint)+2) + 4), Verbose: b.opts.verbose}
+			AsyncProjection: b.opts.asyncProjection, QueueEveryHop: b.opts.queueEveryHop, MaxConns: int32(b.opts.consumers*(len(topicsHint)+2) + 4), Verbose: b.opts.verbose}
 		for range b.opts.workerProcs {
 			p, err := startWorkerProcess(ctx, spec, b.status)
 			if err != nil {

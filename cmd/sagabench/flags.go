@@ -31,7 +31,10 @@ type options struct {
 	// asyncProjection delivers the order events to the projection instead
 	// of projecting them inline.
 	asyncProjection bool
-	profile         string
+	// queueEveryHop queues every command and reply (no in-process
+	// deliveries).
+	queueEveryHop bool
+	profile       string
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -54,6 +57,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.DurationVar(&o.timeout, "timeout", 10*time.Minute, "give up waiting for a phase's sagas after this long")
 	fs.StringVar(&o.profile, "cpuprofile", "", "write a CPU profile of the throughput phase to this file (go tool pprof)")
 	fs.BoolVar(&o.keep, "keep", false, "keep the benchmark database instead of dropping it")
+	fs.BoolVar(&o.queueEveryHop, "queue-every-hop", false, "send every command and reply through the queue, as with one process per participant, instead of delivering the orders steps and the engine's replies in process")
 	fs.BoolVar(&o.asyncProjection, "async-projection", false, "keep order_views by delivering each order event to the projection's consumer group, instead of inline in the appending transaction")
 	fs.BoolVar(&o.verbose, "v", false, "log what the workers do (to stderr)")
 	fs.Usage = func() {}
@@ -138,6 +142,8 @@ are 0):
                             consumers), workers, batch, inflight, duration_s,
                             baseline_s, idle_s, async_projection (true: the
                             order_views projection ran as a consumer),
+                            queue_every_hop (true: no in-process
+                            deliveries),
                             worker_processes (workers run as that many
                             processes; their CPU counts as the process's)
     machine                 cores, goos, goarch, go (version), postgres (server

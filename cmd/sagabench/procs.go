@@ -35,6 +35,7 @@ type workerSpec struct {
 	Consumers       int    `json:"consumers"`
 	Batch           int    `json:"batch"`
 	AsyncProjection bool   `json:"async_projection"`
+	QueueEveryHop   bool   `json:"queue_every_hop"`
 	MaxConns        int32  `json:"max_conns"`
 	Verbose         bool   `json:"verbose"`
 }
@@ -71,7 +72,7 @@ func runWorkerProcess(raw string, stdout, stderr io.Writer) int {
 	defer db.Close()
 	app, err := orderpayment.New(orderpayment.Config{DB: db.SQL, GatewayURL: spec.GatewayURL,
 		Transport:       transport.Config{BatchSize: spec.Batch, Consumers: spec.Consumers},
-		AsyncProjection: spec.AsyncProjection, FinishedChannel: finishedChannel, Logger: log})
+		AsyncProjection: spec.AsyncProjection, QueueEveryHop: spec.QueueEveryHop, FinishedChannel: finishedChannel, Logger: log})
 	if err != nil {
 		fmt.Fprintln(stderr, "sagabench worker:", err)
 		return exitNoService

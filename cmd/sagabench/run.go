@@ -92,6 +92,8 @@ type benchConfig struct {
 	IdleS     float64 `json:"idle_s"`
 	// AsyncProjection: order_views kept by a consumer, not inline.
 	AsyncProjection bool `json:"async_projection"`
+	// QueueEveryHop: no in-process deliveries.
+	QueueEveryHop bool `json:"queue_every_hop"`
 	// WorkerProcesses: the workers ran as this many processes (0: in this
 	// one).
 	WorkerProcesses int `json:"worker_processes"`
@@ -116,7 +118,7 @@ func (b *bench) run(ctx context.Context) int {
 	r := result{Violations: []string{}, Rate: b.opts.rate,
 		Config: benchConfig{Consumers: b.opts.consumers, Lanes: b.opts.consumers, Workers: b.opts.workers, Batch: b.opts.batch, Inflight: b.opts.inflight,
 			DurationS: b.opts.duration.Seconds(), BaselineS: b.opts.baseline.Seconds(), IdleS: b.opts.idle.Seconds(),
-			AsyncProjection: b.opts.asyncProjection, WorkerProcesses: b.opts.workerProcs},
+			AsyncProjection: b.opts.asyncProjection, QueueEveryHop: b.opts.queueEveryHop, WorkerProcesses: b.opts.workerProcs},
 		Machine: machine{Cores: runtime.NumCPU(), GOOS: runtime.GOOS, GOARCH: runtime.GOARCH, Go: runtime.Version()}}
 	_ = b.db.SQL.QueryRowContext(ctx, `SELECT current_setting('server_version')`).Scan(&r.Machine.Postgres)
 	finished := true

@@ -46,6 +46,16 @@ type Config struct {
 	// of in the transaction that appends it (the default: inline, nothing
 	// published).
 	AsyncProjection bool
+	// QueueEveryHop sends every command and reply through the queue, as
+	// when each participant runs in a process of its own. By default the
+	// orders steps (confirm, cancel: database only) and the engine take
+	// in-process deliveries (saga.ClientConfig.InProcessSteps,
+	// InProcessEngine): a reply published by a step's delivery attempt is
+	// applied there, and the confirm or cancel it leads to runs there too,
+	// with the same keys, replies and timeline; whatever fails in process
+	// is queued as usual. The payments steps call the gateway, so their
+	// commands are always queued.
+	QueueEveryHop bool
 	// SweepInterval of the saga engine's deadline sweeper. Default: 1s.
 	SweepInterval time.Duration
 	// FinishedChannel is the saga engine's notification channel for
@@ -91,9 +101,13 @@ func New(cfg Config) (*App, error) {
 	if cfg.RegisterEvents != nil {
 		regs = append(regs, cfg.RegisterEvents)
 	}
-	c, err := saga.NewClientFromDB(cfg.DB, saga.ClientConfig{Transport: cfg.Transport, RegisterEvents: regs,
+	ccfg := saga.ClientConfig{Transport: cfg.Transport, RegisterEvents: regs,
 		EventsTopic: orders.StreamTopic, EventsNotPublished: !cfg.AsyncProjection, SweepInterval: cfg.SweepInterval, FinishedChannel: cfg.FinishedChannel,
-		KeyTTL: cfg.Retention.KeyTTL, Prune: cfg.Retention.Sagas, Logger: cfg.Logger})
+		KeyTTL: cfg.Retention.KeyTTL, Prune: cfg.Retention.Sagas, Logger: cfg.Logger}
+	if !cfg.QueueEveryHop {
+		ccfg.InProcessSteps, ccfg.InProcessEngine = []string{orders.ConfirmStepName, orders.CancelStepName}, true
+	}
+	c, err := saga.NewClientFromDB(cfg.DB, ccfg)
 	if err != nil {
 		return nil, err
 	}

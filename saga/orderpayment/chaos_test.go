@@ -55,7 +55,20 @@ func domainInvariants() []sagatest.Invariant {
 // handlers stall, the gateway fails in every way it can, and three workers
 // are stopped and replaced at random. Afterwards every saga is terminal and
 // every invariant holds.
+// TestChaos runs the chaos schedule twice: with the sample's in-process
+// deliveries (the orders steps and the engine's replies), and with every
+// hop through the queue, as when each participant runs in a process of
+// its own.
 func TestChaos(t *testing.T) {
+	for _, mode := range []struct {
+		name  string
+		queue bool
+	}{{"in process", false}, {"every hop queued", true}} {
+		t.Run(mode.name, func(t *testing.T) { runChaos(t, mode.queue) })
+	}
+}
+
+func runChaos(t *testing.T, queueEveryHop bool) {
 	seed := chaosSeed(t)
 	t.Logf("chaos seed %d (run again with PGSAGA_CHAOS_SEED=%d)", seed, seed)
 	const orderCount = 300
@@ -90,6 +103,7 @@ func TestChaos(t *testing.T) {
 		},
 		Timeouts:      orderpayment.StepTimeouts{Deadline: 5 * time.Second, CompensationDeadline: 10 * time.Second},
 		SweepInterval: 200 * time.Millisecond,
+		QueueEveryHop: queueEveryHop,
 		Logger:        logger(),
 	})
 	require.NoError(t, err)

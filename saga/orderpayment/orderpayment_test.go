@@ -16,6 +16,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/orders"
+	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
@@ -174,6 +175,80 @@ func TestHappyPath(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 1, stats.Charges)
 	assert.Equal(t, int64(2_500), stats.ChargedCents)
+}
+
+// hopRecords is what a saga leaves behind, for comparing delivery modes:
+// its timeline (kind, step, phase), the idempotency keys of its commands
+// (scope, status, whether a reply is stored) and the topics its messages
+// were queued on (from a trigger on pgsaga_queue).
+type hopRecords struct {
+	timeline, keys, queued []string
+}
+
+func (e *env) logQueued() {
+	e.t.Helper()
+	_, err := e.db.SQL.Exec(`
+CREATE TABLE queued_log (topic text NOT NULL, saga_id text);
+CREATE FUNCTION log_queued() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO queued_log VALUES (NEW.topic, NEW.metadata->>'saga_id');
+    RETURN NEW;
+END$$;
+CREATE TRIGGER log_queued AFTER INSERT ON pgsaga_queue FOR EACH ROW EXECUTE FUNCTION log_queued()`)
+	require.NoError(e.t, err)
+}
+
+func (e *env) records(sagaID uuid.UUID) hopRecords {
+	e.t.Helper()
+	var r hopRecords
+	read := func(into *[]string, query string) {
+		rows, err := e.db.SQL.Query(query, sagaID.String())
+		require.NoError(e.t, err)
+		defer rows.Close()
+		for rows.Next() {
+			var s string
+			require.NoError(e.t, rows.Scan(&s))
+			*into = append(*into, s)
+		}
+		require.NoError(e.t, rows.Err())
+	}
+	read(&r.timeline, `SELECT kind || ' ' || coalesce(step, '') || ' ' || coalesce(phase, '') FROM saga_history WHERE saga_id = $1 ORDER BY seq`)
+	read(&r.keys, `SELECT scope || ' ' || status || ' ' || (response IS NOT NULL)::text FROM idempotency_keys WHERE key LIKE $1 || ':%' ORDER BY scope`)
+	read(&r.queued, `SELECT topic FROM queued_log WHERE saga_id = $1 ORDER BY topic`)
+	return r
+}
+
+// The sample delivers the orders steps and the engine's replies in
+// process: the same saga, paid or refused, leaves the same timeline, keys
+// and stored replies as with every hop queued, and only the payment
+// commands go through the queue.
+func TestInProcessHopsKeepTheSameRecords(t *testing.T) {
+	t.Parallel()
+	run := func(queueEveryHop bool, balance int64) hopRecords {
+		e := newEnv(t, 1, func(c *orderpayment.Config) { c.QueueEveryHop = queueEveryHop })
+		e.logQueued()
+		_, sagaID := e.place(e.customer(balance), 2_500)
+		e.terminal(sagaID)
+		e.checkInvariants([]uuid.UUID{sagaID})
+		return e.records(sagaID)
+	}
+	for _, tc := range []struct {
+		name    string
+		balance int64
+		queued  []string // in process
+	}{
+		{"paid", 10_000, []string{payments.ChargeTopic}},
+		{"refused", 1_000, []string{payments.ChargeTopic}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			inProcess, queued := run(false, tc.balance), run(true, tc.balance)
+			assert.Equal(t, queued.timeline, inProcess.timeline)
+			assert.Equal(t, queued.keys, inProcess.keys)
+			assert.NotEmpty(t, inProcess.keys)
+			assert.Equal(t, tc.queued, inProcess.queued, "in process, only the payment commands are queued")
+			assert.Greater(t, len(queued.queued), len(inProcess.queued), "every hop queued")
+		})
+	}
 }
 
 func TestInsufficientFundsCancelsTheOrder(t *testing.T) {
