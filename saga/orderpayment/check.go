@@ -9,6 +9,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
 )
@@ -91,7 +92,11 @@ func Check(ctx context.Context, db *sql.DB, ids []uuid.UUID) (Report, error) {
 		return r, err
 	}
 	if ids != nil && r.Total < len(ids) {
-		r.Violations = append(r.Violations, Violation{Invariant: fmt.Sprintf("%d of %d sagas were never started", len(ids)-r.Total, len(ids))})
+		where, err := sagatest.Rows(ctx, db, unstartedSQL, Name, orders.CreatedTopic)
+		if err != nil {
+			return r, fmt.Errorf("orderpayment: finding the triggers of sagas never started: %w", err)
+		}
+		r.Violations = append(r.Violations, Violation{Invariant: fmt.Sprintf("%d of %d sagas were never started", len(ids)-r.Total, len(ids)), Rows: firstN(where)})
 	}
 	if len(notTerminal) > 0 {
 		r.Violations = append(r.Violations, Violation{Invariant: "sagas not terminal", Rows: firstN(notTerminal)})
@@ -152,6 +157,22 @@ func firstN(rows []string) []string {
 	}
 	return rows
 }
+
+// unstartedSQL says, for each placed order without a saga, where its
+// trigger is: queued (with its attempts and last error), dead-lettered
+// (with the reason), or nowhere. A trigger is found by its order id in the
+// payload's bytes, so malformed payloads cannot fail the check.
+const unstartedSQL = `SELECT 'order ' || (e.payload->>'order_id') || ': ' || coalesce(
+    (SELECT 'trigger queued for ' || q.consumer_group || ' after ' || q.attempts || ' failed attempts' || coalesce(' (last: ' || q.last_error || ')', '')
+        FROM pgsaga_queue q WHERE q.topic = $2 AND position(convert_to(e.payload->>'order_id', 'UTF8') IN q.payload) > 0 LIMIT 1),
+    (SELECT 'trigger dead-lettered: ' || d.reason
+        FROM pgsaga_dead_letters d WHERE d.topic = $2 AND position(convert_to(e.payload->>'order_id', 'UTF8') IN d.payload) > 0 LIMIT 1),
+    'no trigger queued or dead-lettered')
+FROM domain_events e
+WHERE e.event_type = 'orders.placed'
+  AND NOT EXISTS (SELECT FROM saga_instances s WHERE s.saga_type = $1 AND s.data->>'order_id' = e.payload->>'order_id')
+ORDER BY e.position
+LIMIT 21`
 
 const (
 	sagaStatusSQL = `SELECT id::text, status, extract(epoch FROM finished_at - created_at)

@@ -67,3 +67,33 @@ func TestCheckCatchesBrokenStates(t *testing.T) {
 		`UPDATE order_views SET status = 'confirmed'`)
 	e.checkInvariants(nil)
 }
+
+// A saga never started is reported with where its trigger is: queued (and
+// how often it failed), dead-lettered (and why), or nowhere.
+func TestCheckSaysWhereTheTriggerOfAnUnstartedSagaIs(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0, nil)
+	orderID, sagaID := e.place(e.customer(10_000), 1_000)
+	where := func() []string {
+		t.Helper()
+		r, err := orderpayment.Check(context.Background(), e.db.SQL, []uuid.UUID{sagaID})
+		require.NoError(t, err)
+		for _, v := range r.Violations {
+			if strings.Contains(v.Invariant, "never started") {
+				return v.Rows
+			}
+		}
+		t.Fatalf("no saga reported as never started: %v", r.Violations)
+		return nil
+	}
+	prefix := "order " + orderID.String() + ": "
+	assert.Equal(t, []string{prefix + "trigger queued for saga.order-payment.trigger after 0 failed attempts"}, where())
+	_, err := e.db.SQL.Exec(`WITH q AS (DELETE FROM pgsaga_queue WHERE topic = 'orders.created' RETURNING *)
+INSERT INTO pgsaga_dead_letters (uuid, topic, consumer_group, handler, payload, metadata, reason, attempts, created_at)
+SELECT uuid, topic, consumer_group, consumer_group, payload, metadata, 'it broke', 1, created_at FROM q`)
+	require.NoError(t, err)
+	assert.Equal(t, []string{prefix + "trigger dead-lettered: it broke"}, where())
+	_, err = e.db.SQL.Exec(`DELETE FROM pgsaga_dead_letters WHERE topic = 'orders.created'`)
+	require.NoError(t, err)
+	assert.Equal(t, []string{prefix + "no trigger queued or dead-lettered"}, where())
+}
