@@ -165,7 +165,7 @@ func firstN(rows []string) []string {
 const unstartedSQL = `SELECT 'order ' || (e.payload->>'order_id') || ': ' || coalesce(
     (SELECT 'trigger queued for ' || q.consumer_group || ' after ' || q.attempts || ' failed attempts' || coalesce(' (last: ' || q.last_error || ')', '')
         FROM pgsaga_queue q WHERE q.topic = $2 AND position(convert_to(e.payload->>'order_id', 'UTF8') IN q.payload) > 0 LIMIT 1),
-    (SELECT 'trigger dead-lettered: ' || d.reason
+    (SELECT 'trigger ' || d.uuid || ' dead-lettered after ' || d.attempts || ' attempts: ' || d.reason
         FROM pgsaga_dead_letters d WHERE d.topic = $2 AND position(convert_to(e.payload->>'order_id', 'UTF8') IN d.payload) > 0 LIMIT 1),
     'no trigger queued or dead-lettered')
 FROM domain_events e

@@ -92,7 +92,9 @@ func TestCheckSaysWhereTheTriggerOfAnUnstartedSagaIs(t *testing.T) {
 INSERT INTO pgsaga_dead_letters (uuid, topic, consumer_group, handler, payload, metadata, reason, attempts, created_at)
 SELECT uuid, topic, consumer_group, consumer_group, payload, metadata, 'it broke', 1, created_at FROM q`)
 	require.NoError(t, err)
-	assert.Equal(t, []string{prefix + "trigger dead-lettered: it broke"}, where())
+	var trigger string
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT uuid FROM pgsaga_dead_letters WHERE topic = 'orders.created'`).Scan(&trigger))
+	assert.Equal(t, []string{prefix + "trigger " + trigger + " dead-lettered after 1 attempts: it broke"}, where())
 	_, err = e.db.SQL.Exec(`DELETE FROM pgsaga_dead_letters WHERE topic = 'orders.created'`)
 	require.NoError(t, err)
 	assert.Equal(t, []string{prefix + "no trigger queued or dead-lettered"}, where())

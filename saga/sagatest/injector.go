@@ -45,7 +45,9 @@ import (
 
 // Faults says what to inject. Rates are probabilities from 0 to 1.
 type Faults struct {
-	// Seed makes the faults reproducible. Zero is a valid seed.
+	// Seed makes the faults reproducible: each is drawn from the seed, the
+	// handler, the message, its delivery attempt and how often this
+	// injector saw it. Zero is a valid seed.
 	Seed uint64
 
 	// DuplicateRate is the share of consumed messages that are delivered
@@ -217,9 +219,16 @@ func (i *Injector) Intercept(handler string, h transport.HandlerFunc) transport.
 		topic := message.SubscribeTopicFromCtx(ctx)
 		i.mu.Lock()
 		i.seen[handler+"\x00"+msg.UUID]++
-		n := strconv.Itoa(i.seen[handler+"\x00"+msg.UUID])
+		seen := i.seen[handler+"\x00"+msg.UUID]
+		// Faults are drawn per (handler, message, delivery attempt, time
+		// seen here). The attempt is the transport's, recorded in the
+		// database: a process restarted after a kill counts from one again,
+		// and without it would draw the faults it drew before, failing the
+		// same message on the same sighting in every process until its
+		// attempts ran out.
+		n := strconv.Itoa(transport.AttemptFromContext(ctx)) + "." + strconv.Itoa(seen)
 		i.stats.Attempts++
-		if n != "1" {
+		if seen != 1 {
 			i.stats.Retries++
 		}
 		firstSight := !i.first[topic+"\x00"+msg.UUID] && msg.Metadata.Get(CopyMetadata) == ""
