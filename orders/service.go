@@ -14,6 +14,7 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/idempotency"
@@ -139,6 +140,11 @@ type Config struct {
 	// Events is the event store; its registry must hold the order events
 	// (RegisterEvents). Required.
 	Events *events.Store
+	// Trigger sends OrderCreated, the saga's trigger, in Place's
+	// transaction. Default: publish it to CreatedTopic through Transport.
+	// The sample sets it to its saga client's StartTx, which can start the
+	// saga in that transaction (saga.ClientConfig.InProcessEngine).
+	Trigger func(ctx context.Context, tx transport.Tx, msg *message.Message) error
 	// Logger. Default: slog.Default().
 	Logger *slog.Logger
 }
@@ -223,7 +229,7 @@ func (s *Service) Place(ctx context.Context, req PlaceRequest) (PlaceResult, err
 		if err != nil {
 			return idempotency.Response{}, err
 		}
-		if err := s.cfg.Transport.Publisher(tx).Publish(CreatedTopic, msg); err != nil {
+		if err := s.trigger(ctx, tx, msg); err != nil {
 			return idempotency.Response{}, err
 		}
 		return idempotency.Response{Code: 201, Body: []byte(id.String())}, nil
@@ -289,6 +295,14 @@ func (s *Service) cancelByCustomer(ctx context.Context, id uuid.UUID, reason str
 		return fmt.Errorf("orders: cancelling %s: %w", id, err)
 	}
 	return nil
+}
+
+// trigger sends OrderCreated in tx (see Config.Trigger).
+func (s *Service) trigger(ctx context.Context, tx transport.Tx, msg *message.Message) error {
+	if s.cfg.Trigger != nil {
+		return s.cfg.Trigger(ctx, tx, msg)
+	}
+	return s.cfg.Transport.Publisher(tx).Publish(CreatedTopic, msg)
 }
 
 // ConfirmStep returns the step that confirms orders for the saga.

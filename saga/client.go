@@ -61,7 +61,9 @@ type ClientConfig struct {
 	// sagas' triggers and replies: a reply a step of this process
 	// publishes from its delivery attempt is applied in that attempt, and
 	// the next command sent from there (in process too, if its step is
-	// in InProcessSteps). Default: off, every reply is queued.
+	// in InProcessSteps); and StartTx starts the saga in the caller's
+	// transaction instead of publishing its trigger. Default: off, every
+	// trigger and reply is queued.
 	InProcessEngine bool
 
 	// SweepInterval, FinishedChannel and Retry configure the engine (see
@@ -579,15 +581,38 @@ func (c *Client) Stop() error {
 // StartTx starts an instance of the named saga from trigger, in the
 // caller's transaction tx: the saga starts if, and only if, tx commits
 // (as River's InsertTx). trigger is what the saga's Trigger.Start decodes;
-// its key makes a second start of the same instance a no-op.
-func (c *Client) StartTx(ctx context.Context, tx *sql.Tx, name string, trigger *message.Message) error {
+// its key makes a second start of the same instance a no-op. The trigger
+// is published to the saga's trigger topic, for a worker to start the
+// saga; with ClientConfig.InProcessEngine the engine starts it in tx
+// instead (in a savepoint: the instance, its timeline and its first
+// command), saving that hop, and publishes the trigger only if it cannot
+// (a trigger it refuses is then retried and dead-lettered by the
+// workers, as any).
+func (c *Client) StartTx(ctx context.Context, tx transport.Tx, name string, trigger *message.Message) error {
 	c.engine.mu.RLock()
 	def := c.engine.latest[name]
 	c.engine.mu.RUnlock()
 	if def == nil {
 		return fmt.Errorf("%w: %s", ErrUnknownDefinition, name)
 	}
-	return c.PublishTx(ctx, tx, def.Trigger, trigger)
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("saga: starting %s: %w", name, context.Cause(ctx))
+	}
+	if c.cfg.InProcessEngine {
+		err := transport.Savepoint(ctx, tx, func(tx transport.Tx) error {
+			m := trigger.Copy()
+			m.SetContext(transport.ContextWithTx(ctx, tx))
+			return c.engine.HandleTrigger(name, m)
+		})
+		if err == nil {
+			return nil
+		}
+		c.log.Debug("saga: starting in the caller's transaction failed; the trigger is queued", "saga", name, "message_uuid", trigger.UUID, "reason", err)
+	}
+	if err := c.transport.Publisher(tx).Publish(def.Trigger, trigger); err != nil {
+		return fmt.Errorf("saga: starting %s: publishing to %s: %w", name, def.Trigger, err)
+	}
+	return nil
 }
 
 // PublishTx publishes msgs to topic in the caller's transaction tx: they

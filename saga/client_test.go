@@ -30,6 +30,13 @@ func newSignupClient(t *testing.T) (*saga.Client, *saga.Definition, *testdb.DB) 
 // most maxConns connections (0: the database's shared pool).
 func newSignupClientOnPool(t *testing.T, maxConns int32) (*saga.Client, *saga.Definition, *testdb.DB) {
 	t.Helper()
+	return newSignupClientWith(t, maxConns, nil)
+}
+
+// newSignupClientWith is newSignupClientOnPool with its config changed by
+// mutate.
+func newSignupClientWith(t *testing.T, maxConns int32, mutate func(*saga.ClientConfig)) (*saga.Client, *saga.Definition, *testdb.DB) {
+	t.Helper()
 	db := testdb.Fresh(t)
 	_, err := db.SQL.Exec(`CREATE TABLE opened (email text PRIMARY KEY)`)
 	require.NoError(t, err)
@@ -42,11 +49,15 @@ func newSignupClientOnPool(t *testing.T, maxConns int32) (*saga.Client, *saga.De
 		require.NoError(t, err)
 		t.Cleanup(pool.Close)
 	}
-	c, err := saga.NewClient(pool, saga.ClientConfig{
+	cfg := saga.ClientConfig{
 		Transport:       transport.Config{PollInterval: 20 * time.Millisecond, IdlePollInterval: testdb.NoSafetyPoll},
 		FinishedChannel: "signup_finished",
 		Logger:          logger(),
-	})
+	}
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	c, err := saga.NewClient(pool, cfg)
 	require.NoError(t, err)
 	open := steps.Define("accounts.open", "accounts.open", func(ctx context.Context, tx *steps.Tx, cmd OpenAccount) (steps.Message, error) {
 		_, err := tx.ExecContext(ctx, `INSERT INTO opened VALUES ($1)`, cmd.Email)
@@ -304,4 +315,40 @@ func TestClientInProcessStepsMustBeServed(t *testing.T) {
 	require.NoError(t, err)
 	_, err = c.NewWorker()
 	require.ErrorContains(t, err, `InProcessSteps names "nobody.serves"`)
+}
+
+// With InProcessEngine, StartTx starts the saga in the caller's
+// transaction: once it commits the instance runs and its first command is
+// queued, with no worker and no trigger queued; a rollback leaves nothing.
+// A trigger the engine cannot start from is queued instead, for the
+// workers to retry and dead-letter.
+func TestClientStartTxInProcessStartsInTheCallersTransaction(t *testing.T) {
+	t.Parallel()
+	c, def, db := newSignupClientWith(t, 0, func(cfg *saga.ClientConfig) { cfg.InProcessEngine = true })
+	require.NoError(t, c.Setup(context.Background()))
+	queued := func(topic string) int {
+		var n int
+		require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1`, topic).Scan(&n))
+		return n
+	}
+	signUp(t, c, def, "ghost@example.com", false)
+	signUp(t, c, def, "ada@example.com", true)
+	inst, err := c.Engine().Get(context.Background(), saga.ID(def.Name, "ada@example.com"))
+	require.NoError(t, err, "started at commit, with no worker running")
+	assert.Equal(t, saga.StatusRunning, inst.Status)
+	assert.Equal(t, "account", inst.Step)
+	_, err = c.Engine().Get(context.Background(), saga.ID(def.Name, "ghost@example.com"))
+	require.ErrorIs(t, err, saga.ErrNotFound)
+	assert.Zero(t, queued(def.Trigger), "no trigger queued")
+	assert.Equal(t, 1, queued("accounts.open"), "the first command is queued")
+
+	ctx := context.Background()
+	tx, err := c.DB().BeginTx(ctx, nil)
+	require.NoError(t, err)
+	require.NoError(t, c.StartTx(ctx, tx, def.Name, message.NewMessage(uuid.NewString(), []byte(`not json`))))
+	require.NoError(t, tx.Commit())
+	assert.Equal(t, 1, queued(def.Trigger), "a trigger the engine refuses is queued, for the workers to dead-letter")
+
+	startRunning(t, c)
+	assert.Equal(t, saga.StatusCompleted, waitFinished(t, c, def, "ada@example.com").Status)
 }

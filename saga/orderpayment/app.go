@@ -8,6 +8,8 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"
@@ -46,15 +48,16 @@ type Config struct {
 	// of in the transaction that appends it (the default: inline, nothing
 	// published).
 	AsyncProjection bool
-	// QueueEveryHop sends every command and reply through the queue, as
-	// when each participant runs in a process of its own. By default the
-	// orders steps (confirm, cancel: database only) and the engine take
-	// in-process deliveries (saga.ClientConfig.InProcessSteps,
-	// InProcessEngine): a reply published by a step's delivery attempt is
-	// applied there, and the confirm or cancel it leads to runs there too,
-	// with the same keys, replies and timeline; whatever fails in process
-	// is queued as usual. The payments steps call the gateway, so their
-	// commands are always queued.
+	// QueueEveryHop sends every trigger, command and reply through the
+	// queue, as when each participant runs in a process of its own. By
+	// default the orders steps (confirm, cancel: database only) and the
+	// engine take in-process deliveries (saga.ClientConfig.InProcessSteps,
+	// InProcessEngine): Place starts the saga in its own transaction; a
+	// reply published by a step's delivery attempt is applied there, and
+	// the confirm or cancel it leads to runs there too, with the same keys,
+	// replies and timeline; whatever fails in process is queued as usual.
+	// The payments steps call the gateway, so their commands are always
+	// queued.
 	QueueEveryHop bool
 	// SweepInterval of the saga engine's deadline sweeper. Default: 1s.
 	SweepInterval time.Duration
@@ -111,7 +114,10 @@ func New(cfg Config) (*App, error) {
 	if err != nil {
 		return nil, err
 	}
-	ord, err := orders.New(orders.Config{DB: cfg.DB, Transport: c.Transport(), Idempotency: c.Idempotency(), Events: c.Events(), Logger: cfg.Logger})
+	ord, err := orders.New(orders.Config{DB: cfg.DB, Transport: c.Transport(), Idempotency: c.Idempotency(), Events: c.Events(), Logger: cfg.Logger,
+		Trigger: func(ctx context.Context, tx transport.Tx, msg *message.Message) error {
+			return c.StartTx(ctx, tx, Name, msg)
+		}})
 	if err != nil {
 		return nil, err
 	}

@@ -72,7 +72,7 @@ func TestCheckCatchesBrokenStates(t *testing.T) {
 // how often it failed), dead-lettered (and why), or nowhere.
 func TestCheckSaysWhereTheTriggerOfAnUnstartedSagaIs(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, 0, nil)
+	e := newEnv(t, 0, func(c *orderpayment.Config) { c.QueueEveryHop = true }) // the trigger is queued, and no worker runs
 	orderID, sagaID := e.place(e.customer(10_000), 1_000)
 	where := func() []string {
 		t.Helper()
