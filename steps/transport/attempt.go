@@ -209,6 +209,17 @@ func (c *conn) state() txState {
 	return st
 }
 
+// busy reports whether c is in the middle of a statement: a result set the
+// handler has not closed yet.
+func (c *conn) busy() bool {
+	busy := false
+	_ = c.sql.Raw(func(any) error {
+		busy = c.pg.PgConn().IsBusy()
+		return nil
+	})
+	return busy
+}
+
 // cancelRunning asks the server to cancel the statement running on c.
 func (c *conn) cancelRunning() {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
@@ -293,6 +304,10 @@ func (a *attemptTx) check() error {
 	case txOpen:
 		return nil
 	case txIdle:
+		if a.brokenBy == nil && a.child.Load() != nil {
+			// The in-process delivery running inside the attempt ended it.
+			a.brokenBy = fmt.Errorf("%w (it ended the transaction)", ErrInProcessBroke)
+		}
 		if a.brokenBy != nil {
 			return a.brokenBy
 		}
@@ -463,6 +478,11 @@ func (a *attemptTx) cutOff() {
 		a.c.cancelRunning()
 	}
 	a.revoke()
+	// A delivery that started while revoke waited for mu (tryLocal holds
+	// it while it opens the savepoint) is visible now; none starts later.
+	if ch := a.child.Load(); ch != nil {
+		ch.cutOff()
+	}
 }
 
 // requestCut asks the goroutine running the attempt to cut it off.

@@ -51,6 +51,27 @@ var ErrInProcessBroke = errors.New("transport: an in-process delivery broke its 
 // errInProcessRouterOnly: InProcess given where there is no router.
 var errInProcessRouterOnly = errors.New("InProcess applies to Router handlers only")
 
+type inProcessTopicKey struct{}
+
+// TopicFromContext returns the topic of the message whose handler runs
+// under ctx: delivered through the queue (as Watermill's
+// message.SubscribeTopicFromCtx says) or in process (see InProcess), or ""
+// outside a handler.
+func TopicFromContext(ctx context.Context) string {
+	if topic, ok := ctx.Value(inProcessTopicKey{}).(string); ok {
+		return topic
+	}
+	return message.SubscribeTopicFromCtx(ctx)
+}
+
+// InProcessFromContext reports whether the handler running under ctx
+// handles an in-process delivery (see InProcess): a message that exists
+// only in the publisher's transaction, not yet committed.
+func InProcessFromContext(ctx context.Context) bool {
+	_, ok := ctx.Value(inProcessTopicKey{}).(string)
+	return ok
+}
+
 // maxLocalDepth bounds how deep in-process deliveries nest.
 const maxLocalDepth = 4
 
@@ -112,7 +133,9 @@ func (a *attemptTx) deliverLocally(t *Transport, routes []route, msgs []*message
 // the message is to be queued for r's group. An error: a's transaction
 // cannot go on.
 func (a *attemptTx) runLocal(t *Transport, r route, msg *message.Message) (bool, error) {
-	if !a.first || a.depth >= maxLocalDepth {
+	if !a.first || a.depth >= maxLocalDepth || a.c.busy() {
+		// A retry, too deep, or a result set of the publisher still open
+		// on the connection (a Publish while iterating rows): queued.
 		return false, nil
 	}
 	left := time.Until(a.deadline)
@@ -120,14 +143,14 @@ func (a *attemptTx) runLocal(t *Transport, r route, msg *message.Message) (bool,
 		return false, nil
 	}
 	deadline := time.Now().Add(min(left/2, t.cfg.BatchTimeout))
-	out, err := a.tryLocal(r.h, msg, deadline)
+	out, err := a.tryLocal(r.h, msg, r.topic, deadline)
 	var instead *InsteadError
 	if out == failed && errors.As(err, &instead) {
 		ih := instead.Handler
 		if t.cfg.Intercept != nil {
 			ih = t.cfg.Intercept(r.name, ih)
 		}
-		out, err = a.tryLocal(ih, msg, deadline)
+		out, err = a.tryLocal(ih, msg, r.topic, deadline)
 	}
 	switch out {
 	case kept:
@@ -151,7 +174,7 @@ func (a *attemptTx) runLocal(t *Transport, r route, msg *message.Message) (bool,
 // nested in a: kept (its work is in a), failed (rolled back; a goes on),
 // broken (a cannot go on) or refused (not started: a cannot go on, by its
 // own doing: what a queued failed, or a is over).
-func (a *attemptTx) tryLocal(h HandlerFunc, msg *message.Message, deadline time.Time) (attemptEnd, error) {
+func (a *attemptTx) tryLocal(h HandlerFunc, msg *message.Message, topic string, deadline time.Time) (attemptEnd, error) {
 	ctx := context.Background()
 	sp := "pgsaga_local_" + strconv.Itoa(a.depth+1)
 	ch := &attemptTx{c: a.c, tx: a.tx, expired: a.expired, cut: make(chan struct{}), local: a.local, first: true, depth: a.depth + 1}
@@ -176,7 +199,7 @@ func (a *attemptTx) tryLocal(h HandlerFunc, msg *message.Message, deadline time.
 		return refused, err
 	}
 	defer a.child.Store(nil)
-	herr := ch.run(copyForLocal(msg), 1, deadline, h)
+	herr := ch.run(copyForLocal(msg, topic), 1, deadline, h)
 	// What ends the nested attempt runs only while a is not over: once a
 	// is cut off, its own rollback takes the savepoint with everything else.
 	a.mu.Lock()
@@ -221,10 +244,13 @@ func (a *attemptTx) keepLocal(ctx context.Context, sp string) error {
 	return err
 }
 
-// copyForLocal is the message an in-process handler gets: a copy, so that
-// what it does to it does not change what is queued for other groups.
-func copyForLocal(msg *message.Message) *message.Message {
+// copyForLocal is the message an in-process handler gets: a copy, payload
+// included, so that what it does to it does not change what is queued for
+// other groups, whose context says its topic (TopicFromContext).
+func copyForLocal(msg *message.Message, topic string) *message.Message {
 	m := msg.Copy()
+	m.SetContext(context.WithValue(context.Background(), inProcessTopicKey{}, topic))
+	m.Payload = append(message.Payload(nil), msg.Payload...)
 	if m.Metadata == nil {
 		m.Metadata = message.Metadata{}
 	}

@@ -105,6 +105,7 @@ func TestInProcessDeliveryRunsInThePublishersTransaction(t *testing.T) {
 	require.NotNil(t, got.Load(), "the in-process handler ran when the publisher committed")
 	assert.Equal(t, replyID(message.NewMessage(ids[0], nil)), got.Load().UUID)
 	assert.Equal(t, ids[0], got.Load().Metadata.Get("origin"))
+	assert.Equal(t, e.out, transport.TopicFromContext(got.Load().Context()), "the handler can tell its topic")
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM txids l JOIN txids h ON h.txid = l.txid WHERE l.handler = 'l' AND h.handler = 'h' AND l.attempt = 1`),
 		"the in-process handler ran once, as attempt 1, in the publisher's transaction")
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM txids WHERE handler = 'l'`))
@@ -405,4 +406,156 @@ func TestInProcessPublishersOwnFailureStaysItsOwn(t *testing.T) {
 	err := <-pubErr
 	assert.NotErrorIs(t, err, transport.ErrInProcessBroke, "the publisher is told its own failure")
 	assert.ErrorContains(t, err, "22P05")
+}
+
+// The publisher is cut off (the router closes and its drain times out)
+// while the round trip that opens an in-process delivery is under way: the
+// delivery that starts meanwhile is cut off too, and nothing of it commits
+// with the batch.
+func TestInProcessDeliveryStartingAsItsPublisherIsCutOff(t *testing.T) {
+	t.Parallel()
+	e := newLocalEnv(t, func(c *transport.Config) {
+		c.AttemptTimeout = 20 * time.Second
+		c.BatchTimeout = 10 * time.Second
+		c.CloseTimeout = 100 * time.Millisecond
+	})
+	started, childDone := make(chan struct{}), make(chan struct{})
+	var first atomic.Bool
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		tx, _ := transport.TxFromContext(msg.Context())
+		if first.CompareAndSwap(false, true) {
+			close(started)
+			// Sent in the round trip that opens the in-process delivery:
+			// the drain's cut-off lands while it runs.
+			if err := transport.Queue(msg.Context(), tx, "slow", `SELECT pg_sleep(0.6)`); err != nil {
+				return err
+			}
+		}
+		return e.tr.Publisher(tx).Publish(e.out, message.NewMessage(replyID(msg), nil))
+	}))
+	var once sync.Once
+	require.NoError(t, r.AddHandler("l", e.out, "local", func(msg *message.Message) error {
+		defer once.Do(func() { close(childDone) })
+		tx, _ := transport.TxFromContext(msg.Context())
+		for end := time.Now().Add(1500 * time.Millisecond); time.Now().Before(end); { // deaf to its context
+			if _, err := tx.ExecContext(context.Background(), `INSERT INTO `+e.eff+` (msg, part) SELECT $1, 'l' FROM pg_sleep(0.002)`, msg.UUID); err != nil {
+				return err
+			}
+		}
+		return nil
+	}, transport.InProcess()))
+	startRouter(t, r)
+	e.publish(1)
+	<-started
+	require.NoError(t, r.Stop())
+	<-childDone
+	assert.Equal(t, 1, e.waiting(e.in, "g"), "the publisher's message is still queued: its attempt was cut off")
+	assert.Zero(t, e.count(`SELECT count(*) FROM `+e.eff), "nothing of the cut-off in-process delivery committed")
+}
+
+// An in-process handler that ends the transaction and is still running
+// when its publisher is cut off is the one at fault: the publisher is not
+// dead-lettered (ErrTransactionEnded is permanent), it stays queued.
+func TestInProcessHandlerEndingTheTransactionAsItsPublisherIsCutOff(t *testing.T) {
+	t.Parallel()
+	e := newLocalEnv(t, func(c *transport.Config) {
+		c.AttemptTimeout = 20 * time.Second
+		c.BatchTimeout = 10 * time.Second
+		c.CloseTimeout = 200 * time.Millisecond
+	})
+	committed, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	r := e.routeLocal(t, forward(e), func(msg *message.Message) error {
+		tx, _ := transport.TxFromContext(msg.Context())
+		_, err := tx.ExecContext(msg.Context(), `COMMIT`)
+		once.Do(func() { close(committed) })
+		<-release // deaf to its context
+		return err
+	})
+	e.publish(1)
+	<-committed
+	require.NoError(t, r.Stop())
+	close(release)
+	assert.Empty(t, e.deadLetters(e.in), "the publisher is not dead-lettered for its in-process handler's fault")
+	assert.Equal(t, 1, e.waiting(e.in, "g"), "the publisher's message is still queued, to be retried")
+}
+
+// A handler that publishes while it iterates rows of its own query (the
+// connection is busy with them) has its messages queued, not delivered in
+// process, and loses no attempt.
+func TestInProcessPublishWhileIteratingRowsIsQueued(t *testing.T) {
+	t.Parallel()
+	e := newLocalEnv(t, nil)
+	var hCalls, lCalls atomic.Int32
+	e.routeLocal(t, func(msg *message.Message) error {
+		hCalls.Add(1)
+		tx, _ := transport.TxFromContext(msg.Context())
+		rows, err := tx.QueryContext(msg.Context(), `SELECT generate_series(1, 3)`)
+		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var i int
+			if err := rows.Scan(&i); err != nil {
+				return err
+			}
+			if err := e.tr.Publisher(tx).Publish(e.out, message.NewMessage(fmt.Sprintf("%s-%d", msg.UUID, i), nil)); err != nil {
+				return err
+			}
+		}
+		return rows.Err()
+	}, func(msg *message.Message) error {
+		lCalls.Add(1)
+		return nil
+	})
+	e.publish(1)
+	e.drained(e.in, "g", 10*time.Second)
+	e.drained(e.out, "local", 10*time.Second)
+	assert.Equal(t, int32(1), hCalls.Load(), "the publisher needed one attempt")
+	assert.Equal(t, 3, e.queuedFor(e.out, "local"))
+	assert.Equal(t, int32(3), lCalls.Load())
+}
+
+// An in-process handler gets its own copy of the payload: what it changes
+// in place does not change what the topic's other groups get.
+func TestInProcessHandlerGetsItsOwnPayload(t *testing.T) {
+	t.Parallel()
+	e := newLocalEnv(t, nil)
+	e.routeLocal(t, forward(e), func(msg *message.Message) error {
+		msg.Payload[2] = 'X' // {"reply":true} → {"Xeply":true}
+		return nil
+	})
+	e.publish(1)
+	e.drained(e.in, "g", 10*time.Second)
+	var payload string
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT convert_from(payload, 'UTF8') FROM pgsaga_queue WHERE topic = $1 AND consumer_group = 'archive'`, e.out).Scan(&payload))
+	assert.Equal(t, `{"reply":true}`, payload)
+}
+
+// QueuedPublisher queues every message, also for a group whose handler
+// takes in-process deliveries: it is handled later, in a transaction of
+// its own. A queued delivery's handler can tell its topic too.
+func TestQueuedPublisherNeverDeliversInProcess(t *testing.T) {
+	t.Parallel()
+	e := newLocalEnv(t, nil)
+	topics := make(chan string, 1)
+	e.routeLocal(t, func(msg *message.Message) error {
+		if err := noteTx(msg, "h"); err != nil {
+			return err
+		}
+		tx, _ := transport.TxFromContext(msg.Context())
+		return e.tr.QueuedPublisher(tx).Publish(e.out, message.NewMessage(replyID(msg), nil))
+	}, func(msg *message.Message) error {
+		topics <- transport.TopicFromContext(msg.Context())
+		return noteTx(msg, "l")
+	})
+	e.publish(1)
+	assert.Equal(t, e.out, <-topics)
+	e.drained(e.out, "local", 10*time.Second)
+	assert.Equal(t, 1, e.queuedFor(e.out, "local"))
+	assert.Zero(t, e.count(`SELECT count(*) FROM txids l JOIN txids h ON h.txid = l.txid WHERE l.handler = 'l' AND h.handler = 'h'`),
+		"handled in a transaction of its own")
 }

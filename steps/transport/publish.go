@@ -22,9 +22,19 @@ func (t *Transport) Publisher(tx Tx) message.Publisher {
 	return &txPublisher{t: t, tx: tx}
 }
 
+// QueuedPublisher is Publisher without in-process deliveries: every
+// message is queued for every consumer group of its topic, also from a
+// delivery attempt whose router has handlers that take them (InProcess).
+// It is for messages meant to arrive later, in a transaction of their own:
+// a redelivery a test simulates, say.
+func (t *Transport) QueuedPublisher(tx Tx) message.Publisher {
+	return &txPublisher{t: t, tx: tx, queued: true}
+}
+
 type txPublisher struct {
-	t  *Transport
-	tx Tx
+	t      *Transport
+	tx     Tx
+	queued bool // no in-process deliveries
 }
 
 func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
@@ -41,7 +51,7 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 	}
 	var exec wsql.ContextExecutor = executor{p.tx}
 	if a, ok := p.tx.(*attemptTx); ok {
-		if routes := a.local.of(topic); len(routes) > 0 {
+		if routes := a.local.of(topic); len(routes) > 0 && !p.queued {
 			return p.publishLocal(a, topic, routes, msgs)
 		}
 		exec = queueExecutor{a: a, name: "publishing to " + topic}
