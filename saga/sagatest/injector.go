@@ -53,7 +53,10 @@ type Faults struct {
 	// DuplicateRate is the share of consumed messages that are delivered
 	// again: each gets 1 to MaxCopies copies (same UUID, payload and
 	// metadata), published at random moments within MaxCopyDelay, so they
-	// arrive late and out of order. Copies are not copied again.
+	// arrive late and out of order. A message delivered in process
+	// (transport.InProcess) exists only if its publisher commits: its
+	// copies are queued in that transaction and arrive right after the
+	// commit. Copies are not copied again.
 	DuplicateRate float64
 	// MaxCopies per duplicated message. Default: 2.
 	MaxCopies int
@@ -216,7 +219,7 @@ func (i *Injector) Intercept(handler string, h transport.HandlerFunc) transport.
 	}
 	return func(msg *message.Message) error {
 		ctx := msg.Context()
-		topic := message.SubscribeTopicFromCtx(ctx)
+		topic := transport.TopicFromContext(ctx) // queued or in process
 		i.mu.Lock()
 		i.seen[handler+"\x00"+msg.UUID]++
 		seen := i.seen[handler+"\x00"+msg.UUID]
@@ -239,7 +242,11 @@ func (i *Injector) Intercept(handler string, h transport.HandlerFunc) transport.
 		i.mu.Unlock()
 
 		if firstSight && topic != "" && i.chance("duplicate", topic, msg.UUID) < i.cfg.DuplicateRate {
-			i.scheduleCopies(topic, msg)
+			if !transport.InProcessFromContext(ctx) {
+				i.scheduleCopies(topic, msg)
+			} else if err := i.copyInTx(ctx, topic, msg); err != nil {
+				return err
+			}
 		}
 		if i.chance("delay", handler, msg.UUID, n) < i.cfg.DelayRate {
 			i.count(func(s *Stats) { s.Delays++ })
@@ -262,7 +269,8 @@ func (i *Injector) Intercept(handler string, h transport.HandlerFunc) transport.
 			if !ok {
 				return nil
 			}
-			if err := i.pub.Publisher(tx).Publish(topic, copyOf(msg, "after-commit")); err != nil {
+			// Queued, never in process: it is to arrive after the commit.
+			if err := i.pub.QueuedPublisher(tx).Publish(topic, copyOf(msg, "after-commit")); err != nil {
 				return fmt.Errorf("sagatest: redelivering %s after commit: %w", msg.UUID, err)
 			}
 			i.count(func(s *Stats) { s.CrashesAfter++ })
@@ -292,6 +300,25 @@ func (i *Injector) killConnection(ctx context.Context, handler string, msg *mess
 		err = errors.New("sagatest: connection killed")
 	}
 	return err
+}
+
+// copyInTx duplicates a message delivered in process: it exists only in
+// its publisher's transaction, so its copies are queued in that
+// transaction and exist only if it commits (a broker redelivers what was
+// sent, never what was rolled back). They arrive right after the commit.
+func (i *Injector) copyInTx(ctx context.Context, topic string, msg *message.Message) error {
+	tx, ok := transport.TxFromContext(ctx)
+	if !ok {
+		return nil
+	}
+	copies := min(1+int(i.chance("copies", topic, msg.UUID)*float64(i.cfg.MaxCopies)), i.cfg.MaxCopies)
+	for c := range copies {
+		if err := i.pub.QueuedPublisher(tx).Publish(topic, copyOf(msg, strconv.Itoa(c+1))); err != nil {
+			return fmt.Errorf("sagatest: copying %s: %w", msg.UUID, err)
+		}
+	}
+	i.count(func(s *Stats) { s.Duplicated++; s.Copies += copies })
+	return nil
 }
 
 func (i *Injector) scheduleCopies(topic string, msg *message.Message) {

@@ -240,3 +240,58 @@ func TestWaitTerminalNamesTheUnfinished(t *testing.T) {
 type probeCmd struct{}
 
 func (probeCmd) MessageType() string { return "probe.Do" }
+
+// A message delivered in process exists only if its publisher commits: its
+// copies are made in that transaction, so a publisher that rolls back
+// leaves no copy of it, and one that commits has its copies delivered.
+func TestInjectorCopiesInProcessMessagesOnlyIfTheyCommit(t *testing.T) {
+	t.Parallel()
+	db := testdb.Fresh(t)
+	inj, err := sagatest.NewInjector(testdb.Open(t, db.URL, 4).SQL, sagatest.Faults{Seed: 5, DuplicateRate: 1, MaxCopies: 1, MaxCopyDelay: time.Millisecond,
+		Skip: func(handler string) bool { return handler == "h" }}, quiet) // only the in-process handler's messages are copied
+	require.NoError(t, err)
+	tr, err := transport.New(transport.Config{DB: db.SQL, PollInterval: 20 * time.Millisecond, IdlePollInterval: testdb.NoSafetyPoll,
+		Intercept: inj.Intercept, Logger: quiet, RetryInterval: 20 * time.Millisecond,
+		Retry: transport.RetryPolicy{MaxAttempts: 5, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 20 * time.Millisecond}})
+	require.NoError(t, err)
+	in, out := "in_"+uuid.NewString()[:8], "out_"+uuid.NewString()[:8]
+	_, err = db.SQL.Exec(`CREATE TABLE seen (uuid text, copy text)`)
+	require.NoError(t, err)
+	var failed sync.Map
+	r, err := tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", in, "", func(msg *message.Message) error {
+		tx, _ := transport.TxFromContext(msg.Context())
+		if err := tr.Publisher(tx).Publish(out, message.NewMessage("out-"+msg.UUID, nil)); err != nil {
+			return err
+		}
+		if _, again := failed.LoadOrStore(msg.UUID, true); !again && msg.UUID == "rolled-back" {
+			return errors.New("the publisher rolls back after the in-process delivery")
+		}
+		return nil
+	}))
+	require.NoError(t, r.AddHandler("l", out, "", func(msg *message.Message) error {
+		tx, _ := transport.TxFromContext(msg.Context())
+		_, err := tx.ExecContext(msg.Context(), `INSERT INTO seen VALUES ($1, $2)`, msg.UUID, msg.Metadata.Get(sagatest.CopyMetadata))
+		return err
+	}, transport.InProcess()))
+	require.NoError(t, tr.Subscribe(context.Background(), r.Subscriptions()...))
+	require.NoError(t, r.Start(context.Background()))
+	t.Cleanup(func() { _ = r.Stop() })
+	require.NoError(t, tr.Publisher(db.SQL).Publish(in, message.NewMessage("committed", nil), message.NewMessage("rolled-back", nil)))
+	count := func(q string) int {
+		var n int
+		require.NoError(t, db.SQL.QueryRow(q).Scan(&n))
+		return n
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for count(`SELECT count(*) FROM pgsaga_queue`) > 0 || count(`SELECT count(DISTINCT uuid) FROM seen`) < 2 {
+		require.True(t, time.Now().Before(deadline), "timed out (%+v)", inj.Stats())
+		time.Sleep(20 * time.Millisecond)
+	}
+	require.NoError(t, r.Stop())
+	require.NoError(t, inj.Close())
+	assert.Equal(t, 1, count(`SELECT count(*) FROM seen WHERE uuid = 'out-committed' AND copy <> ''`), "the committed in-process message was copied")
+	assert.Zero(t, count(`SELECT count(*) FROM seen WHERE uuid = 'out-rolled-back' AND copy <> ''`), "no copy of a message that was rolled back")
+	assert.Equal(t, 1, count(`SELECT count(*) FROM seen WHERE uuid = 'out-rolled-back'`))
+}
