@@ -295,3 +295,64 @@ func TestInjectorCopiesInProcessMessagesOnlyIfTheyCommit(t *testing.T) {
 	assert.Zero(t, count(`SELECT count(*) FROM seen WHERE uuid = 'out-rolled-back' AND copy <> ''`), "no copy of a message that was rolled back")
 	assert.Equal(t, 1, count(`SELECT count(*) FROM seen WHERE uuid = 'out-rolled-back'`))
 }
+
+// A worker restarted after a kill counts its sightings of a message from
+// one again; the faults it draws depend on the message's delivery attempt
+// too, so a message whose first attempt crashed does not crash again, in
+// every new process, on the same draw until its attempts run out.
+func TestInjectorRestartedDrawsAfreshForTheNextAttempt(t *testing.T) {
+	t.Parallel()
+	db := testdb.Fresh(t)
+	topic := "t_" + uuid.NewString()[:8]
+	_, err := db.SQL.Exec(`CREATE TABLE done (uuid text PRIMARY KEY)`)
+	require.NoError(t, err)
+	// One "process": a fresh injector (same seed) and router. Retries wait
+	// an hour, so a failed attempt is retried only by the next process.
+	run := func(until func() bool) {
+		inj, err := sagatest.NewInjector(db.SQL, sagatest.Faults{Seed: 11, CrashBeforeCommitRate: 0.5}, quiet)
+		require.NoError(t, err)
+		tr, err := transport.New(transport.Config{DB: db.SQL, PollInterval: 20 * time.Millisecond, IdlePollInterval: testdb.NoSafetyPoll,
+			Intercept: inj.Intercept, Logger: quiet, Retry: transport.RetryPolicy{MaxAttempts: 2, InitialBackoff: time.Hour, MaxBackoff: time.Hour}})
+		require.NoError(t, err)
+		r, err := tr.NewRouter()
+		require.NoError(t, err)
+		require.NoError(t, r.AddHandler("h", topic, "", func(msg *message.Message) error {
+			tx, _ := transport.TxFromContext(msg.Context())
+			_, err := tx.ExecContext(msg.Context(), `INSERT INTO done VALUES ($1)`, msg.UUID)
+			return err
+		}))
+		require.NoError(t, tr.Subscribe(context.Background(), r.Subscriptions()...))
+		require.NoError(t, r.Start(context.Background()))
+		deadline := time.Now().Add(30 * time.Second)
+		for !until() {
+			require.True(t, time.Now().Before(deadline), "timed out")
+			time.Sleep(20 * time.Millisecond)
+		}
+		require.NoError(t, r.Stop())
+		require.NoError(t, inj.Close())
+	}
+	count := func(q string) int {
+		var n int
+		require.NoError(t, db.SQL.QueryRow(q).Scan(&n))
+		return n
+	}
+	const n = 20
+	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: quiet})
+	require.NoError(t, err)
+	require.NoError(t, tr.Subscribe(context.Background(), transport.Subscription{Topic: topic, ConsumerGroup: "h"}))
+	var msgs []*message.Message
+	for i := range n { // fixed UUIDs: the same draws every run
+		msgs = append(msgs, message.NewMessage(uuid.NewSHA1(uuid.NameSpaceOID, []byte("restart-"+strconv.Itoa(i))).String(), nil))
+	}
+	require.NoError(t, tr.Publisher(db.SQL).Publish(topic, msgs...))
+	// First process: every message gets its first attempt.
+	run(func() bool { return count(`SELECT count(*) FROM pgsaga_queue WHERE attempts = 0`) == 0 })
+	crashed := count(`SELECT count(*) FROM pgsaga_queue`)
+	require.Positive(t, crashed, "some first attempts crashed")
+	_, err = db.SQL.Exec(`UPDATE pgsaga_queue SET available_at = now()`) // their hour has passed
+	require.NoError(t, err)
+	// Second process: their second, last attempt.
+	run(func() bool { return count(`SELECT count(*) FROM pgsaga_queue`) == 0 })
+	assert.Positive(t, count(`SELECT count(*) FROM done`)-(n-crashed), "a message whose first attempt crashed succeeded on its second, in the new process")
+	assert.Less(t, count(`SELECT count(*) FROM pgsaga_dead_letters`), crashed, "not every such message crashed again")
+}
