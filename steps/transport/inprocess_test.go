@@ -67,6 +67,14 @@ func forward(e *env) transport.HandlerFunc {
 	}
 }
 
+// drainCutsOff configures a transport whose Close cuts attempts off after
+// closeTimeout, long before they would time out themselves.
+func drainCutsOff(closeTimeout time.Duration) func(*transport.Config) {
+	return func(c *transport.Config) {
+		c.AttemptTimeout, c.BatchTimeout, c.CloseTimeout = 20*time.Second, 10*time.Second, closeTimeout
+	}
+}
+
 // queuedFor counts the queue rows ever inserted for group on topic.
 func (e *env) queuedFor(topic, group string) int {
 	return e.count(`SELECT count(*) FROM queued_log WHERE topic = $1 AND grp = $2`, topic, group)
@@ -269,11 +277,7 @@ func TestInProcessHandlerThatBreaksItsPublisherCostsOneAttempt(t *testing.T) {
 // are refused from then on and nothing of either commits.
 func TestInProcessDeliveryIsCutOffWithItsPublisher(t *testing.T) {
 	t.Parallel()
-	e := newLocalEnv(t, func(c *transport.Config) {
-		c.AttemptTimeout = 20 * time.Second
-		c.BatchTimeout = 10 * time.Second
-		c.CloseTimeout = 100 * time.Millisecond
-	})
+	e := newLocalEnv(t, drainCutsOff(100*time.Millisecond))
 	started, release := make(chan struct{}), make(chan struct{})
 	after := make(chan error, 1)
 	var once sync.Once
@@ -414,11 +418,7 @@ func TestInProcessPublishersOwnFailureStaysItsOwn(t *testing.T) {
 // with the batch.
 func TestInProcessDeliveryStartingAsItsPublisherIsCutOff(t *testing.T) {
 	t.Parallel()
-	e := newLocalEnv(t, func(c *transport.Config) {
-		c.AttemptTimeout = 20 * time.Second
-		c.BatchTimeout = 10 * time.Second
-		c.CloseTimeout = 100 * time.Millisecond
-	})
+	e := newLocalEnv(t, drainCutsOff(100*time.Millisecond))
 	started, childDone := make(chan struct{}), make(chan struct{})
 	var first atomic.Bool
 	r, err := e.tr.NewRouter()
@@ -460,11 +460,7 @@ func TestInProcessDeliveryStartingAsItsPublisherIsCutOff(t *testing.T) {
 // dead-lettered (ErrTransactionEnded is permanent), it stays queued.
 func TestInProcessHandlerEndingTheTransactionAsItsPublisherIsCutOff(t *testing.T) {
 	t.Parallel()
-	e := newLocalEnv(t, func(c *transport.Config) {
-		c.AttemptTimeout = 20 * time.Second
-		c.BatchTimeout = 10 * time.Second
-		c.CloseTimeout = 200 * time.Millisecond
-	})
+	e := newLocalEnv(t, drainCutsOff(200*time.Millisecond))
 	committed, release := make(chan struct{}), make(chan struct{})
 	var once sync.Once
 	r := e.routeLocal(t, forward(e), func(msg *message.Message) error {
