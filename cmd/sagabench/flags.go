@@ -57,7 +57,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.DurationVar(&o.timeout, "timeout", 10*time.Minute, "give up waiting for a phase's sagas after this long")
 	fs.StringVar(&o.profile, "cpuprofile", "", "write a CPU profile of the throughput phase to this file (go tool pprof)")
 	fs.BoolVar(&o.keep, "keep", false, "keep the benchmark database instead of dropping it")
-	fs.BoolVar(&o.queueEveryHop, "queue-every-hop", false, "send every command and reply through the queue, as with one process per participant, instead of delivering the orders steps and the engine's replies in process")
+	fs.BoolVar(&o.queueEveryHop, "queue-every-hop", false, "send every trigger, command and reply through the queue, as with one process per participant, instead of starting each saga in Place's transaction and delivering the orders steps and the engine's replies in process")
 	fs.BoolVar(&o.asyncProjection, "async-projection", false, "keep order_views by delivering each order event to the projection's consumer group, instead of inline in the appending transaction")
 	fs.BoolVar(&o.verbose, "v", false, "log what the workers do (to stderr)")
 	fs.Usage = func() {}
