@@ -457,3 +457,53 @@ func TestQueuesEmptyWhenSagasFinish(t *testing.T) {
 	require.NoError(t, e.db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_dead_letters`).Scan(&dead))
 	assert.Zero(t, dead)
 }
+
+// Two processes with different settings share one database: one delivers
+// hops in process, the other queues every hop. Orders placed through
+// either finish, whichever worker takes each hop, and every invariant
+// holds.
+func TestProcessesWithDifferentHopSettingsShareTheWork(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1, nil)
+	e.logQueued()
+	other, err := orderpayment.New(orderpayment.Config{
+		DB:             testdb.Open(t, e.db.URL, 10).SQL, // a process of its own: its own pool
+		GatewayURL:     e.gw.URL(),
+		GatewayTimeout: 300 * time.Millisecond,
+		GatewayLease:   time.Second,
+		Transport: transport.Config{PollInterval: 20 * time.Millisecond, IdlePollInterval: testdb.NoSafetyPoll, RetryInterval: 20 * time.Millisecond,
+			Retry: transport.RetryPolicy{MaxAttempts: 6, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 100 * time.Millisecond}},
+		Timeouts:      orderpayment.StepTimeouts{Deadline: 5 * time.Second},
+		SweepInterval: 50 * time.Millisecond,
+		QueueEveryHop: true,
+		Logger:        logger(),
+	})
+	require.NoError(t, err)
+	w, err := other.NewWorker()
+	require.NoError(t, err)
+	require.NoError(t, w.Start(context.Background()))
+	t.Cleanup(func() { _ = w.Stop() })
+
+	rich, poor := e.customer(1_000_000), e.customer(500)
+	var ids []uuid.UUID
+	for i := range 20 {
+		svc := e.app.Orders
+		if i%2 == 1 {
+			svc = other.Orders
+		}
+		cust := rich
+		if i%5 == 0 {
+			cust = poor
+		}
+		res, err := svc.Place(context.Background(), orders.PlaceRequest{Key: uuid.NewString(), CustomerID: cust, AmountCents: 1_000})
+		require.NoError(t, err)
+		ids = append(ids, saga.ID(orderpayment.Name, res.OrderID.String()))
+	}
+	for _, id := range ids {
+		e.terminal(id)
+	}
+	e.checkInvariants(ids)
+	var triggers int
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT count(*) FROM queued_log WHERE topic = $1`, orders.CreatedTopic).Scan(&triggers))
+	assert.Equal(t, 10, triggers, "the queuing process queued its triggers; the other started its sagas in Place")
+}
