@@ -36,6 +36,7 @@ type env struct {
 	t   *testing.T
 	db  *testdb.DB
 	app *orderpayment.App
+	cfg orderpayment.Config // the App's
 	gw  *fakegateway.Gateway
 
 	mu     sync.Mutex
@@ -77,7 +78,7 @@ func newEnv(t *testing.T, workers int, mutate func(*orderpayment.Config)) *env {
 	app, err := orderpayment.New(cfg)
 	require.NoError(t, err)
 	require.NoError(t, app.Setup(context.Background()))
-	e.app, e.gw = app, gw
+	e.app, e.cfg, e.gw = app, cfg, gw
 	for range workers {
 		e.startWorker()
 	}
@@ -466,18 +467,10 @@ func TestProcessesWithDifferentHopSettingsShareTheWork(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 1, nil)
 	e.logQueued()
-	other, err := orderpayment.New(orderpayment.Config{
-		DB:             testdb.Open(t, e.db.URL, 10).SQL, // a process of its own: its own pool
-		GatewayURL:     e.gw.URL(),
-		GatewayTimeout: 300 * time.Millisecond,
-		GatewayLease:   time.Second,
-		Transport: transport.Config{PollInterval: 20 * time.Millisecond, IdlePollInterval: testdb.NoSafetyPoll, RetryInterval: 20 * time.Millisecond,
-			Retry: transport.RetryPolicy{MaxAttempts: 6, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 100 * time.Millisecond}},
-		Timeouts:      orderpayment.StepTimeouts{Deadline: 5 * time.Second},
-		SweepInterval: 50 * time.Millisecond,
-		QueueEveryHop: true,
-		Logger:        logger(),
-	})
+	cfg := e.cfg
+	cfg.DB = testdb.Open(t, e.db.URL, 10).SQL // a process of its own: its own pool
+	cfg.QueueEveryHop = true
+	other, err := orderpayment.New(cfg)
 	require.NoError(t, err)
 	w, err := other.NewWorker()
 	require.NoError(t, err)

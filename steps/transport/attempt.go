@@ -600,9 +600,15 @@ func (d *deliveryTx) record(ctx context.Context, stmts ...stmt) error {
 // usable. A cancel request for a statement of the attempt can land on the
 // rollback instead; it is then sent again.
 func (a *attemptTx) rollback(ctx context.Context) error {
-	err := a.c.exec(ctx, "rolling back the attempt", rollbackAttemptSQL)
+	return a.c.rollbackTo(ctx, "rolling back the attempt", rollbackAttemptSQL)
+}
+
+// rollbackTo runs query, a rollback to a savepoint and its release, again
+// if a cancel request meant for the statement before it landed on it.
+func (c *conn) rollbackTo(ctx context.Context, name, query string) error {
+	err := c.exec(ctx, name, query)
 	if pgerr.Is(err, pgerrcode.QueryCanceled) {
-		err = a.c.exec(ctx, "rolling back the attempt", rollbackAttemptSQL)
+		err = c.exec(ctx, name, query)
 	}
 	return err
 }

@@ -213,11 +213,7 @@ func (a *attemptTx) tryLocal(h HandlerFunc, msg *message.Message, topic string, 
 		}
 	}
 	ch.dropQueued(0)
-	rb := "ROLLBACK TO SAVEPOINT " + sp + "; RELEASE SAVEPOINT " + sp
-	rerr := a.c.exec(ctx, "rolling back an in-process delivery", rb)
-	if pgerr.Is(rerr, pgerrcode.QueryCanceled) { // a cancel meant for the handler's statement
-		rerr = a.c.exec(ctx, "rolling back an in-process delivery", rb)
-	}
+	rerr := a.c.rollbackTo(ctx, "rolling back an in-process delivery", "ROLLBACK TO SAVEPOINT "+sp+"; RELEASE SAVEPOINT "+sp)
 	switch {
 	case rerr != nil:
 		return broken, errors.Join(herr, rerr)
