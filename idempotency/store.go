@@ -354,7 +354,13 @@ func (s *Store) Get(ctx context.Context, scope, key string) (Record, error) {
 	if s.cfg.DB == nil {
 		return Record{}, errors.New("idempotency: Config.DB is required for Get")
 	}
-	rec, err := scanRecord(s.cfg.DB.QueryRowContext(ctx, getRecordSQL, scope, key), Request{Scope: scope, Key: key})
+	return s.GetTx(ctx, s.cfg.DB, scope, key)
+}
+
+// GetTx is Get through tx: it reads the record as tx sees it, without
+// locking it.
+func (s *Store) GetTx(ctx context.Context, tx DBTX, scope, key string) (Record, error) {
+	rec, err := scanRecord(tx.QueryRowContext(ctx, getRecordSQL, scope, key), Request{Scope: scope, Key: key})
 	if errors.Is(err, sql.ErrNoRows) {
 		return Record{}, fmt.Errorf("%w: %s/%s", ErrNotFound, scope, key)
 	}

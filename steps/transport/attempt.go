@@ -653,8 +653,16 @@ const (
 // deadline: Config.AttemptTimeout from now. handler names h for
 // Config.Intercept, which wraps the replacement too.
 func (t *Transport) handle(d *deliveryTx, g *gate, msg *message.Message, id int64, n int, handler string, h HandlerFunc) (attemptEnd, error) {
-	deadline := time.Now().Add(t.cfg.AttemptTimeout)
+	return t.handleBy(d, g, msg, id, n, time.Now().Add(t.cfg.AttemptTimeout), handler, h)
+}
+
+// handleBy is handle within a given deadline.
+func (t *Transport) handleBy(d *deliveryTx, g *gate, msg *message.Message, id int64, n int, deadline time.Time, handler string, h HandlerFunc) (attemptEnd, error) {
 	out, err := t.attempt(d, g, msg, id, n, deadline, h)
+	if d.own {
+		// No queue row to hand back while an awaited call runs.
+		out, err = awaitInline(out, err, deadline, func() (attemptEnd, error) { return t.attempt(d, g, afterAwait(msg), id, n, deadline, h) })
+	}
 	var instead *InsteadError
 	if out != failed || !errors.As(err, &instead) {
 		return out, err

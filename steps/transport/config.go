@@ -24,6 +24,7 @@ const (
 	AttemptTimeoutDefault   = 30 * time.Second
 	BatchTimeoutDefault     = time.Second
 	CloseTimeoutDefault     = 30 * time.Second
+	AwaitHoldDefault        = 10 * time.Millisecond
 
 	MaxAttemptsDefault    = 5
 	InitialBackoffDefault = 100 * time.Millisecond
@@ -122,6 +123,17 @@ type Config struct {
 	// flight; those still running then are cut off as by AttemptTimeout.
 	// Default: CloseTimeoutDefault.
 	CloseTimeout time.Duration
+
+	// AwaitHold is how long a queued delivery whose handler awaits a call
+	// (Await) may hold its batch for the call before handing the message
+	// back: a call that returns by then (a fast service) is followed at once
+	// by the handler's next run in the same batch, without parking the
+	// message and delivering it again; a slower one holds the batch no
+	// longer. A delivery holds only while the handler's recent calls took
+	// half of AwaitHold or less on average, so a slow service costs no hold
+	// at all. It never reaches past the attempt's deadline. Negative: hand
+	// the message back at once. Default: AwaitHoldDefault.
+	AwaitHold time.Duration
 }
 
 // MaxTransactionDuration is the longest a delivery transaction stays open:
@@ -150,6 +162,7 @@ func (c *Config) setDefaults() {
 	setDefault(&c.AttemptTimeout, AttemptTimeoutDefault)
 	setDefault(&c.BatchTimeout, BatchTimeoutDefault)
 	setDefault(&c.CloseTimeout, CloseTimeoutDefault)
+	setDefault(&c.AwaitHold, AwaitHoldDefault)
 	c.Retry.setDefaults()
 }
 
@@ -187,6 +200,9 @@ func (c *Config) validate() error {
 		if d.d < time.Millisecond {
 			errs = append(errs, fmt.Errorf("%s must be at least 1ms, got %s", d.name, d.d))
 		}
+	}
+	if c.AwaitHold > c.AttemptTimeout {
+		errs = append(errs, fmt.Errorf("AwaitHold (%s) must not exceed AttemptTimeout (%s)", c.AwaitHold, c.AttemptTimeout))
 	}
 	if c.MaxRetryInterval < c.RetryInterval {
 		errs = append(errs, fmt.Errorf("MaxRetryInterval (%s) must not be below RetryInterval (%s)", c.MaxRetryInterval, c.RetryInterval))

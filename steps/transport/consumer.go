@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -41,6 +42,8 @@ type consumer struct {
 	poll  *pollState   // set when it subscribes
 	log   *slog.Logger
 
+	callTime callTime // of the handler's awaited calls (see Await)
+
 	mu  sync.Mutex
 	cur *batch // the open batch, nil between batches
 	// isolate: claims still to make one message at a time, after a batch
@@ -80,6 +83,9 @@ type batch struct {
 	// is recorded once the batch has rolled back.
 	culprit  *failure
 	inFlight sync.WaitGroup // deliveries using the connection
+	// ended is closed when the batch is over (committed or rolled back),
+	// so that an awaited call's end can touch its message's row.
+	ended chan struct{}
 }
 
 // failure is a failed attempt of a message, to record.
@@ -87,6 +93,9 @@ type failure struct {
 	d     delivery
 	n     int
 	cause error
+	// what failed outside the batch: "" for an attempt that broke its
+	// batch.
+	what string
 }
 
 var _ wsql.Beginner = (*consumer)(nil)
@@ -110,7 +119,7 @@ func (c *consumer) BeginTx(ctx context.Context, opts *sql.TxOptions) (*sql.Tx, e
 		cn.release()
 		return nil, fmt.Errorf("transport: beginning a delivery transaction: %w", err)
 	}
-	b := &batch{cancel: cancel}
+	b := &batch{cancel: cancel, ended: make(chan struct{})}
 	b.deadline, _ = txCtx.Deadline()
 	b.settled = sync.NewCond(&b.mu)
 	b.d = deliveryTx{c: cn, tx: tx, more: b.more, local: c.local, expired: func() bool { return txCtx.Err() != nil }}
@@ -213,6 +222,7 @@ func (c *consumer) endBatch(err error) (again bool) {
 	expired := b.d.expired()
 	b.cancel()
 	b.d.c.release()
+	defer close(b.ended)
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	c.mu.Lock()
@@ -399,19 +409,40 @@ func (c *consumer) deliver(msg *message.Message) error {
 		return nil
 	}
 	n := d.failed + 1
-	out, err := c.t.handle(&b.d, c.gate, msg, d.id, n, c.rt.name, c.rt.h)
-	switch out {
-	case kept:
-	case refused:
-		b.mu.Lock()
-		b.released++
-		b.mu.Unlock()
-	case broken:
-		c.breakBatch(b, log, d, n, err)
-	case failed:
-		c.fail(b, log, d, n, err)
+	deadline := time.Now().Add(c.t.cfg.AttemptTimeout)
+	hold := true // an awaited call may hold the batch once
+	if d.awaited > 0 {
+		msg = afterAwait(msg) // delivered again after its park
 	}
-	return nil
+	for {
+		out, err := c.t.handleBy(&b.d, c.gate, msg, d.id, n, deadline, c.rt.name, c.rt.h)
+		switch out {
+		case kept:
+		case refused:
+			c.release(b)
+		case broken:
+			c.breakBatch(b, log, d, n, err)
+		case failed:
+			aw := (*AwaitError)(nil)
+			if !errors.As(err, &aw) {
+				c.fail(b, log, d, n, err)
+				return nil
+			}
+			if c.await(b, log, d, n, aw, hold, deadline) {
+				hold = false
+				msg = afterAwait(msg)
+				continue // the call returned while held: the handler runs again
+			}
+		}
+		return nil
+	}
+}
+
+// release hands a message of b back untouched.
+func (c *consumer) release(b *batch) {
+	b.mu.Lock()
+	b.released++
+	b.mu.Unlock()
 }
 
 // fail records a failed attempt: the message is retried after its backoff,
@@ -470,8 +501,8 @@ func (c *consumer) breakBatch(b *batch, log *slog.Logger, d delivery, n int, cau
 	}
 }
 
-// recordAfter records a failed attempt after its batch rolled back, in a
-// transaction of its own: the message is retried after its backoff, or
+// recordAfter records a failed attempt after its batch rolled back (or,
+// for an awaited call, after its batch ended), in a transaction of its own: the message is retried after its backoff, or
 // dead-lettered (see final). It waits up to Config.LockTimeout for the
 // message's row: the batch's own backend may still hold it while it exits
 // (a lost connection), or another consumer, which then decides. Nothing is
@@ -485,16 +516,17 @@ func (c *consumer) recordAfter(f failure) {
 		query, args = deadLetterSQL, []any{f.d.id, c.rt.name, reason(f.cause), f.n}
 	}
 	done, err := c.t.execWaiting(query, args...)
+	what := cmp.Or(f.what, "attempt that broke its batch")
 	switch {
 	case pgerr.LockNotAvailable(err): // another consumer holds it
-		log.Info("the message whose attempt broke its batch is held by another consumer; its failure is not recorded", "err", f.cause)
+		log.Info("the message of a failed "+what+" is held by another consumer; its failure is not recorded", "err", f.cause)
 	case err != nil:
-		log.Error("recording the failed attempt of a message that broke its batch failed; it will be delivered again", "err", err, "cause", f.cause)
+		log.Error("recording the failure of an "+what+" failed; the message will be delivered again", "err", err, "cause", f.cause)
 	case !done:
 	case final:
 		log.Error("message dead-lettered", "attempts", f.n, "permanent", IsPermanent(f.cause), "reason", f.cause)
 	default:
-		log.Warn("attempt broke its batch; the message will be retried", "of", c.rt.retry.MaxAttempts, "retry_in", wait, "err", f.cause)
+		log.Warn(what+" failed; the message will be retried", "of", c.rt.retry.MaxAttempts, "retry_in", wait, "err", f.cause)
 	}
 }
 

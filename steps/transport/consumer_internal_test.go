@@ -293,3 +293,20 @@ func TestUnscannedReplayedRowIsClosedAtTheEndOfTheAttempt(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// A delivery holds its batch for an awaited call only while the handler's
+// recent calls have been quick: a slow service turns holding off, a quick
+// one again turns it back on, and a negative hold never holds.
+func TestCallTimeHoldsOnlyForQuickCalls(t *testing.T) {
+	var ct callTime
+	assert.True(t, ct.within(5*time.Millisecond), "no call yet: hold")
+	for range 20 {
+		ct.add(100 * time.Millisecond)
+	}
+	assert.False(t, ct.within(5*time.Millisecond), "slow calls: no hold")
+	for range 40 {
+		ct.add(time.Millisecond)
+	}
+	assert.True(t, ct.within(5*time.Millisecond), "quick again: hold")
+	assert.False(t, ct.within(-time.Millisecond), "a negative AwaitHold never holds")
+}

@@ -591,6 +591,7 @@ func TestConfigValidation(t *testing.T) {
 		"tiny attempt timeout":  {DB: db, AttemptTimeout: time.Microsecond},
 		"max retry below retry": {DB: db, RetryInterval: time.Second, MaxRetryInterval: time.Millisecond},
 		"bad channel":           {DB: db, NotifyChannel: "has space"},
+		"hold past the attempt": {DB: db, AttemptTimeout: time.Second, AwaitHold: 2 * time.Second},
 		"negative attempts":     {DB: db, Retry: transport.RetryPolicy{MaxAttempts: -1}},
 		"backoff order":         {DB: db, Retry: transport.RetryPolicy{InitialBackoff: time.Second, MaxBackoff: time.Millisecond}},
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"time"
 
 	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/internal/pgserver"
@@ -56,6 +57,12 @@ var (
 	// ErrDeadLettered is returned by HandleInTx for a message it
 	// dead-lettered.
 	ErrDeadLettered = errors.New("transport: message dead-lettered")
+	// ErrAwaitedTooOften fails the attempt of a message whose handler
+	// awaited more than RetryPolicy.MaxAttempts times (see Await).
+	ErrAwaitedTooOften = errors.New("transport: the handler awaited too often without finishing")
+	// ErrAwaitedAgain fails an attempt outside a queue whose handler
+	// awaited again right after its call ran (see Await).
+	ErrAwaitedAgain = errors.New("transport: the handler awaited again after its call ran")
 	// ErrNotUTF8 is returned when the database's encoding is not UTF8.
 	ErrNotUTF8 = pgserver.ErrNotUTF8
 	// ErrSettingsDiffer is returned when a Transport's configuration differs
@@ -115,6 +122,55 @@ func (e *InsteadError) Unwrap() error { return e.Cause }
 
 // Instead returns an InsteadError.
 func Instead(h HandlerFunc, cause error) error { return &InsteadError{Handler: h, Cause: cause} }
+
+// AwaitError hands a message back while Call runs outside the delivery's
+// transaction: build it with Await.
+type AwaitError struct {
+	// Within bounds the call: its context ends then, and a message whose
+	// process died meanwhile is delivered again then.
+	Within time.Duration
+	// Call is the work that waits on the world outside the database (an
+	// external service): it records its outcome where the handler's next
+	// run finds it, and returns nil, or fails the attempt.
+	Call func(ctx context.Context) error
+}
+
+// Error implements error.
+func (e *AwaitError) Error() string {
+	return fmt.Sprintf("transport: the handler awaits a call (within %s) outside its transaction", e.Within)
+}
+
+// Await is what a handler returns when its work must wait for something
+// outside the database, such as a call to a payment gateway, that must not
+// hold a transaction open: the attempt is rolled back (whatever the
+// handler committed on its own stays, a lease say), and call runs outside
+// any transaction, within the given bound. Then the handler runs again, and
+// finds what call recorded.
+//
+// For a queued delivery the message is handed back to its queue, parked
+// for within, and its batch goes on with the other messages; no attempt is
+// counted. When call returns nil the message is woken and delivered again
+// at once, still as the same attempt (in-process deliveries from it
+// included); when it fails, the failure is the attempt's (retried after
+// its backoff, dead-lettered when attempts run out); if the process stops,
+// the call is cancelled and the message woken for the next worker; if it
+// dies, the message comes back after within. A message whose handler
+// awaits more than RetryPolicy.MaxAttempts times fails its attempts with
+// ErrAwaitedTooOften from then on, so a handler that awaits for ever still
+// ends in a dead letter.
+//
+// Outside a queue (HandleInTx, an in-process delivery) there is nothing to
+// hand back: call runs inline, within the attempt's deadline, and the
+// handler runs again in a fresh attempt; awaiting again then fails the
+// attempt with ErrAwaitedAgain.
+//
+// A call with no function or no positive bound is a permanent failure.
+func Await(within time.Duration, call func(ctx context.Context) error) error {
+	if call == nil || within <= 0 {
+		return Permanent(fmt.Errorf("transport: Await needs a call and a positive bound (got %s)", within))
+	}
+	return &AwaitError{Within: within, Call: call}
+}
 
 // MaxTopicLen bounds a topic's name.
 const MaxTopicLen = 255

@@ -144,6 +144,7 @@ func (a *attemptTx) runLocal(t *Transport, r route, msg *message.Message) (bool,
 	}
 	deadline := time.Now().Add(min(left/2, t.cfg.BatchTimeout))
 	out, err := a.tryLocal(r.h, msg, r.topic, deadline)
+	out, err = awaitInline(out, err, deadline, func() (attemptEnd, error) { return a.tryLocal(r.h, afterAwait(msg), r.topic, deadline) })
 	var instead *InsteadError
 	if out == failed && errors.As(err, &instead) {
 		ih := instead.Handler
@@ -245,7 +246,11 @@ func (a *attemptTx) keepLocal(ctx context.Context, sp string) error {
 // other groups, whose context says its topic (TopicFromContext).
 func copyForLocal(msg *message.Message, topic string) *message.Message {
 	m := msg.Copy()
-	m.SetContext(context.WithValue(context.Background(), inProcessTopicKey{}, topic))
+	ctx := context.WithValue(context.Background(), inProcessTopicKey{}, topic)
+	if AwaitedFromContext(msg.Context()) {
+		ctx = context.WithValue(ctx, afterAwaitKey{}, true)
+	}
+	m.SetContext(ctx)
 	m.Payload = append(message.Payload(nil), msg.Payload...)
 	if m.Metadata == nil {
 		m.Metadata = message.Metadata{}

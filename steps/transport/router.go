@@ -284,6 +284,7 @@ func (r *Router) Close() error {
 		return nil // nothing runs; Watermill's Close would wait for handlers that never started
 	}
 	r.closeOnce.Do(func() {
+		began := time.Now()
 		if stuck := r.gate.drain(r.t.cfg.CloseTimeout); len(stuck) > 0 {
 			r.log.Error("attempts still running at close timeout; cutting them off", "attempts", len(stuck), "timeout", r.t.cfg.CloseTimeout)
 			for _, a := range stuck {
@@ -291,6 +292,7 @@ func (r *Router) Close() error {
 			}
 			r.gate.wait(r.t.cfg.StatementTimeout + 5*time.Second)
 		}
+		r.closeCalls(r.t.cfg.CloseTimeout - time.Since(began))
 		// Watermill's Close waits for every added handler: close it only once
 		// its Run got them all running; one that gave up has nothing to close.
 		select {
@@ -305,6 +307,20 @@ func (r *Router) Close() error {
 		r.closeErr = r.router.Close()
 	})
 	return r.closeErr
+}
+
+// closeCalls waits up to timeout for the awaited calls under way, then
+// cancels the rest and waits for their messages to be woken (each waits for
+// the end of the batch that handed it back).
+func (r *Router) closeCalls(timeout time.Duration) {
+	if r.gate.calls.wait(timeout) {
+		return
+	}
+	r.log.Info("awaited calls still running at close timeout; cancelling them, their messages are delivered again", "calls", r.gate.calls.running())
+	r.gate.calls.cancel()
+	if !r.gate.calls.wait(r.t.cfg.MaxTransactionDuration() + r.t.cfg.LockTimeout + r.t.cfg.StatementTimeout) {
+		r.log.Error("awaited calls did not end after being cancelled; their messages come back when their park runs out", "calls", r.gate.calls.running())
+	}
 }
 
 // call runs h, turning a panic into ErrHandlerPanicked.
@@ -400,10 +416,11 @@ type gate struct {
 	inFlight int
 	idle     chan struct{} // closed when draining and nothing is in flight
 	attempts map[*attemptTx]struct{}
+	calls    *callSet // awaited calls under way (see Await)
 }
 
 func newGate() *gate {
-	return &gate{idle: make(chan struct{}), attempts: map[*attemptTx]struct{}{}}
+	return &gate{idle: make(chan struct{}), attempts: map[*attemptTx]struct{}{}, calls: newCallSet()}
 }
 
 // middleware is the outermost: it admits each message into its batch (see

@@ -60,6 +60,9 @@ const (
 	metaDelivery = "_pgsaga_delivery"
 	// metaUnreadable says why the stored message cannot be read.
 	metaUnreadable = "_pgsaga_unreadable"
+	// metaAwaited counts the times the message was handed back while its
+	// handler's call ran (see Await); it is kept in the queue row.
+	metaAwaited    = "_pgsaga_awaited"
 	internalPrefix = "_pgsaga_"
 )
 
@@ -115,6 +118,7 @@ func (schemaAdapter) SubscribeIsolationLevel() sql.IsolationLevel { return sql.L
 type delivery struct {
 	id         int64
 	failed     int    // failed attempts before this delivery
+	awaited    int    // times handed back while its handler's call ran
 	unreadable string // why the message cannot be read; "" if it can
 }
 
@@ -128,7 +132,8 @@ func deliveryOf(md message.Metadata) (delivery, error) {
 	if err1 != nil || err2 != nil {
 		return delivery{}, fmt.Errorf("transport: bad delivery metadata %q", md.Get(metaDelivery))
 	}
-	return delivery{id: id, failed: failed, unreadable: md.Get(metaUnreadable)}, nil
+	awaited, _ := strconv.Atoi(md.Get(metaAwaited)) // absent or garbled: none
+	return delivery{id: id, failed: failed, awaited: max(awaited, 0), unreadable: md.Get(metaUnreadable)}, nil
 }
 
 // handlerCopy is the message a handler gets: msg without the transport's

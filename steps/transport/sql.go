@@ -124,6 +124,31 @@ END$$`
 	rescheduleSQL = `UPDATE pgsaga_queue SET attempts = $2, available_at = clock_timestamp() + make_interval(secs => $3), last_error = $4
 WHERE id = $1 AND attempts < $2`
 
+	// parkSQL hands message $1 back while its handler's call runs (see
+	// Await): available again after $2 seconds, unless woken earlier, with
+	// its count of awaits ($3) in its metadata and $4 as its last error. No
+	// attempt is counted.
+	parkSQL = `UPDATE pgsaga_queue SET available_at = clock_timestamp() + make_interval(secs => $2),
+    metadata = CASE WHEN jsonb_typeof(metadata) = 'object' THEN metadata ELSE '{}'::jsonb END
+        || jsonb_build_object('` + metaAwaited + `', $3::text),
+    last_error = $4
+WHERE id = $1`
+
+	// wakeSQL makes message $1, parked while its handler's call ran, available
+	// at once and wakes its topic's consumers (channel $3, if any), unless
+	// an attempt of it has been recorded since it was parked with $2 failed
+	// attempts (its park ran out and another consumer took it): that
+	// attempt's backoff stands.
+	wakeSQL = `WITH woken AS (
+    UPDATE pgsaga_queue SET available_at = clock_timestamp()
+    WHERE id = $1 AND attempts = $2
+    RETURNING topic
+)
+SELECT w.topic FROM woken w LEFT JOIN LATERAL (SELECT pg_notify($3, w.topic) WHERE $3 <> '') n ON true`
+
+	// wakeTopicSQL wakes the consumers of topic $2 (channel $1, if any).
+	wakeTopicSQL = `SELECT pg_notify($1, $2) WHERE $1 <> ''`
+
 	// deadLetterSQL moves message $1 from its queue to the dead letters
 	// after attempt $4 (guarded as in rescheduleSQL). $2 handler, $3
 	// reason.

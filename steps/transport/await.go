@@ -1,0 +1,272 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime/debug"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// callSet tracks the awaited calls of a router's deliveries (see Await):
+// Close waits for them, and cancels those still running at its timeout.
+type callSet struct {
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	mu   sync.Mutex
+	n    int
+	idle chan struct{} // closed when n falls to 0
+}
+
+func newCallSet() *callSet {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &callSet{ctx: ctx, cancel: cancel}
+}
+
+func (s *callSet) add() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.n == 0 {
+		s.idle = make(chan struct{})
+	}
+	s.n++
+}
+
+func (s *callSet) done() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.n--
+	if s.n == 0 {
+		close(s.idle)
+	}
+}
+
+// running counts the calls under way.
+func (s *callSet) running() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.n
+}
+
+// wait waits up to timeout for the calls under way; it reports whether
+// none is left.
+func (s *callSet) wait(timeout time.Duration) bool {
+	s.mu.Lock()
+	if s.n == 0 {
+		s.mu.Unlock()
+		return true
+	}
+	idle := s.idle
+	s.mu.Unlock()
+	t := time.NewTimer(max(timeout, 0))
+	defer t.Stop()
+	select {
+	case <-idle:
+		return true
+	case <-t.C:
+		return false
+	}
+}
+
+type afterAwaitKey struct{}
+
+// AwaitedFromContext reports whether the handler runs right after its
+// awaited call returned (see Await), in the same batch or delivered again
+// after its park: what the call recorded is there to read, and a handler
+// can answer from it without redoing the work that led to the call.
+func AwaitedFromContext(ctx context.Context) bool {
+	v, _ := ctx.Value(afterAwaitKey{}).(bool)
+	return v
+}
+
+// afterAwait is msg for the handler's run after its awaited call (see
+// AwaitedFromContext).
+func afterAwait(msg *message.Message) *message.Message {
+	m := msg.Copy()
+	m.SetContext(context.WithValue(msg.Context(), afterAwaitKey{}, true))
+	return m
+}
+
+// callTime is a moving average of how long a handler's awaited calls take
+// (the last eight or so weigh most): a delivery holds its batch for a call
+// only while they have been quick (Config.AwaitHold).
+type callTime struct {
+	mu  sync.Mutex
+	avg time.Duration
+}
+
+func (t *callTime) add(d time.Duration) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.avg += (d - t.avg) / 8
+}
+
+// within reports whether the average is at most limit (which is never so
+// for a negative limit).
+func (t *callTime) within(limit time.Duration) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return limit > 0 && t.avg <= limit
+}
+
+// runAwaited runs an awaited call within its bound, turning a panic into
+// ErrHandlerPanicked.
+func runAwaited(ctx context.Context, aw *AwaitError) (err error) {
+	ctx, cancel := context.WithTimeout(ctx, aw.Within)
+	defer cancel()
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("%w: in its awaited call: %v\n%s", ErrHandlerPanicked, p, debug.Stack())
+		}
+	}()
+	if err := aw.Call(ctx); err != nil {
+		return fmt.Errorf("transport: the awaited call failed: %w", err)
+	}
+	return nil
+}
+
+// awaitInline carries out an Await for a delivery that has no queue row to
+// hand back (HandleInTx, an in-process delivery): if the attempt that ended
+// with out and err awaited, its call runs now, within deadline, and then
+// the handler again (again). A second Await is ErrAwaitedAgain.
+func awaitInline(out attemptEnd, err error, deadline time.Time, again func() (attemptEnd, error)) (attemptEnd, error) {
+	var aw *AwaitError
+	if out != failed || !errors.As(err, &aw) {
+		return out, err
+	}
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
+	if cerr := runAwaited(ctx, aw); cerr != nil {
+		return failed, cerr
+	}
+	out, err = again()
+	if out == failed && errors.As(err, &aw) {
+		return failed, ErrAwaitedAgain
+	}
+	return out, err
+}
+
+// awaitedCall is a call under way for a queued delivery: the delivery
+// holds its batch for it a little (Config.AwaitHold), and whichever of the
+// two gets there first decides who finishes it: the delivery, if the call
+// returned while held; else the call's own goroutine, once the message is
+// parked.
+type awaitedCall struct {
+	result chan error // the call's result, if taken while held
+	state  atomic.Int32
+}
+
+const (
+	callRunning = iota
+	callParked  // the delivery stopped waiting: the goroutine finishes
+	callTaken   // the call returned while held: the delivery finishes
+)
+
+// await carries out a handler's Await for a queued delivery. The call
+// starts at once, outside the batch. If it returns within the hold (and
+// hold is allowed), await returns true, or records its failure as the
+// attempt's; true means the handler is to run again, in the same batch and
+// by the same deadline. Otherwise the message is parked in the batch (no
+// attempt counted) and the call's goroutine wakes it, or records the
+// call's failure, once the call and the batch are over. A message that
+// awaited too often fails its attempt instead.
+func (c *consumer) await(b *batch, log *slog.Logger, d delivery, n int, aw *AwaitError, hold bool, deadline time.Time) (again bool) {
+	if d.awaited >= c.rt.retry.MaxAttempts {
+		c.fail(b, log, d, n, fmt.Errorf("%w (%d times)", ErrAwaitedTooOften, d.awaited))
+		return false
+	}
+	wait := time.Duration(0)
+	if hold && c.callTime.within(c.t.cfg.AwaitHold/2) {
+		// The handler's calls have been quick: holding the batch for this
+		// one costs less than parking the message and delivering it again.
+		wait = min(c.t.cfg.AwaitHold, time.Until(deadline))
+	}
+	call := &awaitedCall{result: make(chan error, 1)}
+	if wait <= 0 {
+		call.state.Store(callParked) // no hold: parked however quick the call
+	}
+	c.gate.calls.add()
+	go c.runCall(b, log, d, n, aw, call)
+	if err, taken := call.take(wait); taken {
+		switch {
+		case err == nil:
+			return true
+		case c.gate.calls.ctx.Err() != nil:
+			// Cancelled by Close: the message goes back untouched.
+			c.release(b)
+		default:
+			c.fail(b, log, d, n, err)
+		}
+		return false
+	}
+	err := b.d.record(context.Background(), stmt{"handing the message back", parkSQL,
+		[]any{d.id, aw.Within.Seconds(), strconv.Itoa(d.awaited + 1), reason(aw)}})
+	if err != nil {
+		// The call goes on: the handler committed what it needs (a lease,
+		// say), and the message is delivered again.
+		c.breakBatch(b, log, d, n, err)
+	}
+	log.Debug("message handed back while its handler's call runs", "within", aw.Within)
+	return false
+}
+
+// take waits up to wait for the call's result: taken reports whether the
+// delivery got it (and must finish the call), or the call goes on alone.
+func (a *awaitedCall) take(wait time.Duration) (err error, taken bool) {
+	if wait <= 0 {
+		return nil, false
+	}
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case err := <-a.result:
+		return err, true
+	case <-t.C:
+	}
+	if a.state.CompareAndSwap(callRunning, callParked) {
+		return nil, false
+	}
+	return <-a.result, true // it returned just now
+}
+
+// runCall runs an awaited call. If the delivery took its result, that is
+// all; otherwise, once the batch that parked its message is over, it wakes
+// the message (the call succeeded, or was cancelled by Close: the next
+// worker delivers it at once) or records the call's failure as the
+// attempt's.
+func (c *consumer) runCall(b *batch, log *slog.Logger, d delivery, n int, aw *AwaitError, call *awaitedCall) {
+	defer c.gate.calls.done()
+	calls := c.gate.calls.ctx
+	began := time.Now()
+	err := runAwaited(calls, aw)
+	c.callTime.add(time.Since(began))
+	if call.state.CompareAndSwap(callRunning, callTaken) {
+		call.result <- err
+		return
+	}
+	stopped := calls.Err() != nil
+	<-b.ended
+	if err != nil && !stopped {
+		c.recordAfter(failure{d: d, n: n, cause: err, what: "awaited call"})
+		// Its consumers sleep until its park runs out: tell them of its
+		// backoff.
+		if _, werr := c.t.execWaiting(wakeTopicSQL, c.t.schema.notifyChannel, c.rt.topic); werr != nil {
+			log.Warn("waking the topic of a message whose awaited call failed failed; it is retried when its park runs out", "err", werr)
+		}
+		return
+	}
+	woken, werr := c.t.execWaiting(wakeSQL, d.id, d.failed, c.t.schema.notifyChannel)
+	if werr != nil {
+		// It comes back when its park runs out.
+		log.Warn("awaited call finished; waking its message failed", "err", werr, "park", aw.Within)
+		return
+	}
+	log.Debug("awaited call finished", "woken", woken, "cancelled", stopped)
+}
