@@ -28,12 +28,31 @@ var errBusy = errors.New("payments: the order is being charged by another comman
 
 // charge takes an order's amount from an account: reserve (claim the gateway
 // call and post the charge, committed), call the gateway with the step's
-// key, record the answer. The step's own transaction only carries the reply.
+// key, record the answer. The call and its record run outside the step's
+// transaction (transport.Await): the step hands its command back while
+// they run, and its next run finds the answer recorded and replies. The
+// step's own transaction only carries the reply.
 func (s *Service) charge(ctx context.Context, tx *steps.Tx, cmd ChargePayment) (steps.Message, error) {
 	if cmd.AmountCents <= 0 || cmd.OrderID == uuid.Nil || !accountIDPattern.MatchString(cmd.AccountID) {
 		return nil, steps.Fail(PaymentFailed{OrderID: cmd.OrderID, Reason: ReasonInvalidCharge}, ReasonInvalidCharge)
 	}
-	chargeID, err := s.chargeOnce(ctx, tx.Key(), cmd)
+	if transport.AwaitedFromContext(ctx) {
+		// The call this run awaited recorded the gateway's answer: reply
+		// from it, read in the step's transaction, without reserving again.
+		if reply, found, err := s.recordedCharge(ctx, tx, cmd); found || err != nil {
+			return reply, err
+		}
+	}
+	chargeID, lease, err := s.reserveOnce(ctx, tx.Key(), cmd)
+	if err == nil && lease != nil {
+		return nil, transport.Await(s.cfg.GatewayLease, func(ctx context.Context) error {
+			_, err := s.capture(ctx, lease, cmd)
+			if errors.As(err, new(*refusal)) {
+				return nil // the decline is recorded: the next run answers it
+			}
+			return err
+		})
+	}
 	var ref *refusal
 	if errors.As(err, &ref) {
 		return nil, steps.Fail(PaymentFailed{OrderID: cmd.OrderID, Reason: ref.reason}, ref.reason)
@@ -44,9 +63,40 @@ func (s *Service) charge(ctx context.Context, tx *steps.Tx, cmd ChargePayment) (
 	return PaymentCharged{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents, ChargeID: chargeID}, nil
 }
 
+// recordedCharge reads the finished gateway call of the charge's key, if
+// there is one (found), and answers from it: the charge, or its decline (a
+// business failure). The step's claim has checked that the command is the
+// key's (same payload, so same account, order and amount).
+func (s *Service) recordedCharge(ctx context.Context, tx *steps.Tx, cmd ChargePayment) (reply steps.Message, found bool, err error) {
+	req := GatewayRequest("charge", tx.Key(), cmd.AccountID, cmd.OrderID, cmd.AmountCents)
+	rec, err := s.cfg.Idempotency.GetTx(ctx, tx, req.Scope, req.Key)
+	if errors.Is(err, idempotency.ErrNotFound) || (err == nil && !rec.Finished()) {
+		return nil, false, nil // reaped, or not finished: the usual way decides
+	}
+	if err != nil {
+		return nil, false, err
+	}
+	body := string(rec.Response.Body)
+	if rec.Status == idempotency.StatusFailed {
+		return nil, true, steps.Fail(PaymentFailed{OrderID: cmd.OrderID, Reason: body}, body)
+	}
+	return PaymentCharged{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents, ChargeID: body}, true, nil
+}
+
 // chargeOnce runs the gateway charge of key at most once, waiting out the
 // lease of a worker that died mid-call.
 func (s *Service) chargeOnce(ctx context.Context, key string, cmd ChargePayment) (string, error) {
+	chargeID, lease, err := s.reserveOnce(ctx, key, cmd)
+	if err != nil || lease == nil {
+		return chargeID, err
+	}
+	return s.capture(ctx, lease, cmd)
+}
+
+// reserveOnce reserves the charge of key (see reserve), waiting out the
+// lease of a worker that died mid-call. It returns the charge id of a
+// finished call, or the lease to call the gateway under.
+func (s *Service) reserveOnce(ctx context.Context, key string, cmd ChargePayment) (string, *idempotency.Lease, error) {
 	req := GatewayRequest("charge", key, cmd.AccountID, cmd.OrderID, cmd.AmountCents)
 	giveUp := time.Now().Add(2 * s.cfg.GatewayLease)
 	for {
@@ -54,14 +104,11 @@ func (s *Service) chargeOnce(ctx context.Context, key string, cmd ChargePayment)
 		var busy *idempotency.InProgressError
 		if errors.As(err, &busy) {
 			if err := s.waitLease(ctx, busy, giveUp, "charge", key); err != nil {
-				return "", err
+				return "", nil, err
 			}
 			continue
 		}
-		if err != nil || lease == nil {
-			return done, err
-		}
-		return s.capture(ctx, lease, cmd)
+		return done, lease, err
 	}
 }
 

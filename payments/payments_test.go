@@ -1,6 +1,7 @@
 package payments_test
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -66,6 +67,11 @@ type envOptions struct {
 	maxConns int32
 	// retry is the steps' retry policy; default: the transport's (6 attempts).
 	retry *transport.RetryPolicy
+	// gatewayTimeout and gatewayLease: default 300ms and 1s.
+	gatewayTimeout, gatewayLease time.Duration
+	// hook sees every gateway call before its fault is chosen (and may
+	// hold it).
+	hook func(fakegateway.Call)
 }
 
 func newEnvWith(t *testing.T, opts envOptions) *env {
@@ -92,13 +98,17 @@ func newEnvWith(t *testing.T, opts envOptions) *env {
 	require.NoError(t, err)
 	// The gateway is another service: it gets a pool of its own.
 	gwPool := testdb.Open(t, db.URL, 4)
+	faults := e.fault
+	if opts.hook != nil {
+		faults = func(c fakegateway.Call) fakegateway.Fault { opts.hook(c); return e.fault(c) }
+	}
 	gw, err := fakegateway.Start(context.Background(), fakegateway.Config{DB: gwPool.SQL, Logger: logger(),
-		LostHang: 2 * time.Second, SlowDelay: 50 * time.Millisecond, Faults: e.fault})
+		LostHang: 2 * time.Second, SlowDelay: 50 * time.Millisecond, Faults: faults})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = gw.Close() })
 	svc, err := payments.New(payments.Config{DB: db.SQL, Events: es, Idempotency: store, Logger: logger(),
-		Gateway:      &payments.GatewayClient{BaseURL: gw.URL(), HTTP: &http.Client{Timeout: 300 * time.Millisecond}},
-		GatewayLease: time.Second})
+		Gateway:      &payments.GatewayClient{BaseURL: gw.URL(), HTTP: &http.Client{Timeout: cmp.Or(opts.gatewayTimeout, 300*time.Millisecond)}},
+		GatewayLease: cmp.Or(opts.gatewayLease, time.Second)})
 	require.NoError(t, err)
 	e.tr, e.store, e.rt, e.gw, e.svc = tr, store, rt, gw, svc
 	// "reader" keeps the replies queued for the tests to read.
@@ -349,6 +359,69 @@ func TestConcurrentChargesAcrossConsumersNeverOverdraw(t *testing.T) {
 		"the gateway charged exactly what the ledger holds: no batch called it on a stale balance")
 	assert.Equal(t, 35, e.count(`SELECT count(DISTINCT metadata->>'idempotency_key') FROM pgsaga_queue
 		WHERE topic = $1 AND metadata->>'idempotency_key' LIKE $2 AND metadata->>'outcome' = 'failed'`, e.replies, "par-"+acct+"-%"))
+}
+
+// The charge's gateway call runs outside its delivery batch: with one
+// consumer, a charge queued behind one whose gateway call hangs is answered
+// while that call still runs; the hung charge is answered once its call
+// returns, charged once.
+func TestChargeCallsTheGatewayOutsideItsDeliveryBatch(t *testing.T) {
+	t.Parallel()
+	started, release := make(chan struct{}), make(chan struct{})
+	var once, releaseOnce sync.Once
+	slowKey := "slow-" + uuid.NewString()
+	e := newEnvWith(t, envOptions{gatewayTimeout: 20 * time.Second, gatewayLease: 30 * time.Second, hook: func(c fakegateway.Call) {
+		if c.Key == slowKey {
+			once.Do(func() { close(started) })
+			<-release
+		}
+	}})
+	t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) }) // before the gateway closes
+	acct := e.account(1000)
+	step := e.svc.ChargeStep()
+	step.Topic = "charges_" + uuid.NewString()[:6]
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, e.rt.Register(r, step, transport.WithConsumers(1)))
+	require.NoError(t, r.Start(context.Background()))
+	t.Cleanup(func() { _ = r.Stop() })
+
+	quickKey, declinedKey := "quick-"+uuid.NewString(), "declined-"+uuid.NewString()
+	e.plan(declinedKey, fakegateway.Decline)
+	tx, err := e.db.SQL.Begin()
+	require.NoError(t, err)
+	for _, key := range []string{slowKey, quickKey, declinedKey} { // one batch, the slow one first
+		msg, err := steps.NewMessage(charge(uuid.New(), acct, 100), steps.Envelope{Key: key, ReplyTo: e.replies})
+		require.NoError(t, err)
+		require.NoError(t, e.tr.Publisher(tx).Publish(step.Topic, msg))
+	}
+	require.NoError(t, tx.Commit())
+
+	<-started
+	answered := func(key string) bool {
+		return e.count(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1 AND metadata->>'idempotency_key' = $2`, e.replies, key) > 0
+	}
+	deadline := time.Now().Add(15 * time.Second)
+	for !answered(quickKey) || !answered(declinedKey) {
+		require.True(t, time.Now().Before(deadline), "the charges behind the hung call are answered while it hangs")
+		time.Sleep(10 * time.Millisecond)
+	}
+	declined := e.reply(declinedKey)
+	assert.Equal(t, steps.OutcomeFailed, declined.env.Outcome)
+	assert.Equal(t, payments.ReasonDeclined, declined.payload["reason"])
+	assert.False(t, answered(slowKey))
+	releaseOnce.Do(func() { close(release) })
+	for !answered(slowKey) {
+		require.True(t, time.Now().Before(deadline.Add(15*time.Second)), "the hung charge is answered once its call returns")
+		time.Sleep(10 * time.Millisecond)
+	}
+	for _, key := range []string{slowKey, quickKey} {
+		r := e.reply(key)
+		assert.Equal(t, steps.OutcomeOK, r.env.Outcome, key)
+		assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE key = $1 AND outcome = 'succeeded' AND id = $2`, key, r.payload["charge_id"]), key)
+	}
+	assert.Equal(t, int64(800), e.balance(acct))
+	assert.Equal(t, 2, e.count(`SELECT count(*) FROM account_postings WHERE account_id = $1 AND kind = 'charge' AND reference IS NOT NULL`, acct))
 }
 
 func TestGatewayDecline(t *testing.T) {

@@ -147,7 +147,12 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	}
 	b.statsDB = b.statsPool.SQL
 	b.statementStats = enableStatementStats(ctx, b.statsDB)
-	if b.gateway, err = fakegateway.Start(ctx, fakegateway.Config{DB: b.gwDB.SQL, Logger: b.log}); err != nil {
+	gcfg := fakegateway.Config{DB: b.gwDB.SQL, Logger: b.log}
+	if opts.gatewayDelay > 0 {
+		gcfg.SlowDelay = opts.gatewayDelay
+		gcfg.Faults = func(fakegateway.Call) fakegateway.Fault { return fakegateway.Slow }
+	}
+	if b.gateway, err = fakegateway.Start(ctx, gcfg); err != nil {
 		return nil, err
 	}
 	tcfg := transport.Config{BatchSize: opts.batch, Consumers: opts.consumers}

@@ -34,7 +34,9 @@ type options struct {
 	// queueEveryHop queues every command and reply (no in-process
 	// deliveries).
 	queueEveryHop bool
-	profile       string
+	// gatewayDelay: every gateway call answers after it.
+	gatewayDelay time.Duration
+	profile      string
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -59,6 +61,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.BoolVar(&o.keep, "keep", false, "keep the benchmark database instead of dropping it")
 	fs.BoolVar(&o.queueEveryHop, "queue-every-hop", false, "send every trigger, command and reply through the queue, as with one process per participant, instead of starting each saga in Place's transaction and delivering the orders steps and the engine's replies in process")
 	fs.BoolVar(&o.asyncProjection, "async-projection", false, "keep order_views by delivering each order event to the projection's consumer group, instead of inline in the appending transaction")
+	fs.DurationVar(&o.gatewayDelay, "gateway-delay", 0, "the fake payment gateway answers every call after this long (a real gateway takes 100ms to seconds); at most 1s")
 	fs.BoolVar(&o.verbose, "v", false, "log what the workers do (to stderr)")
 	fs.Usage = func() {}
 	if err := fs.Parse(args); err != nil {
@@ -143,7 +146,7 @@ are 0):
                             baseline_s, idle_s, async_projection (true: the
                             order_views projection ran as a consumer),
                             queue_every_hop (true: no in-process
-                            deliveries),
+                            deliveries), gateway_delay_ms (-gateway-delay),
                             worker_processes (workers run as that many
                             processes; their CPU counts as the process's)
     machine                 cores, goos, goarch, go (version), postgres (server
@@ -171,6 +174,8 @@ func validate(fs *flag.FlagSet, o *options) error {
 		return fmt.Errorf("-workers must be between 1 and 16, got %d", o.workers)
 	case o.workerProcs < 0 || o.workerProcs > 16:
 		return fmt.Errorf("-worker-processes must be between 0 and 16, got %d", o.workerProcs)
+	case o.gatewayDelay < 0 || o.gatewayDelay > time.Second:
+		return fmt.Errorf("-gateway-delay must be between 0 and 1s (the gateway client's timeout is 2s), got %s", o.gatewayDelay)
 	case o.batch < 1 || o.batch > 1000:
 		return fmt.Errorf("-batch must be between 1 and 1000, got %d", o.batch)
 	case o.baseline < 0 || o.idle < 0:

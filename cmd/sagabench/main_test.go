@@ -117,6 +117,7 @@ func TestBadFlags(t *testing.T) {
 		"-workers 17":          "-workers must be between 1 and 16",
 		"-worker-processes 17": "-worker-processes must be between 0 and 16",
 		"-batch 0":             "-batch must be between 1 and 1000",
+		"-gateway-delay 2s":    "-gateway-delay must be between 0 and 1s",
 		"-idle -1s":            "must not be negative",
 		"-timeout 0s":          "-timeout must be positive",
 		"-sagas 0 -rate 0":     "nothing to measure",

@@ -94,6 +94,8 @@ type benchConfig struct {
 	AsyncProjection bool `json:"async_projection"`
 	// QueueEveryHop: no in-process deliveries.
 	QueueEveryHop bool `json:"queue_every_hop"`
+	// GatewayDelayMs: every gateway call answered after this long.
+	GatewayDelayMs float64 `json:"gateway_delay_ms"`
 	// WorkerProcesses: the workers ran as this many processes (0: in this
 	// one).
 	WorkerProcesses int `json:"worker_processes"`
@@ -118,7 +120,8 @@ func (b *bench) run(ctx context.Context) int {
 	r := result{Violations: []string{}, Rate: b.opts.rate,
 		Config: benchConfig{Consumers: b.opts.consumers, Lanes: b.opts.consumers, Workers: b.opts.workers, Batch: b.opts.batch, Inflight: b.opts.inflight,
 			DurationS: b.opts.duration.Seconds(), BaselineS: b.opts.baseline.Seconds(), IdleS: b.opts.idle.Seconds(),
-			AsyncProjection: b.opts.asyncProjection, QueueEveryHop: b.opts.queueEveryHop, WorkerProcesses: b.opts.workerProcs},
+			AsyncProjection: b.opts.asyncProjection, QueueEveryHop: b.opts.queueEveryHop, WorkerProcesses: b.opts.workerProcs,
+			GatewayDelayMs: float64(b.opts.gatewayDelay) / float64(time.Millisecond)},
 		Machine: machine{Cores: runtime.NumCPU(), GOOS: runtime.GOOS, GOARCH: runtime.GOARCH, Go: runtime.Version()}}
 	_ = b.db.SQL.QueryRowContext(ctx, `SELECT current_setting('server_version')`).Scan(&r.Machine.Postgres)
 	finished := true
