@@ -210,6 +210,8 @@ var idSpace = uuid.MustParse("4f0c2c2e-4a8b-4f4e-9d2a-7067736167a1")
 
 // instance is a saga_instances row being worked on.
 type instance struct {
+	// lastStep is the step the timeline named last, when listed.
+	lastStep      string
 	ID            uuid.UUID
 	Type          string
 	DefVersion    int

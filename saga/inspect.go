@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -48,16 +49,30 @@ type HistoryEntry struct {
 }
 
 func (e *Engine) public(inst *instance) Instance {
+	return publicInstance(inst, func(step int) (string, bool) {
+		def, ok := e.definition(inst.Type, inst.DefVersion)
+		if !ok || step >= len(def.steps) {
+			return inst.lastStep, inst.lastStep != ""
+		}
+		return def.steps[step].name, true
+	})
+}
+
+// publicInstance is inst as operators see it; name names its current step
+// if it can.
+func publicInstance(inst *instance, name func(step int) (string, bool)) Instance {
 	out := Instance{
 		ID: inst.ID, Type: inst.Type, DefinitionVersion: inst.DefVersion, Status: inst.Status, Data: inst.Data,
 		Phase: inst.Phase, Attempt: inst.Attempt, Generation: inst.Generation, Version: inst.Version,
 		CorrelationID: inst.CorrelationID, FailureReason: inst.FailureReason, DeadlineAt: inst.DeadlineAt,
 		CreatedAt: inst.CreatedAt, UpdatedAt: inst.UpdatedAt, FinishedAt: inst.FinishedAt,
 	}
-	if def, ok := e.definition(inst.Type, inst.DefVersion); ok && inst.Step >= 0 && inst.Step < len(def.steps) {
-		out.Step = def.steps[inst.Step].name
-	} else if inst.Step >= 0 {
-		out.Step = fmt.Sprintf("#%d", inst.Step)
+	if inst.Step >= 0 {
+		if n, ok := name(inst.Step); ok {
+			out.Step = n
+		} else {
+			out.Step = fmt.Sprintf("#%d", inst.Step)
+		}
 	}
 	return out
 }
@@ -68,8 +83,13 @@ func (e *Engine) Get(ctx context.Context, id uuid.UUID) (Instance, error) {
 	if err != nil {
 		return Instance{}, err
 	}
-	out := e.public(inst)
-	rows, err := e.cfg.DB.QueryContext(ctx, historySQL, id)
+	return withHistory(ctx, e.cfg.DB, e.public(inst))
+}
+
+// withHistory adds its timeline to out.
+func withHistory(ctx context.Context, db *sql.DB, out Instance) (Instance, error) {
+	id := out.ID
+	rows, err := db.QueryContext(ctx, historySQL, id)
 	if err != nil {
 		return Instance{}, fmt.Errorf("saga %s: reading its timeline: %w", id, err)
 	}
@@ -100,6 +120,12 @@ type Filter struct {
 
 // List returns instances by status and age, least recently updated first.
 func (e *Engine) List(ctx context.Context, f Filter) ([]Instance, error) {
+	return list(ctx, e.cfg.DB, f, e.public)
+}
+
+// list lists instances, made public by public (which may use the step the
+// timeline named last, lastStep).
+func list(ctx context.Context, db *sql.DB, f Filter, public func(*instance) Instance) ([]Instance, error) {
 	if f.Limit <= 0 {
 		f.Limit = 100
 	}
@@ -111,20 +137,63 @@ func (e *Engine) List(ctx context.Context, f Filter) ([]Instance, error) {
 		}
 		statuses = s
 	}
-	rows, err := e.cfg.DB.QueryContext(ctx, listSQL, statuses, f.Type, time.Now().Add(-f.OlderThan), f.Limit)
+	rows, err := db.QueryContext(ctx, listSQL, statuses, f.Type, time.Now().Add(-f.OlderThan), f.Limit)
 	if err != nil {
 		return nil, fmt.Errorf("saga: listing instances: %w", err)
 	}
 	defer rows.Close()
 	var out []Instance
 	for rows.Next() {
-		inst, err := scanInstance(rows)
+		var lastStep string
+		inst, err := scanInstance(rows, &lastStep)
 		if err != nil {
 			return nil, fmt.Errorf("saga: listing instances: %w", err)
 		}
-		out = append(out, e.public(inst))
+		inst.lastStep = lastStep
+		out = append(out, public(inst))
 	}
 	return out, rows.Err()
+}
+
+// Inspector reads saga instances and their timelines without their
+// definitions: what an operator's tool, which runs no saga, needs. A
+// step is named as the instance's timeline last named it.
+type Inspector struct {
+	db *sql.DB
+}
+
+// NewInspector returns an Inspector of the sagas in db.
+func NewInspector(db *sql.DB) *Inspector { return &Inspector{db: db} }
+
+// List returns instances by status and age, least recently updated first.
+func (i *Inspector) List(ctx context.Context, f Filter) ([]Instance, error) {
+	return list(ctx, i.db, f, inspected)
+}
+
+// Get returns an instance with its timeline; ErrNotFound if there is none.
+func (i *Inspector) Get(ctx context.Context, id uuid.UUID) (Instance, error) {
+	inst, err := loadInstance(ctx, i.db, id, false)
+	if err != nil {
+		return Instance{}, err
+	}
+	timeline, err := withHistory(ctx, i.db, Instance{ID: id})
+	if err != nil {
+		return Instance{}, err
+	}
+	for _, h := range slices.Backward(timeline.History) {
+		if h.Step != "" {
+			inst.lastStep = h.Step
+			break
+		}
+	}
+	out := inspected(inst)
+	out.History = timeline.History
+	return out, nil
+}
+
+// inspected is inst made public without its definition.
+func inspected(inst *instance) Instance {
+	return publicInstance(inst, func(int) (string, bool) { return inst.lastStep, inst.lastStep != "" })
 }
 
 // Counts returns how many instances each saga type has in each status.

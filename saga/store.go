@@ -92,7 +92,11 @@ WHERE id = $1 AND status IN ('running', 'compensating')`
     coalesce(message_id, ''), coalesce(detail, '')
 FROM saga_history WHERE saga_id = $1 ORDER BY seq`
 
-	listSQL = `SELECT ` + instanceColumns + ` FROM saga_instances
+	// listSQL lists instances, each with the step its timeline named
+	// last (for readers without the definitions).
+	listSQL = `SELECT ` + instanceColumns + `,
+    coalesce((SELECT h.step FROM saga_history h WHERE h.saga_id = saga_instances.id AND h.step IS NOT NULL ORDER BY h.seq DESC LIMIT 1), '')
+FROM saga_instances
 WHERE ($1::text[] IS NULL OR status = ANY ($1::text[]))
   AND ($2::text = '' OR saga_type = $2)
   AND updated_at <= $3
@@ -143,16 +147,17 @@ func updateInstance(ctx context.Context, tx transport.Tx, inst *instance) error 
 
 type scanner interface{ Scan(dest ...any) error }
 
-func scanInstance(row scanner) (*instance, error) {
+// scanInstance scans the instanceColumns of row, and more into more.
+func scanInstance(row scanner, more ...any) (*instance, error) {
 	var (
 		inst   instance
 		status string
 		phase  string
 		data   []byte
 	)
-	err := row.Scan(&inst.ID, &inst.Type, &inst.DefVersion, &status, &data, &inst.Step, &phase, &inst.Attempt,
+	err := row.Scan(append([]any{&inst.ID, &inst.Type, &inst.DefVersion, &status, &data, &inst.Step, &phase, &inst.Attempt,
 		&inst.Generation, &inst.Version, &inst.CorrelationID, &inst.FailureReason, &inst.DeadlineAt,
-		&inst.CreatedAt, &inst.UpdatedAt, &inst.FinishedAt)
+		&inst.CreatedAt, &inst.UpdatedAt, &inst.FinishedAt}, more...)...)
 	if err != nil {
 		return nil, err
 	}
