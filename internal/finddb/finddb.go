@@ -76,6 +76,11 @@ type Config struct {
 	Timeout time.Duration
 	// IsRoot reports whether the process runs as root. Default: euid 0.
 	IsRoot func() bool
+	// Existing uses only a server that is already running: DATABASE_URL,
+	// the local server, or an embedded server a running sample started;
+	// it never starts one (an operator's tool reads the workers' database,
+	// and a fresh one would be empty).
+	Existing bool
 
 	skipped string // why a local server that answered was not used
 }
@@ -160,11 +165,29 @@ func Find(ctx context.Context, cfg Config) (*Found, error) {
 	} else {
 		cfg.Logger.Debug("no local PostgreSQL answered", "url", pgdb.Redact(cfg.ProbeURL), "err", probeErr)
 	}
+	if cfg.Existing {
+		return runningEmbedded(ctx, cfg)
+	}
 	return startEmbedded(ctx, cfg)
 }
 
 // oneLine is err's message on one line.
 func oneLine(err error) string { return strings.Join(strings.Fields(err.Error()), " ") }
+
+// runningEmbedded is the embedded server a running program started, if
+// one answers; it is not stopped on Close.
+func runningEmbedded(ctx context.Context, cfg Config) (*Found, error) {
+	url := fmt.Sprintf("postgres://postgres:postgres@127.0.0.1:%d/%s?sslmode=disable", cfg.EmbeddedPort, cfg.Database)
+	if probe(ctx, url, cfg.Timeout) == nil {
+		return &Found{URL: url, Source: FromEmbedded, Detail: filepath.Join(cfg.EmbeddedDir, "data")}, nil
+	}
+	local := "nothing answered at " + pgdb.Redact(cfg.ProbeURL)
+	if cfg.skipped != "" {
+		local = cfg.skipped
+	}
+	return nil, fmt.Errorf("%w: %s, and no embedded PostgreSQL of a running sample answered on port %d; "+
+		"set DATABASE_URL to the database your workers use", ErrNoDatabase, local, cfg.EmbeddedPort)
+}
 
 func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 	url := fmt.Sprintf("postgres://postgres:postgres@127.0.0.1:%d/%s?sslmode=disable", cfg.EmbeddedPort, cfg.Database)

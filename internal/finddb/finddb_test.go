@@ -247,3 +247,26 @@ func dropDatabase(t *testing.T, name string) {
 		t.Errorf("dropping %s: %v", name, err)
 	}
 }
+
+// An operator's tool (Existing) never starts a server: with nothing
+// running it says so and how to point it at the workers' database, even
+// as a user who could start an embedded one; with the embedded server of a
+// running sample it uses that.
+func TestExistingNeverStartsAServer(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	_, err := finddb.Find(context.Background(), finddb.Config{
+		Getenv:       noEnv,
+		ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
+		EmbeddedPort: freePort(t),
+		EmbeddedDir:  dir,
+		IsRoot:       func() bool { return false },
+		Logger:       quiet,
+		Timeout:      time.Second,
+		Existing:     true,
+	})
+	require.ErrorIs(t, err, finddb.ErrNoDatabase)
+	assert.Contains(t, err.Error(), "set DATABASE_URL to the database your workers use")
+	entries, _ := os.ReadDir(dir)
+	assert.Empty(t, entries, "nothing was set up for an embedded server")
+}
