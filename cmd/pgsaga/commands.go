@@ -1,0 +1,387 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"runtime/debug"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/spf13/cobra"
+
+	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/migrations"
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// sagaJSON is a saga in --json listings. Its field names are a contract.
+type sagaJSON struct {
+	ID            string          `json:"id"`
+	Saga          string          `json:"saga"`
+	Version       int             `json:"definition_version"`
+	Status        string          `json:"status"`
+	Step          string          `json:"step"`
+	Phase         string          `json:"phase"`
+	Attempt       int             `json:"attempt"`
+	AgeS          float64         `json:"age_s"`
+	CorrelationID string          `json:"correlation_id"`
+	FailureReason string          `json:"failure_reason"`
+	CreatedAt     time.Time       `json:"created_at"`
+	UpdatedAt     time.Time       `json:"updated_at"`
+	FinishedAt    *time.Time      `json:"finished_at"`
+	Data          json.RawMessage `json:"data,omitempty"`
+	Timeline      []timelineJSON  `json:"timeline,omitempty"`
+}
+
+// timelineJSON is one entry of a saga's timeline in `show --json`.
+type timelineJSON struct {
+	Seq       int       `json:"seq"`
+	At        time.Time `json:"at"`
+	SinceMs   float64   `json:"since_start_ms"`
+	Kind      string    `json:"kind"`
+	Step      string    `json:"step"`
+	Phase     string    `json:"phase"`
+	Attempt   int       `json:"attempt"`
+	MessageID string    `json:"message_id"`
+	Detail    string    `json:"detail"`
+}
+
+func toJSON(in saga.Instance, now time.Time) sagaJSON {
+	out := sagaJSON{ID: in.ID.String(), Saga: in.Type, Version: in.DefinitionVersion, Status: string(in.Status), Step: in.Step,
+		Phase: string(in.Phase), Attempt: in.Attempt, AgeS: round(now.Sub(in.CreatedAt).Seconds()), CorrelationID: in.CorrelationID,
+		FailureReason: in.FailureReason, CreatedAt: in.CreatedAt, UpdatedAt: in.UpdatedAt, FinishedAt: in.FinishedAt}
+	for _, h := range in.History {
+		out.Timeline = append(out.Timeline, timelineJSON{Seq: h.Seq, At: h.At, SinceMs: round(float64(h.At.Sub(in.CreatedAt).Microseconds()) / 1000),
+			Kind: h.Kind, Step: h.Step, Phase: string(h.Phase), Attempt: h.Attempt, MessageID: h.MessageID, Detail: h.Detail})
+	}
+	return out
+}
+
+func round(f float64) float64 { return float64(int64(f*1000+0.5)) / 1000 }
+
+func writeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+var statuses = []saga.Status{saga.StatusRunning, saga.StatusCompensating, saga.StatusCompleted, saga.StatusCompensated, saga.StatusFailed}
+
+func sagasCmd() *cobra.Command {
+	var (
+		status    []string
+		name      string
+		olderThan time.Duration
+		limit     int
+		asJSON    bool
+	)
+	cmd := &cobra.Command{
+		Use:   "sagas",
+		Short: "List saga instances: status, current step, age, attempts (least recently updated first)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			f := saga.Filter{Type: name, OlderThan: olderThan, Limit: limit}
+			for _, s := range status {
+				st := saga.Status(s)
+				if !validStatus(st) {
+					return usagef("--status %q: want one of %s", s, statusList())
+				}
+				f.Statuses = append(f.Statuses, st)
+			}
+			if err := checkLimit(limit); err != nil {
+				return err
+			}
+			if olderThan < 0 {
+				return usagef("--older-than must not be negative, got %s", olderThan)
+			}
+			return withSchema(cmd.Context(), func(db *pgdb.DB) error {
+				list, err := saga.NewInspector(db.SQL).List(cmd.Context(), f)
+				if err != nil {
+					return err
+				}
+				now := time.Now()
+				if asJSON {
+					out := make([]sagaJSON, len(list))
+					for i, in := range list {
+						out[i] = toJSON(in, now)
+					}
+					return writeJSON(cmd.OutOrStdout(), out)
+				}
+				tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+				fmt.Fprintln(tw, "ID\tSAGA\tSTATUS\tSTEP\tPHASE\tATTEMPT\tAGE\tUPDATED")
+				for _, in := range list {
+					fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s ago\n", in.ID, in.Type, in.Status, dash(in.Step), dash(string(in.Phase)),
+						in.Attempt, age(now.Sub(in.CreatedAt)), age(now.Sub(in.UpdatedAt)))
+				}
+				if err := tw.Flush(); err != nil {
+					return err
+				}
+				if len(list) == 0 {
+					fmt.Fprintln(cmd.ErrOrStderr(), "no saga matches")
+				}
+				return nil
+			})
+		},
+	}
+	cmd.Flags().StringSliceVar(&status, "status", nil, "only these statuses ("+statusList()+"); repeat or separate with commas")
+	cmd.Flags().StringVar(&name, "saga", "", "only sagas of this name")
+	cmd.Flags().DurationVar(&olderThan, "older-than", 0, "only sagas not updated for at least this long (e.g. 10m)")
+	cmd.Flags().IntVar(&limit, "limit", 100, "at most this many")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print a JSON array")
+	return cmd
+}
+
+func checkLimit(limit int) error {
+	if limit < 1 || limit > 10_000 {
+		return usagef("--limit must be between 1 and 10000, got %d", limit)
+	}
+	return nil
+}
+
+func validStatus(s saga.Status) bool {
+	for _, st := range statuses {
+		if s == st {
+			return true
+		}
+	}
+	return false
+}
+
+func statusList() string {
+	s := make([]string, len(statuses))
+	for i, st := range statuses {
+		s[i] = string(st)
+	}
+	return strings.Join(s, ", ")
+}
+
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+// age is d for people: 850ms, 12s, 5m03s, 3h20m, 2d4h.
+func age(d time.Duration) string {
+	switch {
+	case d < time.Second:
+		return fmt.Sprintf("%dms", d.Milliseconds())
+	case d < time.Minute:
+		return fmt.Sprintf("%ds", int(d.Seconds()))
+	case d < time.Hour:
+		return fmt.Sprintf("%dm%02ds", int(d.Minutes()), int(d.Seconds())%60)
+	case d < 48*time.Hour:
+		return fmt.Sprintf("%dh%02dm", int(d.Hours()), int(d.Minutes())%60)
+	}
+	return fmt.Sprintf("%dd%dh", int(d.Hours())/24, int(d.Hours())%24)
+}
+
+func showCmd() *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "show <saga-id>",
+		Short: "Show a saga instance and its timeline: what was sent, when, what came back",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			id, err := uuid.Parse(args[0])
+			if err != nil {
+				return usagef("%q is not a saga id (a UUID)", args[0])
+			}
+			return withSchema(cmd.Context(), func(db *pgdb.DB) error {
+				in, err := saga.NewInspector(db.SQL).Get(cmd.Context(), id)
+				if err != nil {
+					return err
+				}
+				if asJSON {
+					return writeJSON(cmd.OutOrStdout(), toJSON(in, time.Now()))
+				}
+				return printSaga(cmd.OutOrStdout(), in)
+			})
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print a JSON object, timeline included")
+	return cmd
+}
+
+func printSaga(w io.Writer, in saga.Instance) error {
+	fmt.Fprintf(w, "saga      %s (%s v%d)\n", in.ID, in.Type, in.DefinitionVersion)
+	fmt.Fprintf(w, "status    %s", in.Status)
+	if in.Step != "" {
+		fmt.Fprintf(w, " at %s (%s, attempt %d)", in.Step, in.Phase, in.Attempt)
+	}
+	fmt.Fprintln(w)
+	if in.FailureReason != "" {
+		fmt.Fprintf(w, "reason    %s\n", in.FailureReason)
+	}
+	fmt.Fprintf(w, "started   %s\n", in.CreatedAt.Format(time.RFC3339Nano))
+	if in.FinishedAt != nil {
+		fmt.Fprintf(w, "finished  %s (after %s)\n", in.FinishedAt.Format(time.RFC3339Nano), in.FinishedAt.Sub(in.CreatedAt).Round(time.Microsecond))
+	}
+	if in.CorrelationID != "" {
+		fmt.Fprintf(w, "order     %s\n", in.CorrelationID)
+	}
+	fmt.Fprintln(w)
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "SEQ\t+MS\tKIND\tSTEP\tPHASE\tATTEMPT\tDETAIL")
+	for _, h := range in.History {
+		fmt.Fprintf(tw, "%d\t%.1f\t%s\t%s\t%s\t%s\t%s\n", h.Seq, float64(h.At.Sub(in.CreatedAt).Microseconds())/1000, h.Kind, dash(h.Step),
+			dash(string(h.Phase)), attempt(h.Attempt), oneLine(h.Detail))
+	}
+	return tw.Flush()
+}
+
+func attempt(n int) string {
+	if n == 0 {
+		return "-"
+	}
+	return fmt.Sprint(n)
+}
+
+// oneLine keeps a table row on one line, whatever a detail holds.
+func oneLine(s string) string { return strings.Join(strings.Fields(s), " ") }
+
+// deadLetterJSON is a dead letter in --json listings. Its field names are a
+// contract.
+type deadLetterJSON struct {
+	ID            int64             `json:"id"`
+	UUID          string            `json:"uuid"`
+	Topic         string            `json:"topic"`
+	ConsumerGroup string            `json:"consumer_group"`
+	Handler       string            `json:"handler"`
+	Reason        string            `json:"reason"`
+	Attempts      int               `json:"attempts"`
+	CreatedAt     time.Time         `json:"created_at"`
+	DeadAt        time.Time         `json:"dead_at"`
+	Metadata      map[string]string `json:"metadata"`
+	Payload       string            `json:"payload"`
+}
+
+func deadLettersCmd() *cobra.Command {
+	var (
+		topic  string
+		limit  int
+		asJSON bool
+	)
+	cmd := &cobra.Command{
+		Use:   "dead-letters",
+		Short: "List the messages that could not be handled, with why",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := checkLimit(limit); err != nil {
+				return err
+			}
+			return withSchema(cmd.Context(), func(db *pgdb.DB) error {
+				tr, err := transport.New(transport.Config{DB: db.SQL})
+				if err != nil {
+					return err
+				}
+				dl, err := tr.DeadLetters(cmd.Context(), transport.DeadLetterFilter{Topic: topic, Limit: limit})
+				if err != nil {
+					return err
+				}
+				if asJSON {
+					out := make([]deadLetterJSON, len(dl))
+					for i, d := range dl {
+						out[i] = deadLetterJSON{ID: d.ID, UUID: d.UUID, Topic: d.Topic, ConsumerGroup: d.ConsumerGroup, Handler: d.Handler,
+							Reason: d.Reason, Attempts: d.Attempts, CreatedAt: d.CreatedAt, DeadAt: d.DeadAt, Metadata: d.Metadata,
+							Payload: strings.ToValidUTF8(string(d.Payload), "\uFFFD")}
+					}
+					return writeJSON(cmd.OutOrStdout(), out)
+				}
+				tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+				fmt.Fprintln(tw, "ID\tTOPIC\tGROUP\tATTEMPTS\tDEAD\tREASON")
+				now := time.Now()
+				for _, d := range dl {
+					fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s ago\t%s\n", d.ID, d.Topic, dash(d.ConsumerGroup), d.Attempts, age(now.Sub(d.DeadAt)), clip(oneLine(d.Reason), 100))
+				}
+				return tw.Flush()
+			})
+		},
+	}
+	cmd.Flags().StringVar(&topic, "topic", "", "only dead letters of this topic")
+	cmd.Flags().IntVar(&limit, "limit", 100, "at most this many, oldest first")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print a JSON array")
+	return cmd
+}
+
+func clip(s string, n int) string {
+	r := []rune(s)
+	if len(r) <= n {
+		return s
+	}
+	return string(r[:n-1]) + "…"
+}
+
+func migrateCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "migrate",
+		Short: "Apply the migrations this binary knows to the database",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return withDB(cmd.Context(), func(db *pgdb.DB) error {
+				applied, err := migrations.Apply(cmd.Context(), db.SQL)
+				if err != nil {
+					return err
+				}
+				if len(applied) == 0 {
+					fmt.Fprintln(cmd.OutOrStdout(), "the schema is up to date")
+					return nil
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), "applied %v\n", applied)
+				return nil
+			})
+		},
+	}
+}
+
+// versionJSON is `version --json`. Its field names are a contract.
+type versionJSON struct {
+	Binary        string `json:"binary"`
+	SchemaVersion int64  `json:"schema_version"`
+	SchemaKnown   int64  `json:"schema_known"`
+	UpToDate      bool   `json:"up_to_date"`
+}
+
+func versionCmd() *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "version",
+		Short: "The binary's version, and the database's schema version against the one it knows",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return withDB(cmd.Context(), func(db *pgdb.DB) error {
+				current, known, err := migrations.Version(cmd.Context(), db.SQL)
+				if err != nil {
+					return err
+				}
+				v := versionJSON{Binary: binaryVersion(), SchemaVersion: current, SchemaKnown: known, UpToDate: current == known}
+				if asJSON {
+					return writeJSON(cmd.OutOrStdout(), v)
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), "pgsaga %s\nschema %d (this binary knows %d)", v.Binary, current, known)
+				switch {
+				case current < known:
+					fmt.Fprint(cmd.OutOrStdout(), ": run pgsaga migrate")
+				case current > known:
+					fmt.Fprint(cmd.OutOrStdout(), ": the database was migrated by a newer release")
+				}
+				fmt.Fprintln(cmd.OutOrStdout())
+				return nil
+			})
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print a JSON object")
+	return cmd
+}
+
+func binaryVersion() string {
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
+		return bi.Main.Version
+	}
+	return "(devel)"
+}

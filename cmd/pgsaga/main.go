@@ -1,0 +1,153 @@
+// Command pgsaga is the operator's tool: it lists and inspects sagas, dead
+// letters and the schema of the database the workers use (DATABASE_URL,
+// else the local server the sample uses; it never starts one).
+//
+//	pgsaga sagas [--status S]... [--saga NAME] [--older-than D] [--limit N] [--json]
+//	pgsaga show <saga-id> [--json]
+//	pgsaga dead-letters [--topic T] [--limit N] [--json]
+//	pgsaga migrate
+//	pgsaga version [--json]
+//
+// Exit status: 0 done, 1 the operation failed (no database, no such saga),
+// 2 usage (a bad flag or argument).
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/spf13/cobra"
+
+	"github.com/pgsaga/pgsaga/internal/finddb"
+	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/migrations"
+)
+
+// Exit statuses.
+const (
+	exitOK     = 0
+	exitFailed = 1
+	exitUsage  = 2
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// usageError is a bad flag or argument: exit status 2.
+type usageError struct{ err error }
+
+func (e usageError) Error() string { return e.err.Error() }
+func (e usageError) Unwrap() error { return e.err }
+
+func usagef(format string, args ...any) error { return usageError{fmt.Errorf(format, args...)} }
+
+// run runs the command line args and returns the exit status.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	root := newRoot(stdout, stderr)
+	root.SetArgs(args)
+	cmd, err := root.ExecuteC()
+	if err == nil {
+		return exitOK
+	}
+	fmt.Fprintln(stderr, "pgsaga:", err)
+	var u usageError
+	if errors.As(err, &u) || cmd == nil || isCobraUsage(err) {
+		if cmd != nil {
+			fmt.Fprintf(stderr, "Run '%s --help' for usage.\n", cmd.CommandPath())
+		}
+		return exitUsage
+	}
+	return exitFailed
+}
+
+// isCobraUsage reports whether err is cobra's own complaint about the
+// command line (an unknown flag, a missing argument, an unknown command).
+func isCobraUsage(err error) bool {
+	var failed *cliError
+	return !errors.As(err, &failed)
+}
+
+// cliError is an operation that failed once the command line was
+// understood: exit status 1.
+type cliError struct{ err error }
+
+func (e *cliError) Error() string { return e.err.Error() }
+func (e *cliError) Unwrap() error { return e.err }
+
+// failed marks err as the operation's failure (exit 1), not a usage error.
+func failed(err error) error {
+	var u usageError
+	if err == nil || errors.As(err, &u) {
+		return err
+	}
+	return &cliError{err}
+}
+
+func newRoot(stdout, stderr io.Writer) *cobra.Command {
+	root := &cobra.Command{
+		Use:           "pgsaga",
+		Short:         "Operate pgsaga: sagas, dead letters, schema",
+		Long:          "pgsaga reads the database the workers use: DATABASE_URL, else PostgreSQL on 127.0.0.1:5432 (database pgsaga), else the embedded server of a running sample. It never starts a server.",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.SetOut(stdout)
+	root.SetErr(stderr)
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
+	root.AddCommand(sagasCmd(), showCmd(), deadLettersCmd(), migrateCmd(), versionCmd())
+	return root
+}
+
+// open finds and opens the workers' database.
+func open(ctx context.Context) (*pgdb.DB, *finddb.Found, error) {
+	found, err := finddb.Find(ctx, finddb.Config{Existing: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		return nil, nil, failed(err)
+	}
+	db, err := pgdb.Open(ctx, pgdb.Config{URL: found.URL, MaxConns: 4, ApplicationName: "pgsaga"})
+	if err != nil {
+		_ = found.Close()
+		return nil, nil, failed(err)
+	}
+	return db, found, nil
+}
+
+// withDB runs fn on the workers' database.
+func withDB(ctx context.Context, fn func(db *pgdb.DB) error) error {
+	return onDB(ctx, false, fn)
+}
+
+// withSchema runs fn on the workers' database, once it is known to hold
+// pgsaga's tables.
+func withSchema(ctx context.Context, fn func(db *pgdb.DB) error) error {
+	return onDB(ctx, true, fn)
+}
+
+func onDB(ctx context.Context, needSchema bool, fn func(db *pgdb.DB) error) error {
+	db, found, err := open(ctx)
+	if err != nil {
+		return err
+	}
+	defer found.Close()
+	defer db.Close()
+	if needSchema {
+		current, _, err := migrations.Version(ctx, db.SQL)
+		if err != nil {
+			return failed(err)
+		}
+		if current == 0 {
+			return failed(fmt.Errorf("%s holds no pgsaga schema: point DATABASE_URL at the database your workers use, or run `pgsaga migrate`", found.Describe()))
+		}
+	}
+	return failed(fn(db))
+}
