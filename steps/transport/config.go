@@ -12,19 +12,20 @@ import (
 
 // Defaults of Config and RetryPolicy.
 const (
-	BatchSizeDefault        = 50
-	ConsumersDefault        = 1
-	NotifyChannelDefault    = "pgsaga_wakeup"
-	PollIntervalDefault     = time.Second
-	IdlePollIntervalDefault = 10 * time.Second
-	RetryIntervalDefault    = 100 * time.Millisecond
-	MaxRetryIntervalDefault = 5 * time.Second
-	StatementTimeoutDefault = 10 * time.Second
-	LockTimeoutDefault      = 5 * time.Second
-	AttemptTimeoutDefault   = 30 * time.Second
-	BatchTimeoutDefault     = time.Second
-	CloseTimeoutDefault     = 30 * time.Second
-	AwaitHoldDefault        = 10 * time.Millisecond
+	BatchSizeDefault         = 50
+	ConsumersDefault         = 1
+	NotifyChannelDefault     = "pgsaga_wakeup"
+	PollIntervalDefault      = time.Second
+	IdlePollIntervalDefault  = 10 * time.Second
+	RetryIntervalDefault     = 100 * time.Millisecond
+	MaxRetryIntervalDefault  = 5 * time.Second
+	StatementTimeoutDefault  = 10 * time.Second
+	LockTimeoutDefault       = 5 * time.Second
+	AttemptTimeoutDefault    = 30 * time.Second
+	BatchTimeoutDefault      = time.Second
+	CloseTimeoutDefault      = 30 * time.Second
+	AwaitHoldDefault         = 10 * time.Millisecond
+	HeartbeatIntervalDefault = 30 * time.Second
 
 	MaxAttemptsDefault    = 5
 	InitialBackoffDefault = 100 * time.Millisecond
@@ -134,6 +135,12 @@ type Config struct {
 	// at all. It never reaches past the attempt's deadline. Negative: hand
 	// the message back at once. Default: AwaitHoldDefault.
 	AwaitHold time.Duration
+
+	// HeartbeatInterval is how often a running router records its consumer
+	// groups as alive (pgsaga_subscriptions.last_seen_at), so that
+	// operators can tell the groups that no longer run
+	// (Transport.ConsumerGroups). Default: HeartbeatIntervalDefault.
+	HeartbeatInterval time.Duration
 }
 
 // MaxTransactionDuration is the longest a delivery transaction stays open:
@@ -163,6 +170,7 @@ func (c *Config) setDefaults() {
 	setDefault(&c.BatchTimeout, BatchTimeoutDefault)
 	setDefault(&c.CloseTimeout, CloseTimeoutDefault)
 	setDefault(&c.AwaitHold, AwaitHoldDefault)
+	setDefault(&c.HeartbeatInterval, HeartbeatIntervalDefault)
 	c.Retry.setDefaults()
 }
 
@@ -196,6 +204,7 @@ func (c *Config) validate() error {
 		{"PollInterval", c.PollInterval}, {"IdlePollInterval", c.IdlePollInterval}, {"RetryInterval", c.RetryInterval},
 		{"MaxRetryInterval", c.MaxRetryInterval}, {"StatementTimeout", c.StatementTimeout}, {"LockTimeout", c.LockTimeout},
 		{"AttemptTimeout", c.AttemptTimeout}, {"BatchTimeout", c.BatchTimeout}, {"CloseTimeout", c.CloseTimeout},
+		{"HeartbeatInterval", c.HeartbeatInterval},
 	} {
 		if d.d < time.Millisecond {
 			errs = append(errs, fmt.Errorf("%s must be at least 1ms, got %s", d.name, d.d))

@@ -2,7 +2,9 @@ package transport
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"time"
 
@@ -28,6 +30,9 @@ type DeadLetter struct {
 	Attempts    int
 	CreatedAt   time.Time // when the message was published
 	DeadAt      time.Time
+	// ReplayedAt is when it was sent back to its queue (ReplayDeadLetter);
+	// nil if it was not.
+	ReplayedAt *time.Time
 }
 
 // Metadata a dead letter carries besides the message's own.
@@ -64,7 +69,7 @@ func (t *Transport) DeadLetters(ctx context.Context, f DeadLetterFilter) ([]Dead
 	for rows.Next() {
 		var d DeadLetter
 		var md []byte
-		if err := rows.Scan(&d.ID, &d.UUID, &d.Topic, &d.ConsumerGroup, &d.Handler, &d.Payload, &md, &d.Reason, &d.Attempts, &d.CreatedAt, &d.DeadAt); err != nil {
+		if err := rows.Scan(&d.ID, &d.UUID, &d.Topic, &d.ConsumerGroup, &d.Handler, &d.Payload, &md, &d.Reason, &d.Attempts, &d.CreatedAt, &d.DeadAt, &d.ReplayedAt); err != nil {
 			return nil, fmt.Errorf("transport: listing dead letters: %w", err)
 		}
 		d.RawMetadata = md
@@ -78,4 +83,59 @@ func (t *Transport) DeadLetters(ctx context.Context, f DeadLetterFilter) ([]Dead
 		return nil, fmt.Errorf("transport: listing dead letters: %w", err)
 	}
 	return out, nil
+}
+
+// ReplayedDeadLetter is the metadata entry of a replayed message: the id of
+// the dead letter it came from.
+const ReplayedDeadLetter = "replayed_dead_letter"
+
+// Errors of ReplayDeadLetter.
+var (
+	ErrDeadLetterNotFound = errors.New("transport: no such dead letter")
+	ErrAlreadyReplayed    = errors.New("transport: the dead letter was replayed already")
+	ErrNoConsumerGroup    = errors.New("transport: no consumer group reads the dead letter's topic")
+)
+
+// ReplayDeadLetter sends dead letter id back to its topic, once: to the
+// queue of the consumer group that gave up on it, or, for a message no
+// group read when it was published, to every group that reads its topic
+// now. The message keeps its id, payload and metadata as published (the
+// dead letter's own entries dropped, ReplayedDeadLetter added); the dead
+// letter stays, marked replayed. It returns how many queues it went to.
+// Replaying again is ErrAlreadyReplayed; a group that no longer reads the
+// topic (or none at all) is ErrNoConsumerGroup, and nothing changes.
+func (t *Transport) ReplayDeadLetter(ctx context.Context, id int64) (int, error) {
+	tx, err := t.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return 0, fmt.Errorf("transport: replaying dead letter %d: %w", id, err)
+	}
+	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+	var (
+		topic, group string
+		replayed     *time.Time
+	)
+	err = tx.QueryRowContext(ctx, lockDeadLetterSQL, id).Scan(&topic, &group, &replayed)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return 0, fmt.Errorf("%w: %d", ErrDeadLetterNotFound, id)
+	case err != nil:
+		return 0, fmt.Errorf("transport: replaying dead letter %d: %w", id, migrationHint(err))
+	case replayed != nil:
+		return 0, fmt.Errorf("%w: %d at %s", ErrAlreadyReplayed, id, replayed.Format(time.RFC3339))
+	}
+	var n int
+	if err := tx.QueryRowContext(ctx, replayDeadLetterSQL, id, t.schema.notifyChannel).Scan(&n); err != nil {
+		return 0, fmt.Errorf("transport: replaying dead letter %d: %w", id, err)
+	}
+	if n == 0 {
+		who := "its group " + group
+		if group == "" {
+			who = "any group"
+		}
+		return 0, fmt.Errorf("%w: %s of topic %s (dead letter %d)", ErrNoConsumerGroup, who, topic, id)
+	}
+	if err := tx.Commit(); err != nil {
+		return 0, fmt.Errorf("transport: replaying dead letter %d: %w", id, err)
+	}
+	return n, nil
 }

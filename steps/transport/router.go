@@ -181,6 +181,9 @@ func (r *Router) run(startCtx, ctx context.Context) error {
 	if err := r.t.Subscribe(startCtx, r.Subscriptions()...); err != nil {
 		return err
 	}
+	if err := r.t.seen(startCtx, r.Subscriptions()); err != nil {
+		return err
+	}
 	r.mu.Lock()
 	if r.closed || r.started {
 		r.mu.Unlock()
@@ -197,6 +200,7 @@ func (r *Router) run(startCtx, ctx context.Context) error {
 	// The router's own context is never cancelled from outside: cancelling
 	// it would stop the subscribers under running attempts.
 	defer close(r.ran)
+	go r.heartbeat(r.ran)
 	return r.router.Run(context.WithoutCancel(ctx))
 }
 

@@ -176,7 +176,24 @@ SELECT value FROM recorded UNION ALL SELECT value FROM pgsaga_settings WHERE nam
 
 	// subscribeSQL records that a consumer group reads a topic.
 	subscribeSQL = `INSERT INTO pgsaga_subscriptions (topic, consumer_group) VALUES ($1, $2)
-ON CONFLICT (topic, consumer_group) DO UPDATE SET last_seen_at = clock_timestamp()`
+ON CONFLICT (topic, consumer_group) DO NOTHING`
+
+	// seenSQL records consumer groups ($1 topics, $2 groups, pairwise) as
+	// running now: a router's start and heartbeat.
+	seenSQL = `INSERT INTO pgsaga_subscriptions AS s (topic, consumer_group, last_seen_at)
+SELECT t, g, clock_timestamp() FROM unnest($1::text[], $2::text[]) AS u(t, g)
+ON CONFLICT (topic, consumer_group) DO UPDATE SET last_seen_at = excluded.last_seen_at`
+
+	// groupsSQL lists every consumer group of every topic with what waits
+	// for it: all its queued messages, those failed before, those not
+	// available yet (a backoff, a park), the oldest's publication time.
+	groupsSQL = `SELECT s.topic, s.consumer_group, s.created_at, s.last_seen_at,
+    count(q.id), count(q.id) FILTER (WHERE q.attempts > 0), count(q.id) FILTER (WHERE q.available_at > now()),
+    min(q.created_at)
+FROM pgsaga_subscriptions s
+LEFT JOIN pgsaga_queue q ON q.topic = s.topic AND q.consumer_group = s.consumer_group
+GROUP BY s.topic, s.consumer_group, s.created_at, s.last_seen_at
+ORDER BY s.topic, s.consumer_group`
 
 	// dropGroupSQL forgets a consumer group of a topic and its queue.
 	dropGroupSQL = `WITH gone AS (
@@ -184,9 +201,38 @@ ON CONFLICT (topic, consumer_group) DO UPDATE SET last_seen_at = clock_timestamp
 )
 DELETE FROM pgsaga_queue WHERE topic = $1 AND consumer_group = $2`
 
+	// lockDeadLetterSQL locks dead letter $1 for its replay.
+	lockDeadLetterSQL = `SELECT topic, consumer_group, replayed_at FROM pgsaga_dead_letters WHERE id = $1 FOR UPDATE`
+
+	// replayDeadLetterSQL queues dead letter $1 again, for the group that
+	// gave up on it if it still reads the topic, or for every group that
+	// reads the topic now if none read it when it was published; marks it
+	// replayed (the caller rolls back if it went nowhere); wakes the topic (channel $2, if any);
+	// and returns how many queues it went to. Its metadata loses the dead
+	// letter's entries and gains where it came from.
+	replayDeadLetterSQL = `WITH dl AS (
+    SELECT * FROM pgsaga_dead_letters WHERE id = $1
+), groups AS (
+    SELECT s.consumer_group FROM pgsaga_subscriptions s, dl
+    WHERE s.topic = dl.topic AND (dl.consumer_group = '' OR s.consumer_group = dl.consumer_group)
+), queued AS (
+    INSERT INTO pgsaga_queue (topic, consumer_group, uuid, payload, metadata)
+    SELECT dl.topic, g.consumer_group, dl.uuid, dl.payload,
+        CASE WHEN jsonb_typeof(dl.metadata) = 'object' THEN
+            coalesce((SELECT jsonb_object_agg(k, v) FROM jsonb_each(dl.metadata) AS e(k, v) WHERE k NOT LIKE 'dead\_letter\_%'), '{}'::jsonb)
+                || jsonb_build_object('` + ReplayedDeadLetter + `', dl.id::text)
+        ELSE dl.metadata END
+    FROM dl, groups g
+    RETURNING topic
+), marked AS (
+    UPDATE pgsaga_dead_letters SET replayed_at = clock_timestamp()
+    WHERE id = $1
+)
+SELECT count(*)::int FROM queued LEFT JOIN LATERAL (SELECT pg_notify($2, queued.topic) WHERE $2 <> '') n ON true`
+
 	// deadLettersSQL lists dead letters, newest last, optionally of one
 	// topic ($1 = '' for all), after id $2, at most $3.
-	deadLettersSQL = `SELECT id, uuid, topic, consumer_group, handler, payload, coalesce(metadata, 'null'::jsonb), reason, attempts, created_at, dead_at
+	deadLettersSQL = `SELECT id, uuid, topic, consumer_group, handler, payload, coalesce(metadata, 'null'::jsonb), reason, attempts, created_at, dead_at, replayed_at
 FROM pgsaga_dead_letters
 WHERE ($1 = '' OR topic = $1) AND id > $2
 ORDER BY id

@@ -1,0 +1,84 @@
+package transport
+
+import (
+	"context"
+	"fmt"
+	"time"
+)
+
+// GroupStats is what a consumer group of a topic has waiting, and whether
+// it runs.
+type GroupStats struct {
+	Topic         string
+	ConsumerGroup string
+	// Created is when the group was first recorded.
+	Created time.Time
+	// LastSeen is when a running router last showed the group alive (its
+	// start, then every Config.HeartbeatInterval); nil if no router ever
+	// ran it (it was only set up with Subscribe).
+	LastSeen *time.Time
+	// Waiting counts the messages queued for the group; Retrying those of
+	// them that failed before; NotYetAvailable those waiting out a backoff
+	// or an awaited call.
+	Waiting, Retrying, NotYetAvailable int
+	// Oldest is when the oldest waiting message was published; nil if none
+	// waits.
+	Oldest *time.Time
+}
+
+// Running reports whether a router showed the group alive within stale
+// (a few heartbeats).
+func (g GroupStats) Running(now time.Time, stale time.Duration) bool {
+	return g.LastSeen != nil && now.Sub(*g.LastSeen) <= stale
+}
+
+// ConsumerGroups lists every consumer group of every topic with what waits
+// for it, by topic and group. It counts every queued row: on queues of
+// millions it takes a while.
+func (t *Transport) ConsumerGroups(ctx context.Context) ([]GroupStats, error) {
+	rows, err := t.db.QueryContext(ctx, groupsSQL)
+	if err != nil {
+		return nil, fmt.Errorf("transport: listing consumer groups: %w", migrationHint(err))
+	}
+	defer rows.Close()
+	var out []GroupStats
+	for rows.Next() {
+		var g GroupStats
+		if err := rows.Scan(&g.Topic, &g.ConsumerGroup, &g.Created, &g.LastSeen, &g.Waiting, &g.Retrying, &g.NotYetAvailable, &g.Oldest); err != nil {
+			return nil, fmt.Errorf("transport: listing consumer groups: %w", err)
+		}
+		out = append(out, g)
+	}
+	return out, rows.Err()
+}
+
+// seen records subs as running now.
+func (t *Transport) seen(ctx context.Context, subs []Subscription) error {
+	topics, groups := make([]string, len(subs)), make([]string, len(subs))
+	for i, s := range subs {
+		topics[i], groups[i] = s.Topic, s.ConsumerGroup
+	}
+	if _, err := t.db.ExecContext(ctx, seenSQL, topics, groups); err != nil {
+		return fmt.Errorf("transport: recording consumer groups as running: %w", migrationHint(err))
+	}
+	return nil
+}
+
+// heartbeat shows r's groups alive every Config.HeartbeatInterval until
+// done is closed.
+func (r *Router) heartbeat(done <-chan struct{}) {
+	tick := time.NewTicker(r.t.cfg.HeartbeatInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-done:
+			return
+		case <-tick.C:
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), r.t.cfg.StatementTimeout)
+		if err := r.t.seen(ctx, r.Subscriptions()); err != nil {
+			r.log.Warn("heartbeat of the router's consumer groups failed; they may be listed as not running", "err", err)
+		}
+		cancel()
+	}
+}

@@ -1,0 +1,86 @@
+package transport_test
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// A dead letter replayed goes back to the queue of the group that gave up
+// on it, once, with its metadata as published (plus where it came from),
+// and is handled like any message; the dead letter keeps the record.
+func TestReplayDeadLetterOnce(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	var fixed atomic.Bool
+	var got atomic.Pointer[message.Message]
+	e.route(t, func(msg *message.Message) error {
+		if !fixed.Load() {
+			return transport.Permanent(errors.New("a bug, fixed later"))
+		}
+		got.Store(msg)
+		return effect(msg, e.eff, "done")
+	})
+	m := message.NewMessage("replay-"+e.id, []byte(`{"x":1}`))
+	m.Metadata.Set("mine", "kept")
+	require.NoError(t, e.tr.Publisher(e.db.SQL).Publish(e.in, m))
+	e.drained(e.in, "g", 10*time.Second)
+	dl := e.deadLetters(e.in)
+	require.Len(t, dl, 1)
+	assert.Nil(t, dl[0].ReplayedAt)
+
+	fixed.Store(true)
+	ctx := context.Background()
+	require.NoError(t, e.tr.Subscribe(ctx, transport.Subscription{Topic: e.in, ConsumerGroup: "other"}))
+	n, err := e.tr.ReplayDeadLetter(ctx, dl[0].ID)
+	require.NoError(t, err)
+	assert.Equal(t, 1, n, "queued for the group that gave up on it")
+	assert.Zero(t, e.waiting(e.in, "other"), "not for the topic's other groups, which handled it")
+	waitFor(t, 10*time.Second, "the replay handled", func() bool {
+		return e.count(`SELECT count(*) FROM `+e.eff+` WHERE msg = $1`, m.UUID) == 1
+	})
+	require.NotNil(t, got.Load())
+	assert.Equal(t, "kept", got.Load().Metadata.Get("mine"))
+	assert.Empty(t, got.Load().Metadata.Get(transport.DeadLetterReason), "the dead letter's own entries are not carried back")
+	assert.Equal(t, strconv.FormatInt(dl[0].ID, 10), got.Load().Metadata.Get(transport.ReplayedDeadLetter))
+
+	_, err = e.tr.ReplayDeadLetter(ctx, dl[0].ID)
+	assert.ErrorIs(t, err, transport.ErrAlreadyReplayed)
+	dl = e.deadLetters(e.in)
+	require.Len(t, dl, 1, "the dead letter stays, as a record")
+	assert.NotNil(t, dl[0].ReplayedAt)
+	_, err = e.tr.ReplayDeadLetter(ctx, -5)
+	assert.ErrorIs(t, err, transport.ErrDeadLetterNotFound)
+}
+
+// A message that no group read when it was published is replayed to the
+// groups that read its topic now; with none still, nothing happens and the
+// dead letter stays replayable.
+func TestReplayUnroutedDeadLetter(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	topic := "unrouted_" + e.id
+	require.NoError(t, e.tr.Publisher(e.db.SQL).Publish(topic, message.NewMessage("u-"+e.id, []byte(`{}`))))
+	dl := e.deadLetters(topic)
+	require.Len(t, dl, 1)
+	ctx := context.Background()
+	_, err := e.tr.ReplayDeadLetter(ctx, dl[0].ID)
+	require.ErrorIs(t, err, transport.ErrNoConsumerGroup)
+	assert.Nil(t, e.deadLetters(topic)[0].ReplayedAt, "still replayable")
+
+	require.NoError(t, e.tr.Subscribe(ctx, transport.Subscription{Topic: topic, ConsumerGroup: "a"}, transport.Subscription{Topic: topic, ConsumerGroup: "b"}))
+	n, err := e.tr.ReplayDeadLetter(ctx, dl[0].ID)
+	require.NoError(t, err)
+	assert.Equal(t, 2, n)
+	assert.Equal(t, 1, e.waiting(topic, "a"))
+	assert.Equal(t, 1, e.waiting(topic, "b"))
+}
