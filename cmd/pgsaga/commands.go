@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"runtime/debug"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -257,6 +258,7 @@ type deadLetterJSON struct {
 	Attempts      int               `json:"attempts"`
 	CreatedAt     time.Time         `json:"created_at"`
 	DeadAt        time.Time         `json:"dead_at"`
+	ReplayedAt    *time.Time        `json:"replayed_at"`
 	Metadata      map[string]string `json:"metadata"`
 	Payload       string            `json:"payload"`
 }
@@ -275,11 +277,7 @@ func deadLettersCmd() *cobra.Command {
 			if err := checkLimit(limit); err != nil {
 				return err
 			}
-			return withSchema(cmd.Context(), func(db *pgdb.DB) error {
-				tr, err := transport.New(transport.Config{DB: db.SQL})
-				if err != nil {
-					return err
-				}
+			return withTransport(cmd.Context(), func(tr *transport.Transport) error {
 				dl, err := tr.DeadLetters(cmd.Context(), transport.DeadLetterFilter{Topic: topic, Limit: limit})
 				if err != nil {
 					return err
@@ -288,16 +286,21 @@ func deadLettersCmd() *cobra.Command {
 					out := make([]deadLetterJSON, len(dl))
 					for i, d := range dl {
 						out[i] = deadLetterJSON{ID: d.ID, UUID: d.UUID, Topic: d.Topic, ConsumerGroup: d.ConsumerGroup, Handler: d.Handler,
-							Reason: d.Reason, Attempts: d.Attempts, CreatedAt: d.CreatedAt, DeadAt: d.DeadAt, Metadata: d.Metadata,
+							Reason: d.Reason, Attempts: d.Attempts, CreatedAt: d.CreatedAt, DeadAt: d.DeadAt, ReplayedAt: d.ReplayedAt, Metadata: d.Metadata,
 							Payload: strings.ToValidUTF8(string(d.Payload), "\uFFFD")}
 					}
 					return writeJSON(cmd.OutOrStdout(), out)
 				}
 				tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
-				fmt.Fprintln(tw, "ID\tTOPIC\tGROUP\tATTEMPTS\tDEAD\tREASON")
+				fmt.Fprintln(tw, "ID\tTOPIC\tGROUP\tATTEMPTS\tDEAD\tREPLAYED\tREASON")
 				now := time.Now()
 				for _, d := range dl {
-					fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s ago\t%s\n", d.ID, d.Topic, dash(d.ConsumerGroup), d.Attempts, age(now.Sub(d.DeadAt)), clip(oneLine(d.Reason), 100))
+					replayed := "-"
+					if d.ReplayedAt != nil {
+						replayed = age(now.Sub(*d.ReplayedAt)) + " ago"
+					}
+					fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s ago\t%s\t%s\n", d.ID, d.Topic, dash(d.ConsumerGroup), d.Attempts, age(now.Sub(d.DeadAt)),
+						replayed, clip(oneLine(d.Reason), 100))
 				}
 				return tw.Flush()
 			})
@@ -306,7 +309,49 @@ func deadLettersCmd() *cobra.Command {
 	cmd.Flags().StringVar(&topic, "topic", "", "only dead letters of this topic")
 	cmd.Flags().IntVar(&limit, "limit", 100, "at most this many, oldest first")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print a JSON array")
+	cmd.AddCommand(replayCmd())
 	return cmd
+}
+
+func replayCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "replay <id>...",
+		Short: "Send dead letters back to their topic's queue, once each; the dead letter keeps a record that it was replayed",
+		Args:  cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ids := make([]int64, len(args))
+			for i, a := range args {
+				id, err := strconv.ParseInt(a, 10, 64)
+				if err != nil || id < 1 {
+					return usagef("%q is not a dead letter id (a positive number, as dead-letters lists)", a)
+				}
+				ids[i] = id
+			}
+			return withTransport(cmd.Context(), func(tr *transport.Transport) error {
+				var errs []error
+				for _, id := range ids {
+					n, err := tr.ReplayDeadLetter(cmd.Context(), id)
+					if err != nil {
+						errs = append(errs, err)
+						fmt.Fprintf(cmd.ErrOrStderr(), "dead letter %d: %v\n", id, err)
+						continue
+					}
+					fmt.Fprintf(cmd.OutOrStdout(), "dead letter %d replayed (%d queue%s)\n", id, n, plural(n))
+				}
+				if len(errs) > 0 {
+					return fmt.Errorf("%d of %d dead letters not replayed", len(errs), len(ids))
+				}
+				return nil
+			})
+		},
+	}
+}
+
+func plural(n int) string {
+	if n == 1 {
+		return ""
+	}
+	return "s"
 }
 
 func clip(s string, n int) string {

@@ -27,6 +27,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/migrations"
+	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Exit statuses.
@@ -104,7 +105,7 @@ func newRoot(stdout, stderr io.Writer) *cobra.Command {
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
-	root.AddCommand(sagasCmd(), showCmd(), deadLettersCmd(), migrateCmd(), versionCmd())
+	root.AddCommand(sagasCmd(), showCmd(), deadLettersCmd(), consumersCmd(), migrateCmd(), versionCmd())
 	return root
 }
 
@@ -131,6 +132,18 @@ func withDB(ctx context.Context, fn func(db *pgdb.DB) error) error {
 // pgsaga's tables.
 func withSchema(ctx context.Context, fn func(db *pgdb.DB) error) error {
 	return onDB(ctx, true, fn)
+}
+
+// withTransport runs fn with a transport on the workers' database, once
+// it is known to hold pgsaga's tables.
+func withTransport(ctx context.Context, fn func(tr *transport.Transport) error) error {
+	return withSchema(ctx, func(db *pgdb.DB) error {
+		tr, err := transport.New(transport.Config{DB: db.SQL})
+		if err != nil {
+			return err
+		}
+		return fn(tr)
+	})
 }
 
 func onDB(ctx context.Context, needSchema bool, fn func(db *pgdb.DB) error) error {

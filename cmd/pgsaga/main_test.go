@@ -3,10 +3,13 @@ package main
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"encoding/json"
 	"io"
 	"log/slog"
 	"net/url"
+	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -70,6 +73,9 @@ func sampleRun(t *testing.T) (paid, unpaid uuid.UUID) {
 		}
 	}
 	require.NoError(t, app.Transport.Publisher(db.SQL).Publish("nobody.reads", message.NewMessage(uuid.NewString(), []byte("lost"))))
+	// A group that was set up and never ran, with a message waiting.
+	require.NoError(t, app.Transport.Subscribe(ctx, transport.Subscription{Topic: "old.topic", ConsumerGroup: "old-group"}))
+	require.NoError(t, app.Transport.Publisher(db.SQL).Publish("old.topic", message.NewMessage(uuid.NewString(), []byte("waits"))))
 	return paid, unpaid
 }
 
@@ -136,6 +142,59 @@ func TestSubcommandsOnARealRun(t *testing.T) {
 	require.Len(t, dead, 1)
 	assert.Equal(t, "nobody.reads", dead[0].Topic)
 	assert.Equal(t, "lost", dead[0].Payload)
+	assert.Nil(t, dead[0].ReplayedAt)
+	id := strconv.FormatInt(dead[0].ID, 10)
+	code, _, errOut = pgsaga(t, "dead-letters", "replay", id)
+	assert.Equal(t, exitFailed, code, "no group reads nobody.reads")
+	assert.Contains(t, errOut, "no consumer group")
+	code, _, _ = pgsaga(t, "dead-letters", "replay", "x1")
+	assert.Equal(t, exitUsage, code)
+	db := sqlDB(t)
+	_, err := db.Exec(`INSERT INTO pgsaga_subscriptions (topic, consumer_group) VALUES ('nobody.reads', 'late-reader')`)
+	require.NoError(t, err)
+	code, out, errOut = pgsaga(t, "dead-letters", "replay", id)
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "replayed (1 queue)")
+	code, _, errOut = pgsaga(t, "dead-letters", "replay", id)
+	assert.Equal(t, exitFailed, code)
+	assert.Contains(t, errOut, "replayed already")
+	code, out, _ = pgsaga(t, "dead-letters", "--json")
+	require.Equal(t, exitOK, code)
+	require.NoError(t, json.Unmarshal([]byte(out), &dead))
+	require.Len(t, dead, 1)
+	assert.NotNil(t, dead[0].ReplayedAt)
+
+	code, out, _ = pgsaga(t, "consumers", "--json")
+	require.Equal(t, exitOK, code)
+	var groups []groupJSON
+	require.NoError(t, json.Unmarshal([]byte(out), &groups))
+	byGroup := map[string]groupJSON{}
+	for _, g := range groups {
+		byGroup[g.Topic+"/"+g.ConsumerGroup] = g
+	}
+	charge := byGroup["payments.charge/payments.charge"]
+	assert.True(t, charge.Running, "the worker runs the charge: %+v", charge)
+	assert.Zero(t, charge.Waiting)
+	old := byGroup["old.topic/old-group"]
+	assert.False(t, old.Running)
+	assert.Nil(t, old.LastSeenAt)
+	assert.Equal(t, 1, old.Waiting)
+	require.NotNil(t, old.OldestAgeS)
+	code, out, _ = pgsaga(t, "consumers")
+	require.Equal(t, exitOK, code)
+	assert.Regexp(t, `old\.topic\s+old-group\s+1\s+0\s+0\s+\S+\s+never\s+NO`, out)
+
+	code, _, errOut = pgsaga(t, "consumers", "drop", "old-group")
+	assert.Equal(t, exitUsage, code, "without --yes nothing is dropped")
+	assert.Contains(t, errOut, "deletes the 1 messages waiting")
+	code, _, errOut = pgsaga(t, "consumers", "drop", "no-such-group", "--yes")
+	assert.Equal(t, exitFailed, code, errOut)
+	code, out, errOut = pgsaga(t, "consumers", "drop", "old-group", "--yes")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "1 messages deleted")
+	code, out, _ = pgsaga(t, "consumers", "--json")
+	require.Equal(t, exitOK, code)
+	assert.NotContains(t, out, "old-group")
 
 	code, out, _ = pgsaga(t, "version", "--json")
 	require.Equal(t, exitOK, code)
@@ -198,4 +257,10 @@ func TestDatabaseWithoutTheSchema(t *testing.T) {
 	assert.Contains(t, out, "applied")
 	code, _, errOut = pgsaga(t, "sagas")
 	assert.Equal(t, exitOK, code, errOut)
+}
+
+// sqlDB is a handle on the database DATABASE_URL names.
+func sqlDB(t *testing.T) *sql.DB {
+	t.Helper()
+	return testdb.Open(t, os.Getenv("DATABASE_URL"), 2).SQL
 }
