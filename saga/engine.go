@@ -53,6 +53,7 @@ var (
 	ErrNotFound          = errors.New("saga: instance not found")
 	ErrUnknownDefinition = errors.New("saga: definition not known to this process")
 	ErrNotRetryable      = errors.New("saga: instance cannot be retried")
+	ErrNotCancellable    = errors.New("saga: instance cannot be cancelled")
 	ErrConcurrentChange  = errors.New("saga: instance changed concurrently")
 )
 
@@ -168,7 +169,8 @@ func (e *Engine) Subscriptions() []transport.Subscription {
 		d := e.latest[name]
 		out = append(out,
 			transport.Subscription{Topic: d.Trigger, ConsumerGroup: triggerHandler(name)},
-			transport.Subscription{Topic: d.ReplyTopic, ConsumerGroup: replyHandler(name)})
+			transport.Subscription{Topic: d.ReplyTopic, ConsumerGroup: replyHandler(name)},
+			transport.Subscription{Topic: RequestTopic(name), ConsumerGroup: requestHandler(name)})
 	}
 	return out
 }
@@ -195,6 +197,11 @@ func (e *Engine) AddHandlers(r *transport.Router, opts ...transport.HandlerOptio
 			return err
 		}
 		if err := r.AddHandler(replyHandler(name), d.ReplyTopic, "", e.HandleReply, hopts...); err != nil {
+			return err
+		}
+		// Operators' requests are queued, never in process: they come from
+		// tools, not from this router's attempts.
+		if err := r.AddHandler(requestHandler(name), RequestTopic(name), "", e.HandleRequest, transport.WithRetry(e.retry)); err != nil {
 			return err
 		}
 	}

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Instance is a saga instance as operators see it.
@@ -40,7 +42,7 @@ type Instance struct {
 type HistoryEntry struct {
 	Seq       int
 	At        time.Time
-	Kind      string // started, sent, resent, deadline, reply_ok, reply_failed, gave_up, completed, compensated, failed, retried
+	Kind      string // started, sent, resent, deadline, reply_ok, reply_failed, gave_up, cancelled, completed, compensated, failed, retried
 	Step      string
 	Phase     Phase
 	Attempt   int
@@ -259,11 +261,27 @@ func (e *Engine) UnknownDefinitions(ctx context.Context) ([]UnknownDefinition, e
 //
 // Completed and compensated instances are ErrNotRetryable.
 func (e *Engine) Retry(ctx context.Context, id uuid.UUID) error {
+	return e.inTx(ctx, "retrying "+id.String(), func(tx *sql.Tx) error { return e.RetryTx(ctx, tx, id) })
+}
+
+// inTx runs fn in a READ COMMITTED transaction of its own.
+func (e *Engine) inTx(ctx context.Context, what string, fn func(tx *sql.Tx) error) error {
 	tx, err := e.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
-		return fmt.Errorf("saga %s: retrying: %w", id, err)
+		return fmt.Errorf("saga: %s: %w", what, err)
 	}
 	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+	if err := fn(tx); err != nil {
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("saga: %s: %w", what, err)
+	}
+	return nil
+}
+
+// RetryTx is Retry in the caller's transaction.
+func (e *Engine) RetryTx(ctx context.Context, tx transport.Tx, id uuid.UUID) error {
 	inst, err := loadInstance(ctx, tx, id, true)
 	if err != nil {
 		return err
@@ -289,11 +307,45 @@ func (e *Engine) Retry(ctx context.Context, id uuid.UUID) error {
 	if err := e.send(inst, def, ""); err != nil {
 		return err
 	}
-	if err := e.save(ctx, tx, inst); err != nil {
+	return e.save(ctx, tx, inst)
+}
+
+// Cancel compensates a running saga on purpose: the step in flight is
+// compensated too (its action may have happened, or happen later: its
+// compensation must be fenced, as after a deadline the engine gave up on),
+// then the steps before it, last first; the saga ends compensated. The
+// timeline says "cancelled" with reason. A saga compensating or
+// compensated already is left as it is (nil); a completed or parked one is
+// ErrNotCancellable.
+func (e *Engine) Cancel(ctx context.Context, id uuid.UUID, reason string) error {
+	return e.inTx(ctx, "cancelling "+id.String(), func(tx *sql.Tx) error { return e.CancelTx(ctx, tx, id, reason) })
+}
+
+// CancelTx is Cancel in the caller's transaction.
+func (e *Engine) CancelTx(ctx context.Context, tx transport.Tx, id uuid.UUID, reason string) error {
+	inst, err := loadInstance(ctx, tx, id, true)
+	if err != nil {
 		return err
 	}
-	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("saga %s: retrying: %w", id, err)
+	def, ok := e.definition(inst.Type, inst.DefVersion)
+	if !ok {
+		return fmt.Errorf("%w: %s version %d", ErrUnknownDefinition, inst.Type, inst.DefVersion)
 	}
-	return nil
+	switch inst.Status {
+	case StatusCompensating, StatusCompensated:
+		return nil
+	case StatusRunning:
+	default:
+		return fmt.Errorf("%w: %s is %s", ErrNotCancellable, id, inst.Status)
+	}
+	why := "cancelled by an operator"
+	if reason != "" {
+		why += ": " + reason
+	}
+	inst.note("cancelled", inst.Step, def, "", why)
+	inst.FailureReason = why
+	if err := e.compensate(inst, def, inst.Step+1, ""); err != nil {
+		return err
+	}
+	return e.save(ctx, tx, inst)
 }

@@ -64,7 +64,7 @@ func TestMalformedMessagesOnEveryTopicAreDeadLettered(t *testing.T) {
 	for _, s := range e.app.Subscriptions() {
 		topics = append(topics, s.Topic)
 	}
-	require.Len(t, topics, 7, "trigger, charge, refund, confirm, cancel, replies, order events")
+	require.Len(t, topics, 8, "trigger, charge, refund, confirm, cancel, replies, order events, operator requests")
 	var malformed []string
 	ctx := context.Background()
 	// Rows another writer stored with metadata nobody can read (they wake

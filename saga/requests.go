@@ -1,0 +1,183 @@
+package saga
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// RequestTopic is the topic that carries operators' requests (Ask) for
+// instances of saga name to the engines that know it.
+func RequestTopic(name string) string { return "saga." + name + ".requests" }
+
+func requestHandler(name string) string { return "saga." + name + ".requests" }
+
+// RequestKind is what an operator asks of a saga.
+type RequestKind string
+
+// Kinds of request.
+const (
+	RequestRetry  RequestKind = "retry"  // Engine.Retry
+	RequestCancel RequestKind = "cancel" // Engine.Cancel
+)
+
+// Outcomes of a request carried out.
+const (
+	RequestDone    = "done"
+	RequestRefused = "refused" // the saga was in no state for it; Detail says why
+)
+
+// Request is an operator's request and, once a worker carried it out, its
+// outcome.
+type Request struct {
+	ID          uuid.UUID
+	SagaID      uuid.UUID
+	Kind        RequestKind
+	Reason      string
+	RequestedAt time.Time
+	// DoneAt is nil until a worker carried it out.
+	DoneAt  *time.Time
+	Outcome string // RequestDone or RequestRefused, once done
+	Detail  string
+}
+
+// ErrInvalidRequest: a request kind Ask does not know.
+var ErrInvalidRequest = errors.New("saga: invalid request")
+
+// Ask records an operator's request for saga id and publishes it to the
+// workers, in one transaction: a worker whose engine knows the saga's
+// definition carries it out at once (it is woken, not polled), in the
+// delivery's transaction, and records the outcome (RequestStatus). A tool
+// that runs no saga can ask. Asking again before the saga changed is the
+// same request: it is carried out once. A saga that does not exist is
+// ErrNotFound.
+func Ask(ctx context.Context, tr *transport.Transport, db *sql.DB, id uuid.UUID, kind RequestKind, reason string) (Request, error) {
+	if kind != RequestRetry && kind != RequestCancel {
+		return Request{}, fmt.Errorf("%w: kind %q (retry or cancel)", ErrInvalidRequest, kind)
+	}
+	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return Request{}, fmt.Errorf("saga %s: asking for a %s: %w", id, kind, err)
+	}
+	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+	var (
+		name    string
+		version int
+	)
+	if err := tx.QueryRowContext(ctx, `SELECT saga_type, version FROM saga_instances WHERE id = $1`, id).Scan(&name, &version); errors.Is(err, sql.ErrNoRows) {
+		return Request{}, fmt.Errorf("%w: %s", ErrNotFound, id)
+	} else if err != nil {
+		return Request{}, fmt.Errorf("saga %s: asking for a %s: %w", id, kind, err)
+	}
+	// The same request for the saga as it is now: one id.
+	reqID := uuid.NewSHA1(requestSpace, fmt.Appendf(nil, "%s\x00%s\x00%d", id, kind, version))
+	var inserted bool
+	if err := tx.QueryRowContext(ctx, askSQL, reqID, id, string(kind), reason).Scan(&inserted); err != nil {
+		return Request{}, fmt.Errorf("saga %s: asking for a %s: %w", id, kind, err)
+	}
+	if inserted {
+		payload, _ := json.Marshal(requestMessage{RequestID: reqID})
+		if err := tr.Publisher(tx).Publish(RequestTopic(name), message.NewMessage(reqID.String(), payload)); err != nil {
+			return Request{}, fmt.Errorf("saga %s: asking for a %s: %w", id, kind, err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return Request{}, fmt.Errorf("saga %s: asking for a %s: %w", id, kind, err)
+	}
+	return RequestStatus(ctx, db, reqID)
+}
+
+var requestSpace = uuid.MustParse("0b6c1e9e-8a55-4c8e-a7c2-7067736167a2")
+
+type requestMessage struct {
+	RequestID uuid.UUID `json:"request_id"`
+}
+
+// RequestStatus reads a request and its outcome.
+func RequestStatus(ctx context.Context, db *sql.DB, id uuid.UUID) (Request, error) {
+	r := Request{ID: id}
+	var kind string
+	err := db.QueryRowContext(ctx, requestSQL, id).Scan(&r.SagaID, &kind, &r.Reason, &r.RequestedAt, &r.DoneAt, &r.Outcome, &r.Detail)
+	if errors.Is(err, sql.ErrNoRows) {
+		return Request{}, fmt.Errorf("%w: request %s", ErrNotFound, id)
+	}
+	if err != nil {
+		return Request{}, fmt.Errorf("saga: reading request %s: %w", id, err)
+	}
+	r.Kind = RequestKind(kind)
+	return r, nil
+}
+
+// HandleRequest carries out an operator's request (see Ask) in the
+// message's transaction, once, and records its outcome there: done, or
+// refused when the saga was in no state for it. A request for a
+// definition this process does not know fails the attempt (transient): a
+// worker that knows it may take it.
+func (e *Engine) HandleRequest(msg *message.Message) error {
+	ctx := msg.Context()
+	tx, ok := transport.TxFromContext(ctx)
+	if !ok {
+		return errors.New("saga: request needs a transaction in the message context")
+	}
+	var m requestMessage
+	if err := json.Unmarshal(msg.Payload, &m); err != nil {
+		return transport.Permanent(fmt.Errorf("saga: request message %s: %w", msg.UUID, err))
+	}
+	var (
+		sagaID uuid.UUID
+		kind   string
+		reason string
+		done   bool
+	)
+	err := tx.QueryRowContext(ctx, lockRequestSQL, m.RequestID).Scan(&sagaID, &kind, &reason, &done)
+	if errors.Is(err, sql.ErrNoRows) {
+		return transport.Permanent(fmt.Errorf("saga: request %s is not recorded", m.RequestID))
+	}
+	if err != nil {
+		return err
+	}
+	if done {
+		return nil
+	}
+	switch RequestKind(kind) {
+	case RequestRetry:
+		err = e.RetryTx(ctx, tx, sagaID)
+	case RequestCancel:
+		err = e.CancelTx(ctx, tx, sagaID, reason)
+	default:
+		return transport.Permanent(fmt.Errorf("%w: request %s asks for %q", ErrInvalidRequest, m.RequestID, kind))
+	}
+	outcome, detail := RequestDone, ""
+	switch {
+	case err == nil:
+	case errors.Is(err, ErrNotRetryable), errors.Is(err, ErrNotCancellable), errors.Is(err, ErrNotFound):
+		outcome, detail = RequestRefused, err.Error()
+	default:
+		return err // ErrUnknownDefinition included: another worker may know it
+	}
+	if _, err := tx.ExecContext(ctx, finishRequestSQL, m.RequestID, outcome, detail); err != nil {
+		return fmt.Errorf("saga: recording request %s: %w", m.RequestID, err)
+	}
+	e.log.Info("operator request carried out", "saga", sagaID, "request", m.RequestID, "kind", kind, "outcome", outcome, "detail", detail)
+	return nil
+}
+
+const (
+	askSQL = `WITH ins AS (
+    INSERT INTO saga_requests (id, saga_id, kind, reason) VALUES ($1, $2, $3, $4)
+    ON CONFLICT (id) DO NOTHING RETURNING 1
+)
+SELECT EXISTS (SELECT FROM ins)`
+	requestSQL = `SELECT saga_id, kind, reason, requested_at, done_at, coalesce(outcome, ''), detail
+FROM saga_requests WHERE id = $1`
+	lockRequestSQL   = `SELECT saga_id, kind, reason, done_at IS NOT NULL FROM saga_requests WHERE id = $1 FOR UPDATE`
+	finishRequestSQL = `UPDATE saga_requests SET done_at = clock_timestamp(), outcome = $2, detail = $3 WHERE id = $1`
+)

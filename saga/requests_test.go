@@ -1,0 +1,95 @@
+package saga_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/saga"
+)
+
+// Cancel compensates a running saga on purpose: the step in flight too
+// (its action may yet happen), then those before it; repeating it changes
+// nothing; a completed saga cannot be cancelled.
+func TestCancelCompensatesARunningSaga(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{silent: []string{"pay"}}) // pay never answers: the saga waits at it
+	id := e.start("bern")
+	e.wait(id, "the pay command sent", func(i saga.Instance) bool { return i.Step == "pay" })
+	ctx := context.Background()
+	require.NoError(t, e.engine.Cancel(ctx, id, "customer called"))
+	inst := e.terminal(id)
+	assert.Equal(t, saga.StatusCompensated, inst.Status)
+	assert.Equal(t, "cancelled by an operator: customer called", inst.FailureReason)
+	assert.Equal(t, []string{"started", "sent:book", "reply_ok:book", "sent:pay", "cancelled:pay", "sent:pay", "reply_ok:pay", "sent:book", "reply_ok:book", "compensated"},
+		kinds(inst.History), "the step in flight is compensated (refund), then book (cancel)")
+	assert.Equal(t, 1, e.callsOf("refund"))
+	assert.Equal(t, 1, e.callsOf("cancel"))
+
+	require.NoError(t, e.engine.Cancel(ctx, id, "again"), "compensated already: nothing to do")
+	again, err := e.engine.Get(ctx, id)
+	require.NoError(t, err)
+	assert.Equal(t, inst.Version, again.Version, "nothing changed")
+
+	e2 := newEnv(t, options{})
+	completed := e2.terminal(e2.start("bonn"))
+	require.Equal(t, saga.StatusCompleted, completed.Status)
+	assert.ErrorIs(t, e2.engine.Cancel(ctx, completed.ID, ""), saga.ErrNotCancellable)
+}
+
+// A request asked by a tool that runs no saga (Ask) is carried out by the
+// workers once and its outcome recorded: a retry of a parked saga is done,
+// a cancel of a completed one refused; asking again for the saga as it is
+// now is the same request, carried out once.
+func TestAskedRequestsAreCarriedOutOnce(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{})
+	e.set("pay", refuse)
+	e.set("cancel", refuse)
+	parked := e.terminal(e.start("graz"))
+	require.Equal(t, saga.StatusFailed, parked.Status)
+	e.set("cancel", succeed)
+	ctx := context.Background()
+
+	req, err := saga.Ask(ctx, e.tr, e.db.SQL, parked.ID, saga.RequestRetry, "")
+	require.NoError(t, err)
+	done := waitRequest(t, e, req.ID)
+	assert.Equal(t, saga.RequestDone, done.Outcome)
+	assert.Equal(t, saga.StatusCompensated, e.terminal(parked.ID).Status)
+
+	e2 := newEnv(t, options{})
+	completed := e2.terminal(e2.start("linz"))
+	require.Equal(t, saga.StatusCompleted, completed.Status)
+	first, err := saga.Ask(ctx, e2.tr, e2.db.SQL, completed.ID, saga.RequestCancel, "too late")
+	require.NoError(t, err)
+	refused := waitRequest(t, e2, first.ID)
+	assert.Equal(t, saga.RequestRefused, refused.Outcome)
+	assert.Contains(t, refused.Detail, "cannot be cancelled")
+	second, err := saga.Ask(ctx, e2.tr, e2.db.SQL, completed.ID, saga.RequestCancel, "too late")
+	require.NoError(t, err)
+	assert.Equal(t, first.ID, second.ID, "the same request")
+	assert.Equal(t, refused.DoneAt, second.DoneAt, "carried out once")
+
+	_, err = saga.Ask(ctx, e2.tr, e2.db.SQL, completed.ID, "explode", "")
+	assert.ErrorIs(t, err, saga.ErrInvalidRequest)
+	_, err = saga.Ask(ctx, e2.tr, e2.db.SQL, saga.ID("nope", "nope"), saga.RequestRetry, "")
+	assert.ErrorIs(t, err, saga.ErrNotFound)
+}
+
+func waitRequest(t *testing.T, e *env, id uuid.UUID) saga.Request {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		r, err := saga.RequestStatus(context.Background(), e.db.SQL, id)
+		require.NoError(t, err)
+		if r.DoneAt != nil {
+			return r
+		}
+		require.True(t, time.Now().Before(deadline), "request %x not carried out", id)
+		time.Sleep(10 * time.Millisecond)
+	}
+}
