@@ -105,7 +105,7 @@ func newRoot(stdout, stderr io.Writer) *cobra.Command {
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
-	root.AddCommand(sagasCmd(), showCmd(), deadLettersCmd(), consumersCmd(), migrateCmd(), versionCmd())
+	root.AddCommand(sagasCmd(), showCmd(), retryCmd(), cancelCmd(), deadLettersCmd(), consumersCmd(), migrateCmd(), versionCmd())
 	return root
 }
 
