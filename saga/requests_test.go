@@ -5,11 +5,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Cancel compensates a running saga on purpose: the step in flight too
@@ -73,6 +75,27 @@ func TestAskedRequestsAreCarriedOutOnce(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, first.ID, second.ID, "the same request")
 	assert.Equal(t, refused.DoneAt, second.DoneAt, "carried out once")
+
+	// The request's message delivered again (a duplicate): nothing is done
+	// twice.
+	dup := message.NewMessage(uuid.NewString(), []byte(`{"request_id":"`+first.ID.String()+`"}`))
+	require.NoError(t, e2.tr.Publisher(e2.db.SQL).Publish(saga.RequestTopic(e2.def.Name), dup))
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var left int
+		require.NoError(t, e2.db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_queue WHERE uuid = $1 AND consumer_group <> 'archive'`, dup.UUID).Scan(&left))
+		if left == 0 {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "the duplicate was never handled")
+		time.Sleep(10 * time.Millisecond)
+	}
+	third, err := saga.RequestStatus(ctx, e2.db.SQL, first.ID)
+	require.NoError(t, err)
+	assert.Equal(t, refused.DoneAt, third.DoneAt, "the duplicate changed nothing")
+	dead, err := e2.tr.DeadLetters(ctx, transport.DeadLetterFilter{Topic: saga.RequestTopic(e2.def.Name)})
+	require.NoError(t, err)
+	assert.Empty(t, dead)
 
 	_, err = saga.Ask(ctx, e2.tr, e2.db.SQL, completed.ID, "explode", "")
 	assert.ErrorIs(t, err, saga.ErrInvalidRequest)
