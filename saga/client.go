@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/steps"
@@ -608,6 +609,9 @@ func (c *Client) StartTx(ctx context.Context, tx transport.Tx, name string, trig
 			return nil
 		}
 		c.log.Debug("saga: starting in the caller's transaction failed; the trigger is queued", "saga", name, "message_uuid", trigger.UUID, "reason", err)
+	}
+	if !trace.SpanContextFromContext(trigger.Context()).IsValid() {
+		trigger.SetContext(ctx) // its publish joins the caller's trace, if any
 	}
 	if err := c.transport.Publisher(tx).Publish(def.Trigger, trigger); err != nil {
 		return fmt.Errorf("saga: starting %s: publishing to %s: %w", name, def.Trigger, err)

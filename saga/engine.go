@@ -14,8 +14,11 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/telemetry"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -89,9 +92,11 @@ type Config struct {
 
 // Engine drives saga instances.
 type Engine struct {
-	cfg   Config
-	log   *slog.Logger
-	retry transport.RetryPolicy
+	cfg     Config
+	log     *slog.Logger
+	retry   transport.RetryPolicy
+	metrics *telemetry.Metrics
+	trace   *telemetry.Tracing
 
 	mu     sync.RWMutex
 	defs   map[string]map[int]*Definition // name → version → definition
@@ -119,7 +124,8 @@ func NewEngine(cfg Config) (*Engine, error) {
 	if cfg.Retry != nil {
 		retry = *cfg.Retry
 	}
-	return &Engine{cfg: cfg, log: cfg.Logger, retry: retry, defs: map[string]map[int]*Definition{}, latest: map[string]*Definition{}}, nil
+	return &Engine{cfg: cfg, log: cfg.Logger, retry: retry, metrics: cfg.Transport.Config().Metrics, trace: cfg.Transport.Tracing(),
+		defs: map[string]map[int]*Definition{}, latest: map[string]*Definition{}}, nil
 }
 
 // Register adds a definition. Several versions of one saga may be registered:
@@ -235,10 +241,15 @@ type instance struct {
 	CreatedAt     time.Time
 	UpdatedAt     time.Time
 	FinishedAt    *time.Time
+	// TraceParent is the saga's trace (see decide); "" if none.
+	TraceParent string
 
 	history  []historyEntry   // to write
 	outbox   []pendingCommand // to publish
 	finished bool             // reached a terminal state in this reaction
+	// told is the status last told (logged and counted): as loaded, ""
+	// for an instance being started.
+	told Status
 }
 
 type historyEntry struct {
@@ -258,7 +269,7 @@ type pendingCommand struct {
 
 // HandleTrigger starts an instance of saga name from a trigger message, in
 // the message's transaction. A second trigger with the same key does nothing.
-func (e *Engine) HandleTrigger(name string, msg *message.Message) error {
+func (e *Engine) HandleTrigger(name string, msg *message.Message) (err error) {
 	ctx := msg.Context()
 	tx, ok := transport.TxFromContext(ctx)
 	if !ok {
@@ -282,6 +293,9 @@ func (e *Engine) HandleTrigger(name string, msg *message.Message) error {
 	if inst.CorrelationID == "" {
 		inst.CorrelationID = inst.ID.String()
 	}
+	ctx, span := e.decide(ctx, "start", inst)
+	defer func() { e.decided(span, inst, err) }()
+	inst.TraceParent = e.trace.TraceParent(ctx)
 	inst.note("started", -1, def, msg.UUID, "trigger "+key)
 	if err := e.advance(inst, def, msg.UUID); err != nil {
 		return transport.Permanent(err)
@@ -291,6 +305,7 @@ func (e *Engine) HandleTrigger(name string, msg *message.Message) error {
 		return err
 	}
 	if !inserted {
+		span.SetAttributes(telemetry.AttrOutcome.String("ignored: already started"))
 		e.log.Debug("saga already started; trigger ignored", "saga", name, "id", inst.ID, "message_uuid", msg.UUID)
 		return nil
 	}
@@ -304,7 +319,7 @@ func (e *Engine) HandleTrigger(name string, msg *message.Message) error {
 // changes nothing. A reply for an unknown saga, or for an instance of a
 // definition version this process does not know, is dead-lettered with the
 // reason.
-func (e *Engine) HandleReply(msg *message.Message) error {
+func (e *Engine) HandleReply(msg *message.Message) (err error) {
 	ctx := msg.Context()
 	tx, ok := transport.TxFromContext(ctx)
 	if !ok {
@@ -326,7 +341,11 @@ func (e *Engine) HandleReply(msg *message.Message) error {
 	if !ok {
 		return transport.Permanent(fmt.Errorf("%w: reply %s for saga %s of %s version %d", ErrUnknownDefinition, msg.UUID, id, inst.Type, inst.DefVersion))
 	}
+	ctx, span := e.decide(ctx, "reply", inst)
+	defer func() { e.decided(span, inst, err) }()
+	span.SetAttributes(telemetry.AttrKey.String(env.Key), telemetry.AttrOutcome.String(env.Outcome))
 	if inst.Status.Terminal() || inst.Step < 0 || env.Key != inst.key(def) {
+		span.SetAttributes(telemetry.AttrOutcome.String("ignored: not for the command in flight"))
 		e.log.Debug("reply is not for the command in flight; ignored", "saga", id, "key", env.Key, "message_uuid", msg.UUID)
 		return nil
 	}
@@ -496,9 +515,11 @@ func (e *Engine) flush(ctx context.Context, tx transport.Tx, inst *instance) err
 	if err := appendHistory(ctx, tx, inst.ID, inst.history); err != nil {
 		return err
 	}
+	e.tell(tx, inst)
 	inst.history = nil
 	pub := e.cfg.Transport.Publisher(tx)
 	for _, c := range inst.outbox {
+		c.msg.SetContext(ctx) // its publish is a child of the decision's span
 		if err := pub.Publish(c.topic, c.msg); err != nil {
 			return fmt.Errorf("saga %s: sending %s: %w", inst.ID, c.topic, err)
 		}
@@ -511,4 +532,122 @@ func (e *Engine) flush(ctx context.Context, tx transport.Tx, inst *instance) err
 		inst.finished = false
 	}
 	return nil
+}
+
+// tell logs and counts what a reaction did to inst, once tx commits: its
+// change of status (one Info line each, pgsaga_sagas_started_total and
+// pgsaga_sagas_finished_total) and the commands it sent again
+// (pgsaga_saga_commands_resent_total). It runs before the reaction's
+// timeline is written.
+func (e *Engine) tell(tx transport.Tx, inst *instance) {
+	from, to := inst.told, inst.Status
+	var resent []string
+	for _, h := range inst.history {
+		if h.Kind == "resent" || h.Kind == "retried" {
+			resent = append(resent, h.Step)
+		}
+	}
+	if from == to && len(resent) == 0 {
+		return
+	}
+	inst.told = to
+	step := ""
+	if def, ok := e.definition(inst.Type, inst.DefVersion); ok && inst.Step >= 0 && inst.Step < len(def.steps) {
+		step = def.steps[inst.Step].name
+	}
+	name, id, phase, reason := inst.Type, inst.ID, inst.Phase, inst.FailureReason
+	afterCommit(tx, func() {
+		m := e.metrics
+		for _, st := range resent {
+			m.CommandResent(name, st)
+		}
+		if from == to {
+			return
+		}
+		attrs := []any{"saga", name, "saga_id", id, "status", to}
+		if from != "" {
+			attrs = append(attrs, "from", from)
+		}
+		if step != "" && !to.Terminal() {
+			attrs = append(attrs, "step", step, "phase", phase)
+		}
+		if reason != "" && to != StatusCompleted && to != StatusRunning {
+			attrs = append(attrs, "reason", reason)
+		}
+		if from == "" {
+			m.SagaStarted(name)
+			e.log.Info("saga started", attrs...)
+		}
+		if to.Terminal() {
+			m.SagaFinished(name, string(to))
+		}
+		if from != "" || to.Terminal() {
+			e.log.Info("saga "+string(to), attrs...)
+		}
+	})
+}
+
+// ownTx is a transaction the engine opened itself: what its work is to
+// tell (see tell) waits for its commit.
+type ownTx struct {
+	*sql.Tx
+	hooks []func()
+}
+
+// commit commits the transaction and runs its hooks.
+func (o *ownTx) commit() error {
+	if err := o.Tx.Commit(); err != nil {
+		return err
+	}
+	for _, h := range o.hooks {
+		h()
+	}
+	return nil
+}
+
+// afterCommit runs fn once tx commits: a delivery attempt's transaction
+// (transport.OnCommit) or one the engine opened (ownTx). In a caller's
+// transaction, whose commit the engine cannot see, fn runs at once.
+func afterCommit(tx transport.Tx, fn func()) {
+	if transport.OnCommit(tx, fn) {
+		return
+	}
+	if o, ok := tx.(*ownTx); ok {
+		o.hooks = append(o.hooks, fn)
+		return
+	}
+	fn()
+}
+
+// decide starts the span of an engine decision about inst ("start",
+// "reply", "deadline", "retry", "cancel"), whose commands are published as
+// its children. It is a child of ctx's span (the delivery of the trigger
+// or reply) when there is one; otherwise, and for decisions no message of
+// the saga led to (the sweeper's, an operator's, whose request is then a
+// link), a child of the saga's trace as stored with the instance, so that
+// one saga is one trace.
+func (e *Engine) decide(ctx context.Context, decision string, inst *instance) (context.Context, trace.Span) {
+	var opts []trace.SpanStartOption
+	own := decision != "start" && decision != "reply"
+	if parent := trace.SpanContextFromContext(ctx); inst.TraceParent != "" && (own || !parent.IsValid()) {
+		if parent.IsValid() {
+			opts = append(opts, trace.WithLinks(trace.Link{SpanContext: parent}))
+		}
+		ctx = e.trace.ContextWithRemote(trace.ContextWithSpanContext(ctx, trace.SpanContext{}), inst.TraceParent, "")
+	}
+	opts = append(opts, trace.WithAttributes(telemetry.AttrSaga.String(inst.Type), telemetry.AttrSagaID.String(inst.ID.String()),
+		telemetry.AttrDecision.String(decision), telemetry.AttrFrom.String(string(inst.Status))))
+	return e.trace.Tracer().Start(ctx, "saga "+decision+" "+inst.Type, opts...)
+}
+
+// decided ends a decision's span with the state it left inst in.
+func (e *Engine) decided(span trace.Span, inst *instance, err error) {
+	attrs := []attribute.KeyValue{telemetry.AttrStatus.String(string(inst.Status))}
+	if inst.Step >= 0 {
+		if def, ok := e.definition(inst.Type, inst.DefVersion); ok && inst.Step < len(def.steps) {
+			attrs = append(attrs, telemetry.AttrStep.String(def.steps[inst.Step].name), attribute.String("pgsaga.phase", string(inst.Phase)))
+		}
+	}
+	span.SetAttributes(attrs...)
+	telemetry.End(span, err)
 }

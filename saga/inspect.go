@@ -261,27 +261,28 @@ func (e *Engine) UnknownDefinitions(ctx context.Context) ([]UnknownDefinition, e
 //
 // Completed and compensated instances are ErrNotRetryable.
 func (e *Engine) Retry(ctx context.Context, id uuid.UUID) error {
-	return e.inTx(ctx, "retrying "+id.String(), func(tx *sql.Tx) error { return e.RetryTx(ctx, tx, id) })
+	return e.inTx(ctx, "retrying "+id.String(), func(tx transport.Tx) error { return e.RetryTx(ctx, tx, id) })
 }
 
 // inTx runs fn in a READ COMMITTED transaction of its own.
-func (e *Engine) inTx(ctx context.Context, what string, fn func(tx *sql.Tx) error) error {
+func (e *Engine) inTx(ctx context.Context, what string, fn func(tx transport.Tx) error) error {
 	tx, err := e.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return fmt.Errorf("saga: %s: %w", what, err)
 	}
 	defer tx.Rollback() //nolint:errcheck // no-op after Commit
-	if err := fn(tx); err != nil {
+	otx := &ownTx{Tx: tx}
+	if err := fn(otx); err != nil {
 		return err
 	}
-	if err := tx.Commit(); err != nil {
+	if err := otx.commit(); err != nil {
 		return fmt.Errorf("saga: %s: %w", what, err)
 	}
 	return nil
 }
 
 // RetryTx is Retry in the caller's transaction.
-func (e *Engine) RetryTx(ctx context.Context, tx transport.Tx, id uuid.UUID) error {
+func (e *Engine) RetryTx(ctx context.Context, tx transport.Tx, id uuid.UUID) (err error) {
 	inst, err := loadInstance(ctx, tx, id, true)
 	if err != nil {
 		return err
@@ -290,6 +291,8 @@ func (e *Engine) RetryTx(ctx context.Context, tx transport.Tx, id uuid.UUID) err
 	if !ok {
 		return fmt.Errorf("%w: %s version %d", ErrUnknownDefinition, inst.Type, inst.DefVersion)
 	}
+	ctx, span := e.decide(ctx, "retry", inst)
+	defer func() { e.decided(span, inst, err) }()
 	switch inst.Status {
 	case StatusFailed:
 		if inst.Phase != PhaseCompensation || inst.Step < 0 {
@@ -318,11 +321,11 @@ func (e *Engine) RetryTx(ctx context.Context, tx transport.Tx, id uuid.UUID) err
 // compensated already is left as it is (nil); a completed or parked one is
 // ErrNotCancellable.
 func (e *Engine) Cancel(ctx context.Context, id uuid.UUID, reason string) error {
-	return e.inTx(ctx, "cancelling "+id.String(), func(tx *sql.Tx) error { return e.CancelTx(ctx, tx, id, reason) })
+	return e.inTx(ctx, "cancelling "+id.String(), func(tx transport.Tx) error { return e.CancelTx(ctx, tx, id, reason) })
 }
 
 // CancelTx is Cancel in the caller's transaction.
-func (e *Engine) CancelTx(ctx context.Context, tx transport.Tx, id uuid.UUID, reason string) error {
+func (e *Engine) CancelTx(ctx context.Context, tx transport.Tx, id uuid.UUID, reason string) (err error) {
 	inst, err := loadInstance(ctx, tx, id, true)
 	if err != nil {
 		return err
@@ -331,6 +334,8 @@ func (e *Engine) CancelTx(ctx context.Context, tx transport.Tx, id uuid.UUID, re
 	if !ok {
 		return fmt.Errorf("%w: %s version %d", ErrUnknownDefinition, inst.Type, inst.DefVersion)
 	}
+	ctx, span := e.decide(ctx, "cancel", inst)
+	defer func() { e.decided(span, inst, err) }()
 	switch inst.Status {
 	case StatusCompensating, StatusCompensated:
 		return nil

@@ -13,13 +13,13 @@ import (
 
 const instanceColumns = `id, saga_type, definition_version, status, data, current_step, phase, attempt,
 generation, version, coalesce(correlation_id, ''), coalesce(failure_reason, ''), deadline_at,
-created_at, updated_at, finished_at`
+created_at, updated_at, finished_at, coalesce(trace_parent, '')`
 
 const (
 	// insertInstanceSQL starts an instance unless one with its id exists.
 	insertInstanceSQL = `INSERT INTO saga_instances (id, saga_type, definition_version, status, data,
-    current_step, phase, attempt, generation, version, correlation_id, failure_reason, deadline_at, finished_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, nullif($12, ''), $13, $14)
+    current_step, phase, attempt, generation, version, correlation_id, failure_reason, deadline_at, finished_at, trace_parent)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, nullif($12, ''), $13, $14, nullif($15, ''))
 ON CONFLICT (id) DO NOTHING`
 
 	// updateInstanceSQL writes an instance's new state if nobody changed it
@@ -50,8 +50,9 @@ ORDER BY deadline_at
 LIMIT 1
 FOR UPDATE SKIP LOCKED`
 
-	// parkBrokenSQL parks an instance whose command cannot be sent, and tells
-	// the finished channel ($3) if there is one.
+	// parkBrokenSQL parks an instance whose command cannot be sent, tells
+	// the finished channel ($3) if there is one, and returns 1 if it parked
+	// it (0 if it was no longer running or compensating).
 	parkBrokenSQL = `WITH parked AS (
     UPDATE saga_instances SET status = 'failed', failure_reason = $2, deadline_at = NULL,
         finished_at = clock_timestamp(), updated_at = clock_timestamp(), version = version + 1
@@ -60,7 +61,8 @@ FOR UPDATE SKIP LOCKED`
 timeline AS (
     INSERT INTO saga_history (saga_id, seq, kind, detail)
     SELECT id, coalesce((SELECT max(seq) FROM saga_history WHERE saga_id = $1), 0) + 1, 'failed', $2 FROM parked)
-SELECT count(pg_notify($3, id::text)) FROM parked WHERE $3 <> ''`
+SELECT count(*) FROM parked
+    LEFT JOIN LATERAL (SELECT pg_notify($3, parked.id::text) WHERE $3 <> '') AS notified ON true`
 
 	// notifyFinishedSQL tells Config.FinishedChannel's listeners that an
 	// instance finished; delivered on commit.
@@ -112,7 +114,7 @@ WHERE status IN ('running', 'compensating') GROUP BY saga_type, definition_versi
 func insertInstance(ctx context.Context, tx transport.Tx, inst *instance) (bool, error) {
 	res, err := tx.ExecContext(ctx, insertInstanceSQL, inst.ID, inst.Type, inst.DefVersion, string(inst.Status), []byte(inst.Data),
 		inst.Step, string(inst.Phase), inst.Attempt, inst.Generation, inst.Version, inst.CorrelationID, inst.FailureReason,
-		inst.DeadlineAt, inst.FinishedAt)
+		inst.DeadlineAt, inst.FinishedAt, inst.TraceParent)
 	if err != nil {
 		return false, fmt.Errorf("saga %s: starting: %w", inst.ID, err)
 	}
@@ -157,11 +159,12 @@ func scanInstance(row scanner, more ...any) (*instance, error) {
 	)
 	err := row.Scan(append([]any{&inst.ID, &inst.Type, &inst.DefVersion, &status, &data, &inst.Step, &phase, &inst.Attempt,
 		&inst.Generation, &inst.Version, &inst.CorrelationID, &inst.FailureReason, &inst.DeadlineAt,
-		&inst.CreatedAt, &inst.UpdatedAt, &inst.FinishedAt}, more...)...)
+		&inst.CreatedAt, &inst.UpdatedAt, &inst.FinishedAt, &inst.TraceParent}, more...)...)
 	if err != nil {
 		return nil, err
 	}
 	inst.Status, inst.Phase, inst.Data = Status(status), Phase(phase), data
+	inst.told = inst.Status
 	return &inst, nil
 }
 

@@ -70,6 +70,8 @@ func (e *Engine) sweepOne(ctx context.Context, known []string, res *SweepResult)
 	}
 	def, _ := e.definition(inst.Type, inst.DefVersion)
 	step := def.steps[inst.Step]
+	ctx, span := e.decide(ctx, "deadline", inst)
+	defer func() { e.decided(span, inst, err) }()
 	wait, attempts := step.limits(inst.Phase)
 	var outcome *int
 	switch {
@@ -86,11 +88,12 @@ func (e *Engine) sweepOne(ctx context.Context, known []string, res *SweepResult)
 		e.park(inst, def, fmt.Sprintf("compensation of %s got no reply after %d attempts", step.name, inst.Attempt))
 		outcome = &res.Parked
 	}
+	otx := &ownTx{Tx: tx}
 	if err == nil {
-		err = e.save(ctx, tx, inst)
+		err = e.save(ctx, otx, inst)
 	}
 	if err == nil {
-		err = tx.Commit()
+		err = otx.commit()
 	}
 	if err != nil {
 		// One instance that cannot be handled must not hold up the others.
@@ -113,11 +116,15 @@ func (e *Engine) sweepOne(ctx context.Context, known []string, res *SweepResult)
 func (e *Engine) setAside(ctx context.Context, inst *instance, step string, cause error) {
 	if errors.Is(cause, errBadCommand) || errors.Is(cause, transport.ErrInvalidTopic) || transport.IsPermanent(cause) {
 		reason := fmt.Sprintf("cannot send the %s of %s: %v", inst.Phase, step, cause)
-		if _, err := e.cfg.DB.ExecContext(ctx, parkBrokenSQL, inst.ID, reason, e.cfg.FinishedChannel); err != nil {
+		var parked int
+		if err := e.cfg.DB.QueryRowContext(ctx, parkBrokenSQL, inst.ID, reason, e.cfg.FinishedChannel).Scan(&parked); err != nil {
 			e.log.Error("parking a saga the sweeper cannot handle", "saga", inst.ID, "cause", cause, "err", err)
 			return
 		}
-		e.log.Error("parked a saga whose command cannot be sent", "saga", inst.ID, "step", step, "cause", cause)
+		if parked == 1 {
+			e.metrics.SagaFinished(inst.Type, string(StatusFailed))
+			e.log.Error("parked a saga whose command cannot be sent", "saga", inst.Type, "saga_id", inst.ID, "status", StatusFailed, "step", step, "cause", cause)
+		}
 		return
 	}
 	if _, err := e.cfg.DB.ExecContext(ctx, postponeSQL, inst.ID); err != nil {

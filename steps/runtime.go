@@ -26,11 +26,15 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/steps/events"
+	"github.com/pgsaga/pgsaga/steps/telemetry"
 	"github.com/pgsaga/pgsaga/steps/transport"
 
 	"github.com/pgsaga/pgsaga/steps/outcome"
@@ -125,11 +129,13 @@ type Config struct {
 
 // Runtime runs steps.
 type Runtime struct {
-	tr     *transport.Transport
-	store  *idempotency.Store
-	events *events.Store
-	retry  transport.RetryPolicy
-	log    *slog.Logger
+	tr      *transport.Transport
+	store   *idempotency.Store
+	events  *events.Store
+	retry   transport.RetryPolicy
+	log     *slog.Logger
+	metrics *telemetry.Metrics
+	trace   *telemetry.Tracing
 }
 
 // New validates cfg and returns a Runtime.
@@ -144,7 +150,8 @@ func New(cfg Config) (*Runtime, error) {
 	if cfg.Retry != nil {
 		retry = *cfg.Retry
 	}
-	return &Runtime{tr: cfg.Transport, store: cfg.Store, events: cfg.Events, retry: retry, log: cfg.Logger}, nil
+	return &Runtime{tr: cfg.Transport, store: cfg.Store, events: cfg.Events, retry: retry, log: cfg.Logger,
+		metrics: cfg.Transport.Config().Metrics, trace: cfg.Transport.Tracing()}, nil
 }
 
 // Subscriptions lists what the steps consume, for Transport.Subscribe: each
@@ -194,21 +201,41 @@ func (rt *Runtime) handler(s Step) transport.HandlerFunc {
 		// Scope was validated with the step; this cannot happen.
 		panic(err)
 	}
-	return func(msg *message.Message) error {
-		ctx := msg.Context()
+	return func(msg *message.Message) (err error) {
+		start := time.Now()
+		ctx, span := rt.startSpan(s, msg)
+		var biz *BusinessError
+		defer func() {
+			spanErr := err
+			switch {
+			case errors.As(err, &biz):
+				// An answer, stored by the attempt that follows (its own
+				// span), not an error of the step.
+				span.SetAttributes(telemetry.AttrOutcome.String(telemetry.StepFailed), attribute.String("pgsaga.reason", biz.Reason))
+				spanErr = nil
+			case err != nil:
+				rt.metrics.StepAttempt(s.Name, telemetry.StepError, time.Since(start), transport.AttemptFromContext(ctx))
+				span.SetAttributes(telemetry.AttrOutcome.String(telemetry.StepError))
+			}
+			telemetry.End(span, spanErr)
+		}()
 		ttx, claim, err := claimIn(s, keys, msg)
-		if err != nil || !claim.Run {
+		if err != nil {
 			return err // ErrKeyReused is permanent (outcome.Permanent)
 		}
 		env := EnvelopeOf(msg)
 		key := idempotencyKey(msg)
+		if !claim.Run {
+			span.SetAttributes(telemetry.AttrOutcome.String(telemetry.StepReplayed))
+			rt.observe(ctx, ttx, s, env, key, telemetry.StepReplayed, start, "")
+			return nil
+		}
 		reply, err := s.handle(ctx, &Tx{Tx: ttx, rt: rt, step: s, env: env, key: key}, msg)
-		var biz *BusinessError
 		switch {
 		case errors.As(err, &biz):
 			// The attempt, the handler's writes and the claim with it, is
 			// rolled back; the failure is stored in a fresh one.
-			return transport.Instead(rt.recordFailure(s, keys, biz), err)
+			return transport.Instead(rt.recordFailure(s, keys, biz, start), err)
 		case err != nil:
 			return err
 		}
@@ -216,24 +243,94 @@ func (rt *Runtime) handler(s Step) transport.HandlerFunc {
 		if err != nil {
 			return err
 		}
-		return keys.FinishTx(ctx, ttx, claim, idempotency.StatusCompleted, "", replies...)
+		withContext(ctx, replies)
+		if err := keys.FinishTx(ctx, ttx, claim, idempotency.StatusCompleted, "", replies...); err != nil {
+			return err
+		}
+		span.SetAttributes(telemetry.AttrOutcome.String(telemetry.StepCompleted))
+		rt.observe(ctx, ttx, s, env, key, telemetry.StepCompleted, start, "")
+		return nil
+	}
+}
+
+// startSpan starts the span of a step attempt on msg, a child of its
+// delivery's: "step <name>".
+func (rt *Runtime) startSpan(s Step, msg *message.Message) (context.Context, trace.Span) {
+	ctx := msg.Context()
+	attrs := []attribute.KeyValue{telemetry.AttrHandler.String(s.Name), telemetry.AttrKey.String(idempotencyKey(msg)),
+		telemetry.AttrAttempt.Int(transport.AttemptFromContext(ctx))}
+	if step := msg.Metadata.Get(MetaStep); step != "" {
+		attrs = append(attrs, telemetry.AttrStep.String(step))
+	}
+	if id := msg.Metadata.Get(MetaSagaID); id != "" {
+		attrs = append(attrs, telemetry.AttrSagaID.String(id))
+	}
+	return rt.trace.Start(ctx, "step "+s.Name, trace.SpanKindInternal, attrs...)
+}
+
+// withContext sets ctx on msgs: their publish spans are children of ctx's.
+func withContext(ctx context.Context, msgs []*message.Message) {
+	for _, m := range msgs {
+		m.SetContext(ctx)
+	}
+}
+
+// observe counts a step attempt that answered its command (completed,
+// failed or replayed) and logs it, once its transaction commits (see
+// transport.OnCommit).
+func (rt *Runtime) observe(ctx context.Context, tx transport.Tx, s Step, env Envelope, key, outcome string, start time.Time, detail string) {
+	took := time.Since(start)
+	attempt := transport.AttemptFromContext(ctx)
+	done := func() {
+		rt.metrics.StepAttempt(s.Name, outcome, took, attempt)
+		attrs := []any{"step", s.Name, "outcome", outcome, "key", key, "attempt", attempt, "took", took}
+		if env.SagaID != "" {
+			attrs = append(attrs, "saga_id", env.SagaID)
+		}
+		if detail != "" {
+			attrs = append(attrs, "reason", detail)
+		}
+		rt.log.Info("step "+outcome, attrs...)
+	}
+	if !transport.OnCommit(tx, done) {
+		done()
 	}
 }
 
 // recordFailure stores a business failure for the command and publishes its
 // reply, without running the handler again. A duplicate handled meanwhile
 // has its stored reply published again instead.
-func (rt *Runtime) recordFailure(s Step, keys *idempotency.MessageKeys, biz *BusinessError) transport.HandlerFunc {
-	return func(msg *message.Message) error {
+func (rt *Runtime) recordFailure(s Step, keys *idempotency.MessageKeys, biz *BusinessError, start time.Time) transport.HandlerFunc {
+	return func(msg *message.Message) (err error) {
+		ctx, span := rt.startSpan(s, msg)
+		defer func() {
+			outcome := telemetry.StepFailed
+			if err != nil {
+				outcome = telemetry.StepError
+				rt.metrics.StepAttempt(s.Name, telemetry.StepError, time.Since(start), transport.AttemptFromContext(ctx))
+			}
+			span.SetAttributes(telemetry.AttrOutcome.String(outcome), attribute.String("pgsaga.reason", biz.Reason))
+			telemetry.End(span, err)
+		}()
 		ttx, claim, err := claimIn(s, keys, msg)
-		if err != nil || !claim.Run {
-			return err
-		}
-		replies, err := rt.replies(s, EnvelopeOf(msg), idempotencyKey(msg), biz.Reply, OutcomeFailed, biz.Reason)
 		if err != nil {
 			return err
 		}
-		return keys.FinishTx(msg.Context(), ttx, claim, idempotency.StatusFailed, biz.Reason, replies...)
+		env, key := EnvelopeOf(msg), idempotencyKey(msg)
+		if !claim.Run {
+			rt.observe(ctx, ttx, s, env, key, telemetry.StepReplayed, start, "")
+			return nil
+		}
+		replies, err := rt.replies(s, env, key, biz.Reply, OutcomeFailed, biz.Reason)
+		if err != nil {
+			return err
+		}
+		withContext(ctx, replies)
+		if err := keys.FinishTx(ctx, ttx, claim, idempotency.StatusFailed, biz.Reason, replies...); err != nil {
+			return err
+		}
+		rt.observe(ctx, ttx, s, env, key, telemetry.StepFailed, start, biz.Reason)
+		return nil
 	}
 }
 

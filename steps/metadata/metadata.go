@@ -34,6 +34,14 @@ const (
 	Replayed = "idempotent_replay"
 )
 
+// Trace context, in the W3C Trace Context format: every publish sets them
+// (see telemetry.Tracing) when tracing is on, so that every hop of a saga,
+// in any process, joins one trace.
+const (
+	TraceParent = "traceparent"
+	TraceState  = "tracestate"
+)
+
 // Event messages carry these besides the envelope.
 const (
 	// StreamID is the event's stream.

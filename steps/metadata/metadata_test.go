@@ -19,6 +19,7 @@ func TestKeysAreTheContract(t *testing.T) {
 		"dead_letter_reason": metadata.DeadLetterReason, "dead_letter_attempts": metadata.DeadLetterAttempts,
 		"dead_letter_topic": metadata.DeadLetterTopic, "dead_letter_handler": metadata.DeadLetterHandler,
 		"dead_letter_group": metadata.DeadLetterGroup, "dead_letter_at": metadata.DeadLetterAt,
+		"traceparent": metadata.TraceParent, "tracestate": metadata.TraceState,
 	} {
 		assert.Equal(t, want, got)
 	}

@@ -87,7 +87,7 @@ func Savepoint(ctx context.Context, tx Tx, fn func(tx Tx) error) (err error) {
 	if _, err := tx.ExecContext(ctx, "SAVEPOINT "+name); err != nil {
 		return fmt.Errorf("transport: opening savepoint: %w", err)
 	}
-	var mark int
+	var mark queueMark
 	a, isAttempt := tx.(*attemptTx)
 	if isAttempt {
 		mark = a.queued()
@@ -246,6 +246,8 @@ type attemptTx struct {
 	ended    bool  // the handler ended the transaction
 	sendErr  error // queued statements could not be sent: the attempt cannot be kept
 	queue    []stmt
+	hooks    []func() // run once the attempt's work commits (OnCommit)
+	traceCtx traceCtx // the span of its handler's attempt
 	rows     []*sql.Rows
 	inFlight atomic.Bool // a handler statement is running
 
@@ -435,17 +437,71 @@ func cloneBytes(v any) any {
 	return v
 }
 
-func (a *attemptTx) queued() int {
+// queueMark is how much an attempt had queued at a savepoint: what was
+// queued after it is dropped when the savepoint is rolled back.
+type queueMark struct{ stmts, hooks int }
+
+func (a *attemptTx) queued() queueMark {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return len(a.queue)
+	return queueMark{len(a.queue), len(a.hooks)}
 }
 
-func (a *attemptTx) dropQueued(mark int) {
+func (a *attemptTx) dropQueued(mark queueMark) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if mark < len(a.queue) {
-		a.queue = a.queue[:mark]
+	if mark.stmts < len(a.queue) {
+		a.queue = a.queue[:mark.stmts]
+	}
+	if mark.hooks < len(a.hooks) {
+		a.hooks = a.hooks[:mark.hooks]
+	}
+}
+
+// OnCommit arranges for fn to run once the work of the delivery attempt
+// running on tx has committed: after the commit of its batch (or of its
+// own transaction, in HandleInTx), never if the attempt, a savepoint
+// around the call (Savepoint), or the transaction is rolled back, nor if
+// the outcome of the commit is unknown (the connection was lost during
+// it). fn runs on the consumer's goroutine: it must be quick and must not
+// block (count, log). pgsaga counts its metrics this way.
+//
+// It reports whether tx is a delivery attempt's transaction. For any other
+// Tx (a transaction of the caller's) it registers nothing and returns
+// false: the transport cannot see that commit, and the caller decides.
+func OnCommit(tx Tx, fn func()) bool {
+	a, ok := tx.(*attemptTx)
+	if !ok {
+		return false
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if !a.over { // an attempt that is over commits nothing more
+		a.hooks = append(a.hooks, fn)
+	}
+	return true
+}
+
+// takeHooks returns and forgets the attempt's commit hooks. The caller
+// holds mu.
+func (a *attemptTx) takeHooks() []func() {
+	h := a.hooks
+	a.hooks = nil
+	return h
+}
+
+// runHooks runs commit hooks, each in isolation: a hook that panics is
+// logged and does not stop the others.
+func (t *Transport) runHooks(hooks []func()) {
+	for _, h := range hooks {
+		func() {
+			defer func() {
+				if p := recover(); p != nil {
+					t.log.Error("transport: a commit hook panicked", "panic", p)
+				}
+			}()
+			h()
+		}()
 	}
 }
 
@@ -510,6 +566,9 @@ type deliveryTx struct {
 	// local: the handlers that take in-process deliveries from its
 	// attempts (nil: none).
 	local *localRoutes
+	// hooks run once the transaction commits: those of its kept attempts
+	// and the transport's own (a recorded retry or dead letter).
+	hooks []func()
 }
 
 // open starts the attempt: a savepoint (already open, if the previous step
@@ -547,6 +606,9 @@ func (a *attemptTx) keep(ctx context.Context, d *deliveryTx, id int64) error {
 		return fmt.Errorf("%w: %w", ErrTransactionEnded, err)
 	}
 	d.spOpen = err == nil && ahead
+	if err == nil {
+		d.hooks = append(d.hooks, a.takeHooks()...)
+	}
 	return err
 }
 
@@ -667,10 +729,8 @@ func (t *Transport) handleBy(d *deliveryTx, g *gate, msg *message.Message, id in
 	if out != failed || !errors.As(err, &instead) {
 		return out, err
 	}
-	ih := instead.Handler
-	if t.cfg.Intercept != nil {
-		ih = t.cfg.Intercept(handler, ih)
-	}
+	topic := TopicFromContext(msg.Context())
+	ih := t.wrap(handler, handler, topic, instead.Handler)
 	return t.attempt(d, g, msg, id, n, deadline, ih)
 }
 

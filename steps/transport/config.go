@@ -8,6 +8,9 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/stdlib"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/pgsaga/pgsaga/steps/telemetry"
 )
 
 // Defaults of Config and RetryPolicy.
@@ -141,6 +144,18 @@ type Config struct {
 	// operators can tell the groups that no longer run
 	// (Transport.ConsumerGroups). Default: HeartbeatIntervalDefault.
 	HeartbeatInterval time.Duration
+
+	// Metrics, if set, counts what this process does: retries and dead
+	// letters here, steps and sagas in the packages built on the transport
+	// (they read it from Transport.Config). Default: nil, nothing counted.
+	Metrics *telemetry.Metrics
+
+	// TracerProvider makes the spans of every publish, delivery attempt,
+	// step attempt and saga decision, whose context travels in the
+	// messages' metadata (see telemetry.Tracing). Default: the global
+	// provider (otel.GetTracerProvider), which exports nothing until a
+	// program installs one.
+	TracerProvider trace.TracerProvider
 }
 
 // MaxTransactionDuration is the longest a delivery transaction stays open:

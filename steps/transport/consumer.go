@@ -220,11 +220,23 @@ func (c *consumer) endBatch(err error) (again bool) {
 	}
 	b.inFlight.Wait()
 	expired := b.d.expired()
+	// After a commit the connection is idle; after a commit whose
+	// connection was lost, the outcome is unknown and nothing is told.
+	idle := b.d.c.state() == txIdle
 	b.cancel()
 	b.d.c.release()
 	defer close(b.ended)
+	var hooks []func()
+	defer func() { c.t.runHooks(hooks) }() // once b.mu is unlocked
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	// The subscriber commits only after the statement that allows the
+	// commit succeeded, and returns nil then; a broken or expired batch
+	// fails that statement (err).
+	if err == nil && idle {
+		hooks = b.d.hooks
+	}
+	b.d.hooks = nil
 	c.mu.Lock()
 	if c.isolate > 0 && b.claimed > 0 {
 		c.isolate--
@@ -459,6 +471,7 @@ func (c *consumer) fail(b *batch, log *slog.Logger, d delivery, n int, cause err
 		c.breakBatch(b, log, d, n, errors.Join(cause, err))
 		return
 	}
+	b.d.hooks = append(b.d.hooks, func() { c.t.cfg.Metrics.Retrying(c.rt.topic, c.rt.name) })
 	log.Warn("attempt failed; the message will be retried", "attempt", n, "of", c.rt.retry.MaxAttempts, "retry_in", wait, "err", cause)
 }
 
@@ -474,6 +487,7 @@ func (c *consumer) deadLetter(b *batch, log *slog.Logger, d delivery, n int, cau
 		c.breakBatch(b, log, d, n, errors.Join(cause, err))
 		return
 	}
+	b.d.hooks = append(b.d.hooks, func() { c.t.cfg.Metrics.DeadLettered(c.rt.topic, c.rt.name) })
 	log.Error("message dead-lettered", "attempts", n, "permanent", IsPermanent(cause), "reason", cause)
 }
 
@@ -524,8 +538,10 @@ func (c *consumer) recordAfter(f failure) {
 		log.Error("recording the failure of an "+what+" failed; the message will be delivered again", "err", err, "cause", f.cause)
 	case !done:
 	case final:
+		c.t.cfg.Metrics.DeadLettered(c.rt.topic, c.rt.name)
 		log.Error("message dead-lettered", "attempts", f.n, "permanent", IsPermanent(f.cause), "reason", f.cause)
 	default:
+		c.t.cfg.Metrics.Retrying(c.rt.topic, c.rt.name)
 		log.Warn(what+" failed; the message will be retried", "of", c.rt.retry.MaxAttempts, "retry_in", wait, "err", f.cause)
 	}
 }

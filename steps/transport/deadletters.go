@@ -85,6 +85,30 @@ func (t *Transport) DeadLetters(ctx context.Context, f DeadLetterFilter) ([]Dead
 	return out, nil
 }
 
+// DeadLettersWaiting counts the dead letters not replayed, by topic.
+func (t *Transport) DeadLettersWaiting(ctx context.Context) (map[string]int, error) {
+	rows, err := t.db.QueryContext(ctx, deadLettersWaitingSQL)
+	if err != nil {
+		return nil, fmt.Errorf("transport: counting dead letters: %w", migrationHint(err))
+	}
+	defer rows.Close()
+	out := map[string]int{}
+	for rows.Next() {
+		var (
+			topic string
+			n     int
+		)
+		if err := rows.Scan(&topic, &n); err != nil {
+			return nil, fmt.Errorf("transport: counting dead letters: %w", err)
+		}
+		out[topic] = n
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("transport: counting dead letters: %w", err)
+	}
+	return out, nil
+}
+
 // ReplayedDeadLetter is the metadata entry of a replayed message: the id of
 // the dead letter it came from.
 const ReplayedDeadLetter = "replayed_dead_letter"

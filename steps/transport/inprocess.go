@@ -147,11 +147,7 @@ func (a *attemptTx) runLocal(t *Transport, r route, msg *message.Message) (bool,
 	out, err = awaitInline(out, err, deadline, func() (attemptEnd, error) { return a.tryLocal(r.h, afterAwait(msg), r.topic, deadline) })
 	var instead *InsteadError
 	if out == failed && errors.As(err, &instead) {
-		ih := instead.Handler
-		if t.cfg.Intercept != nil {
-			ih = t.cfg.Intercept(r.name, ih)
-		}
-		out, err = a.tryLocal(ih, msg, r.topic, deadline)
+		out, err = a.tryLocal(t.wrap(r.name, r.group, r.topic, instead.Handler), msg, r.topic, deadline)
 	}
 	switch out {
 	case kept:
@@ -210,10 +206,13 @@ func (a *attemptTx) tryLocal(h HandlerFunc, msg *message.Message, topic string, 
 	}
 	if herr == nil {
 		if herr = ch.keepLocal(ctx, sp); herr == nil {
+			ch.mu.Lock()
+			a.hooks = append(a.hooks, ch.takeHooks()...)
+			ch.mu.Unlock()
 			return kept, nil
 		}
 	}
-	ch.dropQueued(0)
+	ch.dropQueued(queueMark{})
 	rerr := a.c.rollbackTo(ctx, "rolling back an in-process delivery", "ROLLBACK TO SAVEPOINT "+sp+"; RELEASE SAVEPOINT "+sp)
 	switch {
 	case rerr != nil:

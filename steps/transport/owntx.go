@@ -21,9 +21,7 @@ import (
 // pgsaga_dead_letters and returned as ErrDeadLettered with the cause. name
 // and topic label the dead letter; name is also its consumer group.
 func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *message.Message, h HandlerFunc, opts ...HandlerOption) error {
-	if t.cfg.Intercept != nil {
-		h = t.cfg.Intercept(name, h)
-	}
+	h = t.wrap(name, name, topic, h)
 	o := handlerOptions{retry: t.cfg.Retry}
 	for _, opt := range opts {
 		opt(&o)
@@ -51,6 +49,7 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 		if !o.retry.final(n, err) {
 			wait := o.retry.backoff(n)
 			log.Warn("attempt failed; retrying", "attempt", n, "retry_in", wait, "err", err)
+			t.cfg.Metrics.Retrying(topic, name)
 			select {
 			case <-time.After(wait):
 				continue
@@ -65,6 +64,7 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 		if _, derr := t.db.ExecContext(ctx, deadLetterMessageSQL, msg.UUID, topic, name, name, []byte(msg.Payload), string(md), reason(err), n); derr != nil {
 			return errors.Join(err, fmt.Errorf("transport: dead-lettering %s: %w", msg.UUID, derr))
 		}
+		t.cfg.Metrics.DeadLettered(topic, name)
 		log.Error("message dead-lettered", "attempts", n, "permanent", permanent, "reason", err)
 		return fmt.Errorf("%w: %w", ErrDeadLettered, err)
 	}
@@ -96,5 +96,6 @@ func (t *Transport) ownAttempt(ctx context.Context, msg *message.Message, n int,
 	if err := tx.Commit(); err != nil {
 		return fmt.Errorf("transport: committing: %w", err)
 	}
+	t.runHooks(d.hooks)
 	return nil
 }

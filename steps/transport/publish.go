@@ -49,6 +49,9 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 			return fmt.Errorf("%w: %q (topic %s)", ErrInvalidMessageID, m.UUID, topic)
 		}
 	}
+	for _, m := range msgs {
+		p.t.traceSend(p.tx, topic, m)
+	}
 	var exec wsql.ContextExecutor = executor{p.tx}
 	if a, ok := p.tx.(*attemptTx); ok {
 		if routes := a.local.of(topic); len(routes) > 0 && !p.queued {

@@ -134,9 +134,7 @@ func (r *Router) AddHandler(name, topic, consumerGroup string, h HandlerFunc, op
 	if r.handlers[name] {
 		return fmt.Errorf("transport: handler %s is already registered", name)
 	}
-	if r.t.cfg.Intercept != nil {
-		h = r.t.cfg.Intercept(name, h)
-	}
+	h = r.t.wrap(name, consumerGroup, topic, h)
 	r.handlers[name] = true
 	r.subs = append(r.subs, Subscription{Topic: topic, ConsumerGroup: consumerGroup})
 	rt := route{name: name, topic: topic, group: consumerGroup, h: h, retry: o.retry}

@@ -201,6 +201,9 @@ ORDER BY s.topic, s.consumer_group`
 )
 DELETE FROM pgsaga_queue WHERE topic = $1 AND consumer_group = $2`
 
+	// deadLettersWaitingSQL counts the dead letters not replayed, by topic.
+	deadLettersWaitingSQL = `SELECT topic, count(*) FROM pgsaga_dead_letters WHERE replayed_at IS NULL GROUP BY topic`
+
 	// lockDeadLetterSQL locks dead letter $1 for its replay.
 	lockDeadLetterSQL = `SELECT topic, consumer_group, replayed_at FROM pgsaga_dead_letters WHERE id = $1 FOR UPDATE`
 

@@ -57,6 +57,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/internal/pgserver"
+	"github.com/pgsaga/pgsaga/steps/telemetry"
 )
 
 // Transport creates routers, subscribers and transaction-bound publishers
@@ -68,6 +69,7 @@ type Transport struct {
 	wlog   watermill.LoggerAdapter
 	schema schemaAdapter // for publishing
 	hub    *wakeHub      // nil when wake-ups are off
+	trace  *telemetry.Tracing
 
 	// Timeouts of delivery transactions, in milliseconds, as set_config
 	// takes them.
@@ -90,6 +92,7 @@ func New(cfg Config) (*Transport, error) {
 		wlog: watermill.NewSlogLoggerWithLevelMapping(cfg.Logger, map[slog.Level]slog.Level{
 			slog.LevelInfo: slog.LevelDebug,
 		}),
+		trace:            telemetry.NewTracing(cfg.TracerProvider),
 		statementTimeout: ms(cfg.StatementTimeout),
 		lockTimeout:      ms(cfg.LockTimeout),
 		idleTimeout:      strconv.FormatInt(cfg.MaxTransactionDuration().Milliseconds(), 10),
@@ -104,6 +107,10 @@ func New(cfg Config) (*Transport, error) {
 }
 
 func ms(d interface{ Milliseconds() int64 }) string { return strconv.FormatInt(d.Milliseconds(), 10) }
+
+// Tracing makes the transport's spans; the packages built on it make
+// theirs with it too.
+func (t *Transport) Tracing() *telemetry.Tracing { return t.trace }
 
 // Config returns the configuration with defaults filled in.
 func (t *Transport) Config() Config { return t.cfg }

@@ -1,0 +1,127 @@
+package saga
+
+import (
+	"context"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/pgsaga/pgsaga/steps/telemetry"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// CollectTimeoutDefault bounds the queries of one scrape of a Collector.
+const CollectTimeoutDefault = 5 * time.Second
+
+// inFlightSQL counts the instances that are not finished, and the parked
+// ones, by saga and status (saga_instances_status_idx serves it).
+const inFlightSQL = `SELECT saga_type, status, count(*) FROM saga_instances
+WHERE status IN ('running', 'compensating', 'failed') GROUP BY saga_type, status`
+
+var (
+	inFlightDesc = prometheus.NewDesc(telemetry.Namespace+"_sagas_in_flight",
+		"Saga instances running or compensating now, by saga and status (read from the database at scrape time).",
+		[]string{"saga", "status"}, nil)
+	parkedDesc = prometheus.NewDesc(telemetry.Namespace+"_sagas_parked",
+		"Saga instances parked as failed, waiting for an operator (read from the database at scrape time).",
+		[]string{"saga"}, nil)
+	depthDesc = prometheus.NewDesc(telemetry.Namespace+"_consumer_depth",
+		"Messages waiting in a consumer group's queue, those retrying or not yet available included.",
+		[]string{"topic", "consumer_group"}, nil)
+	retryingDesc = prometheus.NewDesc(telemetry.Namespace+"_consumer_retrying",
+		"Messages of a consumer group's queue that failed before and wait for another attempt.",
+		[]string{"topic", "consumer_group"}, nil)
+	oldestDesc = prometheus.NewDesc(telemetry.Namespace+"_consumer_oldest_age_seconds",
+		"Age of the oldest message waiting in a consumer group's queue (0 when none waits).",
+		[]string{"topic", "consumer_group"}, nil)
+	lastSeenDesc = prometheus.NewDesc(telemetry.Namespace+"_consumer_last_seen_age_seconds",
+		"Time since a running router last showed the consumer group alive (absent for a group no router ever ran).",
+		[]string{"topic", "consumer_group"}, nil)
+	deadWaitingDesc = prometheus.NewDesc(telemetry.Namespace+"_dead_letters_waiting",
+		"Dead letters not replayed, by topic (read from the database at scrape time).",
+		[]string{"topic"}, nil)
+)
+
+// Collector exports what the database holds, read at every scrape: sagas
+// in flight and parked, each consumer group's depth and the age of its
+// oldest message, and dead letters not replayed. Every process reading one
+// database reports the same values: aggregate them with max, not sum, or
+// register the collector in one process. A scrape whose queries fail
+// reports the error (the scrape fails) rather than stale values.
+type Collector struct {
+	tr      *transport.Transport
+	timeout time.Duration
+}
+
+var _ prometheus.Collector = (*Collector)(nil)
+
+// NewCollector returns a Collector of the database tr delivers through.
+func NewCollector(tr *transport.Transport) *Collector {
+	return &Collector{tr: tr, timeout: CollectTimeoutDefault}
+}
+
+// Collector returns a Collector of the client's database.
+func (c *Client) Collector() *Collector { return NewCollector(c.transport) }
+
+// Describe implements prometheus.Collector.
+func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{inFlightDesc, parkedDesc, depthDesc, retryingDesc, oldestDesc, lastSeenDesc, deadWaitingDesc} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (c *Collector) Collect(ch chan<- prometheus.Metric) {
+	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
+	defer cancel()
+	if err := c.collectSagas(ctx, ch); err != nil {
+		ch <- prometheus.NewInvalidMetric(inFlightDesc, err)
+	}
+	now := time.Now()
+	groups, err := c.tr.ConsumerGroups(ctx)
+	if err != nil {
+		ch <- prometheus.NewInvalidMetric(depthDesc, err)
+	}
+	for _, g := range groups {
+		ch <- prometheus.MustNewConstMetric(depthDesc, prometheus.GaugeValue, float64(g.Waiting), g.Topic, g.ConsumerGroup)
+		ch <- prometheus.MustNewConstMetric(retryingDesc, prometheus.GaugeValue, float64(g.Retrying), g.Topic, g.ConsumerGroup)
+		age := 0.0
+		if g.Oldest != nil {
+			age = max(0, now.Sub(*g.Oldest).Seconds())
+		}
+		ch <- prometheus.MustNewConstMetric(oldestDesc, prometheus.GaugeValue, age, g.Topic, g.ConsumerGroup)
+		if g.LastSeen != nil {
+			ch <- prometheus.MustNewConstMetric(lastSeenDesc, prometheus.GaugeValue, max(0, now.Sub(*g.LastSeen).Seconds()), g.Topic, g.ConsumerGroup)
+		}
+	}
+	dead, err := c.tr.DeadLettersWaiting(ctx)
+	if err != nil {
+		ch <- prometheus.NewInvalidMetric(deadWaitingDesc, err)
+	}
+	for topic, n := range dead {
+		ch <- prometheus.MustNewConstMetric(deadWaitingDesc, prometheus.GaugeValue, float64(n), topic)
+	}
+}
+
+func (c *Collector) collectSagas(ctx context.Context, ch chan<- prometheus.Metric) error {
+	rows, err := c.tr.DB().QueryContext(ctx, inFlightSQL)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var (
+			name, status string
+			n            int64
+		)
+		if err := rows.Scan(&name, &status, &n); err != nil {
+			return err
+		}
+		if Status(status) == StatusFailed {
+			ch <- prometheus.MustNewConstMetric(parkedDesc, prometheus.GaugeValue, float64(n), name)
+			continue
+		}
+		ch <- prometheus.MustNewConstMetric(inFlightDesc, prometheus.GaugeValue, float64(n), name, status)
+	}
+	return rows.Err()
+}
