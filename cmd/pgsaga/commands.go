@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -85,19 +86,9 @@ func sagasCmd() *cobra.Command {
 		Short: "List saga instances: status, current step, age, attempts (least recently updated first)",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			f := saga.Filter{Type: name, OlderThan: olderThan, Limit: limit}
-			for _, s := range status {
-				st := saga.Status(s)
-				if !validStatus(st) {
-					return usagef("--status %q: want one of %s", s, statusList())
-				}
-				f.Statuses = append(f.Statuses, st)
-			}
-			if err := checkLimit(limit); err != nil {
-				return err
-			}
-			if olderThan < 0 {
-				return usagef("--older-than must not be negative, got %s", olderThan)
+			f, err := sagaFilter(status, name, olderThan, limit)
+			if err != nil {
+				return usagef("--%v", err)
 			}
 			return withSchema(cmd.Context(), func(db *pgdb.DB) error {
 				list, err := saga.NewInspector(db.SQL).List(cmd.Context(), f)
@@ -136,12 +127,43 @@ func sagasCmd() *cobra.Command {
 	return cmd
 }
 
+// sagaFilter is the filter of the sagas listing (the command's and the
+// web view's), or what is wrong with it, named as the flag or form field.
+func sagaFilter(status []string, name string, olderThan time.Duration, limit int) (saga.Filter, error) {
+	f := saga.Filter{Type: name, OlderThan: olderThan, Limit: limit}
+	for _, s := range status {
+		st := saga.Status(s)
+		if !validStatus(st) {
+			return saga.Filter{}, fmt.Errorf("status %q: want one of %s", s, statusList())
+		}
+		f.Statuses = append(f.Statuses, st)
+	}
+	if err := limitError(limit); err != nil {
+		return saga.Filter{}, err
+	}
+	if olderThan < 0 {
+		return saga.Filter{}, fmt.Errorf("older-than must not be negative, got %s", olderThan)
+	}
+	return f, nil
+}
+
 func checkLimit(limit int) error {
-	if limit < 1 || limit > 10_000 {
-		return usagef("--limit must be between 1 and 10000, got %d", limit)
+	if err := limitError(limit); err != nil {
+		return usagef("--%v", err)
 	}
 	return nil
 }
+
+// limitError says what is wrong with a listing's limit, if anything.
+func limitError(limit int) error {
+	if limit < 1 || limit > maxLimit {
+		return fmt.Errorf("limit must be between 1 and %d, got %d", maxLimit, limit)
+	}
+	return nil
+}
+
+// maxLimit bounds every listing.
+const maxLimit = 10_000
 
 func validStatus(s saga.Status) bool {
 	for _, st := range statuses {
@@ -330,13 +352,13 @@ func replayCmd() *cobra.Command {
 			return withTransport(cmd.Context(), func(tr *transport.Transport) error {
 				var errs []error
 				for _, id := range ids {
-					n, err := tr.ReplayDeadLetter(cmd.Context(), id)
+					done, err := replayDeadLetter(cmd.Context(), tr, id)
 					if err != nil {
 						errs = append(errs, err)
 						fmt.Fprintf(cmd.ErrOrStderr(), "dead letter %d: %v\n", id, err)
 						continue
 					}
-					fmt.Fprintf(cmd.OutOrStdout(), "dead letter %d replayed (%d queue%s)\n", id, n, plural(n))
+					fmt.Fprintln(cmd.OutOrStdout(), done)
 				}
 				if len(errs) > 0 {
 					return fmt.Errorf("%d of %d dead letters not replayed", len(errs), len(ids))
@@ -345,6 +367,16 @@ func replayCmd() *cobra.Command {
 			})
 		},
 	}
+}
+
+// replayDeadLetter sends dead letter id back to its queue, once (the
+// command's replay and the web view's), and says what it did.
+func replayDeadLetter(ctx context.Context, tr *transport.Transport, id int64) (string, error) {
+	n, err := tr.ReplayDeadLetter(ctx, id)
+	if err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("dead letter %d replayed (%d queue%s)", id, n, plural(n)), nil
 }
 
 func plural(n int) string {

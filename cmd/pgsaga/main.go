@@ -1,12 +1,25 @@
 // Command pgsaga is the operator's tool: it lists and inspects sagas, dead
 // letters and the schema of the database the workers use (DATABASE_URL,
-// else the local server the sample uses; it never starts one).
+// else the local server the sample uses; it never starts one), and serves
+// the same as web pages.
 //
 //	pgsaga sagas [--status S]... [--saga NAME] [--older-than D] [--limit N] [--json]
 //	pgsaga show <saga-id> [--json]
+//	pgsaga retry <saga-id> [--no-wait] [--timeout D] [--json]
+//	pgsaga cancel <saga-id> [--reason R] [--no-wait] [--timeout D] [--json]
 //	pgsaga dead-letters [--topic T] [--limit N] [--json]
+//	pgsaga dead-letters replay <id>...
+//	pgsaga consumers [--stale D] [--json]
+//	pgsaga consumers drop <group> [--topic T] --yes
+//	pgsaga ui [--addr 127.0.0.1:8080] [--verbose]
 //	pgsaga migrate
 //	pgsaga version [--json]
+//
+// ui serves the operator's web view until SIGINT or SIGTERM: the sagas by
+// status, a saga's timeline drawn as a picture with its Retry and Cancel
+// buttons, the dead letters with a Replay button each, and the consumer
+// groups. Its pages are rendered on the server; it loads nothing from
+// elsewhere.
 //
 // Exit status: 0 done, 1 the operation failed (no database, no such saga),
 // 2 usage (a bad flag or argument).
@@ -37,11 +50,14 @@ const (
 	exitUsage  = 2
 )
 
-func main() {
+func main() { os.Exit(runMain(os.Args[1:])) }
+
+// runMain runs the command line args as the program does: SIGINT and
+// SIGTERM end what it is doing (ui shuts down gracefully).
+func runMain(args []string) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
-	stop()
-	os.Exit(code)
+	defer stop()
+	return run(ctx, args, os.Stdout, os.Stderr)
 }
 
 // usageError is a bad flag or argument: exit status 2.
@@ -56,7 +72,7 @@ func usagef(format string, args ...any) error { return usageError{fmt.Errorf(for
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	root := newRoot(stdout, stderr)
 	root.SetArgs(args)
-	cmd, err := root.ExecuteC()
+	cmd, err := root.ExecuteContextC(ctx)
 	if err == nil {
 		return exitOK
 	}
@@ -97,7 +113,7 @@ func failed(err error) error {
 func newRoot(stdout, stderr io.Writer) *cobra.Command {
 	root := &cobra.Command{
 		Use:           "pgsaga",
-		Short:         "Operate pgsaga: sagas, dead letters, schema",
+		Short:         "Operate pgsaga: sagas, dead letters, consumers, schema; a web view of them",
 		Long:          "pgsaga reads the database the workers use: DATABASE_URL, else PostgreSQL on 127.0.0.1:5432 (database pgsaga), else the embedded server of a running sample. It never starts a server.",
 		SilenceUsage:  true,
 		SilenceErrors: true,
@@ -105,7 +121,7 @@ func newRoot(stdout, stderr io.Writer) *cobra.Command {
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
-	root.AddCommand(sagasCmd(), showCmd(), retryCmd(), cancelCmd(), deadLettersCmd(), consumersCmd(), migrateCmd(), versionCmd())
+	root.AddCommand(sagasCmd(), showCmd(), retryCmd(), cancelCmd(), deadLettersCmd(), consumersCmd(), uiCmd(), migrateCmd(), versionCmd())
 	return root
 }
 
@@ -147,6 +163,11 @@ func withTransport(ctx context.Context, fn func(tr *transport.Transport) error) 
 }
 
 func onDB(ctx context.Context, needSchema bool, fn func(db *pgdb.DB) error) error {
+	return onFound(ctx, needSchema, func(db *pgdb.DB, _ *finddb.Found) error { return fn(db) })
+}
+
+// onFound is onDB for a command that also says where the database is.
+func onFound(ctx context.Context, needSchema bool, fn func(db *pgdb.DB, found *finddb.Found) error) error {
 	db, found, err := open(ctx)
 	if err != nil {
 		return err
@@ -162,5 +183,5 @@ func onDB(ctx context.Context, needSchema bool, fn func(db *pgdb.DB) error) erro
 			return failed(fmt.Errorf("%s holds no pgsaga schema: point DATABASE_URL at the database your workers use, or run `pgsaga migrate`", found.Describe()))
 		}
 	}
-	return failed(fn(db))
+	return failed(fn(db, found))
 }

@@ -27,7 +27,13 @@ import (
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+func TestMain(m *testing.M) {
+	// The test binary is also the program, for the tests that signal it.
+	if args := os.Getenv(childArgs); args != "" {
+		os.Exit(runMain(strings.Fields(args)))
+	}
+	testdb.Main(m)
+}
 
 // sampleRun runs the sample saga on a fresh database for two orders, one
 // paid (completed) and one the customer cannot pay (compensated), and
@@ -37,6 +43,12 @@ func sampleRun(t *testing.T) (paid, unpaid uuid.UUID) {
 	t.Helper()
 	db := testdb.Fresh(t)
 	t.Setenv("DATABASE_URL", db.URL)
+	return sampleRunOn(t, db)
+}
+
+// sampleRunOn is sampleRun on db.
+func sampleRunOn(t *testing.T, db *testdb.DB) (paid, unpaid uuid.UUID) {
+	t.Helper()
 	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
 	gw, err := fakegateway.Start(context.Background(), fakegateway.Config{DB: db.SQL, Logger: quiet})
 	require.NoError(t, err)

@@ -68,7 +68,7 @@ func requestCmd(kind saga.RequestKind, use, short string) *cobra.Command {
 				}
 				if !noWait && req.DoneAt == nil {
 					fmt.Fprintf(cmd.ErrOrStderr(), "%s of %s requested (request %s); waiting for a worker…\n", kind, id, req.ID)
-					req, err = awaitRequest(cmd.Context(), db, req.ID, timeout)
+					req, err = awaitRequest(cmd.Context(), db, req, timeout)
 					if err != nil {
 						return err
 					}
@@ -86,17 +86,21 @@ func requestCmd(kind saga.RequestKind, use, short string) *cobra.Command {
 	return cmd
 }
 
-// awaitRequest waits until a worker carried the request out, or timeout.
-// A tool's wait for one row: a short poll, not a worker's.
-func awaitRequest(ctx context.Context, db *sql.DB, id uuid.UUID, timeout time.Duration) (saga.Request, error) {
+// awaitRequest waits until a worker carried req out, or timeout; then
+// it returns the request as last read (pending, with no DoneAt, after
+// timeout). A tool's wait for one row: a short poll, not a worker's.
+func awaitRequest(ctx context.Context, db *sql.DB, req saga.Request, timeout time.Duration) (saga.Request, error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
 	for {
-		req, err := saga.RequestStatus(ctx, db, id)
-		if err == nil && req.DoneAt != nil {
-			return req, nil
+		got, err := saga.RequestStatus(ctx, db, req.ID)
+		if err == nil {
+			req = got
+			if req.DoneAt != nil {
+				return req, nil
+			}
 		}
 		if err != nil && ctx.Err() == nil {
 			return saga.Request{}, err

@@ -44,6 +44,12 @@ func jobSaga(t *testing.T, refuseUndo *atomic.Bool) (client *saga.Client, start 
 	t.Helper()
 	db := testdb.Fresh(t)
 	t.Setenv("DATABASE_URL", db.URL)
+	return jobSagaOn(t, db, refuseUndo)
+}
+
+// jobSagaOn is jobSaga on db.
+func jobSagaOn(t *testing.T, db *testdb.DB, refuseUndo *atomic.Bool) (client *saga.Client, start func(job string) uuid.UUID) {
+	t.Helper()
 	client, err := saga.NewClientFromDB(db.SQL, saga.ClientConfig{Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Transport: transport.Config{IdlePollInterval: testdb.NoSafetyPoll}})
 	require.NoError(t, err)
@@ -138,7 +144,7 @@ func TestCancelAndRetryCarriedOutByTheWorkers(t *testing.T) {
 	assert.Contains(t, out, "a worker carries it out")
 	code, _, errOut = pgsaga(t, "cancel", running.String(), "--timeout", "300ms")
 	assert.Equal(t, exitFailed, code)
-	assert.Contains(t, errOut, "no worker carried out")
+	assert.Contains(t, errOut, "no worker carried out the cancel of "+running.String())
 	var pending int
 	require.NoError(t, sqlDB(t).QueryRow(`SELECT count(*) FROM saga_requests WHERE saga_id = $1 AND done_at IS NULL`, running).Scan(&pending))
 	assert.Equal(t, 1, pending, "asking twice for the saga as it is is one request")

@@ -1,0 +1,622 @@
+package main
+
+// The web view's pages: what each reads, through the code the other
+// subcommands use, and what it shows.
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"html/template"
+	"net/http"
+	"net/url"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/steps/metadata"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// pageTimeout bounds what one page reads.
+const pageTimeout = 15 * time.Second
+
+var templateFuncs = template.FuncMap{
+	"px":  func(f float64) string { return strconv.FormatFloat(f, 'f', 1, 64) },
+	"add": func(a, b float64) float64 { return a + b },
+	"mid": func(a, b float64) float64 { return (a + b) / 2 },
+	"deadLetterTable": func(rows []deadLetterRow, ret string) deadLetterTable {
+		return deadLetterTable{Rows: rows, Return: ret}
+	},
+}
+
+// deadLetterTable is what the dead letter table shows: the rows, and the
+// page a Replay returns to.
+type deadLetterTable struct {
+	Rows   []deadLetterRow
+	Return string
+}
+
+// --- the sagas -------------------------------------------------------------
+
+type sagasView struct {
+	Statuses  []statusOption
+	Types     []string
+	Saga      string
+	OlderThan string
+	Limit     int
+	Total     int // instances of the chosen saga (or all), every status
+	Rows      []sagaRow
+	Truncated bool
+	Filtered  bool
+}
+
+type statusOption struct {
+	Name    string
+	Count   int
+	Checked bool
+	Href    string
+}
+
+type sagaRow struct {
+	ID, Href, Saga, Status, Step, Phase string
+	Attempt                             string
+	Age, Updated, UpdatedAt             string
+	Reason                              string
+}
+
+func (u *webUI) sagas(w http.ResponseWriter, r *http.Request) error {
+	ctx, cancel := context.WithTimeout(r.Context(), pageTimeout)
+	defer cancel()
+	q := r.URL.Query()
+	v := sagasView{Saga: strings.TrimSpace(q.Get("saga")), OlderThan: strings.TrimSpace(q.Get("older-than")), Limit: 100}
+	var olderThan time.Duration
+	if v.OlderThan != "" {
+		d, err := time.ParseDuration(v.OlderThan)
+		if err != nil {
+			return badRequest("Bad filter: older-than %q is not a duration; write it like 90s, 10m or 2h.", v.OlderThan)
+		}
+		olderThan = d
+	}
+	if s := strings.TrimSpace(q.Get("limit")); s != "" {
+		n, err := strconv.Atoi(s)
+		if err != nil {
+			return badRequest("Bad filter: limit %q is not a whole number.", s)
+		}
+		v.Limit = n
+	}
+	var status []string
+	for _, s := range q["status"] {
+		for _, part := range strings.Split(s, ",") {
+			if part = strings.TrimSpace(part); part != "" {
+				status = append(status, part)
+			}
+		}
+	}
+	f, err := sagaFilter(status, v.Saga, olderThan, v.Limit)
+	if err != nil {
+		return badRequest("Bad filter: %v.", err)
+	}
+	list, err := u.inspector.List(ctx, f)
+	if err != nil {
+		return err
+	}
+	counts, err := u.engine.Counts(ctx)
+	if err != nil {
+		return err
+	}
+	for typ := range counts {
+		v.Types = append(v.Types, typ)
+	}
+	if v.Saga != "" && counts[v.Saga] == nil {
+		v.Types = append(v.Types, v.Saga)
+	}
+	slices.Sort(v.Types)
+	for _, st := range statuses {
+		n := 0
+		for typ, byStatus := range counts {
+			if v.Saga == "" || typ == v.Saga {
+				n += byStatus[st]
+			}
+		}
+		v.Total += n
+		link := url.Values{"status": {string(st)}}
+		if v.Saga != "" {
+			link.Set("saga", v.Saga)
+		}
+		v.Statuses = append(v.Statuses, statusOption{Name: string(st), Count: n, Checked: slices.Contains(f.Statuses, st), Href: "/sagas?" + link.Encode()})
+	}
+	v.Filtered = len(f.Statuses) > 0 || v.Saga != "" || olderThan > 0
+	now := u.cfg.Now()
+	for _, in := range list {
+		v.Rows = append(v.Rows, sagaRow{ID: in.ID.String(), Href: "/sagas/" + in.ID.String(), Saga: in.Type, Status: string(in.Status),
+			Step: dash(in.Step), Phase: dash(string(in.Phase)), Attempt: attempt(in.Attempt), Age: age(now.Sub(in.CreatedAt)),
+			Updated: age(now.Sub(in.UpdatedAt)) + " ago", UpdatedAt: stamp(in.UpdatedAt), Reason: clip(oneLine(in.FailureReason), 140)})
+	}
+	v.Truncated = len(list) == f.Limit
+	u.render(w, r, http.StatusOK, pageSagas, "sagas", v)
+	return nil
+}
+
+func stamp(t time.Time) string { return t.UTC().Format("2006-01-02 15:04:05.000 UTC") }
+
+// --- one saga --------------------------------------------------------------
+
+type sagaView struct {
+	ID, Type, Status, Step, Phase, Attempt string
+	Version, Generation                    int
+	Reason                                 string
+	Started, Updated, Finished, Took       string
+	Deadline, Correlation                  string
+	Data                                   string
+	Timeline                               *svgTimeline
+	Entries                                []entryRow
+	DeadLetters                            []deadLetterRow
+	DeadLettersNote                        string
+	Request                                *requestView
+	CanRetry, CanCancel                    bool
+	RetryHint, CancelHint                  string
+	Return                                 string
+}
+
+func (v sagaView) title() string { return "Saga " + v.ID }
+
+func (v sagaView) refresh() int {
+	if v.Request != nil && v.Request.Pending {
+		return 2
+	}
+	return 0
+}
+
+type entryRow struct {
+	Seq                              int
+	Ms                               string
+	Kind, Step, Phase, Attempt       string
+	MessageID, Detail, KindClass, At string
+}
+
+type requestView struct {
+	ID, Kind, RequestedAt, DoneAt, Outcome, Detail, Reason string
+	Pending                                                bool
+}
+
+// sagaID is the saga id in the request's path, or a 400.
+func sagaID(r *http.Request) (uuid.UUID, error) {
+	raw := r.PathValue("id")
+	id, err := uuid.Parse(raw)
+	if err != nil {
+		return uuid.Nil, badRequest("%q is not a saga id: a saga id is a UUID, like 5f0c3a8e-2b1d-4c7e-9a44-1d2e3f405162.", raw)
+	}
+	return id, nil
+}
+
+func noSuchSaga(id uuid.UUID) error {
+	return notFound("No saga has the id %s in this database. A finished saga is deleted once retention prunes it; or the id belongs to another database.", id)
+}
+
+func (u *webUI) saga(w http.ResponseWriter, r *http.Request) error {
+	id, err := sagaID(r)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), pageTimeout)
+	defer cancel()
+	var req *requestView
+	if raw := r.URL.Query().Get("request"); raw != "" {
+		reqID, err := uuid.Parse(raw)
+		if err != nil {
+			return badRequest("%q is not a request id (a UUID).", raw)
+		}
+		got, err := saga.RequestStatus(ctx, u.cfg.DB, reqID)
+		if errors.Is(err, saga.ErrNotFound) || err == nil && got.SagaID != id {
+			return notFound("No request %s was made for saga %s.", reqID, id)
+		}
+		if err != nil {
+			return err
+		}
+		req = &requestView{ID: got.ID.String(), Kind: string(got.Kind), RequestedAt: stamp(got.RequestedAt), Pending: got.DoneAt == nil,
+			Outcome: got.Outcome, Detail: got.Detail, Reason: got.Reason}
+		if got.DoneAt != nil {
+			req.DoneAt = stamp(*got.DoneAt)
+		}
+	}
+	in, err := u.inspector.Get(ctx, id)
+	if errors.Is(err, saga.ErrNotFound) {
+		return noSuchSaga(id)
+	}
+	if err != nil {
+		return err
+	}
+	now := u.cfg.Now()
+	v := sagaView{ID: in.ID.String(), Type: in.Type, Version: in.DefinitionVersion, Status: string(in.Status), Step: dash(in.Step),
+		Phase: dash(string(in.Phase)), Attempt: attempt(in.Attempt), Generation: in.Generation, Reason: in.FailureReason,
+		Started: stamp(in.CreatedAt), Updated: stamp(in.UpdatedAt) + " (" + age(now.Sub(in.UpdatedAt)) + " ago)",
+		Correlation: in.CorrelationID, Data: prettyJSON(in.Data), Request: req, Return: r.URL.RequestURI()}
+	if in.FinishedAt != nil {
+		v.Finished = stamp(*in.FinishedAt)
+		v.Took = ms(in.FinishedAt.Sub(in.CreatedAt))
+	}
+	if in.DeadlineAt != nil && !in.Status.Terminal() {
+		v.Deadline = stamp(*in.DeadlineAt)
+		if d := in.DeadlineAt.Sub(now); d > 0 {
+			v.Deadline += " (in " + age(d) + ")"
+		} else {
+			v.Deadline += " (" + age(-d) + " overdue)"
+		}
+	}
+	switch in.Status {
+	case saga.StatusFailed:
+		v.CanRetry, v.RetryHint = true, "sends the failed compensation again under a fresh key"
+		v.CancelHint = "a parked saga cannot be cancelled: fix the cause, then retry"
+	case saga.StatusRunning:
+		v.CanRetry, v.RetryHint = true, "sends the command in flight again"
+		v.CanCancel, v.CancelHint = true, "compensates the step in flight and those before it"
+	case saga.StatusCompensating:
+		v.CanRetry, v.RetryHint = true, "sends the compensation in flight again"
+		v.CancelHint = "it is compensating already"
+	default:
+		v.RetryHint = "a " + string(in.Status) + " saga is finished"
+		v.CancelHint = v.RetryHint
+	}
+	for _, h := range in.History {
+		v.Entries = append(v.Entries, entryRow{Seq: h.Seq, Ms: fmt.Sprintf("%.1f", float64(h.At.Sub(in.CreatedAt).Microseconds())/1000),
+			Kind: h.Kind, KindClass: kindClass(h.Kind), Step: dash(h.Step), Phase: dash(string(h.Phase)), Attempt: attempt(h.Attempt),
+			MessageID: h.MessageID, Detail: h.Detail, At: stamp(h.At)})
+	}
+	v.Timeline = buildTimeline(in, now)
+	dead, scannedAll, err := u.sagaDeadLetters(ctx, id)
+	if err != nil {
+		return err
+	}
+	for _, d := range dead {
+		v.DeadLetters = append(v.DeadLetters, u.deadLetterRow(d, now))
+	}
+	if !scannedAll {
+		v.DeadLettersNote = fmt.Sprintf("Only the oldest %d dead letters were searched for this saga.", deadLetterScan)
+	}
+	u.render(w, r, http.StatusOK, pageSaga, "sagas", v)
+	return nil
+}
+
+// deadLetterScan bounds how many dead letters a saga's page looks through.
+const deadLetterScan = 10_000
+
+// sagaDeadLetters are the dead letters whose metadata names saga id,
+// oldest first, from the oldest deadLetterScan (scannedAll false if there
+// are more).
+func (u *webUI) sagaDeadLetters(ctx context.Context, id uuid.UUID) (found []transport.DeadLetter, scannedAll bool, err error) {
+	const page = 500
+	var after int64
+	for scanned := 0; scanned < deadLetterScan; scanned += page {
+		list, err := u.cfg.Transport.DeadLetters(ctx, transport.DeadLetterFilter{AfterID: after, Limit: page})
+		if err != nil {
+			return nil, false, err
+		}
+		for _, d := range list {
+			if d.Metadata.Get(metadata.SagaID) == id.String() {
+				found = append(found, d)
+			}
+		}
+		if len(list) < page {
+			return found, true, nil
+		}
+		after = list[len(list)-1].ID
+	}
+	return found, false, nil
+}
+
+func kindClass(kind string) string {
+	switch kind {
+	case "reply_ok", "completed":
+		return "good"
+	case "reply_failed", "failed", "gave_up":
+		return "bad"
+	case "deadline", "resent", "cancelled", "retried":
+		return "warn"
+	case "compensated":
+		return "undo"
+	}
+	return "plain"
+}
+
+func ms(d time.Duration) string {
+	return strconv.FormatFloat(float64(d.Microseconds())/1000, 'f', 1, 64) + " ms"
+}
+
+// prettyJSON is raw indented, or as it is if it is not JSON.
+func prettyJSON(raw []byte) string {
+	if len(raw) == 0 {
+		return ""
+	}
+	var buf bytes.Buffer
+	if json.Indent(&buf, raw, "", "  ") == nil {
+		return buf.String()
+	}
+	return printable(raw)
+}
+
+// printable is b as text a page can show: invalid UTF-8 and NUL become
+// U+FFFD (html/template escapes the rest).
+func printable(b []byte) string {
+	return strings.ReplaceAll(strings.ToValidUTF8(string(b), "\uFFFD"), "\x00", "\uFFFD")
+}
+
+// --- retry and cancel ----------------------------------------------------------
+
+func (u *webUI) askRetry(w http.ResponseWriter, r *http.Request) error {
+	return u.ask(w, r, saga.RequestRetry)
+}
+
+func (u *webUI) askCancel(w http.ResponseWriter, r *http.Request) error {
+	return u.ask(w, r, saga.RequestCancel)
+}
+
+// ask makes the request `pgsaga retry` or `pgsaga cancel` makes, waits a
+// moment for a worker to carry it out, and redirects to the saga's page,
+// which shows the request's outcome, or that it is pending.
+func (u *webUI) ask(w http.ResponseWriter, r *http.Request, kind saga.RequestKind) error {
+	id, err := sagaID(r)
+	if err != nil {
+		return err
+	}
+	if err := r.ParseForm(); err != nil {
+		return badRequest("The form could not be read: %v.", err)
+	}
+	reason := ""
+	if kind == saga.RequestCancel {
+		reason = clip(oneLine(r.PostFormValue("reason")), 500)
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), pageTimeout+u.cfg.RequestWait)
+	defer cancel()
+	req, err := saga.Ask(ctx, u.cfg.Transport, u.cfg.DB, id, kind, reason)
+	if errors.Is(err, saga.ErrNotFound) {
+		u.redirect(w, r, "/sagas", flash{"error", fmt.Sprintf("No saga has the id %s: nothing was asked.", id)})
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if req.DoneAt == nil {
+		req, err = awaitRequest(ctx, u.cfg.DB, req, u.cfg.RequestWait)
+		if err != nil {
+			return err
+		}
+	}
+	what := strings.ToUpper(string(kind[:1])) + string(kind[1:])
+	var f flash
+	switch {
+	case req.DoneAt == nil:
+		f = flash{"info", fmt.Sprintf("%s requested; no worker has carried it out yet (is a worker of this saga running?). This page refreshes until one does.", what)}
+	case req.Outcome == saga.RequestRefused:
+		f = flash{"error", fmt.Sprintf("%s refused: %s", what, req.Detail)}
+	default:
+		status := "?"
+		if in, err := u.inspector.Get(ctx, id); err == nil {
+			status = string(in.Status)
+		}
+		f = flash{"ok", fmt.Sprintf("%s done; the saga is %s.", what, status)}
+	}
+	u.redirect(w, r, "/sagas/"+id.String()+"?request="+req.ID.String(), f)
+	return nil
+}
+
+// --- dead letters -------------------------------------------------------------
+
+type deadLettersView struct {
+	Topic    string
+	Limit    int
+	After    int64
+	Topics   []string
+	Rows     []deadLetterRow
+	NextHref string
+	Return   string
+}
+
+type deadLetterRow struct {
+	ID                                  int64
+	UUID, Topic, Group, Handler, Reason string
+	ReasonShort                         string
+	ReasonLong                          bool
+	Attempts                            int
+	Dead, DeadAt, PublishedAt           string
+	IsReplayed                          bool
+	Replayed, ReplayedAt                string
+	Payload, PayloadNote                string
+	PayloadBytes                        int
+	Metadata                            []keyValue
+	MetadataNote                        string
+	SagaID, SagaShort, SagaHref         string
+	Anchor, ReplayAction                string
+	// Consumer says who gave up on it: the group and its handler, or that
+	// no group read the topic.
+	Consumer string
+}
+
+type keyValue struct{ Key, Value string }
+
+func (u *webUI) deadLetterRow(d transport.DeadLetter, now time.Time) deadLetterRow {
+	row := deadLetterRow{ID: d.ID, UUID: printable([]byte(d.UUID)), Topic: d.Topic, Group: dash(d.ConsumerGroup), Handler: dash(d.Handler),
+		Reason: printable([]byte(d.Reason)), Attempts: d.Attempts, Dead: age(now.Sub(d.DeadAt)) + " ago", DeadAt: stamp(d.DeadAt),
+		PublishedAt: stamp(d.CreatedAt), Payload: prettyJSON(d.Payload), PayloadBytes: len(d.Payload), IsReplayed: d.ReplayedAt != nil,
+		Anchor: fmt.Sprintf("dl-%d", d.ID), ReplayAction: fmt.Sprintf("/dead-letters/%d/replay", d.ID)}
+	row.ReasonShort = clip(oneLine(row.Reason), 160)
+	row.ReasonLong = row.ReasonShort != row.Reason
+	if !utf8.Valid(d.Payload) || bytes.IndexByte(d.Payload, 0) >= 0 {
+		row.PayloadNote = "not valid UTF-8 text: the bytes that are not are shown as \uFFFD"
+	}
+	if d.ReplayedAt != nil {
+		row.Replayed, row.ReplayedAt = age(now.Sub(*d.ReplayedAt))+" ago", stamp(*d.ReplayedAt)
+	}
+	if d.Metadata == nil && len(d.RawMetadata) > 0 && string(d.RawMetadata) != "null" {
+		row.MetadataNote = "not a JSON object of strings: " + printable(d.RawMetadata)
+	}
+	for _, k := range slices.Sorted(func(yield func(string) bool) {
+		for k := range d.Metadata {
+			if !yield(k) {
+				return
+			}
+		}
+	}) {
+		row.Metadata = append(row.Metadata, keyValue{printable([]byte(k)), printable([]byte(d.Metadata[k]))})
+	}
+	if id, err := uuid.Parse(d.Metadata.Get(metadata.SagaID)); err == nil {
+		row.SagaID, row.SagaShort, row.SagaHref = id.String(), id.String()[:8]+"…", "/sagas/"+id.String()
+	}
+	switch {
+	case d.ConsumerGroup == "":
+		row.Consumer = "no consumer group read the topic"
+	case d.Handler == "" || d.Handler == d.ConsumerGroup:
+		row.Consumer = "group " + d.ConsumerGroup
+	default:
+		row.Consumer = "group " + d.ConsumerGroup + " · handler " + d.Handler
+	}
+	return row
+}
+
+func (u *webUI) deadLetters(w http.ResponseWriter, r *http.Request) error {
+	ctx, cancel := context.WithTimeout(r.Context(), pageTimeout)
+	defer cancel()
+	q := r.URL.Query()
+	v := deadLettersView{Topic: strings.TrimSpace(q.Get("topic")), Limit: 100, Return: r.URL.RequestURI()}
+	if s := strings.TrimSpace(q.Get("limit")); s != "" {
+		n, err := strconv.Atoi(s)
+		if err != nil {
+			return badRequest("Bad filter: limit %q is not a whole number.", s)
+		}
+		v.Limit = n
+	}
+	if err := limitError(v.Limit); err != nil {
+		return badRequest("Bad filter: %v.", err)
+	}
+	if s := strings.TrimSpace(q.Get("after")); s != "" {
+		n, err := strconv.ParseInt(s, 10, 64)
+		if err != nil || n < 0 {
+			return badRequest("Bad filter: after %q is not a dead letter id (a whole number, 0 or more).", s)
+		}
+		v.After = n
+	}
+	list, err := u.cfg.Transport.DeadLetters(ctx, transport.DeadLetterFilter{Topic: v.Topic, AfterID: v.After, Limit: v.Limit})
+	if err != nil {
+		return err
+	}
+	groups, err := u.cfg.Transport.ConsumerGroups(ctx)
+	if err != nil {
+		return err
+	}
+	for _, g := range groups {
+		if !slices.Contains(v.Topics, g.Topic) {
+			v.Topics = append(v.Topics, g.Topic)
+		}
+	}
+	now := u.cfg.Now()
+	for _, d := range list {
+		v.Rows = append(v.Rows, u.deadLetterRow(d, now))
+	}
+	if len(list) == v.Limit {
+		next := url.Values{"after": {strconv.FormatInt(list[len(list)-1].ID, 10)}, "limit": {strconv.Itoa(v.Limit)}}
+		if v.Topic != "" {
+			next.Set("topic", v.Topic)
+		}
+		v.NextHref = "/dead-letters?" + next.Encode()
+	}
+	u.render(w, r, http.StatusOK, pageDeadLetters, "dead-letters", v)
+	return nil
+}
+
+// replay is `pgsaga dead-letters replay <id>` for one dead letter.
+func (u *webUI) replay(w http.ResponseWriter, r *http.Request) error {
+	raw := r.PathValue("id")
+	id, err := strconv.ParseInt(raw, 10, 64)
+	if err != nil || id < 1 {
+		return badRequest("%q is not a dead letter id: the ids are positive whole numbers, as the Dead letters page lists them.", raw)
+	}
+	if err := r.ParseForm(); err != nil {
+		return badRequest("The form could not be read: %v.", err)
+	}
+	back := localPath(r.PostFormValue("return"), "/dead-letters")
+	back = strings.SplitN(back, "#", 2)[0] + fmt.Sprintf("#dl-%d", id)
+	done, err := replayDeadLetter(r.Context(), u.cfg.Transport, id)
+	switch {
+	case err == nil:
+		u.redirect(w, r, back, flash{"ok", strings.ToUpper(done[:1]) + done[1:] + "."})
+	case errors.Is(err, transport.ErrDeadLetterNotFound):
+		u.redirect(w, r, back, flash{"error", fmt.Sprintf("No dead letter has the id %d: nothing was replayed.", id)})
+	case errors.Is(err, transport.ErrAlreadyReplayed), errors.Is(err, transport.ErrNoConsumerGroup):
+		u.redirect(w, r, back, flash{"error", fmt.Sprintf("Dead letter %d not replayed: %s.", id, strings.TrimPrefix(err.Error(), "transport: "))})
+	default:
+		return err
+	}
+	return nil
+}
+
+// --- consumer groups --------------------------------------------------------
+
+type consumersView struct {
+	Stale                                 string
+	Rows                                  []groupRow
+	Groups, Waiting, Retrying, NotRunning int
+	Topics                                int
+}
+
+type groupRow struct {
+	Topic, Group                 string
+	Waiting, Retrying, Later     int
+	Oldest, LastSeen, LastSeenAt string
+	State, StateClass            string
+}
+
+func (u *webUI) consumers(w http.ResponseWriter, r *http.Request) error {
+	ctx, cancel := context.WithTimeout(r.Context(), pageTimeout)
+	defer cancel()
+	stale := 2 * time.Minute
+	v := consumersView{Stale: "2m"}
+	if s := strings.TrimSpace(r.URL.Query().Get("stale")); s != "" {
+		d, err := time.ParseDuration(s)
+		if err != nil || d <= 0 {
+			return badRequest("Bad filter: stale %q is not a positive duration; write it like 90s, 2m or 1h.", s)
+		}
+		stale, v.Stale = d, s
+	}
+	groups, err := u.cfg.Transport.ConsumerGroups(ctx)
+	if err != nil {
+		return err
+	}
+	now := u.cfg.Now()
+	topics := map[string]bool{}
+	for _, g := range groups {
+		row := groupRow{Topic: g.Topic, Group: g.ConsumerGroup, Waiting: g.Waiting, Retrying: g.Retrying, Later: g.NotYetAvailable,
+			Oldest: "-", LastSeen: "never"}
+		if g.Oldest != nil {
+			row.Oldest = age(now.Sub(*g.Oldest))
+		}
+		switch {
+		case g.Running(now, stale):
+			row.State, row.StateClass = "running", "good"
+		case g.LastSeen != nil:
+			row.State, row.StateClass = "stale", "bad"
+		default:
+			row.State, row.StateClass = "never ran", "bad"
+		}
+		if g.LastSeen != nil {
+			row.LastSeen, row.LastSeenAt = age(now.Sub(*g.LastSeen))+" ago", stamp(*g.LastSeen)
+		}
+		v.Rows = append(v.Rows, row)
+		v.Groups++
+		v.Waiting += g.Waiting
+		v.Retrying += g.Retrying
+		if row.StateClass != "good" {
+			v.NotRunning++
+		}
+		topics[g.Topic] = true
+	}
+	v.Topics = len(topics)
+	u.render(w, r, http.StatusOK, pageConsumers, "consumers", v)
+	return nil
+}
