@@ -3,6 +3,7 @@ package payments
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strconv"
@@ -310,6 +311,14 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 // retry under a new command key cannot refund twice), call the gateway,
 // then record the refund and its posting together. The step's transaction
 // only carries the reply.
+//
+// A refund the gateway declines is final for the command that asked for it
+// (RefundFailed: the saga parks). Another command for the order, as an
+// operator's retry sends under a fresh key once the cause is fixed, asks the
+// gateway again under the order's next refund key (RefundAttemptKey): a
+// gateway keeps a declined key's answer, and a declined refund moved no
+// money, so a new key cannot refund twice. A key is left behind only once
+// its decline is recorded; an unknown outcome keeps its key.
 func (s *Service) refund(ctx context.Context, tx *steps.Tx, cmd RefundPayment) (steps.Message, error) {
 	if cmd.OrderID == uuid.Nil || !accountIDPattern.MatchString(cmd.AccountID) {
 		return PaymentRefunded{OrderID: cmd.OrderID}, nil
@@ -317,7 +326,7 @@ func (s *Service) refund(ctx context.Context, tx *steps.Tx, cmd RefundPayment) (
 	if err := s.finishReservedCharge(ctx, cmd); err != nil {
 		return nil, err
 	}
-	refunded, err := s.refundOnce(ctx, cmd)
+	refunded, err := s.refundOnce(ctx, cmd, tx.Key())
 	var ref *refusal
 	if errors.As(err, &ref) {
 		// Final: the saga parks and reports it; a person must act.
@@ -326,16 +335,44 @@ func (s *Service) refund(ctx context.Context, tx *steps.Tx, cmd RefundPayment) (
 	return refunded, err
 }
 
-// RefundKey is the gateway's idempotency key for an order's refund.
+// RefundKey is the gateway's idempotency key for an order's refund (its
+// first attempt: RefundAttemptKey(order, 1)), and the request key of its
+// posting whichever attempt refunded.
 func RefundKey(order uuid.UUID) string { return "refund:" + order.String() }
 
-func (s *Service) refundOnce(ctx context.Context, cmd RefundPayment) (PaymentRefunded, error) {
-	key := RefundKey(cmd.OrderID)
+// RefundAttemptKey is the gateway's idempotency key for the n-th attempt
+// (from 1) to refund an order: attempt n+1 is made only after the gateway
+// declined attempt n, for another command.
+func RefundAttemptKey(order uuid.UUID, n int) string {
+	if n <= 1 {
+		return RefundKey(order)
+	}
+	return RefundKey(order) + "#" + strconv.Itoa(n)
+}
+
+// refundDeclined is what a declined refund attempt records with its answer
+// (the idempotency record's Meta): the command it answered.
+type refundDeclined struct {
+	Command string `json:"command"`
+}
+
+// declinedFor is the command a declined refund attempt answered; "" when
+// the record does not say (recorded by an earlier release).
+func declinedFor(rec *idempotency.Record) string {
+	var d refundDeclined
+	if len(rec.Response.Meta) > 0 && json.Unmarshal(rec.Response.Meta, &d) == nil {
+		return d.Command
+	}
+	return ""
+}
+
+func (s *Service) refundOnce(ctx context.Context, cmd RefundPayment, command string) (PaymentRefunded, error) {
 	giveUp := time.Now().Add(2 * s.cfg.GatewayLease)
 	for {
 		var (
 			result   = PaymentRefunded{OrderID: cmd.OrderID}
 			lease    *idempotency.Lease
+			key      string
 			chargeID string
 			amount   int64
 		)
@@ -365,21 +402,27 @@ func (s *Service) refundOnce(ctx context.Context, cmd RefundPayment) (PaymentRef
 				return err
 			}
 			chargeID, amount = ref, -charged
-			acq, err := s.cfg.Idempotency.AcquireTx(ctx, tx, GatewayRequest("refund", key, cmd.AccountID, cmd.OrderID, amount), s.cfg.GatewayLease)
-			if err != nil {
-				return err
-			}
-			if rec := acq.Record; rec != nil {
-				if rec.Status == idempotency.StatusFailed {
+			for n := 1; ; n++ {
+				key = RefundAttemptKey(cmd.OrderID, n)
+				acq, err := s.cfg.Idempotency.AcquireTx(ctx, tx, GatewayRequest("refund", key, cmd.AccountID, cmd.OrderID, amount), s.cfg.GatewayLease)
+				if err != nil {
+					return err
+				}
+				rec := acq.Record
+				switch {
+				case rec == nil:
+					lease = acq.Lease
+					return nil
+				case rec.Status == idempotency.StatusFailed && declinedFor(rec) == command:
 					return &refusal{reason: ReasonRefundDeclined}
+				case rec.Status == idempotency.StatusFailed:
+					continue // declined for another command: this one asks again
 				}
 				// Refunded at the gateway and recorded, yet not posted:
 				// post it now.
 				result = PaymentRefunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: string(rec.Response.Body)}
 				return s.postRefund(ctx, tx, version, cmd, amount, result.RefundID)
 			}
-			lease = acq.Lease
-			return nil
 		})
 		var busy *idempotency.InProgressError
 		if errors.As(err, &busy) {
@@ -395,7 +438,11 @@ func (s *Service) refundOnce(ctx context.Context, cmd RefundPayment) (PaymentRef
 		id, err := s.cfg.Gateway.Refund(ctx, key, cmd.AccountID, chargeID, amount)
 		if errors.Is(err, ErrDeclined) {
 			// A final answer: record it, never leave the claim pending.
-			if cerr := s.cfg.Idempotency.CompleteLease(ctx, lease, idempotency.StatusFailed, idempotency.Response{Body: []byte(err.Error())}); cerr != nil {
+			meta, merr := json.Marshal(refundDeclined{Command: command})
+			if merr != nil {
+				return PaymentRefunded{}, merr
+			}
+			if cerr := s.cfg.Idempotency.CompleteLease(ctx, lease, idempotency.StatusFailed, idempotency.Response{Body: []byte(err.Error()), Meta: meta}); cerr != nil {
 				return PaymentRefunded{}, fmt.Errorf("payments: recording the declined refund of %s: %w", cmd.OrderID, cerr)
 			}
 			return PaymentRefunded{}, &refusal{reason: ReasonRefundDeclined}

@@ -614,21 +614,51 @@ func TestRefundOncePerOrderWhateverTheCommandKey(t *testing.T) {
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM account_postings WHERE order_id = $1 AND kind = 'refund'`, order))
 }
 
-// A refund the gateway declines is a final business failure: recorded (no
-// claim left pending), answered with RefundFailed, and replayed.
+// A refund the gateway declines is a final business failure for the
+// command that asked: recorded (no claim left pending), answered with
+// RefundFailed, and answered so again should the command run again (its
+// stored reply lost), without asking the gateway. Another command for the
+// order, as an operator's retry sends under a fresh key, asks the gateway
+// again under the order's next refund key, each key used once: declined
+// again, then refunded, once; later commands find it refunded.
 func TestDeclinedRefund(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	acct := e.account(1000)
 	order := uuid.New()
 	require.Equal(t, steps.OutcomeOK, e.execute(e.svc.ChargeStep(), charge(order, acct, 300), "c-"+order.String()).env.Outcome)
-	e.plan(payments.RefundKey(order), fakegateway.Decline)
-	r := e.execute(e.svc.RefundStep(), payments.RefundPayment{OrderID: order, AccountID: acct}, "r-"+order.String())
+	e.plan(payments.RefundAttemptKey(order, 1), fakegateway.Decline)
+	e.plan(payments.RefundAttemptKey(order, 2), fakegateway.Decline)
+	first := "r-" + order.String()
+	r := e.execute(e.svc.RefundStep(), payments.RefundPayment{OrderID: order, AccountID: acct}, first)
 	assert.Equal(t, steps.OutcomeFailed, r.env.Outcome)
 	assert.Equal(t, "payments.RefundFailed", r.env.Type)
 	assert.Equal(t, payments.ReasonRefundDeclined, r.payload["reason"])
 	assert.Equal(t, int64(700), e.balance(acct), "the money stays charged")
 	assert.Zero(t, e.count(`SELECT count(*) FROM idempotency_keys WHERE status = 'pending' AND key = $1`, payments.RefundKey(order)))
-	again := e.execute(e.svc.RefundStep(), payments.RefundPayment{OrderID: order, AccountID: acct}, "r2-"+order.String())
-	assert.Equal(t, steps.OutcomeFailed, again.env.Outcome, "another refund command gets the recorded answer")
+
+	// The same command again, its stored reply gone: declined from the
+	// record; the gateway is not asked.
+	_, err := e.db.SQL.Exec(`DELETE FROM idempotency_keys WHERE scope = 'payments.refund' AND key = $1`, first)
+	require.NoError(t, err)
+	again := e.execute(e.svc.RefundStep(), payments.RefundPayment{OrderID: order, AccountID: acct}, first)
+	assert.Equal(t, steps.OutcomeFailed, again.env.Outcome, "the command that was declined stays declined")
+	calls := `SELECT count(*) FROM fake_gateway_calls WHERE key LIKE 'refund:' || $1 || '%'`
+	assert.Equal(t, 1, e.count(calls, order.String()), "the gateway was asked once")
+
+	retry := e.execute(e.svc.RefundStep(), payments.RefundPayment{OrderID: order, AccountID: acct}, first+"#1")
+	assert.Equal(t, steps.OutcomeFailed, retry.env.Outcome, "a retry the gateway declines again fails again")
+	assert.Equal(t, 2, e.count(calls, order.String()))
+	retry = e.execute(e.svc.RefundStep(), payments.RefundPayment{OrderID: order, AccountID: acct}, first+"#2")
+	require.Equal(t, steps.OutcomeOK, retry.env.Outcome, "a retry the gateway accepts refunds")
+	assert.EqualValues(t, 300, retry.payload["amount_cents"])
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_calls WHERE key = $1`, payments.RefundAttemptKey(order, 3)))
+
+	later := e.execute(e.svc.RefundStep(), payments.RefundPayment{OrderID: order, AccountID: acct}, first+"#3")
+	require.Equal(t, steps.OutcomeOK, later.env.Outcome)
+	assert.Equal(t, true, later.payload["already"])
+	assert.Equal(t, 3, e.count(calls, order.String()), "a refunded order is not sent to the gateway again")
+	assert.Equal(t, int64(1000), e.balance(acct), "refunded once")
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE account_id = $1 AND op = 'refund' AND outcome = 'succeeded'`, acct))
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM account_postings WHERE order_id = $1 AND kind = 'refund'`, order))
 }

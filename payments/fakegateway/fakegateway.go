@@ -6,7 +6,8 @@
 //
 // Its state (operations and every call) lives in PostgreSQL tables of its
 // own, so a demo that is killed and resumed keeps talking to a gateway that
-// remembers what it charged.
+// remembers what it charged: a gateway started later on the same database
+// (another process, another port) refunds the charges an earlier one made.
 //
 // Like a real gateway it may also forget idempotency keys (ForgetKeys): real
 // ones keep a key for a retention period only, after which a call with the
@@ -16,7 +17,9 @@
 // and a JSON body {"account_id": "...", "amount_cents": 123, "order_id":
 // "..." (metadata, charges), "charge_id": "..." (refunds)}. 200 {"id":
 // "ch_…"} on success, 402 {"error": "card_declined"} on decline, 503 when
-// unavailable, 400 for bad requests.
+// unavailable, 400 for bad requests: {"error": "no_such_charge"} for a
+// refund of a charge the gateway never made (for that account), and
+// {"error": "amount_exceeds_charge"} for one of more than was charged.
 package fakegateway
 
 import (
@@ -41,7 +44,7 @@ type Fault string
 // Faults.
 const (
 	None        Fault = ""
-	Decline     Fault = "decline"     // refuse the charge (stored: a retry is declined too)
+	Decline     Fault = "decline"     // refuse the charge or refund (stored: a retry with the key is declined too)
 	Slow        Fault = "slow"        // answer after Config.SlowDelay
 	Unavailable Fault = "unavailable" // 503 before doing anything
 	Lost        Fault = "lost"        // do the operation, then hang up without an answer
@@ -168,6 +171,18 @@ func (g *Gateway) serve(w http.ResponseWriter, r *http.Request, op string) {
 		writeJSON(w, http.StatusBadRequest, map[string]string{"error": "bad_request"})
 		return
 	}
+	if op == "refund" {
+		problem, err := g.checkRefund(ctx, req)
+		if err != nil {
+			g.cfg.Logger.Error("fake gateway: reading the refunded charge", "err", err)
+			writeJSON(w, http.StatusInternalServerError, map[string]string{"error": "internal"})
+			return
+		}
+		if problem != "" {
+			writeJSON(w, http.StatusBadRequest, map[string]string{"error": problem})
+			return
+		}
+	}
 	attempt, err := g.recordCall(ctx, key, op)
 	if err != nil {
 		g.cfg.Logger.Error("fake gateway: recording call", "err", err)
@@ -217,6 +232,24 @@ func (g *Gateway) serve(w http.ResponseWriter, r *http.Request, op string) {
 		return
 	}
 	writeJSON(w, http.StatusOK, map[string]string{"id": opID})
+}
+
+// checkRefund says what is wrong with a refund, as a real gateway would:
+// its charge must be one this gateway made (by any process, at any time:
+// the operations are in the database), succeeded, for the same account,
+// and not of less than the refund. "" when nothing is.
+func (g *Gateway) checkRefund(ctx context.Context, req request) (string, error) {
+	var charged int64
+	err := g.cfg.DB.QueryRowContext(ctx, chargeOfRefundSQL, req.ChargeID, req.AccountID).Scan(&charged)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return "no_such_charge", nil
+	case err != nil:
+		return "", err
+	case req.AmountCents > charged:
+		return "amount_exceeds_charge", nil
+	}
+	return "", nil
 }
 
 // recordCall counts a call and returns how many calls the key has had.
@@ -382,6 +415,7 @@ CREATE TABLE IF NOT EXISTS fake_gateway_operations (
 -- the key is free for a new operation while the old one stays on record).
 ALTER TABLE fake_gateway_operations ADD COLUMN IF NOT EXISTS order_id text;
 ALTER TABLE fake_gateway_operations ADD COLUMN IF NOT EXISTS forgotten_key text;
+CREATE INDEX IF NOT EXISTS fake_gateway_operations_id_idx ON fake_gateway_operations (id);
 CREATE TABLE IF NOT EXISTS fake_gateway_call_counts (
     key   text PRIMARY KEY,
     calls int  NOT NULL
@@ -403,6 +437,10 @@ CREATE TABLE IF NOT EXISTS fake_gateway_calls (
     RETURNING calls)
 INSERT INTO fake_gateway_calls (key, op, n) SELECT $1, $2, calls FROM c
 RETURNING n`
+
+	// chargeOfRefundSQL reads the amount of the charge a refund names.
+	chargeOfRefundSQL = `SELECT amount_cents FROM fake_gateway_operations
+WHERE id = $1 AND op = 'charge' AND outcome = 'succeeded' AND account_id = $2`
 
 	noteFaultSQL = `UPDATE fake_gateway_calls SET fault = $3 WHERE key = $1 AND n = $2`
 
