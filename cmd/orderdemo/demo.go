@@ -15,8 +15,10 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pgsaga/pgsaga/internal/finddb"
+	"github.com/pgsaga/pgsaga/internal/obs"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/workerwatch"
 	"github.com/pgsaga/pgsaga/migrations"
@@ -25,6 +27,7 @@ import (
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
+	"github.com/pgsaga/pgsaga/steps/telemetry"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -43,6 +46,7 @@ type demo struct {
 	gateway  *fakegateway.Gateway
 	app      *orderpayment.App
 	workers  []*orderpayment.Worker
+	metrics  *obs.MetricsServer
 }
 
 func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo, error) {
@@ -50,14 +54,11 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 	if opts.chaos() {
 		// Injected crashes and killed connections make retries and
 		// abandoned batches routine: the report and the invariants tell
-		// what matters. -v shows everything.
+		// what matters. -v or -log-level shows them.
 		level = slog.LevelError + 4
 	}
-	if opts.verbose {
-		level = slog.LevelDebug
-	}
 	d := &demo{opts: opts, out: stdout, status: stdout, errs: stderr,
-		log: slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))}
+		log: opts.log.New(stderr, opts.log.LevelOr(level))}
 	if opts.json {
 		d.status = stderr
 	}
@@ -121,9 +122,20 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 		// each kill's cost small.
 		tcfg.BatchSize = 10
 	}
+	if d.opts.declineRefunds {
+		fmt.Fprintln(d.status, "refunds: the gateway declines every refund (-decline-refunds); a saga that needs one parks for an operator")
+		gwCfg.Faults = declineRefunds(gwCfg.Faults)
+	}
 	d.gateway, err = fakegateway.Start(ctx, gwCfg)
 	if err != nil {
 		return nil, err
+	}
+	var reg *prometheus.Registry
+	if d.opts.metricsAddr != "" {
+		reg = obs.NewRegistry()
+		if tcfg.Metrics, err = telemetry.NewMetrics(reg); err != nil {
+			return nil, err
+		}
 	}
 	d.app, err = orderpayment.New(orderpayment.Config{
 		DB:            d.db.SQL,
@@ -138,8 +150,29 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 	if err := d.app.Setup(ctx); err != nil {
 		return nil, err
 	}
+	if reg != nil {
+		reg.MustRegister(d.app.Client.Collector())
+		if d.metrics, err = obs.ServeMetrics(d.opts.metricsAddr, reg, d.log); err != nil {
+			return nil, err
+		}
+		fmt.Fprintf(d.status, "metrics: serving http://%s/metrics\n", d.metrics.Addr())
+	}
 	ok = true
 	return d, nil
+}
+
+// declineRefunds makes every refund call a decline, and leaves the other
+// calls to faults (nil: none).
+func declineRefunds(faults func(fakegateway.Call) fakegateway.Fault) func(fakegateway.Call) fakegateway.Fault {
+	return func(c fakegateway.Call) fakegateway.Fault {
+		switch {
+		case c.Op == "refund":
+			return fakegateway.Decline
+		case faults != nil:
+			return faults(c)
+		}
+		return fakegateway.None
+	}
 }
 
 // startWorkers starts the workers and returns once all run, or with the
@@ -164,6 +197,11 @@ func (d *demo) stopWorkers() {
 
 func (d *demo) close() {
 	d.stopWorkers()
+	if d.metrics != nil {
+		if err := d.metrics.Close(); err != nil {
+			d.log.Error("stopping the metrics server", "err", err)
+		}
+	}
 	if d.injector != nil {
 		_ = d.injector.Close()
 	}
@@ -187,7 +225,48 @@ func (d *demo) close() {
 	}
 }
 
+// run runs the orders (or the resume) and reports; with -serve it then
+// serves operators' requests until ctx ends (SIGINT, SIGTERM), and with
+// -orders 0 -serve it serves only.
 func (d *demo) run(ctx context.Context) int {
+	if d.opts.serve && d.opts.orders == 0 && !d.opts.resume {
+		return d.serve(ctx, exitOK)
+	}
+	code, reported := d.runOrders(ctx)
+	if !d.opts.serve || !reported || ctx.Err() != nil {
+		return code
+	}
+	return d.serve(ctx, code)
+}
+
+// serve runs the workers until ctx ends, so that operators' requests
+// (pgsaga retry, pgsaga cancel) are carried out, and returns code (the
+// run's exit status): the end of ctx is the normal end of serving. A
+// worker that cannot start or stops meanwhile is a failure.
+func (d *demo) serve(ctx context.Context, code int) int {
+	wctx, stopWatching, err := d.startWorkers(ctx)
+	if err != nil {
+		fmt.Fprintln(d.errs, "orderdemo:", err)
+		return exitNoService
+	}
+	defer stopWatching()
+	fmt.Fprintf(d.status, "serving operator requests (pgsaga retry <id>, pgsaga cancel <id>) with %s; stop with Ctrl-C (SIGINT) or SIGTERM\n",
+		plural(d.opts.workers, "worker", "workers"))
+	<-wctx.Done()
+	stopped := workerwatch.Stopped(wctx)
+	stopWatching() // the workers' own stop below is no failure
+	if stopped != nil {
+		fmt.Fprintf(d.errs, "orderdemo: %v while serving\n", stopped)
+		return exitFailed
+	}
+	fmt.Fprintln(d.status, "stopping the workers; requests asked from now on wait for the next worker")
+	d.stopWorkers()
+	return code
+}
+
+// runOrders places the orders (or finds the sagas to resume), waits for
+// them and reports; reported is false when it stopped before the report.
+func (d *demo) runOrders(ctx context.Context) (code int, reported bool) {
 	start := time.Now()
 	var (
 		ids []uuid.UUID
@@ -200,37 +279,37 @@ func (d *demo) run(ctx context.Context) int {
 		ids, err = d.unfinished(ctx)
 		if err != nil {
 			fmt.Fprintln(d.errs, "orderdemo:", err)
-			return exitNoService
+			return exitNoService, false
 		}
 		fmt.Fprintf(d.status, "resuming %s\n", plural(len(ids), "unfinished saga", "unfinished sagas"))
 	}
 	ctx, stopWatching, err := d.startWorkers(ctx)
 	if err != nil {
 		fmt.Fprintln(d.errs, "orderdemo:", err)
-		return exitNoService
+		return exitNoService, false
 	}
 	defer stopWatching()
 	if !d.opts.resume {
 		ids, err = d.placeOrders(ctx)
 		if err != nil {
 			d.placingFailed(ctx, err)
-			return exitFailed
+			return exitFailed, false
 		}
 	}
 	finished := d.wait(ctx, ids, start)
 	stopWatching() // the workers' own stop below is no failure
 	if err := workerwatch.Stopped(ctx); err != nil {
 		fmt.Fprintf(d.errs, "orderdemo: %v (run again with -resume to finish)\n", err)
-		return exitFailed
+		return exitFailed, false
 	}
 	// Stop the workers before checking, so nothing moves under the check.
 	d.stopWorkers()
 	report, err := orderpayment.Check(context.Background(), d.db.SQL, ids)
 	if err != nil {
 		fmt.Fprintln(d.errs, "orderdemo: checking invariants:", err)
-		return exitFailed
+		return exitFailed, false
 	}
-	return d.report(ids, report, time.Since(start), finished)
+	return d.report(ids, report, time.Since(start), finished), true
 }
 
 // placingFailed says why placing the orders stopped: a worker that
@@ -448,6 +527,17 @@ type summary struct {
 	Chaos              *chaosSummary  `json:"chaos,omitempty"`
 	InvariantsOK       bool           `json:"invariants_ok"`
 	Violations         []string       `json:"violations"`
+	// FailedReasons counts the parked sagas by what parked them (the
+	// compensation that failed, and why).
+	FailedReasons map[string]int `json:"failed_reasons"`
+	// Parked lists the parked sagas, oldest first, with their reasons.
+	Parked []parkedSaga `json:"parked"`
+}
+
+// parkedSaga is a saga parked as failed, waiting for an operator.
+type parkedSaga struct {
+	SagaID string `json:"saga_id"`
+	Reason string `json:"reason"`
 }
 
 // chaosSummary says what was injected and how it was absorbed.
@@ -467,8 +557,8 @@ func (d *demo) report(ids []uuid.UUID, r orderpayment.Report, took time.Duration
 	s := summary{
 		Resumed: d.opts.resume, Sagas: len(ids),
 		Completed: r.Sagas[saga.StatusCompleted], Compensated: r.Sagas[saga.StatusCompensated], Failed: r.Sagas[saga.StatusFailed],
-		CompensatedReasons: map[string]int{},
-		P50Millis:          ms(r.P50), P99Millis: ms(r.P99), DurationMillis: ms(took),
+		CompensatedReasons: map[string]int{}, FailedReasons: map[string]int{}, Parked: []parkedSaga{},
+		P50Millis: ms(r.P50), P99Millis: ms(r.P99), DurationMillis: ms(took),
 		InvariantsOK: r.OK(), Violations: []string{},
 	}
 	s.Unfinished = len(ids) - s.Completed - s.Compensated - s.Failed
@@ -478,6 +568,13 @@ func (d *demo) report(ids []uuid.UUID, r orderpayment.Report, took time.Duration
 	reasons, err := d.reasons(ids)
 	if err == nil {
 		s.CompensatedReasons = reasons
+	}
+	parked, err := d.parked(ids)
+	if err == nil {
+		s.Parked = parked
+		for _, p := range parked {
+			s.FailedReasons[parkCause(p.Reason)]++
+		}
 	}
 	s.Seed = d.opts.seed
 	gw, gwErr := fakegateway.ReadStats(context.Background(), d.db.SQL)
@@ -529,6 +626,44 @@ func (d *demo) reasons(ids []uuid.UUID) (map[string]int, error) {
 	return out, rows.Err()
 }
 
+// parked lists the failed sagas among ids with their reasons, oldest
+// first.
+func (d *demo) parked(ids []uuid.UUID) ([]parkedSaga, error) {
+	strs := make([]string, len(ids))
+	for i, id := range ids {
+		strs[i] = id.String()
+	}
+	rows, err := d.db.SQL.Query(`SELECT id::text, coalesce(failure_reason, '') FROM saga_instances
+		WHERE id::text = ANY ($1::text[]) AND status = 'failed' ORDER BY finished_at, id`, strs)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	out := []parkedSaga{}
+	for rows.Next() {
+		var p parkedSaga
+		if err := rows.Scan(&p.SagaID, &p.Reason); err != nil {
+			return nil, err
+		}
+		out = append(out, p)
+	}
+	return out, rows.Err()
+}
+
+// parkCause is what parked a saga: its failure reason after the original
+// failure ("confirm: order cancelled by customer; then compensation of
+// charge failed: refund declined by the gateway" parks for the part after
+// "; then ").
+func parkCause(reason string) string {
+	if i := strings.LastIndex(reason, "; then "); i >= 0 {
+		return reason[i+len("; then "):]
+	}
+	return reason
+}
+
+// maxParkedListed bounds the parked sagas the table lists one by one.
+const maxParkedListed = 10
+
 func (d *demo) printTable(s summary) {
 	w := d.out
 	fmt.Fprintln(w)
@@ -539,7 +674,19 @@ func (d *demo) printTable(s summary) {
 	fmt.Fprintf(w, "  %-12s %d (%s)\n", "sagas", s.Sagas, what)
 	fmt.Fprintf(w, "  %-12s %d (charged and confirmed)\n", "completed", s.Completed)
 	fmt.Fprintf(w, "  %-12s %d%s\n", "compensated", s.Compensated, reasonList(s.CompensatedReasons))
-	fmt.Fprintf(w, "  %-12s %d (parked for an operator)\n", "failed", s.Failed)
+	if len(s.FailedReasons) == 0 {
+		fmt.Fprintf(w, "  %-12s %d (parked for an operator)\n", "failed", s.Failed)
+	} else {
+		fmt.Fprintf(w, "  %-12s %d (parked for an operator: %s)\n", "failed", s.Failed, reasonCounts(s.FailedReasons))
+		for i, p := range s.Parked {
+			if i == maxParkedListed {
+				fmt.Fprintf(w, "  %-12s … and %d more (pgsaga sagas --status failed)\n", "", len(s.Parked)-i)
+				break
+			}
+			fmt.Fprintf(w, "  %-12s %s  %s\n", "", p.SagaID, p.Reason)
+		}
+		fmt.Fprintf(w, "  %-12s pgsaga show <id> tells its story; once the cause is fixed, pgsaga retry <id> with a worker running (-serve)\n", "")
+	}
 	if s.Unfinished > 0 {
 		fmt.Fprintf(w, "  %-12s %d\n", "unfinished", s.Unfinished)
 	}
@@ -556,11 +703,20 @@ func (d *demo) printTable(s summary) {
 			plural(c.Retries, "retry", "retries"), plural(c.Replayed, "duplicate command", "duplicate commands"))
 		fmt.Fprintf(w, "  %-12s seed %d\n", "", s.Seed)
 	}
-	if s.InvariantsOK {
+	switch {
+	case s.InvariantsOK && s.Failed == 0:
 		fmt.Fprintf(w, "  %-12s all hold: every saga finished and none parked, no pending keys, no account below zero,\n", "invariants")
 		fmt.Fprintf(w, "  %-12s one charge per order at most, completed = charged once, compensated = nothing held,\n", "")
 		fmt.Fprintf(w, "  %-12s orders match their sagas and their views, the gateway matches the ledger\n", "")
-	} else {
+	case s.InvariantsOK:
+		explained := "the parked saga is explained by a declined refund, its charge held"
+		if s.Failed > 1 {
+			explained = fmt.Sprintf("the %d parked sagas are each explained by a declined refund, the charge held", s.Failed)
+		}
+		fmt.Fprintf(w, "  %-12s all hold: every saga finished, and %s;\n", "invariants", explained)
+		fmt.Fprintf(w, "  %-12s no pending keys, no account below zero, one charge per order at most, completed = charged once,\n", "")
+		fmt.Fprintf(w, "  %-12s compensated = nothing held, orders match their sagas and their views, the gateway matches the ledger\n", "")
+	default:
 		fmt.Fprintf(w, "  %-12s BROKEN\n", "invariants")
 		for _, v := range s.Violations {
 			fmt.Fprintf(w, "    - %s\n", v)
@@ -572,11 +728,17 @@ func reasonList(reasons map[string]int) string {
 	if len(reasons) == 0 {
 		return ""
 	}
+	return " (" + reasonCounts(reasons) + ")"
+}
+
+// reasonCounts reads "charge: insufficient funds: 11, confirm: order
+// cancelled by customer: 3", most frequent first.
+func reasonCounts(reasons map[string]int) string {
 	parts := make([]string, 0, len(reasons))
 	for _, k := range byCount(reasons) {
 		parts = append(parts, fmt.Sprintf("%s: %d", k, reasons[k]))
 	}
-	return " (" + strings.Join(parts, ", ") + ")"
+	return strings.Join(parts, ", ")
 }
 
 // countList reads "lost 4, slow 4, decline 1", most frequent first, or

@@ -6,6 +6,9 @@ import (
 	"fmt"
 	"io"
 	"time"
+
+	"github.com/pgsaga/pgsaga/internal/cmdlog"
+	"github.com/pgsaga/pgsaga/internal/obs"
 )
 
 var errHelp = errors.New("help requested")
@@ -17,7 +20,18 @@ type options struct {
 	timeout time.Duration
 	resume  bool
 	json    bool
-	verbose bool
+	// serve keeps the workers running after the report, until SIGINT or
+	// SIGTERM, to carry out operators' requests (pgsaga retry, cancel).
+	serve bool
+	// log: -v, -log-level, -log-format.
+	log cmdlog.Flags
+
+	// declineRefunds makes the fake gateway decline every refund: a saga
+	// whose compensation needs one parks for an operator.
+	declineRefunds bool
+	// metricsAddr serves Prometheus metrics at http://metricsAddr/metrics
+	// while it runs ("": off).
+	metricsAddr string
 
 	duplicateRate    float64
 	crashRate        float64
@@ -42,7 +56,10 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.DurationVar(&o.timeout, "timeout", 2*time.Minute, "give up waiting for terminal states after this long")
 	fs.BoolVar(&o.resume, "resume", false, "place no new orders: drive every unfinished saga in the database to a terminal state, then exit")
 	fs.BoolVar(&o.json, "json", false, "print the final summary as one JSON object on the last line of stdout")
-	fs.BoolVar(&o.verbose, "v", false, "log what the workers do (to stderr)")
+	fs.BoolVar(&o.serve, "serve", false, "after the report, keep the workers running until SIGINT or SIGTERM, carrying out operators' requests (pgsaga retry, pgsaga cancel); with -orders 0, serve only")
+	o.log.Register(fs, "warn (nothing with chaos flags)")
+	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve Prometheus metrics at http://ADDR/metrics while it runs, e.g. 127.0.0.1:9090 (port 0 picks one; the address is printed)")
+	fs.BoolVar(&o.declineRefunds, "decline-refunds", false, "the payment gateway declines every refund: a saga whose compensation needs one (an order cancelled after it was charged) parks as failed, its charge held, for an operator")
 	fs.Float64Var(&o.duplicateRate, "duplicate-rate", 0, "chaos: share of messages delivered again (copies arrive late and out of order)")
 	fs.Float64Var(&o.crashRate, "crash-rate", 0, "chaos: share of handler attempts crashed at a commit boundary (45% of them before commit, 45% after commit before the ack, 10% by killing the database connection)")
 	fs.Float64Var(&o.gatewayFaultRate, "gateway-fault-rate", 0, "chaos: share of payment gateway calls that are slow, fail with 503, lose their answer after acting, or decline a charge")
@@ -65,13 +82,21 @@ func printUsage(fs *flag.FlagSet, w io.Writer) {
 Runs the sample order-payment saga end to end and reports how every saga
 ended. Exit status:
 
-  0  every saga it waited for is terminal and every invariant holds;
+  0  every saga it waited for is terminal and every invariant holds; a saga
+     parked because the gateway declined its refund (-decline-refunds) is
+     reported as parked, with its reason, and breaks no invariant (its
+     charge is held, as the ledger and the gateway agree); any other parked
+     saga does;
   1  otherwise: sagas left unfinished (-timeout, or SIGINT or SIGTERM, which
      stop the wait: the workers stop and the report follows), an invariant
-     broken, or a worker that stopped during the run (its cause is printed);
+     broken, or a worker that stopped during the run or while serving (its
+     cause is printed);
   2  bad flags;
   3  it cannot start: no database, or a worker that cannot run (the cause
      is printed).
+
+With -serve, SIGINT or SIGTERM after the report ends the serving, which is
+no failure: the exit status is the run's (0 for -orders 0).
 
 The database is DATABASE_URL, else a PostgreSQL on 127.0.0.1:5432 (database
 "pgsaga", created if missing), else an embedded PostgreSQL it starts.
@@ -97,6 +122,14 @@ func validate(fs *flag.FlagSet, o *options) error {
 		return fmt.Errorf("-timeout must be positive, got %s", o.timeout)
 	case o.resume && flagSet(fs, "orders"):
 		return errors.New("-resume places no orders; drop -orders")
+	}
+	if err := o.log.Validate(fs); err != nil {
+		return err
+	}
+	if o.metricsAddr != "" {
+		if err := obs.CheckMetricsAddr(o.metricsAddr); err != nil {
+			return err
+		}
 	}
 	for name, r := range map[string]float64{"-duplicate-rate": o.duplicateRate, "-crash-rate": o.crashRate, "-gateway-fault-rate": o.gatewayFaultRate} {
 		if r < 0 || r > 1 || r != r {

@@ -7,10 +7,14 @@
 // Usage:
 //
 //	go run ./cmd/orderdemo [-orders 50] [-workers 1] [-timeout 2m] [-resume] [-json]
+//		[-serve] [-decline-refunds] [-metrics-addr A] [-v | -log-level L] [-log-format text|json]
 //
 // Exit status 0 only if every saga it waited for is terminal and every
-// invariant holds. Kill it at any moment (even with kill -9) and run it again
-// with -resume to finish the job.
+// invariant holds (a saga parked by a declined refund, as -decline-refunds
+// asks, breaks none; it is reported as parked). Kill it at any moment (even
+// with kill -9) and run it again with -resume to finish the job. With
+// -serve it then keeps its workers running, carrying out operators'
+// requests (pgsaga retry, pgsaga cancel), until SIGINT or SIGTERM.
 package main
 
 import (
@@ -21,6 +25,9 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+	"time"
+
+	"github.com/pgsaga/pgsaga/internal/obs"
 )
 
 func main() { os.Exit(runWithSignals(os.Args[1:], os.Stdout, os.Stderr)) }
@@ -50,6 +57,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "orderdemo: %v (orderdemo -h lists the flags)\n", err)
 		return exitUsage
 	}
+	stopTracing, err := obs.Tracing(ctx, "orderdemo", stderr)
+	if err != nil {
+		fmt.Fprintln(stderr, "orderdemo:", err)
+		return exitNoService
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if err := stopTracing(sctx); err != nil {
+			fmt.Fprintln(stderr, "orderdemo: flushing traces:", err)
+		}
+	}()
 	d, err := newDemo(ctx, opts, stdout, stderr)
 	if err != nil {
 		fmt.Fprintln(stderr, "orderdemo:", err)

@@ -15,8 +15,10 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pgsaga/pgsaga/internal/finddb"
+	"github.com/pgsaga/pgsaga/internal/obs"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/pglisten"
 	"github.com/pgsaga/pgsaga/internal/workerwatch"
@@ -25,6 +27,7 @@ import (
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
+	"github.com/pgsaga/pgsaga/steps/telemetry"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -77,17 +80,15 @@ type bench struct {
 	statsDB        *sql.DB          // reads pg_stat_statements, uncounted
 	statsPool      *pgdb.DB
 	statementStats bool // pg_stat_statements is usable in the database
+
+	metrics *obs.MetricsServer // -metrics-addr
 }
 
 func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*bench, error) {
-	level := slog.LevelWarn
-	if opts.verbose {
-		level = slog.LevelDebug
-	}
 	// Progress, logs and the worker processes' stderr share the stream.
 	stderr = &syncWriter{w: stderr}
 	b := &bench{opts: opts, out: stdout, status: stderr,
-		log: slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))}
+		log: opts.log.New(stderr, opts.log.LevelOr(slog.LevelWarn))}
 	ok := false
 	defer func() {
 		if !ok {
@@ -156,6 +157,13 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 		return nil, err
 	}
 	tcfg := transport.Config{BatchSize: opts.batch, Consumers: opts.consumers}
+	var reg *prometheus.Registry
+	if opts.metricsAddr != "" {
+		reg = obs.NewRegistry()
+		if tcfg.Metrics, err = telemetry.NewMetrics(reg); err != nil {
+			return nil, err
+		}
+	}
 	b.app, err = orderpayment.New(orderpayment.Config{DB: b.db.SQL, GatewayURL: b.gateway.URL(), Transport: tcfg,
 		AsyncProjection: opts.asyncProjection, QueueEveryHop: opts.queueEveryHop, FinishedChannel: finishedChannel, Logger: b.log})
 	if err != nil {
@@ -168,6 +176,13 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 		AsyncProjection: opts.asyncProjection, QueueEveryHop: opts.queueEveryHop, Logger: b.log})
 	if err != nil {
 		return nil, err
+	}
+	if reg != nil {
+		reg.MustRegister(b.app.Client.Collector())
+		if b.metrics, err = obs.ServeMetrics(opts.metricsAddr, reg, b.log); err != nil {
+			return nil, err
+		}
+		fmt.Fprintf(b.status, "metrics: serving http://%s/metrics\n", b.metrics.Addr())
 	}
 	if b.cpu, err = newCPUMeter(ctx, b.db.SQL); err != nil {
 		return nil, err
@@ -194,13 +209,17 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 func (b *bench) startWorkers(ctx context.Context) (_ context.Context, stopWatching func(), _ error) {
 	if b.opts.workerProcs > 0 {
 		spec := workerSpec{URL: b.url, GatewayURL: b.gateway.URL(), Consumers: b.opts.consumers, Batch: b.opts.batch,
-			AsyncProjection: b.opts.asyncProjection, QueueEveryHop: b.opts.queueEveryHop, MaxConns: int32(b.opts.consumers*(len(topicsHint)+2) + 4), Verbose: b.opts.verbose}
+			AsyncProjection: b.opts.asyncProjection, QueueEveryHop: b.opts.queueEveryHop, MaxConns: int32(b.opts.consumers*(len(topicsHint)+2) + 4),
+			LogLevel: b.opts.log.LevelOr(slog.LevelWarn).String(), LogFormat: b.opts.log.Format, Metrics: b.opts.metricsAddr != ""}
 		for range b.opts.workerProcs {
 			p, err := startWorkerProcess(ctx, spec, b.status)
 			if err != nil {
 				return nil, nil, err
 			}
 			b.procs = append(b.procs, p)
+			if p.metricsURL != "" {
+				fmt.Fprintf(b.status, "metrics: worker process %d serving %s\n", p.cmd.Process.Pid, p.metricsURL)
+			}
 		}
 		ctx, stopWatching = workerwatch.Watch(ctx, b.procs)
 		return ctx, stopWatching, nil
@@ -387,6 +406,11 @@ func (b *bench) stopWorkers() {
 
 func (b *bench) close() {
 	b.stopWorkers()
+	if b.metrics != nil {
+		if err := b.metrics.Close(); err != nil {
+			b.log.Error("stopping the metrics server", "err", err)
+		}
+	}
 	if b.stopRetention != nil {
 		b.stopRetention()
 		if err := <-b.retentionDone; err != nil {

@@ -7,6 +7,9 @@ import (
 	"io"
 	"os"
 	"time"
+
+	"github.com/pgsaga/pgsaga/internal/cmdlog"
+	"github.com/pgsaga/pgsaga/internal/obs"
 )
 
 var errHelp = errors.New("help requested")
@@ -24,7 +27,8 @@ type options struct {
 	idle      time.Duration
 	timeout   time.Duration
 	keep      bool
-	verbose   bool
+	// log: -v, -log-level, -log-format (the worker processes' too).
+	log cmdlog.Flags
 	// workerProcs runs the workers as this many separate processes instead
 	// of -workers in this one.
 	workerProcs int
@@ -37,6 +41,9 @@ type options struct {
 	// gatewayDelay: every gateway call answers after it.
 	gatewayDelay time.Duration
 	profile      string
+	// metricsAddr serves Prometheus metrics at http://metricsAddr/metrics
+	// during the run ("": off); each worker process serves its own.
+	metricsAddr string
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -61,8 +68,9 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.BoolVar(&o.keep, "keep", false, "keep the benchmark database instead of dropping it")
 	fs.BoolVar(&o.queueEveryHop, "queue-every-hop", false, "send every trigger, command and reply through the queue, as with one process per participant, instead of starting each saga in Place's transaction and delivering the orders steps and the engine's replies in process")
 	fs.BoolVar(&o.asyncProjection, "async-projection", false, "keep order_views by delivering each order event to the projection's consumer group, instead of inline in the appending transaction")
+	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve Prometheus metrics at http://ADDR/metrics during the run, e.g. 127.0.0.1:9090 (port 0 picks one; printed); each -worker-processes process serves its own on a free port, printed too")
 	fs.DurationVar(&o.gatewayDelay, "gateway-delay", 0, "the fake payment gateway answers every call after this long (a real gateway takes 100ms to seconds); at most 1s")
-	fs.BoolVar(&o.verbose, "v", false, "log what the workers do (to stderr)")
+	o.log.Register(fs, "warn")
 	fs.Usage = func() {}
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -186,6 +194,14 @@ func validate(fs *flag.FlagSet, o *options) error {
 		return errors.New("nothing to measure: -sagas and -rate are both 0")
 	case o.profile != "" && o.sagas == 0:
 		return errors.New("-cpuprofile profiles the throughput phase, which -sagas 0 skips")
+	}
+	if err := o.log.Validate(fs); err != nil {
+		return err
+	}
+	if o.metricsAddr != "" {
+		if err := obs.CheckMetricsAddr(o.metricsAddr); err != nil {
+			return err
+		}
 	}
 	if o.profile != "" {
 		// Found now, not after minutes of seeding.

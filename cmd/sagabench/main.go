@@ -19,6 +19,11 @@
 // Usage:
 //
 //	go run ./cmd/sagabench [-sagas 20000] [-rate 100] [-duration 30s] [-consumers 2] [-workers 1] [-batch 50]
+//		[-metrics-addr A]
+//
+// With -metrics-addr it serves Prometheus metrics during the run; the
+// standard OpenTelemetry variables (OTEL_TRACES_EXPORTER,
+// OTEL_EXPORTER_OTLP_ENDPOINT, ...) turn tracing on.
 package main
 
 import (
@@ -29,6 +34,9 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+	"time"
+
+	"github.com/pgsaga/pgsaga/internal/obs"
 )
 
 func main() {
@@ -63,6 +71,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "sagabench: %v (sagabench -h lists the flags)\n", err)
 		return exitUsage
 	}
+	stopTracing, err := obs.Tracing(ctx, "sagabench", stderr)
+	if err != nil {
+		fmt.Fprintln(stderr, "sagabench:", err)
+		return exitNoService
+	}
+	defer flushTraces(ctx, stopTracing, stderr)
 	b, err := newBench(ctx, opts, stdout, stderr)
 	if err != nil {
 		fmt.Fprintln(stderr, "sagabench:", err)
@@ -70,4 +84,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	defer b.close()
 	return b.run(ctx)
+}
+
+// flushTraces stops the tracer provider, exporting what it holds (at most
+// five seconds).
+func flushTraces(ctx context.Context, stop func(context.Context) error, stderr io.Writer) {
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	if err := stop(sctx); err != nil {
+		fmt.Fprintln(stderr, "sagabench: flushing traces:", err)
+	}
 }

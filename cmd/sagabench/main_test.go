@@ -86,8 +86,11 @@ func TestWorkerProcesses(t *testing.T) {
 	t.Setenv("DATABASE_URL", db.URL)
 	var stdout, stderr bytes.Buffer
 	code := run(context.Background(), []string{"-sagas", "60", "-inflight", "20", "-rate", "0", "-baseline", "0", "-idle", "0",
-		"-consumers", "1", "-batch", "10", "-worker-processes", "2", "-timeout", "2m"}, &stdout, &stderr)
+		"-consumers", "1", "-batch", "10", "-worker-processes", "2", "-timeout", "2m", "-metrics-addr", "127.0.0.1:0"}, &stdout, &stderr)
 	require.Equal(t, exitOK, code, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
+	assert.Regexp(t, `metrics: serving http://127\.0\.0\.1:\d+/metrics\n`, stderr.String())
+	assert.Len(t, regexp.MustCompile(`metrics: worker process \d+ serving http://127\.0\.0\.1:\d+/metrics\n`).FindAllString(stderr.String(), -1), 2,
+		"each worker process serves its own")
 	lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
 	var r result
 	require.NoError(t, json.Unmarshal([]byte(lines[len(lines)-1]), &r))
@@ -123,6 +126,10 @@ func TestBadFlags(t *testing.T) {
 		"-sagas 0 -rate 0":     "nothing to measure",
 		"extra":                "unexpected arguments",
 		"-no-such-flag":        "flag provided but not defined",
+		"-log-format xml":      `-log-format must be text or json, got "xml"`,
+		"-log-level loud":      `-log-level must be debug, info, warn or error, got "loud"`,
+		"-v -log-level debug":  "-v is short for -log-level info",
+		"-metrics-addr 9090":   `-metrics-addr "9090": want host:port`,
 	} {
 		var stdout, stderr bytes.Buffer
 		code := run(context.Background(), strings.Fields(args), &stdout, &stderr)

@@ -11,12 +11,18 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/pgsaga/pgsaga/internal/cmdlog"
+	"github.com/pgsaga/pgsaga/internal/obs"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
+	"github.com/pgsaga/pgsaga/steps/telemetry"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -37,8 +43,19 @@ type workerSpec struct {
 	AsyncProjection bool   `json:"async_projection"`
 	QueueEveryHop   bool   `json:"queue_every_hop"`
 	MaxConns        int32  `json:"max_conns"`
-	Verbose         bool   `json:"verbose"`
+	// LogLevel (a slog level's name) and LogFormat are the parent's
+	// -log-level (or -v) and -log-format.
+	LogLevel  string `json:"log_level"`
+	LogFormat string `json:"log_format"`
+	// Metrics: serve the worker's metrics on a free port of 127.0.0.1
+	// (the parent's -metrics-addr); its address is announced before
+	// workerReady.
+	Metrics bool `json:"metrics"`
 }
+
+// workerMetrics starts the line a worker process prints with its metrics
+// address.
+const workerMetrics = "sagabench worker metrics "
 
 // runWorkerProcess is a worker process: it runs one worker of the sample
 // over the run's database until SIGTERM, SIGINT or the end of its stdin
@@ -52,10 +69,13 @@ func runWorkerProcess(raw string, stdout, stderr io.Writer) int {
 		return exitUsage
 	}
 	level := slog.LevelWarn
-	if spec.Verbose {
-		level = slog.LevelDebug
+	if spec.LogLevel != "" {
+		if err := level.UnmarshalText([]byte(spec.LogLevel)); err != nil {
+			fmt.Fprintln(stderr, "sagabench worker: reading", workerEnv+":", err)
+			return exitUsage
+		}
 	}
-	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level})).With("worker_pid", os.Getpid())
+	log := cmdlog.New(stderr, spec.LogFormat, level).With("worker_pid", os.Getpid())
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	// The parent holds stdin open while it runs: its end is ours.
@@ -64,14 +84,29 @@ func runWorkerProcess(raw string, stdout, stderr io.Writer) int {
 		_, _ = io.Copy(io.Discard, os.Stdin)
 		parentGone()
 	}()
+	stopTracing, err := obs.Tracing(ctx, "sagabench-worker", stderr)
+	if err != nil {
+		fmt.Fprintln(stderr, "sagabench worker:", err)
+		return exitNoService
+	}
+	defer flushTraces(ctx, stopTracing, stderr)
 	db, err := pgdb.Open(ctx, pgdb.Config{URL: spec.URL, MaxConns: spec.MaxConns, ApplicationName: "sagabench-worker"})
 	if err != nil {
 		fmt.Fprintln(stderr, "sagabench worker:", err)
 		return exitNoService
 	}
 	defer db.Close()
+	tcfg := transport.Config{BatchSize: spec.Batch, Consumers: spec.Consumers}
+	var reg *prometheus.Registry
+	if spec.Metrics {
+		reg = obs.NewRegistry()
+		if tcfg.Metrics, err = telemetry.NewMetrics(reg); err != nil {
+			fmt.Fprintln(stderr, "sagabench worker:", err)
+			return exitNoService
+		}
+	}
 	app, err := orderpayment.New(orderpayment.Config{DB: db.SQL, GatewayURL: spec.GatewayURL,
-		Transport:       transport.Config{BatchSize: spec.Batch, Consumers: spec.Consumers},
+		Transport:       tcfg,
 		AsyncProjection: spec.AsyncProjection, QueueEveryHop: spec.QueueEveryHop, FinishedChannel: finishedChannel, Logger: log})
 	if err != nil {
 		fmt.Fprintln(stderr, "sagabench worker:", err)
@@ -84,6 +119,18 @@ func runWorkerProcess(raw string, stdout, stderr io.Writer) int {
 	if err != nil {
 		fmt.Fprintln(stderr, "sagabench worker: starting:", err)
 		return exitNoService
+	}
+	if reg != nil {
+		// The database's gauges are the parent's to serve: here, only
+		// what this process counts.
+		srv, err := obs.ServeMetrics("127.0.0.1:0", reg, log)
+		if err != nil {
+			_ = w.Stop()
+			fmt.Fprintln(stderr, "sagabench worker:", err)
+			return exitNoService
+		}
+		defer srv.Close() //nolint:errcheck // the process ends
+		fmt.Fprintf(stdout, "%shttp://%s/metrics\n", workerMetrics, srv.Addr())
 	}
 	fmt.Fprintln(stdout, workerReady)
 	select {
@@ -101,6 +148,9 @@ func runWorkerProcess(raw string, stdout, stderr io.Writer) int {
 
 // workerProcess is a worker process of the run (workerwatch.Stoppable).
 type workerProcess struct {
+	// metricsURL is where it serves its metrics ("" if it does not).
+	metricsURL string
+
 	cmd     *exec.Cmd
 	stdin   *os.File // closing it stops the worker
 	stopped chan struct{}
@@ -154,7 +204,12 @@ func startWorkerProcess(ctx context.Context, spec workerSpec, stderr io.Writer) 
 	go func() {
 		defer fromChild.Close()
 		lines := bufio.NewScanner(fromChild)
-		ready <- lines.Scan() && lines.Text() == workerReady
+		ok := lines.Scan()
+		if url, found := strings.CutPrefix(lines.Text(), workerMetrics); ok && found {
+			p.metricsURL = url // read after ready
+			ok = lines.Scan()
+		}
+		ready <- ok && lines.Text() == workerReady
 		_, _ = io.Copy(io.Discard, fromChild) // nothing more is expected; keep the pipe drained
 	}()
 	go func() {

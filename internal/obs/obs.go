@@ -47,8 +47,8 @@ type MetricsServer struct {
 // g's metrics at /metrics until Close. A bad address, or one in use, is
 // an error at once.
 func ServeMetrics(addr string, g prometheus.Gatherer, log *slog.Logger) (*MetricsServer, error) {
-	if _, _, err := net.SplitHostPort(addr); err != nil {
-		return nil, fmt.Errorf("metrics address %q: want host:port (e.g. 127.0.0.1:9090): %w", addr, err)
+	if err := CheckMetricsAddr(addr); err != nil {
+		return nil, err
 	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
@@ -59,6 +59,19 @@ func ServeMetrics(addr string, g prometheus.Gatherer, log *slog.Logger) (*Metric
 	s := &MetricsServer{srv: &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}, addr: ln.Addr().String(), done: make(chan error, 1)}
 	go func() { s.done <- s.srv.Serve(ln) }()
 	return s, nil
+}
+
+// CheckMetricsAddr checks a -metrics-addr value: host:port, the port a
+// number (0 picks a free one).
+func CheckMetricsAddr(addr string) error {
+	_, port, err := net.SplitHostPort(addr)
+	if err == nil {
+		_, err = net.LookupPort("tcp", port)
+	}
+	if err != nil {
+		return fmt.Errorf("-metrics-addr %q: want host:port, e.g. 127.0.0.1:9090 (%w)", addr, err)
+	}
+	return nil
 }
 
 // Addr is the address it listens on.

@@ -10,6 +10,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/orders"
+	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
 )
@@ -27,7 +28,21 @@ type Report struct {
 	P50, P99, Max time.Duration
 	// Violations lists every broken invariant; empty means all hold.
 	Violations []Violation
+	// Parked lists the checked sagas parked as failed that a declined
+	// refund explains (see Check), oldest first. They break no invariant;
+	// they wait for an operator (pgsaga retry).
+	Parked []Parked
 }
+
+// Parked is a saga parked as failed, waiting for an operator.
+type Parked struct {
+	ID     uuid.UUID
+	Reason string // the saga's failure reason
+}
+
+// ParkedByDeclinedRefund ends the failure reason of a saga parked because
+// the gateway declined the refund its charge's compensation asked for.
+const ParkedByDeclinedRefund = "compensation of charge failed: " + payments.ReasonRefundDeclined
 
 // OK reports whether every invariant holds.
 func (r Report) OK() bool { return len(r.Violations) == 0 }
@@ -36,7 +51,13 @@ func (r Report) OK() bool { return len(r.Violations) == 0 }
 // of the type when ids is nil):
 //
 //   - every saga is terminal, and none is parked as failed (an operator
-//     must look at those);
+//     must look at those), unless a declined refund explains it: its
+//     failure reason ends with ParkedByDeclinedRefund, the ledger still
+//     holds its order's charge (one captured charge of the saga's amount,
+//     no refund, no void) and, when the fake gateway's tables exist, the
+//     gateway declined a refund of that charge and made none. Such a saga
+//     is listed in Report.Parked instead: the gateway refused, nothing was
+//     charged twice, and the charge stays held until an operator retries;
 //   - every placed order has a saga (when all sagas are checked);
 //   - a completed saga's order is confirmed, a compensated one's cancelled;
 //   - no idempotency key is left pending;
@@ -111,8 +132,18 @@ func Check(ctx context.Context, db *sql.DB, ids []uuid.UUID) (Report, error) {
 		query string
 		args  []any
 	}
+	var gateway, orderIDs bool
+	if err := db.QueryRowContext(ctx, gatewayTablesSQL).Scan(&gateway, &orderIDs); err != nil {
+		return r, fmt.Errorf("orderpayment: looking for the gateway's tables: %w", err)
+	}
+	unexplained, err := r.parked(ctx, db, idArg, gateway)
+	if err != nil {
+		return r, err
+	}
+	if len(unexplained) > 0 {
+		r.Violations = append(r.Violations, Violation{Invariant: "sagas parked as failed (an operator must look)", Rows: firstN(unexplained)})
+	}
 	checks := []check{
-		{"sagas parked as failed (an operator must look)", failedSagasSQL, []any{Name, idArg}},
 		{"sagas whose order does not match (completed: confirmed; compensated: cancelled)", orderStateSQL, []any{Name, idArg}},
 		{"idempotency keys left pending", pendingKeysSQL, nil},
 		{"accounts below zero", negativeAccountsSQL, nil},
@@ -123,10 +154,6 @@ func Check(ctx context.Context, db *sql.DB, ids []uuid.UUID) (Report, error) {
 	}
 	if ids == nil {
 		checks = append(checks, check{"placed orders without a saga", ordersWithoutSagaSQL, []any{Name}})
-	}
-	var gateway, orderIDs bool
-	if err := db.QueryRowContext(ctx, gatewayTablesSQL).Scan(&gateway, &orderIDs); err != nil {
-		return r, fmt.Errorf("orderpayment: looking for the gateway's tables: %w", err)
 	}
 	if gateway {
 		checks = append(checks,
@@ -149,6 +176,37 @@ func Check(ctx context.Context, db *sql.DB, ids []uuid.UUID) (Report, error) {
 		}
 	}
 	return r, nil
+}
+
+// parked fills r.Parked with the failed sagas among idArg that a declined
+// refund explains, and returns the others, each with its reason and why no
+// declined refund explains it.
+func (r *Report) parked(ctx context.Context, db *sql.DB, idArg any, gateway bool) ([]string, error) {
+	query := fmt.Sprintf(failedSagasSQL, "")
+	if gateway {
+		query = fmt.Sprintf(failedSagasSQL, failedSagasGatewaySQL)
+	}
+	rows, err := db.QueryContext(ctx, query, Name, idArg, ParkedByDeclinedRefund)
+	if err != nil {
+		return nil, fmt.Errorf("orderpayment: checking parked sagas: %w", err)
+	}
+	defer rows.Close()
+	var unexplained []string
+	for rows.Next() {
+		var (
+			id, reason string
+			why        sql.NullString
+		)
+		if err := rows.Scan(&id, &reason, &why); err != nil {
+			return nil, err
+		}
+		if why.Valid {
+			unexplained = append(unexplained, fmt.Sprintf("%s %s (%s)", id, reason, why.String))
+			continue
+		}
+		r.Parked = append(r.Parked, Parked{ID: uuid.MustParse(id), Reason: reason})
+	}
+	return unexplained, rows.Err()
 }
 
 func firstN(rows []string) []string {
@@ -203,8 +261,33 @@ WHERE s.saga_type = $1 AND s.status = 'compensated' AND ($2::text[] IS NULL OR s
 GROUP BY s.id, s.data
 HAVING sum(p.delta_cents) <> 0`
 
-	failedSagasSQL = `SELECT id::text || ' ' || coalesce(failure_reason, '') FROM saga_instances
-WHERE saga_type = $1 AND status = 'failed' AND ($2::text[] IS NULL OR id::text = ANY ($2::text[]))`
+	// failedSagasSQL lists the failed sagas with their reason and, unless
+	// a declined refund explains the saga, why not. %s: further WHEN
+	// clauses (failedSagasGatewaySQL when the gateway's tables exist).
+	failedSagasSQL = `SELECT s.id::text, coalesce(s.failure_reason, ''),
+    CASE
+    WHEN right(coalesce(s.failure_reason, ''), length($3)) <> $3 THEN 'not parked by a declined refund'
+    WHEN l.captured <> 1 OR l.refunds > 0 OR l.voids > 0 OR l.net <> -(s.data->>'amount_cents')::bigint
+        THEN format('the ledger does not hold its charge: net %%s, %%s captured charges, %%s refunds, %%s voids', l.net, l.captured, l.refunds, l.voids)
+    %s
+    END
+FROM saga_instances s
+CROSS JOIN LATERAL (
+    SELECT coalesce(sum(p.delta_cents), 0) AS net,
+        count(*) FILTER (WHERE p.kind = 'charge' AND p.reference IS NOT NULL) AS captured,
+        count(*) FILTER (WHERE p.kind = 'refund') AS refunds,
+        count(*) FILTER (WHERE p.kind = 'void') AS voids,
+        max(p.reference) FILTER (WHERE p.kind = 'charge') AS charge_id
+    FROM account_postings p WHERE p.order_id = (s.data->>'order_id')::uuid) l
+WHERE s.saga_type = $1 AND s.status = 'failed' AND ($2::text[] IS NULL OR s.id::text = ANY ($2::text[]))
+ORDER BY s.finished_at, s.id`
+
+	// failedSagasGatewaySQL: the gateway declined a refund of the charge
+	// the ledger holds, and refunded none.
+	failedSagasGatewaySQL = `WHEN NOT EXISTS (SELECT FROM fake_gateway_operations g WHERE g.op = 'refund' AND g.outcome = 'declined' AND g.charge_id = l.charge_id)
+        THEN 'the gateway declined no refund of its charge ' || coalesce(l.charge_id, 'none')
+    WHEN EXISTS (SELECT FROM fake_gateway_operations g WHERE g.op = 'refund' AND g.outcome = 'succeeded' AND g.charge_id = l.charge_id)
+        THEN 'the gateway refunded its charge ' || coalesce(l.charge_id, 'none')`
 
 	orderStateSQL = `SELECT s.id::text || ' ' || s.status || ', order ' || coalesce(last.event_type, 'missing')
 FROM saga_instances s
