@@ -600,6 +600,11 @@ func (c *Client) StartTx(ctx context.Context, tx transport.Tx, name string, trig
 		return fmt.Errorf("saga: starting %s: %w", name, context.Cause(ctx))
 	}
 	if c.cfg.InProcessEngine {
+		// The start is told (metrics, its log line) once it is written in
+		// full: a start that cannot be is rolled back here, queued, and
+		// told by the worker that starts it. In a delivery attempt it is
+		// told when the attempt commits (transport.OnCommit); a caller's
+		// own commit is out of sight, so it is told when written.
 		err := transport.Savepoint(ctx, tx, func(tx transport.Tx) error {
 			m := trigger.Copy()
 			m.SetContext(transport.ContextWithTx(ctx, tx))

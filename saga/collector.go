@@ -2,6 +2,8 @@ package saga
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -40,14 +42,19 @@ var (
 	deadWaitingDesc = prometheus.NewDesc(telemetry.Namespace+"_dead_letters_waiting",
 		"Dead letters not replayed, by topic (read from the database at scrape time).",
 		[]string{"topic"}, nil)
+	upDesc = prometheus.NewDesc(telemetry.Namespace+"_database_up",
+		"1 if the last scrape read everything it reads from the database, 0 if a query failed (the values it could not read are missing).",
+		nil, nil)
 )
 
 // Collector exports what the database holds, read at every scrape: sagas
 // in flight and parked, each consumer group's depth and the age of its
 // oldest message, and dead letters not replayed. Every process reading one
 // database reports the same values: aggregate them with max, not sum, or
-// register the collector in one process. A scrape whose queries fail
-// reports the error (the scrape fails) rather than stale values.
+// register the collector in one process. A query that fails (the database
+// is down, or slower than CollectTimeoutDefault) leaves its values out,
+// rather than report stale ones, sets pgsaga_database_up to 0 and is
+// logged; the scrape goes on, so the process's own metrics are served.
 type Collector struct {
 	tr      *transport.Transport
 	timeout time.Duration
@@ -65,7 +72,7 @@ func (c *Client) Collector() *Collector { return NewCollector(c.transport) }
 
 // Describe implements prometheus.Collector.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{inFlightDesc, parkedDesc, depthDesc, retryingDesc, oldestDesc, lastSeenDesc, deadWaitingDesc} {
+	for _, d := range []*prometheus.Desc{inFlightDesc, parkedDesc, depthDesc, retryingDesc, oldestDesc, lastSeenDesc, deadWaitingDesc, upDesc} {
 		ch <- d
 	}
 }
@@ -74,13 +81,22 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
 	defer cancel()
+	var errs []error
+	defer func() {
+		up := 1.0
+		if err := errors.Join(errs...); err != nil {
+			up = 0
+			c.tr.Config().Logger.Warn("saga: reading metrics from the database", "err", err)
+		}
+		ch <- prometheus.MustNewConstMetric(upDesc, prometheus.GaugeValue, up)
+	}()
 	if err := c.collectSagas(ctx, ch); err != nil {
-		ch <- prometheus.NewInvalidMetric(inFlightDesc, err)
+		errs = append(errs, fmt.Errorf("sagas in flight: %w", err))
 	}
 	now := time.Now()
 	groups, err := c.tr.ConsumerGroups(ctx)
 	if err != nil {
-		ch <- prometheus.NewInvalidMetric(depthDesc, err)
+		errs = append(errs, err)
 	}
 	for _, g := range groups {
 		ch <- prometheus.MustNewConstMetric(depthDesc, prometheus.GaugeValue, float64(g.Waiting), g.Topic, g.ConsumerGroup)
@@ -96,7 +112,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	dead, err := c.tr.DeadLettersWaiting(ctx)
 	if err != nil {
-		ch <- prometheus.NewInvalidMetric(deadWaitingDesc, err)
+		errs = append(errs, err)
 	}
 	for topic, n := range dead {
 		ch <- prometheus.MustNewConstMetric(deadWaitingDesc, prometheus.GaugeValue, float64(n), topic)

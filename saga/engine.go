@@ -515,7 +515,7 @@ func (e *Engine) flush(ctx context.Context, tx transport.Tx, inst *instance) err
 	if err := appendHistory(ctx, tx, inst.ID, inst.history); err != nil {
 		return err
 	}
-	e.tell(tx, inst)
+	told := e.tell(inst)
 	inst.history = nil
 	pub := e.cfg.Transport.Publisher(tx)
 	for _, c := range inst.outbox {
@@ -531,15 +531,19 @@ func (e *Engine) flush(ctx context.Context, tx transport.Tx, inst *instance) err
 		}
 		inst.finished = false
 	}
+	if told != nil {
+		afterCommit(tx, told)
+	}
 	return nil
 }
 
-// tell logs and counts what a reaction did to inst, once tx commits: its
-// change of status (one Info line each, pgsaga_sagas_started_total and
+// tell returns what logs and counts what a reaction did to inst, to run
+// once its transaction commits (nil: nothing to tell): its change of
+// status (one Info line each, pgsaga_sagas_started_total and
 // pgsaga_sagas_finished_total) and the commands it sent again
-// (pgsaga_saga_commands_resent_total). It runs before the reaction's
+// (pgsaga_saga_commands_resent_total). Call it before the reaction's
 // timeline is written.
-func (e *Engine) tell(tx transport.Tx, inst *instance) {
+func (e *Engine) tell(inst *instance) func() {
 	from, to := inst.told, inst.Status
 	var resent []string
 	for _, h := range inst.history {
@@ -548,7 +552,7 @@ func (e *Engine) tell(tx transport.Tx, inst *instance) {
 		}
 	}
 	if from == to && len(resent) == 0 {
-		return
+		return nil
 	}
 	inst.told = to
 	step := ""
@@ -556,7 +560,7 @@ func (e *Engine) tell(tx transport.Tx, inst *instance) {
 		step = def.steps[inst.Step].name
 	}
 	name, id, phase, reason := inst.Type, inst.ID, inst.Phase, inst.FailureReason
-	afterCommit(tx, func() {
+	return func() {
 		m := e.metrics
 		for _, st := range resent {
 			m.CommandResent(name, st)
@@ -584,36 +588,38 @@ func (e *Engine) tell(tx transport.Tx, inst *instance) {
 		if from != "" || to.Terminal() {
 			e.log.Info("saga "+string(to), attrs...)
 		}
-	})
+	}
 }
 
-// ownTx is a transaction the engine opened itself: what its work is to
-// tell (see tell) waits for its commit.
-type ownTx struct {
-	*sql.Tx
+// heldTx is a transaction the engine opened itself (an operator's retry or
+// cancel, a sweep): what its work is to tell (see tell) waits for its
+// commit.
+type heldTx struct {
+	transport.Tx
 	hooks []func()
 }
 
-// commit commits the transaction and runs its hooks.
-func (o *ownTx) commit() error {
-	if err := o.Tx.Commit(); err != nil {
+// commit commits tx, the transaction under h, and tells.
+func (h *heldTx) commit(tx *sql.Tx) error {
+	if err := tx.Commit(); err != nil {
 		return err
 	}
-	for _, h := range o.hooks {
-		h()
+	for _, f := range h.hooks {
+		f()
 	}
+	h.hooks = nil
 	return nil
 }
 
 // afterCommit runs fn once tx commits: a delivery attempt's transaction
-// (transport.OnCommit) or one the engine opened (ownTx). In a caller's
+// (transport.OnCommit) or one the engine holds (heldTx). In a caller's
 // transaction, whose commit the engine cannot see, fn runs at once.
 func afterCommit(tx transport.Tx, fn func()) {
 	if transport.OnCommit(tx, fn) {
 		return
 	}
-	if o, ok := tx.(*ownTx); ok {
-		o.hooks = append(o.hooks, fn)
+	if h, ok := tx.(*heldTx); ok {
+		h.hooks = append(h.hooks, fn)
 		return
 	}
 	fn()

@@ -271,11 +271,11 @@ func (e *Engine) inTx(ctx context.Context, what string, fn func(tx transport.Tx)
 		return fmt.Errorf("saga: %s: %w", what, err)
 	}
 	defer tx.Rollback() //nolint:errcheck // no-op after Commit
-	otx := &ownTx{Tx: tx}
-	if err := fn(otx); err != nil {
+	held := &heldTx{Tx: tx}
+	if err := fn(held); err != nil {
 		return err
 	}
-	if err := otx.commit(); err != nil {
+	if err := held.commit(tx); err != nil {
 		return fmt.Errorf("saga: %s: %w", what, err)
 	}
 	return nil

@@ -88,12 +88,12 @@ func (e *Engine) sweepOne(ctx context.Context, known []string, res *SweepResult)
 		e.park(inst, def, fmt.Sprintf("compensation of %s got no reply after %d attempts", step.name, inst.Attempt))
 		outcome = &res.Parked
 	}
-	otx := &ownTx{Tx: tx}
+	held := &heldTx{Tx: tx}
 	if err == nil {
-		err = e.save(ctx, otx, inst)
+		err = e.save(ctx, held, inst)
 	}
 	if err == nil {
-		err = otx.commit()
+		err = held.commit(tx)
 	}
 	if err != nil {
 		// One instance that cannot be handled must not hold up the others.

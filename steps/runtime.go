@@ -206,6 +206,10 @@ func (rt *Runtime) handler(s Step) transport.HandlerFunc {
 		ctx, span := rt.startSpan(s, msg)
 		var biz *BusinessError
 		defer func() {
+			if p := recover(); p != nil {
+				rt.attemptPanicked(s, span, start, ctx, p)
+				panic(p)
+			}
 			spanErr := err
 			switch {
 			case errors.As(err, &biz):
@@ -268,6 +272,14 @@ func (rt *Runtime) startSpan(s Step, msg *message.Message) (context.Context, tra
 	return rt.trace.Start(ctx, "step "+s.Name, trace.SpanKindInternal, attrs...)
 }
 
+// attemptPanicked counts and ends the span of a step attempt whose handler
+// panicked (the transport recovers it: a failed attempt).
+func (rt *Runtime) attemptPanicked(s Step, span trace.Span, start time.Time, ctx context.Context, p any) {
+	rt.metrics.StepAttempt(s.Name, telemetry.StepError, time.Since(start), transport.AttemptFromContext(ctx))
+	span.SetAttributes(telemetry.AttrOutcome.String(telemetry.StepError))
+	telemetry.End(span, fmt.Errorf("%w: %v", transport.ErrHandlerPanicked, p))
+}
+
 // withContext sets ctx on msgs: their publish spans are children of ctx's.
 func withContext(ctx context.Context, msgs []*message.Message) {
 	for _, m := range msgs {
@@ -304,6 +316,10 @@ func (rt *Runtime) recordFailure(s Step, keys *idempotency.MessageKeys, biz *Bus
 	return func(msg *message.Message) (err error) {
 		ctx, span := rt.startSpan(s, msg)
 		defer func() {
+			if p := recover(); p != nil {
+				rt.attemptPanicked(s, span, start, ctx, p)
+				panic(p)
+			}
 			outcome := telemetry.StepFailed
 			if err != nil {
 				outcome = telemetry.StepError

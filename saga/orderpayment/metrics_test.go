@@ -212,12 +212,28 @@ SELECT 'payments.charge', 'payments.charge', uuid, payload, metadata FROM (SELEC
 	require.NoError(t, tx.Commit())
 	e.drained()
 
-	fams := scrape(t, srv.URL)
 	db := e.db.SQL
 	count := func(query string, args ...any) float64 {
 		var n int
 		require.NoError(t, db.QueryRow(query, args...).Scan(&n))
 		return float64(n)
+	}
+	// What is counted is counted just after its commit: scrape until the
+	// last of it is in (every answered command, every retry and dead
+	// letter), then compare everything.
+	answered := count(`SELECT count(*) FROM idempotency_keys WHERE scope = ANY ($1) AND status <> 'pending'`, e.app.StepNames())
+	var fams map[string]*dto.MetricFamily
+	settled := func() bool {
+		fams = scrape(t, srv.URL)
+		return value(fams, "pgsaga_step_attempts") == answered &&
+			value(fams, "pgsaga_sagas_finished_total") == float64(len(ids)) &&
+			value(fams, "pgsaga_delivery_retries_total") == float64(10+dups+1) &&
+			value(fams, "pgsaga_dead_letters_total") == 1 &&
+			value(fams, "pgsaga_idempotent_replays_total") == dups
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for !settled() && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
 	}
 
 	// Sagas: started and finished by outcome, against saga_instances.
@@ -264,6 +280,82 @@ SELECT 'payments.charge', 'payments.charge', uuid, payload, metadata FROM (SELEC
 	assert.Zero(t, value(fams, "pgsaga_consumer_depth"), "every queue drained")
 	groups := count(`SELECT count(*) FROM pgsaga_subscriptions`)
 	assert.Equal(t, groups, float64(len(fams["pgsaga_consumer_depth"].GetMetric())), "a depth for every consumer group")
+}
+
+// Starting a saga in Place's transaction whose first command cannot be
+// queued rolls the start back and queues the trigger instead: the saga is
+// told started once, by the worker that starts it.
+func TestStartRolledBackInPlaceIsToldOnce(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	m, err := telemetry.NewMetrics(reg)
+	require.NoError(t, err)
+	logs := &records{}
+	e := newEnv(t, 0, func(c *orderpayment.Config) { c.Transport.Metrics = m; c.Logger = slog.New(logs) })
+	_, err = e.db.SQL.Exec(`
+CREATE SEQUENCE charge_inserts;
+CREATE FUNCTION fail_first_charge() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.topic = 'payments.charge' AND nextval('charge_inserts') = 1 THEN
+        RAISE EXCEPTION 'the first charge cannot be queued';
+    END IF;
+    RETURN NEW;
+END$$;
+CREATE TRIGGER fail_first_charge BEFORE INSERT ON pgsaga_queue FOR EACH ROW EXECUTE FUNCTION fail_first_charge()`)
+	require.NoError(t, err)
+	_, id := e.place(e.customer(100_000), 1_000)
+	e.startWorker()
+	e.terminal(id)
+	// Its end is told after its start.
+	deadline := time.Now().Add(10 * time.Second)
+	for logs.count("saga completed", "saga_id", id.String()) == 0 && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	require.Equal(t, 1, logs.count("saga completed", "saga_id", id.String()))
+	var chargeInserts int
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT nextval('charge_inserts') - 1`).Scan(&chargeInserts))
+	require.Equal(t, 2, chargeInserts, "the first charge was refused, the second queued")
+	assert.Equal(t, 1, logs.count("saga started", "saga_id", id.String()))
+	fams, err := reg.Gather()
+	require.NoError(t, err)
+	byName := map[string]*dto.MetricFamily{}
+	for _, f := range fams {
+		byName[f.GetName()] = f
+	}
+	assert.Equal(t, 1.0, value(byName, "pgsaga_sagas_started_total"))
+}
+
+// An operator's cancel runs in a transaction the engine opens: it is told
+// once that commits, and not at all when the commit fails.
+func TestOperatorCancelIsToldOnCommit(t *testing.T) {
+	t.Parallel()
+	logs := &records{}
+	e := newEnv(t, 0, func(c *orderpayment.Config) { c.Logger = slog.New(logs) })
+	_, id := e.place(e.customer(100_000), 1_000) // started in Place's transaction; no worker runs
+	_, err := e.db.SQL.Exec(`
+CREATE TABLE cancel_trap (armed bool);
+INSERT INTO cancel_trap VALUES (true);
+CREATE FUNCTION cancel_trap() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF (SELECT armed FROM cancel_trap) THEN
+        RAISE EXCEPTION 'the commit fails';
+    END IF;
+    RETURN NULL;
+END$$;
+CREATE CONSTRAINT TRIGGER cancel_trap AFTER UPDATE ON saga_instances DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION cancel_trap()`)
+	require.NoError(t, err)
+	err = e.app.Engine.Cancel(context.Background(), id, "test")
+	require.ErrorContains(t, err, "the commit fails")
+	inst, err := e.app.Engine.Get(context.Background(), id)
+	require.NoError(t, err)
+	require.Equal(t, saga.StatusRunning, inst.Status, "nothing of the cancel committed")
+	assert.Zero(t, logs.count("saga compensating", "saga_id", id.String()), "nor was it told")
+
+	_, err = e.db.SQL.Exec(`UPDATE cancel_trap SET armed = false`)
+	require.NoError(t, err)
+	require.NoError(t, e.app.Engine.Cancel(context.Background(), id, "test"))
+	assert.Equal(t, 1, logs.count("saga compensating", "saga_id", id.String()), "told once it committed")
 }
 
 // drained waits until no queue holds a message.

@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -61,13 +62,16 @@ pgsaga_idempotent_replays_total{step="charge"} 1
 `), "pgsaga_idempotent_replays_total"))
 	fams, err := reg.Gather()
 	require.NoError(t, err)
+	var attempts *dto.MetricFamily
 	for _, f := range fams {
 		if f.GetName() == "pgsaga_step_attempts" {
-			require.Len(t, f.GetMetric(), 1)
-			assert.Equal(t, uint64(1), f.GetMetric()[0].GetHistogram().GetSampleCount(), "only the completed attempt")
-			assert.Equal(t, 2.0, f.GetMetric()[0].GetHistogram().GetSampleSum())
+			attempts = f
 		}
 	}
+	require.NotNil(t, attempts, "the completed attempt was observed")
+	require.Len(t, attempts.GetMetric(), 1)
+	assert.Equal(t, uint64(1), attempts.GetMetric()[0].GetHistogram().GetSampleCount(), "only the completed attempt")
+	assert.Equal(t, 2.0, attempts.GetMetric()[0].GetHistogram().GetSampleSum())
 }
 
 func TestTraceContextTravelsInMetadata(t *testing.T) {

@@ -482,6 +482,13 @@ func OnCommit(tx Tx, fn func()) bool {
 	return true
 }
 
+// InAttempt reports whether tx is the transaction of a delivery attempt,
+// whose commit the transport sees (see OnCommit).
+func InAttempt(tx Tx) bool {
+	_, ok := tx.(*attemptTx)
+	return ok
+}
+
 // takeHooks returns and forgets the attempt's commit hooks. The caller
 // holds mu.
 func (a *attemptTx) takeHooks() []func() {
@@ -569,6 +576,9 @@ type deliveryTx struct {
 	// hooks run once the transaction commits: those of its kept attempts
 	// and the transport's own (a recorded retry or dead letter).
 	hooks []func()
+	// topic of the message of a transaction of the transport's own (a
+	// consumer's messages carry theirs in their context).
+	topic string
 }
 
 // open starts the attempt: a savepoint (already open, if the previous step
@@ -730,6 +740,9 @@ func (t *Transport) handleBy(d *deliveryTx, g *gate, msg *message.Message, id in
 		return out, err
 	}
 	topic := TopicFromContext(msg.Context())
+	if topic == "" {
+		topic = d.topic
+	}
 	ih := t.wrap(handler, handler, topic, instead.Handler)
 	return t.attempt(d, g, msg, id, n, deadline, ih)
 }

@@ -13,6 +13,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -43,6 +44,9 @@ type consumer struct {
 	log   *slog.Logger
 
 	callTime callTime // of the handler's awaited calls (see Await)
+	// commitFailed: the subscriber could not commit the last batch (see
+	// commitWatch).
+	commitFailed atomic.Bool
 
 	mu  sync.Mutex
 	cur *batch // the open batch, nil between batches
@@ -232,8 +236,10 @@ func (c *consumer) endBatch(err error) (again bool) {
 	defer b.mu.Unlock()
 	// The subscriber commits only after the statement that allows the
 	// commit succeeded, and returns nil then; a broken or expired batch
-	// fails that statement (err).
-	if err == nil && idle {
+	// fails that statement (err). A COMMIT that fails after it (a full
+	// NOTIFY queue, say) is only logged by the subscriber: commitWatch
+	// catches it.
+	if committed := !c.commitFailed.Swap(false); err == nil && idle && committed {
 		hooks = b.d.hooks
 	}
 	b.d.hooks = nil
@@ -544,6 +550,31 @@ func (c *consumer) recordAfter(f failure) {
 		c.t.cfg.Metrics.Retrying(c.rt.topic, c.rt.name)
 		log.Warn(what+" failed; the message will be retried", "of", c.rt.retry.MaxAttempts, "retry_in", wait, "err", f.cause)
 	}
+}
+
+// commitWatch is the logger a consumer gives its watermill-sql subscriber:
+// the subscriber reports a batch's failed COMMIT only by logging it (the
+// poll then returns no error), and nothing of a batch that did not commit
+// may be told (OnCommit).
+type commitWatch struct {
+	watermill.LoggerAdapter
+	c *consumer
+}
+
+// wsqlCommitFailed is what watermill-sql's subscriber logs when the
+// COMMIT of a batch fails (TestCommitWatchKnowsWatermillSQL reads it from
+// the module's source).
+const wsqlCommitFailed = "could not commit tx for querying message"
+
+func (w commitWatch) Error(msg string, err error, fields watermill.LogFields) {
+	if msg == wsqlCommitFailed {
+		w.c.commitFailed.Store(true)
+	}
+	w.LoggerAdapter.Error(msg, err, fields)
+}
+
+func (w commitWatch) With(fields watermill.LogFields) watermill.LoggerAdapter {
+	return commitWatch{LoggerAdapter: w.LoggerAdapter.With(fields), c: w.c}
 }
 
 // failedOnServer reports whether err, from the statement that lets a batch

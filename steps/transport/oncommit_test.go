@@ -61,7 +61,7 @@ func TestOnCommitRunsOnceAfterTheCommit(t *testing.T) {
 		if err := effect(msg, e.eff, "a"); err != nil {
 			return err
 		}
-		if !e.hook(tl, msg, tx, "attempt "+string(rune('0'+n))) {
+		if !e.hook(tl, msg, tx, "attempt "+string(rune('0'+n))) || !transport.InAttempt(tx) {
 			return errors.New("a delivery attempt's Tx is not one")
 		}
 		err := transport.Savepoint(msg.Context(), tx, func(tx transport.Tx) error {
@@ -78,6 +78,15 @@ func TestOnCommitRunsOnceAfterTheCommit(t *testing.T) {
 	})
 	ids := e.publish(5)
 	e.drained(e.in, "g", 20*time.Second)
+	// Hooks run just after the commit that drained the queue.
+	waitFor(t, 10*time.Second, "every message told", func() bool {
+		for _, id := range ids {
+			if len(tl.of(id)) == 0 {
+				return false
+			}
+		}
+		return true
+	})
 	for _, id := range ids {
 		assert.Equal(t, []string{"attempt 2 seeing 1"}, tl.of(id), "once, after the second attempt committed")
 	}
@@ -91,6 +100,7 @@ func TestOnCommitOutsideAnAttempt(t *testing.T) {
 	e := newEnv(t, nil)
 	ran := false
 	assert.False(t, transport.OnCommit(e.db.SQL, func() { ran = true }))
+	assert.False(t, transport.InAttempt(e.db.SQL))
 	tx, err := e.db.SQL.Begin()
 	require.NoError(t, err)
 	assert.False(t, transport.OnCommit(tx, func() { ran = true }))
@@ -129,6 +139,9 @@ func TestOnCommitNotRunForABatchThatRolledBack(t *testing.T) {
 	require.NoError(t, e.tr.Publisher(e.db.SQL).Publish(e.in, good, bad))
 	e.drained(e.in, "g", 20*time.Second)
 	require.True(t, broke.Load())
+	// The good message is told once its redelivery commits, after the
+	// broken batch ended.
+	waitFor(t, 10*time.Second, "the good message told", func() bool { return len(tl.of(good.UUID)) > 0 })
 	require.Len(t, e.deadLetters(e.in), 1)
 	assert.Empty(t, tl.of(bad.UUID), "the message that broke its batch is never told")
 	assert.Equal(t, []string{"kept seeing 1"}, tl.of(good.UUID), "told once, when its work committed")
@@ -166,8 +179,10 @@ func TestOnCommitOfInProcessDeliveries(t *testing.T) {
 	ids := e.publish(2)
 	e.drained(e.in, "g", 10*time.Second)
 	e.drained(e.out, "local", 10*time.Second)
-	runs := append(tl.of(ids[0]), tl.of(ids[1])...)
-	assert.ElementsMatch(t, []string{"queued seeing 2", "in process seeing 2"}, runs,
+	runs := func() []string { return append(tl.of(ids[0]), tl.of(ids[1])...) }
+	waitFor(t, 10*time.Second, "both told", func() bool { return len(runs()) >= 2 })
+	e.drained(e.in, "g", 10*time.Second)
+	assert.ElementsMatch(t, []string{"queued seeing 2", "in process seeing 2"}, runs(),
 		"the failed try told nothing; its message was told once handled from the queue, the other once its publisher committed")
 }
 

@@ -38,7 +38,7 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 	}
 	log := t.log.With("handler", name, "message_uuid", msg.UUID)
 	for n := 1; ; n++ {
-		err := t.ownAttempt(ctx, msg, n, name, h)
+		err := t.ownAttempt(ctx, msg, n, name, topic, h)
 		if err == nil {
 			return nil
 		}
@@ -72,7 +72,7 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 
 // ownAttempt runs h in a transaction of its own, with Instead, and commits
 // what it kept.
-func (t *Transport) ownAttempt(ctx context.Context, msg *message.Message, n int, name string, h HandlerFunc) error {
+func (t *Transport) ownAttempt(ctx context.Context, msg *message.Message, n int, name, topic string, h HandlerFunc) error {
 	c, err := t.acquire(ctx)
 	if err != nil {
 		return err
@@ -88,7 +88,7 @@ func (t *Transport) ownAttempt(ctx context.Context, msg *message.Message, n int,
 	if err := c.send(ctx, stmt{"bounding the transaction", beginOwnSQL, []any{t.statementTimeout, t.lockTimeout, t.idleTimeout}}); err != nil {
 		return fmt.Errorf("transport: %w", err)
 	}
-	d := &deliveryTx{c: c, tx: tx, own: true, more: func() bool { return false }, expired: func() bool { return txCtx.Err() != nil }}
+	d := &deliveryTx{c: c, tx: tx, own: true, topic: topic, more: func() bool { return false }, expired: func() bool { return txCtx.Err() != nil }}
 	out, herr := t.handle(d, nil, msg, 0, n, name, h)
 	if out != kept {
 		return herr

@@ -373,7 +373,7 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		BackoffManager: s.c.poll,
 		SchemaAdapter:  schemaAdapter{notifyChannel: t.schema.notifyChannel, c: s.c},
 		OffsetsAdapter: offsetsAdapter{c: s.c},
-	}, t.wlog)
+	}, commitWatch{LoggerAdapter: t.wlog, c: s.c})
 	if err != nil {
 		s.c.poll.close()
 		return nil, fmt.Errorf("transport: subscribing %s to %s: %w", s.group, topic, err)

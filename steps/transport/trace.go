@@ -2,6 +2,7 @@ package transport
 
 import (
 	"context"
+	"fmt"
 	"sync/atomic"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -23,23 +24,33 @@ const (
 // traced wraps h, a handler of topic named name, in a span of each
 // attempt: "process <topic>", a child of the span whose context the
 // message carries (its publish), and the parent of what the handler does
-// and publishes.
+// and publishes. A handler that panics ends its span as failed (and panics
+// on, to the transport's recovery).
 func (t *Transport) traced(name, group, topic string, h HandlerFunc) HandlerFunc {
-	return func(msg *message.Message) error {
+	return func(msg *message.Message) (err error) {
 		ctx := msg.Context()
 		ctx = t.trace.Extract(ctx, msg.Metadata)
-		ctx, span := t.trace.Start(ctx, "process "+topic, trace.SpanKindConsumer,
-			attrSystem.String("pgsaga"), attrDestination.String(topic), attrMessageID.String(msg.UUID),
-			attrGroup.String(group), attrOperation.String("process"),
-			telemetry.AttrHandler.String(name), telemetry.AttrAttempt.Int(AttemptFromContext(ctx)),
-			telemetry.AttrInProcess.Bool(InProcessFromContext(ctx)))
-		msg.SetContext(ctx)
-		if a, ok := ctx.Value(txKey{}).(*attemptTx); ok {
-			a.traceCtx.Store(&ctx)
+		ctx, span := t.trace.Start(ctx, "process "+topic, trace.SpanKindConsumer)
+		if span.IsRecording() { // tracing off costs no attributes
+			span.SetAttributes(attrSystem.String("pgsaga"), attrDestination.String(topic), attrMessageID.String(msg.UUID),
+				attrGroup.String(group), attrOperation.String("process"),
+				telemetry.AttrHandler.String(name), telemetry.AttrAttempt.Int(AttemptFromContext(ctx)),
+				telemetry.AttrInProcess.Bool(InProcessFromContext(ctx)))
 		}
-		err := h(msg)
-		telemetry.End(span, err)
-		return err
+		defer func() {
+			if p := recover(); p != nil {
+				telemetry.End(span, fmt.Errorf("%w: %v", ErrHandlerPanicked, p))
+				panic(p)
+			}
+			telemetry.End(span, err)
+		}()
+		if span.SpanContext().IsValid() {
+			msg.SetContext(ctx)
+			if a, ok := ctx.Value(txKey{}).(*attemptTx); ok {
+				a.traceCtx.Store(&ctx)
+			}
+		}
+		return h(msg)
 	}
 }
 
@@ -65,12 +76,16 @@ func (t *Transport) traceSend(tx Tx, topic string, msg *message.Message) {
 			}
 		}
 	}
-	ctx, span := t.trace.Start(ctx, "send "+topic, trace.SpanKindProducer,
-		attrSystem.String("pgsaga"), attrDestination.String(topic), attrMessageID.String(msg.UUID), attrOperation.String("send"))
-	if msg.Metadata == nil {
-		msg.Metadata = message.Metadata{}
+	ctx, span := t.trace.Start(ctx, "send "+topic, trace.SpanKindProducer)
+	if span.IsRecording() {
+		span.SetAttributes(attrSystem.String("pgsaga"), attrDestination.String(topic), attrMessageID.String(msg.UUID), attrOperation.String("send"))
 	}
-	t.trace.Inject(ctx, msg.Metadata)
+	if span.SpanContext().IsValid() {
+		if msg.Metadata == nil {
+			msg.Metadata = message.Metadata{}
+		}
+		t.trace.Inject(ctx, msg.Metadata)
+	}
 	span.End()
 }
 
