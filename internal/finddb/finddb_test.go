@@ -270,3 +270,47 @@ func TestExistingNeverStartsAServer(t *testing.T) {
 	entries, _ := os.ReadDir(dir)
 	assert.Empty(t, entries, "nothing was set up for an embedded server")
 }
+
+// With a sample's embedded server running (here: a server on 127.0.0.1 that
+// takes the embedded server's credentials, posing as one), an operator's
+// tool uses it and will not stop it.
+func TestExistingUsesARunningEmbeddedServer(t *testing.T) {
+	t.Parallel()
+	u, err := url.Parse(testdb.ServerURL())
+	require.NoError(t, err)
+	port, err := strconv.ParseUint(u.Port(), 10, 32)
+	require.NoError(t, err)
+	posing := fmt.Sprintf("postgres://postgres:postgres@127.0.0.1:%d/postgres?sslmode=disable", port)
+	if conn, err := pgx.Connect(context.Background(), posing); err != nil {
+		t.Skipf("the test server cannot pose as an embedded one (it must take postgres:postgres on 127.0.0.1): %v", err)
+	} else {
+		_ = conn.Close(context.Background())
+	}
+	dir := t.TempDir()
+	found, err := finddb.Find(context.Background(), finddb.Config{
+		Getenv:       noEnv,
+		ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
+		EmbeddedPort: uint32(port),
+		EmbeddedDir:  dir,
+		Database:     "postgres",
+		IsRoot:       func() bool { return false },
+		Logger:       quiet,
+		Timeout:      5 * time.Second,
+		Existing:     true,
+	})
+	require.NoError(t, err)
+	assert.Equal(t, finddb.FromEmbedded, found.Source)
+	assert.Equal(t, posing, found.URL)
+	require.NoError(t, found.Close(), "closing does not stop a server it did not start")
+	require.NoError(t, pingURL(posing), "the server still runs")
+	entries, _ := os.ReadDir(dir)
+	assert.Empty(t, entries, "nothing was set up for a server of its own")
+}
+
+func pingURL(u string) error {
+	conn, err := pgx.Connect(context.Background(), u)
+	if err != nil {
+		return err
+	}
+	return conn.Close(context.Background())
+}
