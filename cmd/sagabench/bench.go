@@ -45,7 +45,7 @@ const (
 	customers       = 1_000
 	refusedEvery    = 10
 	fundedCents     = 1_000_000_000
-	placers         = 32 // concurrent clients placing orders
+	placers         = 32 // concurrent clients placing orders, at most (see options.placers)
 	finishedChannel = "pgsaga_bench_finished"
 )
 
@@ -119,15 +119,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	b.url = url
 	fmt.Fprintf(b.status, "using a fresh database %s on %s\n", b.dbName, found.Describe())
 
-	perWorker := opts.consumers * (len(topicsHint) + 2) // a connection per busy consumer, plus charge leases
-	maxConns := int32(perWorker*opts.workers + 8)
-	need := int(maxConns) + placers + 8
-	if opts.workerProcs > 0 {
-		// The workers are elsewhere: this process seeds, checks and
-		// runs the retention jobs.
-		maxConns = 8
-		need = int(maxConns) + placers + 8 + opts.workerProcs*(perWorker+4)
-	}
+	maxConns, need := opts.connections()
 	if err := b.checkConnections(ctx, need); err != nil {
 		return nil, err
 	}
@@ -137,7 +129,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	if _, err := migrations.Apply(ctx, b.db.SQL); err != nil {
 		return nil, err
 	}
-	if b.clients, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: placers, ApplicationName: "sagabench-clients", Tracer: &b.statements}); err != nil {
+	if b.clients, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: int32(opts.placers()), ApplicationName: "sagabench-clients", Tracer: &b.statements}); err != nil {
 		return nil, err
 	}
 	if b.gwDB, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: 8, ApplicationName: "sagabench-gateway", Tracer: &b.statements}); err != nil {
@@ -200,6 +192,21 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	}()
 	ok = true
 	return b, nil
+}
+
+// connections returns the size of the workers' pool in this process and
+// how many connections the whole run may open at most.
+func (o options) connections() (workersPool int32, need int) {
+	perWorker := o.consumers * (len(topicsHint) + 2) // a connection per busy consumer, plus charge leases
+	workersPool = int32(perWorker*o.workers + 8)
+	need = int(workersPool) + o.placers() + 8
+	if o.workerProcs > 0 {
+		// The workers are elsewhere: this process seeds, checks and
+		// runs the retention jobs.
+		workersPool = 8
+		need = int(workersPool) + o.placers() + 8 + o.workerProcs*(perWorker+4)
+	}
+	return workersPool, need
 }
 
 // startWorkers starts the workers and returns once all run, or with the

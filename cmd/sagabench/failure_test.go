@@ -50,9 +50,11 @@ func TestTooFewConnectionsEndTheRun(t *testing.T) {
 // SIGTERM stops a run as SIGINT does: the phase stops, the workers stop,
 // the figures so far are printed and the exit status is 1.
 func TestSIGTERMStopsTheRun(t *testing.T) {
+	const args = "-sagas 100000 -inflight 16 -consumers 1 -rate 0 -baseline 0 -idle 0"
+	takeTurn(t, strings.Fields(args))
 	db := testdb.Shared(t)
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "SAGABENCH_ARGS=-sagas 100000 -rate 0 -baseline 0 -idle 0", "DATABASE_URL="+db.URL)
+	cmd.Env = append(os.Environ(), "SAGABENCH_ARGS="+args, "DATABASE_URL="+db.URL)
 	out := &testout.Buffer{}
 	cmd.Stdout, cmd.Stderr = out, out
 	require.NoError(t, cmd.Start())

@@ -46,6 +46,12 @@ type options struct {
 	metricsAddr string
 }
 
+// placers is how many clients place orders, each on a connection of its
+// own: no more than sagas may be in flight (more would only wait for a
+// slot), at most the constant placers, and at least two (the smallest
+// pool).
+func (o options) placers() int { return max(2, min(placers, o.inflight)) }
+
 func parseFlags(args []string, stderr io.Writer) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("sagabench", flag.ContinueOnError)
@@ -53,7 +59,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	// run prints one line instead, and the usage goes out on -h only.
 	fs.SetOutput(io.Discard)
 	fs.IntVar(&o.sagas, "sagas", 20_000, "throughput phase: sagas to run (closed loop); 0 skips the phase")
-	fs.IntVar(&o.inflight, "inflight", 500, "throughput phase: sagas in flight at most")
+	fs.IntVar(&o.inflight, "inflight", 500, "throughput phase: sagas in flight at most (also bounds the clients placing orders, at most 32, each a connection)")
 	fs.Float64Var(&o.rate, "rate", 100, "latency phase: sagas offered per second (open loop); 0 skips the phase")
 	fs.DurationVar(&o.duration, "duration", 30*time.Second, "latency phase: how long to offer them")
 	fs.IntVar(&o.consumers, "consumers", defaultConsumers, "consumers each handler of the worker runs in parallel")

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
 	"os"
 	"regexp"
 	"strings"
@@ -31,12 +32,13 @@ func TestMain(m *testing.M) {
 // invariant checked, and drops its database.
 func TestSmallRun(t *testing.T) {
 	// It takes most of the server's connections and CPU for a while.
-	testdb.ServerWide(t)
+	args := []string{"-sagas", "120", "-inflight", "40", "-rate", "40", "-duration", "1s",
+		"-baseline", "300ms", "-idle", "500ms", "-lanes", "2", "-batch", "20"}
+	takeTurn(t, args)
 	db := testdb.Shared(t)
 	t.Setenv("DATABASE_URL", db.URL)
 	var stdout, stderr bytes.Buffer
-	code := run(context.Background(), []string{"-sagas", "120", "-inflight", "40", "-rate", "40", "-duration", "1s",
-		"-baseline", "300ms", "-idle", "500ms", "-lanes", "2", "-batch", "20"}, &stdout, &stderr)
+	code := run(context.Background(), args, &stdout, &stderr)
 	require.Equal(t, exitOK, code, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
 
 	lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
@@ -81,12 +83,13 @@ func TestSmallRun(t *testing.T) {
 // processes (copies of the program): none runs in this one, so the run
 // finishes only if they work, and they drain when it ends.
 func TestWorkerProcesses(t *testing.T) {
-	testdb.ServerWide(t)
+	args := []string{"-sagas", "60", "-inflight", "20", "-rate", "0", "-baseline", "0", "-idle", "0",
+		"-consumers", "1", "-batch", "10", "-worker-processes", "2", "-timeout", "2m", "-metrics-addr", "127.0.0.1:0"}
+	takeTurn(t, args)
 	db := testdb.Shared(t)
 	t.Setenv("DATABASE_URL", db.URL)
 	var stdout, stderr bytes.Buffer
-	code := run(context.Background(), []string{"-sagas", "60", "-inflight", "20", "-rate", "0", "-baseline", "0", "-idle", "0",
-		"-consumers", "1", "-batch", "10", "-worker-processes", "2", "-timeout", "2m", "-metrics-addr", "127.0.0.1:0"}, &stdout, &stderr)
+	code := run(context.Background(), args, &stdout, &stderr)
 	require.Equal(t, exitOK, code, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
 	assert.Regexp(t, `metrics: serving http://127\.0\.0\.1:\d+/metrics\n`, stderr.String())
 	assert.Len(t, regexp.MustCompile(`metrics: worker process \d+ serving http://127\.0\.0\.1:\d+/metrics\n`).FindAllString(stderr.String(), -1), 2,
@@ -106,6 +109,20 @@ func TestWorkerProcesses(t *testing.T) {
 		assert.Equal(t, "unavailable", r.StatementsSource)
 		assert.Zero(t, r.StatementsPerSaga)
 	}
+}
+
+// takeTurn makes a test that runs the benchmark with args wait for its
+// server-wide turn, then for the connections the run checks it has: the
+// other packages' tests of the run use connections too, for a while.
+func takeTurn(t *testing.T, args []string) (need int) {
+	t.Helper()
+	testdb.ServerWide(t)
+	o, err := parseFlags(args, io.Discard)
+	require.NoError(t, err)
+	_, need = o.connections()
+	need += 2 // the run's own admin and stats pools count first
+	testdb.FreeConnections(t, need)
+	return need
 }
 
 func TestBadFlags(t *testing.T) {

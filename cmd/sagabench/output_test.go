@@ -66,11 +66,12 @@ func TestHelpDescribesEveryJSONField(t *testing.T) {
 
 // Counts of one are singular.
 func TestOneIsSingular(t *testing.T) {
-	testdb.ServerWide(t) // a real run takes many connections
+	args := []string{"-sagas", "1", "-inflight", "1", "-rate", "1", "-duration", "1s",
+		"-consumers", "1", "-workers", "1", "-baseline", "0", "-idle", "0"}
+	takeTurn(t, args) // a real run takes many connections
 	t.Setenv("DATABASE_URL", testdb.Shared(t).URL)
 	var stdout, stderr bytes.Buffer
-	code := run(context.Background(), []string{"-sagas", "1", "-inflight", "1", "-rate", "1", "-duration", "1s",
-		"-consumers", "1", "-workers", "1", "-baseline", "0", "-idle", "0"}, &stdout, &stderr)
+	code := run(context.Background(), args, &stdout, &stderr)
 	require.Equal(t, exitOK, code, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
 	all := stdout.String() + stderr.String()
 	plural := regexp.MustCompile(`\b1 (sagas|consumers|workers|lanes|customers|messages|cores)\b([^/]|$)`) // "sagas/s" is a unit
@@ -82,7 +83,8 @@ func TestOneIsSingular(t *testing.T) {
 // the connection string takes. (The server trusts local connections, so
 // the password is never checked.)
 func TestNoPasswordInOutput(t *testing.T) {
-	testdb.ServerWide(t) // real runs take many connections
+	args := []string{"-sagas", "5", "-inflight", "4", "-rate", "0", "-baseline", "200ms", "-idle", "0", "-consumers", "1"}
+	need := takeTurn(t, args) // real runs take many connections
 	const secret = `s3cr3t w'0rd`
 	escaped := strings.ReplaceAll(neturl.QueryEscape(secret), "+", "%20") // libpq and pgx decode %XX, not +
 	role := testdb.Role(t, -1, secret)                                    // the server checks the password, or trusts and ignores it
@@ -94,7 +96,8 @@ func TestNoPasswordInOutput(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Setenv("DATABASE_URL", url)
 			var stdout, stderr bytes.Buffer
-			code := run(context.Background(), []string{"-sagas", "5", "-rate", "0", "-baseline", "200ms", "-idle", "0", "-consumers", "1"}, &stdout, &stderr)
+			testdb.FreeConnections(t, need) // the run before it may still be closing
+			code := run(context.Background(), args, &stdout, &stderr)
 			all := stdout.String() + stderr.String()
 			assert.Equal(t, exitOK, code, all)
 			assert.NotContains(t, all, "s3cr3t")

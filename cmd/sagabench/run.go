@@ -263,9 +263,9 @@ func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 	cpuStart := b.cpu.read()
 	stmtStart := b.countStatements(ctx)
 	next := make(chan int)
-	errs := make(chan error, placers)
+	errs := make(chan error, b.opts.placers())
 	var wg sync.WaitGroup
-	for p := range placers {
+	for p := range b.opts.placers() {
 		rng := mrand.New(mrand.NewPCG(uint64(p), 1))
 		wg.Go(func() {
 			for i := range next {

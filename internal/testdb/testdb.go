@@ -356,6 +356,39 @@ func ServerWide(t testing.TB) {
 	t.Cleanup(func() { _ = conn.Close(context.Background()) }) // releases the lock
 }
 
+// FreeConnections waits, up to three minutes, until the server has n
+// connections free (max_connections less those open and three spare, as
+// sagabench counts before a run), for a test that runs a program that
+// checks so. Take the server-wide turn first: the tests that take turns
+// then hold none, and the other tests of the run come and go.
+func FreeConnections(t testing.TB, n int) {
+	t.Helper()
+	mu.Lock()
+	requireMain(t)
+	srv := server
+	mu.Unlock()
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, srv)
+	if err != nil {
+		t.Fatalf("testdb: connecting to %s: %v", pgdb.Redact(srv), err)
+	}
+	defer conn.Close(ctx)
+	deadline := time.Now().Add(3 * time.Minute)
+	for {
+		var free int
+		if err := conn.QueryRow(ctx, `SELECT current_setting('max_connections')::int - (SELECT count(*) FROM pg_stat_activity) - 3`).Scan(&free); err != nil {
+			t.Fatalf("testdb: counting free connections: %v", err)
+		}
+		if free >= n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("testdb: waited 3 minutes for %d free connections; %d are", n, free)
+		}
+		time.Sleep(100 * time.Millisecond) // other tests' connections, not this test's work
+	}
+}
+
 // LongWriteElsewhere takes the server-wide turn, then opens a write
 // transaction in a new empty database of the same server and keeps it open
 // until the test ends. It returns a function that reports whether that
