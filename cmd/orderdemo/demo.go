@@ -17,6 +17,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/obs"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
@@ -50,6 +51,8 @@ type demo struct {
 }
 
 func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo, error) {
+	// Progress (with -json), errors and the workers' logs share stderr.
+	stderr = cmdlog.Synced(stderr)
 	level := slog.LevelWarn
 	if opts.chaos() {
 		// Injected crashes and killed connections make retries and

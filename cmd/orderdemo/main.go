@@ -27,6 +27,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/obs"
 )
 
@@ -57,6 +58,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "orderdemo: %v (orderdemo -h lists the flags)\n", err)
 		return exitUsage
 	}
+	stderr = cmdlog.Synced(stderr) // progress, logs and spans share it
 	stopTracing, err := obs.Tracing(ctx, "orderdemo", stderr)
 	if err != nil {
 		fmt.Fprintln(stderr, "orderdemo:", err)

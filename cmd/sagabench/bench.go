@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/obs"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
@@ -86,7 +87,7 @@ type bench struct {
 
 func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*bench, error) {
 	// Progress, logs and the worker processes' stderr share the stream.
-	stderr = &syncWriter{w: stderr}
+	stderr = cmdlog.Synced(stderr)
 	b := &bench{opts: opts, out: stdout, status: stderr,
 		log: opts.log.New(stderr, opts.log.LevelOr(slog.LevelWarn))}
 	ok := false

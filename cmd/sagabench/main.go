@@ -36,6 +36,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/obs"
 )
 
@@ -71,6 +72,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "sagabench: %v (sagabench -h lists the flags)\n", err)
 		return exitUsage
 	}
+	stderr = cmdlog.Synced(stderr) // progress, logs and spans share it
 	stopTracing, err := obs.Tracing(ctx, "sagabench", stderr)
 	if err != nil {
 		fmt.Fprintln(stderr, "sagabench:", err)

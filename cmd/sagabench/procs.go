@@ -12,7 +12,6 @@ import (
 	"os/exec"
 	"os/signal"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -257,16 +256,4 @@ func (p *workerProcess) stop() error {
 		return fmt.Errorf("worker process %d: %w", p.cmd.Process.Pid, p.err)
 	}
 	return nil
-}
-
-// syncWriter serializes writes to w.
-type syncWriter struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-func (s *syncWriter) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.w.Write(p)
 }

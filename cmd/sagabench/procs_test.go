@@ -26,7 +26,7 @@ func TestWorkerProcessStopsWhenItsParentGoes(t *testing.T) {
 	t.Parallel()
 	db := testdb.Fresh(t)
 	p, err := startWorkerProcess(context.Background(), workerSpec{URL: db.URL, GatewayURL: "http://127.0.0.1:1",
-		Consumers: 1, Batch: 10, MaxConns: 16}, &syncWriter{w: io.Discard})
+		Consumers: 1, Batch: 10, MaxConns: 16}, cmdlog.Synced(io.Discard))
 	require.NoError(t, err)
 	require.NoError(t, p.stdin.Close())
 	select {
@@ -50,7 +50,7 @@ func TestWorkerProcessLogsAsAsked(t *testing.T) {
 		t.Helper()
 		out := &testout.Buffer{}
 		p, err := startWorkerProcess(context.Background(), workerSpec{URL: db.URL, GatewayURL: "http://127.0.0.1:1",
-			Consumers: 1, Batch: 10, MaxConns: 16, LogLevel: level.String(), LogFormat: format}, &syncWriter{w: out})
+			Consumers: 1, Batch: 10, MaxConns: 16, LogLevel: level.String(), LogFormat: format}, cmdlog.Synced(out))
 		require.NoError(t, err)
 		require.NoError(t, p.stdin.Close())
 		select {
@@ -82,7 +82,7 @@ func TestWorkerProcessLogsAsAsked(t *testing.T) {
 func TestWorkerProcessThatCannotStart(t *testing.T) {
 	t.Parallel()
 	_, err := startWorkerProcess(context.Background(), workerSpec{URL: "postgres://nobody@127.0.0.1:1/none?connect_timeout=1",
-		GatewayURL: "http://127.0.0.1:1", Consumers: 1, Batch: 10, MaxConns: 4}, &syncWriter{w: io.Discard})
+		GatewayURL: "http://127.0.0.1:1", Consumers: 1, Batch: 10, MaxConns: 4}, cmdlog.Synced(io.Discard))
 	require.ErrorContains(t, err, "did not start")
 }
 
@@ -107,7 +107,7 @@ func TestWorkerProcessServesItsMetrics(t *testing.T) {
 	t.Parallel()
 	db := testdb.Fresh(t)
 	p, err := startWorkerProcess(context.Background(), workerSpec{URL: db.URL, GatewayURL: "http://127.0.0.1:1",
-		Consumers: 1, Batch: 10, MaxConns: 16, Metrics: true}, &syncWriter{w: io.Discard})
+		Consumers: 1, Batch: 10, MaxConns: 16, Metrics: true}, cmdlog.Synced(io.Discard))
 	require.NoError(t, err)
 	defer func() { assert.NoError(t, p.stop()) }()
 	require.Regexp(t, `^http://127\.0\.0\.1:\d+/metrics$`, p.metricsURL)

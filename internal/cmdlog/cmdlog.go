@@ -11,6 +11,7 @@ import (
 	"io"
 	"log/slog"
 	"strings"
+	"sync"
 )
 
 // Formats of -log-format.
@@ -104,4 +105,25 @@ func New(w io.Writer, format string, level slog.Level) *slog.Logger {
 		return slog.New(slog.NewJSONHandler(w, opts))
 	}
 	return slog.New(slog.NewTextHandler(w, opts))
+}
+
+// Synced returns w with its writes serialized: a program's progress lines
+// and its workers' log records share stderr, and a writer that is not an
+// *os.File (a test's buffer) must not see them at once.
+func Synced(w io.Writer) io.Writer {
+	if s, ok := w.(*syncWriter); ok {
+		return s
+	}
+	return &syncWriter{w: w}
+}
+
+type syncWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (s *syncWriter) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.w.Write(p)
 }
