@@ -51,7 +51,11 @@ type Router struct {
 
 // NewRouter returns a router for this transport.
 func (t *Transport) NewRouter() (*Router, error) {
-	wr, err := message.NewRouter(message.RouterConfig{CloseTimeout: t.cfg.CloseTimeout}, t.wlog)
+	// Watermill's Close runs after the drain (see Close), when every attempt
+	// has ended or been cut off: what it waits for is the consumers ending
+	// their batches, a statement each (rollback or commit). CloseTimeout
+	// bounds the drain, not that.
+	wr, err := message.NewRouter(message.RouterConfig{CloseTimeout: t.cfg.StatementTimeout + 5*time.Second}, t.wlog)
 	if err != nil {
 		return nil, fmt.Errorf("transport: creating router: %w", err)
 	}
