@@ -101,7 +101,12 @@ func runChaos(t *testing.T, queueEveryHop bool) {
 			Retry:     transport.RetryPolicy{MaxAttempts: 8, InitialBackoff: 5 * time.Millisecond, MaxBackoff: 100 * time.Millisecond},
 			Intercept: inj.Intercept,
 		},
-		Timeouts:      orderpayment.StepTimeouts{Deadline: 5 * time.Second, CompensationDeadline: 10 * time.Second},
+		Timeouts: orderpayment.StepTimeouts{Deadline: 5 * time.Second,
+			// Patience for slowness, not for loss: a compensation never answered
+			// still parks (after 5 attempts, 100 s, within WaitTerminal's 3 min);
+			// at 10 s a loaded 2-core CI machine parked one saga in 300
+			// whose cancel got no reply within 50 s (twice in 7 runs).
+			CompensationDeadline: 20 * time.Second},
 		SweepInterval: 200 * time.Millisecond,
 		QueueEveryHop: queueEveryHop,
 		Logger:        logger(),
