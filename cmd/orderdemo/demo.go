@@ -294,6 +294,9 @@ func (d *demo) runOrders(ctx context.Context) (code int, reported bool) {
 	defer stopWatching()
 	if !d.opts.resume {
 		ids, err = d.placeOrders(ctx)
+		if err == nil && ctx.Err() != nil && len(ids) < d.opts.orders {
+			err = context.Cause(ctx) // interrupted between two orders
+		}
 		if err != nil {
 			d.placingFailed(ctx, err)
 			return exitFailed, false
@@ -454,7 +457,7 @@ func (d *demo) wait(ctx context.Context, ids []uuid.UUID, start time.Time) bool 
 	lastPrint := time.Time{}
 	for {
 		counts, err := d.counts(ctx, ids)
-		if err != nil {
+		if err != nil && ctx.Err() == nil { // an interruption is said below
 			d.log.Warn("counting sagas", "err", err)
 		}
 		unfinished := counts.notStarted + counts.byStatus[saga.StatusRunning] + counts.byStatus[saga.StatusCompensating]
