@@ -340,20 +340,28 @@ const serverWideLockID int64 = 0x7067736167610004
 // test ends.
 func ServerWide(t testing.TB) {
 	t.Helper()
-	mu.Lock()
-	requireMain(t)
-	srv := server
-	mu.Unlock()
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, srv)
-	if err != nil {
-		t.Fatalf("testdb: connecting to %s: %v", pgdb.Redact(srv), err)
-	}
+	conn := serverConn(t)
 	if _, err := conn.Exec(ctx, "SELECT pg_advisory_lock($1)", serverWideLockID); err != nil {
 		_ = conn.Close(ctx)
 		t.Fatalf("testdb: waiting for a server-wide turn: %v", err)
 	}
 	t.Cleanup(func() { _ = conn.Close(context.Background()) }) // releases the lock
+}
+
+// serverConn is a connection of its own to the run's server; the caller
+// closes it.
+func serverConn(t testing.TB) *pgx.Conn {
+	t.Helper()
+	mu.Lock()
+	requireMain(t)
+	srv := server
+	mu.Unlock()
+	conn, err := pgx.Connect(context.Background(), srv)
+	if err != nil {
+		t.Fatalf("testdb: connecting to %s: %v", pgdb.Redact(srv), err)
+	}
+	return conn
 }
 
 // FreeConnections waits, up to three minutes, until the server has n
@@ -363,15 +371,8 @@ func ServerWide(t testing.TB) {
 // then hold none, and the other tests of the run come and go.
 func FreeConnections(t testing.TB, n int) {
 	t.Helper()
-	mu.Lock()
-	requireMain(t)
-	srv := server
-	mu.Unlock()
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, srv)
-	if err != nil {
-		t.Fatalf("testdb: connecting to %s: %v", pgdb.Redact(srv), err)
-	}
+	conn := serverConn(t)
 	defer conn.Close(ctx)
 	deadline := time.Now().Add(3 * time.Minute)
 	for {
