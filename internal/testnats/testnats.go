@@ -7,7 +7,12 @@ package testnats
 import (
 	"context"
 	"fmt"
+	"net"
 	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -39,7 +44,14 @@ func URL(t testing.TB) string {
 // Connect connects to URL(t) and closes the connection when the test ends.
 func Connect(t testing.TB) (*nats.Conn, jetstream.JetStream) {
 	t.Helper()
-	nc, err := nats.Connect(URL(t), nats.Timeout(5*time.Second))
+	return ConnectTo(t, URL(t))
+}
+
+// ConnectTo connects to the NATS server at url and closes the connection
+// when the test ends.
+func ConnectTo(t testing.TB, url string) (*nats.Conn, jetstream.JetStream) {
+	t.Helper()
+	nc, err := nats.Connect(url, nats.Timeout(5*time.Second), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
 	if err != nil {
 		t.Fatalf("connecting to NATS: %v", err)
 	}
@@ -67,4 +79,104 @@ func check(url string) error {
 		return fmt.Errorf("JetStream: %w", err)
 	}
 	return nil
+}
+
+// Server is a NATS server with JetStream that a test started for itself,
+// on a port and storage directory of its own, so that it can stop and
+// restart it (never the machine's shared server).
+type Server struct {
+	t    testing.TB
+	bin  string
+	port int
+	dir  string
+	cmd  *exec.Cmd
+	done chan struct{}
+}
+
+// Private starts a NATS server of the test's own from the nats-server
+// binary (PATH, then /usr/sbin), stopped when the test ends. Without the
+// binary the test skips, saying so (fails under CI).
+func Private(t testing.TB) *Server {
+	t.Helper()
+	bin, err := exec.LookPath("nats-server")
+	if err != nil {
+		if _, serr := os.Stat("/usr/sbin/nats-server"); serr == nil {
+			bin, err = "/usr/sbin/nats-server", nil
+		}
+	}
+	if err != nil {
+		msg := "no nats-server binary to start a private NATS server with (install the nats-server package)"
+		if os.Getenv("CI") != "" {
+			t.Fatal(msg)
+		}
+		t.Skip(msg)
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("testnats: finding a free port: %v", err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	_ = l.Close()
+	s := &Server{t: t, bin: bin, port: port, dir: t.TempDir()}
+	s.Start()
+	t.Cleanup(s.Stop)
+	return s
+}
+
+// URL is the server's URL; it stays the same across restarts.
+func (s *Server) URL() string { return fmt.Sprintf("nats://127.0.0.1:%d", s.port) }
+
+// Start starts the server (again, after Stop or Kill, with the same port
+// and storage) and waits until JetStream answers.
+func (s *Server) Start() {
+	s.t.Helper()
+	s.cmd = exec.Command(s.bin, "-a", "127.0.0.1", "-p", strconv.Itoa(s.port), "-js", "-sd", s.dir)
+	out := &strings.Builder{}
+	s.cmd.Stdout, s.cmd.Stderr = out, out
+	if err := s.cmd.Start(); err != nil {
+		s.t.Fatalf("testnats: starting nats-server: %v", err)
+	}
+	done := make(chan struct{})
+	go func(cmd *exec.Cmd) { _ = cmd.Wait(); close(done) }(s.cmd)
+	s.done = done
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		err := check(s.URL())
+		if err == nil {
+			return
+		}
+		select {
+		case <-done:
+			s.t.Fatalf("testnats: nats-server exited: %s", out.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			s.t.Fatalf("testnats: nats-server on port %d does not answer: %v", s.port, err)
+		}
+		time.Sleep(50 * time.Millisecond) // a server starting, polled for
+	}
+}
+
+// Stop shuts the server down cleanly (SIGTERM) and waits for it.
+func (s *Server) Stop() { s.end(syscall.SIGTERM) }
+
+// Kill kills the server (SIGKILL), as a crash would, and waits for it.
+func (s *Server) Kill() { s.end(syscall.SIGKILL) }
+
+func (s *Server) end(sig syscall.Signal) {
+	if s.cmd == nil || s.cmd.Process == nil {
+		return
+	}
+	select {
+	case <-s.done:
+	default:
+		_ = s.cmd.Process.Signal(sig)
+		select {
+		case <-s.done:
+		case <-time.After(30 * time.Second):
+			_ = s.cmd.Process.Kill()
+			<-s.done
+		}
+	}
+	s.cmd = nil
 }

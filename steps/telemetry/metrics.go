@@ -45,6 +45,10 @@ type Metrics struct {
 	replays       *prometheus.CounterVec
 	deadLetters   *prometheus.CounterVec
 	retries       *prometheus.CounterVec
+	relayed       *prometheus.CounterVec
+	relayFailures *prometheus.CounterVec
+	received      *prometheus.CounterVec
+	receiveErrors *prometheus.CounterVec
 }
 
 // NewMetrics builds the metrics and registers them with reg
@@ -88,8 +92,25 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Namespace: Namespace, Name: "delivery_retries_total",
 			Help: "Failed delivery attempts scheduled to be tried again after their backoff, by topic and handler.",
 		}, []string{"topic", "handler"}),
+		relayed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "broker_relayed_total",
+			Help: "Messages this process relayed from the outbox to the message broker, by topic, counted when the relay's batch committed.",
+		}, []string{"topic"}),
+		relayFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "broker_relay_failures_total",
+			Help: "Relay batches of a topic that stopped at a publish the broker did not take (or could not commit); the head is tried again after a backoff.",
+		}, []string{"topic"}),
+		received: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "broker_received_total",
+			Help: "Messages this process took in from the message broker and queued in its database, by topic (a broker's redelivery counts again).",
+		}, []string{"topic"}),
+		receiveErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "broker_receive_errors_total",
+			Help: "Messages from the broker this process could not queue and handed back for redelivery (the database did not take them), by topic.",
+		}, []string{"topic"}),
 	}
-	for _, c := range []prometheus.Collector{m.sagasStarted, m.sagasFinished, m.resent, m.stepDuration, m.stepAttempts, m.replays, m.deadLetters, m.retries} {
+	for _, c := range []prometheus.Collector{m.sagasStarted, m.sagasFinished, m.resent, m.stepDuration, m.stepAttempts, m.replays, m.deadLetters, m.retries,
+		m.relayed, m.relayFailures, m.received, m.receiveErrors} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("telemetry: registering metrics: %w", err)
 		}
@@ -148,5 +169,34 @@ func (m *Metrics) DeadLettered(topic, handler string) {
 func (m *Metrics) Retrying(topic, handler string) {
 	if m != nil {
 		m.retries.WithLabelValues(topic, handler).Inc()
+	}
+}
+
+// Relayed counts n messages of topic relayed to the broker.
+func (m *Metrics) Relayed(topic string, n int) {
+	if m != nil && n > 0 {
+		m.relayed.WithLabelValues(topic).Add(float64(n))
+	}
+}
+
+// RelayFailed counts a relay batch of topic stopped by a failure.
+func (m *Metrics) RelayFailed(topic string) {
+	if m != nil {
+		m.relayFailures.WithLabelValues(topic).Inc()
+	}
+}
+
+// Received counts a message of topic taken in from the broker.
+func (m *Metrics) Received(topic string) {
+	if m != nil {
+		m.received.WithLabelValues(topic).Inc()
+	}
+}
+
+// ReceiveFailed counts a message of topic handed back to the broker
+// because it could not be queued.
+func (m *Metrics) ReceiveFailed(topic string) {
+	if m != nil {
+		m.receiveErrors.WithLabelValues(topic).Inc()
 	}
 }

@@ -6,7 +6,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -162,4 +164,49 @@ func (t *Transport) ReplayDeadLetter(ctx context.Context, id int64) (int, error)
 		return 0, fmt.Errorf("transport: replaying dead letter %d: %w", id, err)
 	}
 	return n, nil
+}
+
+// StoreDeadLetter keeps msg, a message of topic that never reached a queue
+// of this database (one taken in from a message broker that the queue
+// cannot store, say), as a dead letter of group and handler, with reason
+// and one attempt. Whatever msg holds is stored: text PostgreSQL cannot
+// keep (NUL, bytes that are not UTF-8) in its UUID, metadata and reason is
+// replaced with U+FFFD (the reason says what was wrong), and its payload is
+// kept byte for byte.
+func (t *Transport) StoreDeadLetter(ctx context.Context, topic, group, handler string, msg *message.Message, reason string) error {
+	md := make(map[string]string, len(msg.Metadata))
+	for k, v := range msg.Metadata {
+		md[Storable(k)] = Storable(v)
+	}
+	b, err := json.Marshal(md)
+	if err != nil {
+		return fmt.Errorf("transport: dead-lettering %s: %w", msg.UUID, err)
+	}
+	if _, err := t.db.ExecContext(ctx, deadLetterMessageSQL, Storable(msg.UUID), Storable(topic), Storable(group), Storable(handler),
+		[]byte(msg.Payload), string(b), Storable(reason), 1); err != nil {
+		return fmt.Errorf("transport: dead-lettering %s: %w", Storable(msg.UUID), migrationHint(err))
+	}
+	t.cfg.Metrics.DeadLettered(topic, handler)
+	return nil
+}
+
+// Storable is s as PostgreSQL text can keep it: NUL and bytes that are
+// not UTF-8 become U+FFFD.
+func Storable(s string) string {
+	if utf8.ValidString(s) && !strings.ContainsRune(s, 0) {
+		return s
+	}
+	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
+}
+
+// Unstorable says why PostgreSQL cannot keep s as text ("" if it can): a
+// NUL, or bytes that are not UTF-8.
+func Unstorable(s string) string {
+	switch {
+	case !utf8.ValidString(s):
+		return "bytes that are not UTF-8"
+	case strings.ContainsRune(s, 0):
+		return "a NUL character"
+	}
+	return ""
 }

@@ -52,6 +52,12 @@ func (t *Transport) ConsumerGroups(ctx context.Context) ([]GroupStats, error) {
 	return out, rows.Err()
 }
 
+// Alive records subs as run by a live process now, as a running router's
+// heartbeat does (Config.HeartbeatInterval), so that ConsumerGroups and
+// pgsaga consumers list them as running: for code that reads a group its
+// own way (the relay to a broker).
+func (t *Transport) Alive(ctx context.Context, subs ...Subscription) error { return t.seen(ctx, subs) }
+
 // seen records subs as running now.
 func (t *Transport) seen(ctx context.Context, subs []Subscription) error {
 	topics, groups := make([]string, len(subs)), make([]string, len(subs))

@@ -31,27 +31,29 @@ type wakeHub struct {
 	stop    func() // stops the running listener; nil when none runs
 }
 
-// waiters are the consumers of one topic in this process.
+// waiters are the consumers of one topic in this process, by the channel
+// each is woken on (buffered: one wake-up pending at most).
 type waiters struct {
 	mu  sync.Mutex
-	set map[*pollState]struct{}
+	set map[chan struct{}]struct{}
 }
 
 func newWakeHub(t *Transport) *wakeHub {
 	return &wakeHub{t: t, topics: map[string]*waiters{}}
 }
 
-// register adds a consumer of topic, starting the listener for the first.
-func (h *wakeHub) register(topic string, p *pollState) *waiters {
+// register adds a consumer of topic, woken on ch, starting the listener
+// for the first.
+func (h *wakeHub) register(topic string, ch chan struct{}) *waiters {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	w := h.topics[topic]
 	if w == nil {
-		w = &waiters{set: map[*pollState]struct{}{}}
+		w = &waiters{set: map[chan struct{}]struct{}{}}
 		h.topics[topic] = w
 	}
 	w.mu.Lock()
-	w.set[p] = struct{}{}
+	w.set[ch] = struct{}{}
 	w.mu.Unlock()
 	h.waiters++
 	if h.stop == nil {
@@ -61,9 +63,9 @@ func (h *wakeHub) register(topic string, p *pollState) *waiters {
 }
 
 // unregister removes a consumer, stopping the listener after the last.
-func (h *wakeHub) unregister(w *waiters, p *pollState) {
+func (h *wakeHub) unregister(w *waiters, ch chan struct{}) {
 	w.mu.Lock()
-	delete(w.set, p)
+	delete(w.set, ch)
 	w.mu.Unlock()
 	h.mu.Lock()
 	h.waiters--
@@ -147,9 +149,9 @@ func (h *wakeHub) wakeAll() {
 func (w *waiters) wake() {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	for p := range w.set {
+	for ch := range w.set {
 		select {
-		case p.wakeCh <- struct{}{}:
+		case ch <- struct{}{}:
 		default: // a wake-up is already pending
 		}
 	}
@@ -193,7 +195,7 @@ type pollState struct {
 func newPollState(t *Transport, topic string, endBatch func(error) bool, stopping func() bool) *pollState {
 	p := &pollState{cfg: t.cfg, hub: t.hub, endBatch: endBatch, stopping: stopping, wakeCh: make(chan struct{}, 1), closed: make(chan struct{}), next: -1}
 	if p.hub != nil {
-		p.waiters = p.hub.register(topic, p)
+		p.waiters = p.hub.register(topic, p.wakeCh)
 	}
 	return p
 }
@@ -203,7 +205,7 @@ func (p *pollState) close() {
 	p.once.Do(func() {
 		close(p.closed)
 		if p.hub != nil {
-			p.hub.unregister(p.waiters, p)
+			p.hub.unregister(p.waiters, p.wakeCh)
 		}
 	})
 }
@@ -287,4 +289,31 @@ func (p *pollState) errorWait(logger watermill.LoggerAdapter, err error) time.Du
 	}
 	logger.Error("Polling for messages failed; backing off", err, watermill.LogFields{"wait": p.errWait.String()})
 	return p.errWait
+}
+
+// Wakeups is how code that reads queues its own way (a relay, see
+// ClaimRelay) waits for them as consumers do: c receives when a publish to
+// one of topics commits, in any process on the database (one wake-up is
+// kept while none is read, so none is lost between two reads); listening
+// reports whether wake-ups can be relied on now: while it is false (they
+// are off, Config.DisableNotify, or the listening connection is down and
+// reconnecting) poll every Config.PollInterval. c also receives when
+// listening changes. stop unregisters; call it once.
+func (t *Transport) Wakeups(topics ...string) (c <-chan struct{}, listening func() bool, stop func()) {
+	ch := make(chan struct{}, 1)
+	if t.hub == nil {
+		return ch, func() bool { return false }, func() {}
+	}
+	ws := make([]*waiters, len(topics))
+	for i, topic := range topics {
+		ws[i] = t.hub.register(topic, ch)
+	}
+	var once sync.Once
+	return ch, t.hub.up.Load, func() {
+		once.Do(func() {
+			for _, w := range ws {
+				t.hub.unregister(w, ch)
+			}
+		})
+	}
 }

@@ -1,0 +1,252 @@
+package broker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// Defaults of Config.
+const (
+	GroupDefault     = "pgsaga"
+	ConsumersDefault = 2
+	BatchSizeDefault = 100
+)
+
+// Config configures a Bridge. Zero values take the defaults.
+type Config struct {
+	// Transport is the database's transport: its outbox is relayed, its
+	// queues take what is received. Required.
+	Transport *transport.Transport
+	// Broker is the message broker. Required. The bridge does not close
+	// it.
+	Broker Broker
+	// Relay lists the topics relayed from this database to the broker.
+	Relay []string
+	// Receive lists the topics taken in from the broker into this
+	// database, for the consumer groups that read them here (a step's, the
+	// saga engine's). A topic cannot be both relayed and received by one
+	// database: it would go round in circles.
+	Receive []string
+	// Group names this database's consumer group at the broker, for the
+	// received topics. Every service (every database) that receives a
+	// topic needs a group of its own; processes of one service share
+	// theirs. Default: GroupDefault.
+	Group string
+	// Consumers is how many consumers of each received topic this process
+	// runs, each queuing one message at a time. Default: ConsumersDefault.
+	Consumers int
+	// BatchSize is how many messages of a topic the relay takes from the
+	// queue per transaction. Default: BatchSizeDefault.
+	BatchSize int
+	// Faults inject failures, for tests. Default: none.
+	Faults Faults
+	// Logger. Default: the transport's.
+	Logger *slog.Logger
+}
+
+func (c *Config) setDefaults() {
+	if c.Group == "" {
+		c.Group = GroupDefault
+	}
+	if c.Consumers == 0 {
+		c.Consumers = ConsumersDefault
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = BatchSizeDefault
+	}
+	if c.Logger == nil && c.Transport != nil {
+		c.Logger = c.Transport.Config().Logger
+	}
+}
+
+func (c Config) validate() error {
+	var errs []error
+	if c.Transport == nil {
+		errs = append(errs, errors.New("Transport is required"))
+	}
+	if c.Broker == nil {
+		errs = append(errs, errors.New("Broker is required"))
+	}
+	if len(c.Relay) == 0 && len(c.Receive) == 0 {
+		errs = append(errs, errors.New("nothing to do: give Relay or Receive topics"))
+	}
+	for _, topics := range [][]string{c.Relay, c.Receive} {
+		for i, topic := range topics {
+			if err := transport.ValidateTopic(topic); err != nil {
+				errs = append(errs, err)
+			}
+			if slices.Contains(topics[:i], topic) {
+				errs = append(errs, fmt.Errorf("topic %s is listed twice", topic))
+			}
+		}
+	}
+	for _, topic := range c.Relay {
+		if slices.Contains(c.Receive, topic) {
+			errs = append(errs, fmt.Errorf("topic %s is both relayed and received: what the bridge received it would relay again", topic))
+		}
+	}
+	if err := transport.ValidateConsumerGroup(c.Group); err != nil {
+		errs = append(errs, err)
+	}
+	if c.Consumers < 1 {
+		errs = append(errs, fmt.Errorf("Consumers must be at least 1, got %d", c.Consumers))
+	}
+	if c.BatchSize < 1 {
+		errs = append(errs, fmt.Errorf("BatchSize must be at least 1, got %d", c.BatchSize))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	return nil
+}
+
+// Bridge relays topics of a database to a broker and receives topics from
+// it (see the package documentation). Build it with New, then Start it;
+// Stop stops it. A saga.Client runs one with its worker when its config
+// names a broker.
+type Bridge struct {
+	cfg Config
+	t   *transport.Transport
+	log *slog.Logger
+
+	mu      sync.Mutex
+	started bool
+	cancel  context.CancelFunc
+	relays  sync.WaitGroup
+	inbox   sync.WaitGroup
+	subs    []message.Subscriber
+	stopCtx context.CancelFunc // ends the inbox before the relay
+}
+
+// New validates cfg and returns a Bridge. It connects to nothing.
+func New(cfg Config) (*Bridge, error) {
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	return &Bridge{cfg: cfg, t: cfg.Transport, log: cfg.Logger.With("component", "broker")}, nil
+}
+
+// Config returns the configuration with defaults filled in.
+func (b *Bridge) Config() Config { return b.cfg }
+
+// Setup records the relay's consumer group of each relayed topic, so that
+// every message published to one from now on is queued for the relay
+// (publish only after it, or the relay misses what came before), and
+// provisions every topic at the broker. Start does it; it is idempotent
+// and safe from several processes.
+func (b *Bridge) Setup(ctx context.Context) error {
+	subs := make([]transport.Subscription, len(b.cfg.Relay))
+	for i, topic := range b.cfg.Relay {
+		subs[i] = transport.Subscription{Topic: topic, ConsumerGroup: transport.RelayGroup}
+	}
+	if err := b.t.Subscribe(ctx, subs...); err != nil {
+		return fmt.Errorf("broker: setting up the relay: %w", err)
+	}
+	if err := b.cfg.Broker.Provision(ctx, append(slices.Clone(b.cfg.Relay), b.cfg.Receive...)...); err != nil {
+		return fmt.Errorf("broker: provisioning the topics at the broker: %w", err)
+	}
+	return nil
+}
+
+// Start sets up (see Setup), subscribes to the received topics at the
+// broker and starts the relay; it returns once they run, or with why they
+// cannot. ctx bounds the start only.
+func (b *Bridge) Start(ctx context.Context) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.started {
+		return ErrStarted
+	}
+	if err := b.Setup(ctx); err != nil {
+		return err
+	}
+	runCtx, cancel := context.WithCancel(context.Background())
+	inboxCtx, stopInbox := context.WithCancel(runCtx)
+	if err := b.startInbox(inboxCtx); err != nil {
+		stopInbox()
+		cancel()
+		b.closeSubscribers()
+		return err
+	}
+	if len(b.cfg.Relay) > 0 {
+		if err := b.t.Alive(ctx, b.relaySubscriptions()...); err != nil {
+			b.log.Warn("recording the relay as running failed", "err", err)
+		}
+		for _, topic := range b.cfg.Relay {
+			r := &relay{b: b, topic: topic}
+			b.relays.Go(func() { r.run(runCtx) })
+		}
+		b.relays.Go(func() { b.heartbeat(runCtx) })
+	}
+	b.started, b.cancel, b.stopCtx = true, cancel, stopInbox
+	b.log.Info("bridge started", "relay", b.cfg.Relay, "receive", b.cfg.Receive, "group", b.cfg.Group)
+	return nil
+}
+
+// Stop stops receiving (what is being queued is queued, or handed back to
+// the broker), then the relay (its batch in progress commits what it
+// relayed), and returns. Messages not relayed yet stay queued for the next
+// relay. It is a no-op on a bridge that is not running.
+func (b *Bridge) Stop() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !b.started {
+		return nil
+	}
+	b.stopCtx()
+	b.inbox.Wait()
+	err := b.closeSubscribers()
+	b.cancel()
+	b.relays.Wait()
+	b.started = false
+	b.log.Info("bridge stopped")
+	return err
+}
+
+func (b *Bridge) closeSubscribers() error {
+	var errs []error
+	for _, s := range b.subs {
+		if err := s.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("broker: closing a subscriber: %w", err))
+		}
+	}
+	b.subs = nil
+	return errors.Join(errs...)
+}
+
+func (b *Bridge) relaySubscriptions() []transport.Subscription {
+	subs := make([]transport.Subscription, len(b.cfg.Relay))
+	for i, topic := range b.cfg.Relay {
+		subs[i] = transport.Subscription{Topic: topic, ConsumerGroup: transport.RelayGroup}
+	}
+	return subs
+}
+
+// heartbeat shows the relay's groups alive, as a router shows its own.
+func (b *Bridge) heartbeat(ctx context.Context) {
+	tc := b.t.Config()
+	tick := time.NewTicker(tc.HeartbeatInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		hctx, cancel := context.WithTimeout(ctx, tc.StatementTimeout)
+		if err := b.t.Alive(hctx, b.relaySubscriptions()...); err != nil && ctx.Err() == nil {
+			b.log.Warn("heartbeat of the relay failed; it may be listed as not running", "err", err)
+		}
+		cancel()
+	}
+}

@@ -1,0 +1,4 @@
+package natsjs
+
+// Codec is the wire format, for tests.
+type Codec = codec

@@ -1,0 +1,196 @@
+package broker_test
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testnats"
+	"github.com/pgsaga/pgsaga/steps/broker"
+	"github.com/pgsaga/pgsaga/steps/broker/natsjs"
+)
+
+// A message another service published to the broker is queued here for
+// each consumer group of its topic, with its id, payload and metadata as
+// published, whatever they hold: line breaks, surrounding spaces,
+// characters outside ASCII, keys NATS headers cannot carry, keys in NATS's
+// own header space (which JetStream would otherwise obey).
+func TestReceiveQueuesAMessageWhole(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	c := newCollector()
+	f.consume(f.topic, "local", c)
+	f.bridge(broker.Config{Receive: []string{f.topic}, Group: "g" + randomID()})
+
+	msg := message.NewMessage("id with spaces\nand a line break "+randomID(), []byte("payload\x00with a NUL and \xff bytes"))
+	msg.Metadata = message.Metadata{
+		"reason":               "first line\r\nsecond line",
+		"padded":               "  spaces around  ",
+		"unicode":              "naïve — 日本",
+		"key: with colon":      "v",
+		"Nats-Expected-Stream": "another-stream",
+		"Nats-Msg-Id":          "not the id",
+		"":                     "empty key",
+		"plain":                "value",
+	}
+	require.NoError(t, f.br.Publish(context.Background(), f.topic, msg))
+	got := c.wait(t, 1)[0]
+	assert.Equal(t, msg.UUID, got.UUID)
+	assert.Equal(t, msg.Payload, got.Payload)
+	assert.Equal(t, msg.Metadata, got.Metadata)
+}
+
+// A message published by a plain NATS client, with no Watermill id, takes
+// a stable id from its stream position, so that a redelivery is the same
+// message.
+func TestReceiveAForeignMessage(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	c := newCollector()
+	f.consume(f.topic, "local", c)
+	f.bridge(broker.Config{Receive: []string{f.topic}, Group: "g" + randomID()})
+	nc, _ := testnats.ConnectTo(t, f.url)
+	m := nats.NewMsg(f.topic)
+	m.Data = []byte(`{"from":"elsewhere"}`)
+	m.Header.Set("type", "Foreign")
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	ack, err := js.PublishMsg(context.Background(), m)
+	require.NoError(t, err)
+	got := c.wait(t, 1)[0]
+	assert.Equal(t, "nats:"+natsjs.StreamName(f.topic)+":"+strconv.FormatUint(ack.Sequence, 10), got.UUID)
+	assert.Equal(t, "Foreign", got.Metadata.Get("type"))
+}
+
+// What the database can never store (a NUL or bytes that are not UTF-8
+// in a header, an id too long, a header sent twice, an encoded header that
+// does not decode) is dead-lettered on receipt, with the reason, and
+// acknowledged: the broker does not deliver it again, and the messages
+// after it flow.
+func TestReceiveDeadLettersWhatCannotBeQueued(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	c := newCollector()
+	f.consume(f.topic, "local", c)
+	group := "g" + randomID()
+	f.bridge(broker.Config{Receive: []string{f.topic}, Group: group, Consumers: 1})
+	nc, _ := testnats.ConnectTo(t, f.url)
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	ctx := context.Background()
+	bad := map[string]func(m *nats.Msg){
+		"nul":      func(m *nats.Msg) { m.Header.Set("note", "a\x00b") },
+		"not-utf8": func(m *nats.Msg) { m.Header.Set("note", "a\xffb") },
+		"long-id":  func(m *nats.Msg) { m.Header.Set(natsjs.HeaderUUID, strings.Repeat("x", 300)) },
+		"twice":    func(m *nats.Msg) { m.Header.Add("note", "1"); m.Header.Add("note", "2") },
+		"encoded":  func(m *nats.Msg) { m.Header.Set(natsjs.HeaderEncoded, "%%% not base64") },
+	}
+	for name, spoil := range bad {
+		m := nats.NewMsg(f.topic)
+		m.Data = []byte(name)
+		m.Header.Set(natsjs.HeaderUUID, "bad-"+name)
+		spoil(m)
+		_, err := js.PublishMsg(ctx, m)
+		require.NoError(t, err, name)
+	}
+	good := message.NewMessage("good-"+randomID(), []byte("fine"))
+	require.NoError(t, f.br.Publish(ctx, f.topic, good))
+	got := c.wait(t, 1)
+	require.Len(t, got, 1, "only the good message is queued")
+	assert.Equal(t, good.UUID, got[0].UUID)
+
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, f.db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_dead_letters WHERE topic = $1`, f.topic).Scan(&n))
+		return n == len(bad)
+	}, time.Minute, 10*time.Millisecond)
+	rows, err := f.db.SQL.Query(`SELECT payload, handler, consumer_group, reason FROM pgsaga_dead_letters WHERE topic = $1`, f.topic)
+	require.NoError(t, err)
+	defer rows.Close()
+	for rows.Next() {
+		var payload, handler, grp, reason string
+		require.NoError(t, rows.Scan(&payload, &handler, &grp, &reason))
+		assert.Equal(t, broker.ReceiveHandler, handler)
+		assert.Equal(t, group, grp)
+		assert.Contains(t, reason, "received from the broker but cannot be queued", payload)
+	}
+	require.NoError(t, rows.Err())
+	// Acknowledged, every one: nothing is pending or delivered again.
+	cons, err := js.Consumer(ctx, natsjs.StreamName(f.topic), natsjs.ConsumerName(group, f.topic))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		info, err := cons.Info(ctx)
+		require.NoError(t, err)
+		return info.NumAckPending == 0 && info.AckFloor.Stream == uint64(len(bad)+1)
+	}, time.Minute, 10*time.Millisecond)
+	info, err := cons.Info(ctx)
+	require.NoError(t, err)
+	assert.Zero(t, info.NumRedelivered)
+}
+
+// While the database refuses to queue a message (here a trigger, as a
+// database that does not answer would), it is handed back and the broker
+// delivers it again; once the database takes it, it is queued, once.
+func TestReceiveHandsBackWhatTheDatabaseRefusesNow(t *testing.T) {
+	t.Parallel()
+	db := testdb.Fresh(t)
+	f := newFixture(t, testnats.URL(t), db)
+	_, err := db.SQL.Exec(`CREATE TABLE refuse (on_ boolean NOT NULL);
+INSERT INTO refuse VALUES (true);
+CREATE SEQUENCE refusals;
+CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF (SELECT on_ FROM refuse) THEN
+        PERFORM nextval('refusals');
+        RAISE EXCEPTION 'refused for now' USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER refuse BEFORE INSERT ON pgsaga_queue FOR EACH ROW EXECUTE FUNCTION refuse()`)
+	require.NoError(t, err)
+	c := newCollector()
+	f.consume(f.topic, "local", c)
+	f.bridge(broker.Config{Receive: []string{f.topic}, Group: "g" + randomID(), Consumers: 1})
+	msg := message.NewMessage("m-"+randomID(), []byte("later"))
+	require.NoError(t, f.br.Publish(context.Background(), f.topic, msg))
+	require.Eventually(t, func() bool {
+		var n int64
+		require.NoError(t, db.SQL.QueryRow(`SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM refusals`).Scan(&n))
+		return n >= 2
+	}, time.Minute, 10*time.Millisecond, "refused, handed back, delivered again, refused again")
+	_, err = db.SQL.Exec(`UPDATE refuse SET on_ = false`)
+	require.NoError(t, err)
+	got := c.wait(t, 1)
+	assert.Equal(t, msg.UUID, got[0].UUID)
+	var dead int
+	require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_dead_letters`).Scan(&dead))
+	assert.Zero(t, dead, "a refusal the database may get over is no dead letter")
+}
+
+// A bridge's config is checked whole.
+func TestBridgeConfig(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	for name, cfg := range map[string]broker.Config{
+		"nothing":          {Transport: f.tr, Broker: f.br},
+		"no transport":     {Broker: f.br, Relay: []string{"a"}},
+		"no broker":        {Transport: f.tr, Relay: []string{"a"}},
+		"bad topic":        {Transport: f.tr, Broker: f.br, Relay: []string{"a b"}},
+		"twice":            {Transport: f.tr, Broker: f.br, Relay: []string{"a", "a"}},
+		"round in circles": {Transport: f.tr, Broker: f.br, Relay: []string{"a"}, Receive: []string{"a"}},
+		"bad group":        {Transport: f.tr, Broker: f.br, Receive: []string{"a"}, Group: "a group"},
+		"consumers":        {Transport: f.tr, Broker: f.br, Receive: []string{"a"}, Consumers: -1},
+	} {
+		_, err := broker.New(cfg)
+		assert.ErrorIs(t, err, broker.ErrInvalidConfig, name)
+	}
+}

@@ -1,0 +1,176 @@
+package broker_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testnats"
+	"github.com/pgsaga/pgsaga/steps/broker"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// Messages published one after the other reach the stream in that order,
+// each once, and leave the relay's queue. The relay is woken by each
+// publish (no safety poll runs in tests).
+func TestRelayKeepsOrder(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	f.bridge(broker.Config{Relay: []string{f.topic}, BatchSize: 7})
+	ids := f.publish(f.topic, 50, nil)
+	assert.Equal(t, ids, f.stored(f.topic, len(ids)))
+	require.Eventually(t, func() bool { return f.queued(f.topic, transport.RelayGroup) == 0 }, time.Minute, 10*time.Millisecond)
+}
+
+// A relay that dies after the broker stored a message and before its
+// batch commits publishes the batch again; the broker deduplicates by the
+// message's UUID, so the stream holds each message once.
+func TestRelayCrashBetweenPublishAndCommitStoresOnce(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	crashes := &crashAt{every: 3, max: 4}
+	f.bridge(broker.Config{Relay: []string{f.topic}, BatchSize: 5, Faults: crashes})
+	ids := f.publish(f.topic, 30, nil)
+	require.Eventually(t, func() bool { return f.queued(f.topic, transport.RelayGroup) == 0 }, time.Minute, 10*time.Millisecond)
+	assert.Equal(t, ids, f.stored(f.topic, len(ids)), "each message stored once, in order")
+	assert.EqualValues(t, 4, crashes.crashed.Load(), "the relay crashed after publishing, before committing")
+}
+
+// crashAt crashes the relay after every n-th publish, max times.
+type crashAt struct {
+	every, max int64
+	n          atomic.Int64
+	crashed    atomic.Int64
+}
+
+func (c *crashAt) CrashAfterPublish(string, *message.Message) bool {
+	if c.n.Add(1)%c.every == 0 && c.crashed.Load() < c.max {
+		c.crashed.Add(1)
+		return true
+	}
+	return false
+}
+
+func (*crashAt) RedeliverAfterStore(string, *message.Message) bool { return false }
+
+// failing is a broker whose publishes fail while fail says so.
+type failing struct {
+	broker.Broker
+	fail func(msg *message.Message) error
+}
+
+func (f failing) Publish(ctx context.Context, topic string, msg *message.Message) error {
+	if err := f.fail(msg); err != nil {
+		return err
+	}
+	return f.Broker.Publish(ctx, topic, msg)
+}
+
+// A publish that fails stops the batch at that message; it is tried again
+// after a backoff, before anything queued after it: the stream keeps the
+// order. Nothing is dead-lettered for a failure the broker may get over.
+func TestRelayStopsAtAFailedPublish(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	var (
+		mu       sync.Mutex
+		failures = map[string]int{}
+	)
+	br := failing{Broker: f.br, fail: func(msg *message.Message) error {
+		mu.Lock()
+		defer mu.Unlock()
+		if msg.Metadata.Get("batch") == "more" && string(msg.Payload) == `{"i":4}` && failures[msg.UUID] < 3 {
+			failures[msg.UUID]++
+			return errors.New("injected: the broker did not answer")
+		}
+		return nil
+	}}
+	f.bridge(broker.Config{Relay: []string{f.topic}, Broker: br, BatchSize: 10})
+	ids := f.publish(f.topic, 1, nil)
+	f.stored(f.topic, 1)
+	more := f.publish(f.topic, 20, message.Metadata{"batch": "more"})
+	later := f.publish(f.topic, 20, nil)
+	got := f.stored(f.topic, 41)
+	assert.Equal(t, append(append(ids, more...), later...), got)
+	mu.Lock()
+	assert.Equal(t, 3, failures[more[4]])
+	mu.Unlock()
+	var dead int
+	require.NoError(t, f.db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_dead_letters WHERE topic = $1`, f.topic).Scan(&dead))
+	assert.Zero(t, dead)
+}
+
+// A message the broker refuses for good (larger than the server takes) is
+// dead-lettered with the reason; the messages after it are relayed.
+func TestRelayDeadLettersWhatTheBrokerRefuses(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	f.bridge(broker.Config{Relay: []string{f.topic}})
+	before := f.publish(f.topic, 2, nil)
+	huge := message.NewMessage("huge-"+randomID(), []byte(strings.Repeat("x", 2<<20)))
+	tx, err := f.db.SQL.Begin()
+	require.NoError(t, err)
+	require.NoError(t, f.tr.Publisher(tx).Publish(f.topic, huge))
+	require.NoError(t, tx.Commit())
+	after := f.publish(f.topic, 2, nil)
+	assert.Equal(t, append(before, after...), f.stored(f.topic, 4))
+	var handler, reason string
+	require.Eventually(t, func() bool {
+		return f.db.SQL.QueryRow(`SELECT handler, reason FROM pgsaga_dead_letters WHERE uuid = $1`, huge.UUID).Scan(&handler, &reason) == nil
+	}, time.Minute, 10*time.Millisecond)
+	assert.Equal(t, transport.RelayHandler, handler)
+	assert.Contains(t, reason, "the broker refuses it")
+}
+
+// Two relays of one topic (two processes) relay each message once, in
+// order: one holds the topic at a time.
+func TestTwoRelaysOfOneTopic(t *testing.T) {
+	t.Parallel()
+	url := testnats.URL(t)
+	db := testdb.Shared(t)
+	f := newFixture(t, url, db)
+	other := newFixture(t, url, db)
+	other.topic = f.topic
+	f.bridge(broker.Config{Relay: []string{f.topic}, BatchSize: 3})
+	other.bridge(broker.Config{Relay: []string{f.topic}, BatchSize: 3})
+	ids := f.publish(f.topic, 40, nil)
+	assert.Equal(t, ids, f.stored(f.topic, len(ids)))
+}
+
+// While one relay batch of a topic is open, another is refused at once
+// rather than waiting for its rows: the relay of the topic is held.
+func TestClaimRelayIsHeldByOne(t *testing.T) {
+	t.Parallel()
+	db := testdb.Shared(t)
+	tr, err := transport.New(transportConfig(db))
+	require.NoError(t, err)
+	topic := "pgsagatest." + randomID() + ".held"
+	ctx := context.Background()
+	require.NoError(t, tr.Subscribe(ctx, transport.Subscription{Topic: topic, ConsumerGroup: transport.RelayGroup}))
+	tx, err := db.SQL.Begin()
+	require.NoError(t, err)
+	require.NoError(t, tr.Publisher(tx).Publish(topic, message.NewMessage("a-"+randomID(), []byte("{}"))))
+	require.NoError(t, tx.Commit())
+
+	first, err := tr.ClaimRelay(ctx, topic, 10)
+	require.NoError(t, err)
+	require.Len(t, first.Messages, 1)
+	second, err := tr.ClaimRelay(ctx, topic, 10)
+	require.ErrorIs(t, err, transport.ErrRelayHeld)
+	assert.Nil(t, second)
+	first.Relayed(0)
+	require.NoError(t, first.Commit())
+	third, err := tr.ClaimRelay(ctx, topic, 10)
+	require.NoError(t, err)
+	assert.Empty(t, third.Messages, "the relayed message left the queue")
+	third.Rollback()
+}
