@@ -48,6 +48,12 @@ const (
 	RefundTopic = "payments.refund"
 )
 
+// Names of the steps (their idempotency scopes and consumer groups).
+const (
+	ChargeStepName = "payments.charge"
+	RefundStepName = "payments.refund"
+)
+
 // Events of an account stream.
 
 // Deposited adds money to an account.
@@ -245,12 +251,12 @@ func New(cfg Config) (*Service, error) {
 
 // ChargeStep returns the step that charges payments for the saga.
 func (s *Service) ChargeStep() steps.Step {
-	return steps.Define("payments.charge", ChargeTopic, s.charge)
+	return steps.Define(ChargeStepName, ChargeTopic, s.charge)
 }
 
 // RefundStep returns the step that refunds payments for the saga.
 func (s *Service) RefundStep() steps.Step {
-	return steps.Define("payments.refund", RefundTopic, s.refund)
+	return steps.Define(RefundStepName, RefundTopic, s.refund)
 }
 
 // OpenAccount creates an account; opening it twice is a no-op.

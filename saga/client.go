@@ -17,6 +17,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/events"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
@@ -83,6 +84,18 @@ type ClientConfig struct {
 	// sagas) off in this process: run them in another.
 	DisableRetention bool
 
+	// Broker connects the client's database to a message broker, for
+	// steps served by other services on databases of their own (see
+	// steps/broker): Broker.Relay names the topics relayed to the broker
+	// (the commands of the steps served elsewhere; a participant service:
+	// the sagas' reply topics), Broker.Receive those taken in from it (the
+	// reply topics; a participant service: its steps' command topics).
+	// Where a step runs is this configuration alone: saga definitions do
+	// not change. Its Transport is the client's; Start runs the bridge
+	// after the worker, Stop stops it after the worker. Default: none
+	// (Broker.Broker nil).
+	Broker broker.Config
+
 	// Logger. Default: slog.Default().
 	Logger *slog.Logger
 }
@@ -120,6 +133,7 @@ type Client struct {
 	events      *events.Store
 	runtime     *steps.Runtime
 	engine      *Engine
+	bridge      *broker.Bridge // nil without a broker
 	cfg         ClientConfig
 	log         *slog.Logger
 
@@ -213,6 +227,16 @@ func newClient(db *sql.DB, cfg ClientConfig) (*Client, error) {
 		return nil, err
 	}
 	c.db, c.transport, c.idempotency, c.events, c.runtime, c.engine = db, tr, store, es, rt, engine
+	if cfg.Broker.Broker != nil {
+		bcfg := cfg.Broker
+		bcfg.Transport = tr
+		if bcfg.Logger == nil {
+			bcfg.Logger = cfg.Logger
+		}
+		if c.bridge, err = broker.New(bcfg); err != nil {
+			return nil, err
+		}
+	}
 	c.finished.c = c
 	return c, nil
 }
@@ -232,6 +256,9 @@ func (cfg ClientConfig) validate() error {
 	}
 	if cfg.EventsNotPublished && cfg.EventsTopic == nil {
 		errs = append(errs, errors.New("EventsNotPublished needs EventsTopic"))
+	}
+	if cfg.Broker.Broker == nil && (len(cfg.Broker.Relay) > 0 || len(cfg.Broker.Receive) > 0) {
+		errs = append(errs, errors.New("Broker.Relay and Broker.Receive need Broker.Broker"))
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("saga: invalid client config: %w", err)
@@ -257,6 +284,11 @@ func (c *Client) Runtime() *steps.Runtime { return c.runtime }
 
 // Engine drives the client's sagas: inspect, list and retry them there.
 func (c *Client) Engine() *Engine { return c.engine }
+
+// Bridge is the client's bridge to its message broker (ClientConfig.Broker),
+// nil without one. Start and Stop run it; a test that runs workers of its
+// own (NewWorker) starts and stops it itself.
+func (c *Client) Bridge() *broker.Bridge { return c.bridge }
 
 // ErrClientStarted is returned when adding to a client that started.
 var ErrClientStarted = errors.New("saga: the client has started; add sagas, steps and projections before Start")
@@ -377,7 +409,13 @@ func (c *Client) Subscriptions() []transport.Subscription {
 // call it earlier, before publishing, if publishing may come first. Safe
 // in several processes at once.
 func (c *Client) Setup(ctx context.Context) error {
-	return c.transport.Subscribe(ctx, c.Subscriptions()...)
+	if err := c.transport.Subscribe(ctx, c.Subscriptions()...); err != nil {
+		return err
+	}
+	if c.bridge != nil {
+		return c.bridge.Setup(ctx)
+	}
+	return nil
 }
 
 // NewWorker builds a worker with every handler of the client: its steps,
@@ -480,6 +518,11 @@ func (c *Client) startWorker(ctx context.Context) (*Worker, error) {
 	if err := w.Start(ctx); err != nil {
 		return nil, err
 	}
+	if c.bridge != nil {
+		if err := c.bridge.Start(ctx); err != nil {
+			return nil, errors.Join(err, w.Stop())
+		}
+	}
 	return w, nil
 }
 
@@ -568,6 +611,10 @@ func (c *Client) Stop() error {
 	var err error
 	if w != nil {
 		err = w.Stop()
+		if c.bridge != nil {
+			// After the worker: what it published last is relayed.
+			err = errors.Join(err, c.bridge.Stop())
+		}
 	}
 	if stop != nil {
 		stop()

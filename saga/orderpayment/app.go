@@ -15,6 +15,7 @@ import (
 	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/events"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
@@ -66,13 +67,36 @@ type Config struct {
 	FinishedChannel string
 	// Retention of finished keys and sagas (App.RunRetention).
 	Retention Retention
+	// PaymentsBroker, when set, leaves the payments steps to the payment
+	// service on a database of its own (NewPaymentService), reached
+	// through this message broker: the charge and refund commands are
+	// relayed to it and its replies received (group OrdersGroup). The
+	// saga's definition is the same; App.Payments is nil, as the accounts
+	// live in the payment service's database. GatewayURL is then unused.
+	PaymentsBroker broker.Broker
+	// BrokerFaults injects failures at the broker boundary (tests).
+	BrokerFaults broker.Faults
+	// BrokerConsumers is how many consumers of the reply topic the bridge
+	// runs. Default: broker.ConsumersDefault.
+	BrokerConsumers int
 	// Logger. Default: slog.Default().
 	Logger *slog.Logger
 }
 
+// Consumer groups of the split sample at the broker.
+const (
+	// OrdersGroup receives the saga's replies for the orders service.
+	OrdersGroup = "orders"
+	// PaymentsGroup receives the charge and refund commands for the
+	// payment service.
+	PaymentsGroup = "payments"
+)
+
 // App is the whole sample over one database: a saga.Client serving the
 // order-payment saga, the orders and payments participants and the order
-// projection.
+// projection. With Config.PaymentsBroker, it is the orders service only,
+// and the payment service (NewPaymentService) runs on a database of its
+// own.
 type App struct {
 	Client      *saga.Client
 	DB          *sql.DB
@@ -91,8 +115,8 @@ type App struct {
 
 // New builds the App; it starts nothing.
 func New(cfg Config) (*App, error) {
-	if cfg.DB == nil || cfg.GatewayURL == "" {
-		return nil, errors.New("orderpayment: Config.DB and Config.GatewayURL are required")
+	if cfg.DB == nil || (cfg.GatewayURL == "" && cfg.PaymentsBroker == nil) {
+		return nil, errors.New("orderpayment: Config.DB and Config.GatewayURL (or PaymentsBroker) are required")
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -110,23 +134,6 @@ func New(cfg Config) (*App, error) {
 	if !cfg.QueueEveryHop {
 		ccfg.InProcessSteps, ccfg.InProcessEngine = []string{orders.ConfirmStepName, orders.CancelStepName}, true
 	}
-	c, err := saga.NewClientFromDB(cfg.DB, ccfg)
-	if err != nil {
-		return nil, err
-	}
-	ord, err := orders.New(orders.Config{DB: cfg.DB, Transport: c.Transport(), Idempotency: c.Idempotency(), Events: c.Events(), Logger: cfg.Logger,
-		Trigger: func(ctx context.Context, tx transport.Tx, msg *message.Message) error {
-			return c.StartTx(ctx, tx, Name, msg)
-		}})
-	if err != nil {
-		return nil, err
-	}
-	pay, err := payments.New(payments.Config{DB: cfg.DB, Events: c.Events(), Idempotency: c.Idempotency(), Logger: cfg.Logger,
-		Gateway:      &payments.GatewayClient{BaseURL: cfg.GatewayURL, HTTP: &http.Client{Timeout: cfg.GatewayTimeout}},
-		GatewayLease: cfg.GatewayLease})
-	if err != nil {
-		return nil, err
-	}
 	stepList := cfg.Steps
 	if stepList == nil {
 		stepList = Steps(cfg.Timeouts)
@@ -139,7 +146,29 @@ func New(cfg Config) (*App, error) {
 	if err != nil {
 		return nil, err
 	}
-	participants := []steps.Step{ord.ConfirmStep(), ord.CancelStep(), pay.ChargeStep(), pay.RefundStep()}
+	if cfg.PaymentsBroker != nil {
+		ccfg.Broker = broker.Config{Broker: cfg.PaymentsBroker, Group: OrdersGroup, Consumers: cfg.BrokerConsumers, Faults: cfg.BrokerFaults,
+			Relay: []string{payments.ChargeTopic, payments.RefundTopic}, Receive: []string{def.ReplyTopic}}
+	}
+	c, err := saga.NewClientFromDB(cfg.DB, ccfg)
+	if err != nil {
+		return nil, err
+	}
+	ord, err := orders.New(orders.Config{DB: cfg.DB, Transport: c.Transport(), Idempotency: c.Idempotency(), Events: c.Events(), Logger: cfg.Logger,
+		Trigger: func(ctx context.Context, tx transport.Tx, msg *message.Message) error {
+			return c.StartTx(ctx, tx, Name, msg)
+		}})
+	if err != nil {
+		return nil, err
+	}
+	participants := []steps.Step{ord.ConfirmStep(), ord.CancelStep()}
+	var pay *payments.Service
+	if cfg.PaymentsBroker == nil {
+		if pay, err = newPayments(c, cfg.DB, cfg.GatewayURL, cfg.GatewayTimeout, cfg.GatewayLease, cfg.Logger); err != nil {
+			return nil, err
+		}
+		participants = append(participants, pay.ChargeStep(), pay.RefundStep())
+	}
 	if err := c.Register(def); err != nil {
 		return nil, err
 	}
@@ -178,3 +207,10 @@ type Worker = saga.Worker
 
 // NewWorker builds a worker (see saga.Client.NewWorker).
 func (a *App) NewWorker() (*Worker, error) { return a.Client.NewWorker() }
+
+// newPayments is the payments domain over a client's stores.
+func newPayments(c *saga.Client, db *sql.DB, gatewayURL string, timeout, lease time.Duration, logger *slog.Logger) (*payments.Service, error) {
+	return payments.New(payments.Config{DB: db, Events: c.Events(), Idempotency: c.Idempotency(), Logger: logger,
+		Gateway:      &payments.GatewayClient{BaseURL: gatewayURL, HTTP: &http.Client{Timeout: timeout}},
+		GatewayLease: lease})
+}

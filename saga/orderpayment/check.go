@@ -73,6 +73,16 @@ func (r Report) OK() bool { return len(r.Violations) == 0 }
 //     as metadata): the ledger allows one charge per order, so a second one
 //     is money taken that no posting accounts for.
 func Check(ctx context.Context, db *sql.DB, ids []uuid.UUID) (Report, error) {
+	return check(ctx, db, ids)
+}
+
+// querier is a *sql.DB or a *sql.Tx.
+type querier interface {
+	sagatest.Querier
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}
+
+func check(ctx context.Context, db querier, ids []uuid.UUID) (Report, error) {
 	r := Report{Sagas: map[saga.Status]int{}}
 	var idArg any
 	if ids != nil {
@@ -181,7 +191,7 @@ func Check(ctx context.Context, db *sql.DB, ids []uuid.UUID) (Report, error) {
 // parked fills r.Parked with the failed sagas among idArg that a declined
 // refund explains, and returns the others, each with its reason and why no
 // declined refund explains it.
-func (r *Report) parked(ctx context.Context, db *sql.DB, idArg any, gateway bool) ([]string, error) {
+func (r *Report) parked(ctx context.Context, db querier, idArg any, gateway bool) ([]string, error) {
 	query := fmt.Sprintf(failedSagasSQL, "")
 	if gateway {
 		query = fmt.Sprintf(failedSagasSQL, failedSagasGatewaySQL)
@@ -339,3 +349,68 @@ FULL JOIN (SELECT reference, account_id, delta_cents AS amount FROM account_post
     ON p.reference = g.id AND p.account_id = g.account_id AND p.amount = g.amount_cents
 WHERE g.id IS NULL OR p.reference IS NULL`
 )
+
+// CheckSplit checks the invariants of the split sample (Config.PaymentsBroker,
+// NewPaymentService) over its two databases: the sagas, orders and views in
+// ordersDB; the ledger, the gateway and the payment steps' keys in
+// paymentsDB. So every invariant of Check holds across them, those that
+// join a saga to its money included: a completed saga's order holds
+// exactly one captured charge of its amount in the payments database, a
+// compensated one's nothing, and no order is charged twice.
+//
+// It copies the ledger (account_postings) and the fake gateway's
+// operations from paymentsDB into temporary tables of a transaction on
+// ordersDB, where they stand in for that database's own (unused) tables,
+// runs Check's queries there and rolls the transaction back; the idempotency
+// keys left pending are looked for in both databases.
+func CheckSplit(ctx context.Context, ordersDB, paymentsDB *sql.DB, ids []uuid.UUID) (Report, error) {
+	tx, err := ordersDB.BeginTx(ctx, nil)
+	if err != nil {
+		return Report{}, fmt.Errorf("orderpayment: checking across databases: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // nothing of it is kept
+	for _, table := range []string{"account_postings", "fake_gateway_operations"} {
+		if err := copyTable(ctx, paymentsDB, tx, table); err != nil {
+			return Report{}, fmt.Errorf("orderpayment: copying the payment service's %s: %w", table, err)
+		}
+	}
+	r, err := check(ctx, tx, ids)
+	if err != nil {
+		return r, err
+	}
+	pending, err := sagatest.Rows(ctx, paymentsDB, pendingKeysSQL)
+	if err != nil {
+		return r, fmt.Errorf("orderpayment: checking the payment service's idempotency keys: %w", err)
+	}
+	if len(pending) > 0 {
+		r.Violations = append(r.Violations, Violation{Invariant: "idempotency keys left pending in the payment service", Rows: firstN(pending)})
+	}
+	return r, nil
+}
+
+// copyTable copies table from src into a temporary table of the same name
+// and columns in tx, dropped when tx ends; a table src lacks is not
+// copied.
+func copyTable(ctx context.Context, src *sql.DB, tx *sql.Tx, table string) error {
+	var columns sql.NullString
+	if err := src.QueryRowContext(ctx, tableColumnsSQL, table).Scan(&columns); err != nil {
+		return err
+	}
+	if !columns.Valid {
+		return nil
+	}
+	var rows string
+	if err := src.QueryRowContext(ctx, `SELECT coalesce(json_agg(t), '[]')::text FROM `+table+` t`).Scan(&rows); err != nil {
+		return err
+	}
+	if _, err := tx.ExecContext(ctx, `CREATE TEMPORARY TABLE `+table+` (`+columns.String+`) ON COMMIT DROP`); err != nil {
+		return err
+	}
+	_, err := tx.ExecContext(ctx, `INSERT INTO pg_temp.`+table+` SELECT * FROM json_populate_recordset(NULL::pg_temp.`+table+`, $1::json)`, rows)
+	return err
+}
+
+// tableColumnsSQL is the column list of table $1 as CREATE TABLE takes it,
+// or NULL if there is no such table.
+const tableColumnsSQL = `SELECT string_agg(quote_ident(attname) || ' ' || format_type(atttypid, atttypmod), ', ' ORDER BY attnum)
+FROM pg_attribute WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped`

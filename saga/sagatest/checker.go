@@ -42,6 +42,12 @@ type Checker struct {
 	Definitions []*saga.Definition
 	// Domain invariants, checked after the generic ones.
 	Domain []Invariant
+	// Participants are the databases of services that run steps of these
+	// sagas on their own (steps/broker). A command counts as handled,
+	// dead-lettered or queued in any of them, and the invariants of steps
+	// (no idempotency key left pending, no effect applied twice) are
+	// checked in each. Default: none, every step runs on DB.
+	Participants []*sql.DB
 }
 
 // Invariants lists the generic invariants:
@@ -62,27 +68,63 @@ func (c Checker) Invariants() []Invariant {
 	q := func(query string, args ...any) func(ctx context.Context, db *sql.DB) ([]string, error) {
 		return func(ctx context.Context, db *sql.DB) ([]string, error) { return Rows(ctx, db, query, args...) }
 	}
+	// In every database where steps run.
+	each := func(query string) func(ctx context.Context, db *sql.DB) ([]string, error) {
+		return func(ctx context.Context, db *sql.DB) ([]string, error) {
+			var out []string
+			for i, d := range append([]*sql.DB{db}, c.Participants...) {
+				rows, err := Rows(ctx, d, query)
+				if err != nil {
+					return nil, err
+				}
+				if i > 0 {
+					for j := range rows {
+						rows[j] = fmt.Sprintf("participant %d: %s", i, rows[j])
+					}
+				}
+				out = append(out, rows...)
+			}
+			return out, nil
+		}
+	}
 	invs := []Invariant{
 		{"sagas not terminal", q(`SELECT id::text || ' ' || saga_type || ' ' || status FROM saga_instances
 WHERE saga_type = ANY ($1::text[]) AND status IN ('running', 'compensating') ORDER BY created_at`, types)},
 		{"sagas parked as failed", q(`SELECT id::text || ' ' || coalesce(failure_reason, '') FROM saga_instances
 WHERE saga_type = ANY ($1::text[]) AND status = 'failed' ORDER BY created_at`, types)},
-		{"idempotency keys left pending", q(`SELECT scope || '/' || key FROM idempotency_keys WHERE status = 'pending' ORDER BY created_at`)},
-		{"effects applied more than once (events appended twice under one key)", q(`SELECT stream_id || ' ' || event_type || ' key ' || (metadata->>'idempotency_key') || ' x' || count(*)
+		{"idempotency keys left pending", each(`SELECT scope || '/' || key FROM idempotency_keys WHERE status = 'pending' ORDER BY created_at`)},
+		{"effects applied more than once (events appended twice under one key)", each(`SELECT stream_id || ' ' || event_type || ' key ' || (metadata->>'idempotency_key') || ' x' || count(*)
 FROM domain_events WHERE metadata->>'idempotency_key' IS NOT NULL
 GROUP BY stream_id, event_type, metadata->>'idempotency_key' HAVING count(*) > 1`)},
 	}
 	invs = append(invs, Invariant{
 		Name: "commands neither handled, dead-lettered nor queued",
-		Check: q(`WITH sent AS (
-    SELECT DISTINCT h.command_key AS key FROM saga_history h JOIN saga_instances s ON s.id = h.saga_id
-    WHERE s.saga_type = ANY ($1::text[]) AND h.kind IN ('sent', 'resent') AND h.command_key IS NOT NULL
-), handled AS (
-    SELECT key FROM idempotency_keys WHERE status <> 'pending'
-    UNION SELECT metadata->>'idempotency_key' FROM pgsaga_dead_letters
-    UNION SELECT metadata->>'idempotency_key' FROM pgsaga_queue
-)
-SELECT s.key FROM sent s LEFT JOIN handled h ON h.key = s.key WHERE h.key IS NULL ORDER BY 1`, types),
+		Check: func(ctx context.Context, db *sql.DB) ([]string, error) {
+			sent, err := Rows(ctx, db, `SELECT DISTINCT h.command_key FROM saga_history h JOIN saga_instances s ON s.id = h.saga_id
+WHERE s.saga_type = ANY ($1::text[]) AND h.kind IN ('sent', 'resent') AND h.command_key IS NOT NULL ORDER BY 1`, types)
+			if err != nil || len(sent) == 0 {
+				return nil, err
+			}
+			found := map[string]bool{}
+			for _, d := range append([]*sql.DB{db}, c.Participants...) {
+				keys, err := Rows(ctx, d, `SELECT key FROM idempotency_keys WHERE status <> 'pending' AND key = ANY ($1::text[])
+UNION SELECT metadata->>'idempotency_key' FROM pgsaga_dead_letters WHERE metadata->>'idempotency_key' = ANY ($1::text[])
+UNION SELECT metadata->>'idempotency_key' FROM pgsaga_queue WHERE metadata->>'idempotency_key' = ANY ($1::text[])`, sent)
+				if err != nil {
+					return nil, err
+				}
+				for _, k := range keys {
+					found[k] = true
+				}
+			}
+			var lost []string
+			for _, k := range sent {
+				if !found[k] {
+					lost = append(lost, k)
+				}
+			}
+			return lost, nil
+		},
 	})
 	return invs
 }
@@ -108,8 +150,13 @@ func (c Checker) Check(ctx context.Context) ([]Violation, error) {
 	return out, nil
 }
 
+// Querier runs queries: a *sql.DB, *sql.Conn or *sql.Tx.
+type Querier interface {
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+}
+
 // Rows runs a query returning one text column: a helper for invariants.
-func Rows(ctx context.Context, db *sql.DB, query string, args ...any) ([]string, error) {
+func Rows(ctx context.Context, db Querier, query string, args ...any) ([]string, error) {
 	rows, err := db.QueryContext(ctx, query, args...)
 	if err != nil {
 		return nil, err

@@ -26,9 +26,7 @@ package sagatest
 
 import (
 	"context"
-	"crypto/sha256"
 	"database/sql"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -200,17 +198,7 @@ func (i *Injector) Close() error {
 }
 
 // chance is a uniform number in [0, 1) decided by the seed and the parts.
-func (i *Injector) chance(parts ...string) float64 {
-	h := sha256.New()
-	var seed [8]byte
-	binary.BigEndian.PutUint64(seed[:], i.cfg.Seed)
-	h.Write(seed[:])
-	for _, p := range parts {
-		h.Write([]byte(p))
-		h.Write([]byte{0})
-	}
-	return float64(binary.BigEndian.Uint64(h.Sum(nil)[:8])>>11) / (1 << 53)
-}
+func (i *Injector) chance(parts ...string) float64 { return chance(i.cfg.Seed, parts...) }
 
 // Intercept is a transport.Config.Intercept that injects the faults.
 func (i *Injector) Intercept(handler string, h transport.HandlerFunc) transport.HandlerFunc {
