@@ -11,6 +11,7 @@
 //	pgsaga dead-letters replay <id>...
 //	pgsaga consumers [--stale D] [--json]
 //	pgsaga consumers drop <group> [--topic T] --yes
+//	pgsaga relay --broker URL --topic T [--topic T]... [--batch N] [--report-every D] [--verbose]
 //	pgsaga ui [--addr 127.0.0.1:8080] [--verbose]
 //	pgsaga migrate
 //	pgsaga version [--json]
@@ -20,6 +21,10 @@
 // buttons, the dead letters with a Replay button each, and the consumer
 // groups. Its pages are rendered on the server; it loads nothing from
 // elsewhere.
+//
+// relay relays topics of the workers' database to a message broker (NATS
+// JetStream, nats://; Kafka, kafka://) until SIGINT or SIGTERM, as a
+// process of its own (workers can run it themselves: saga.ClientConfig.Broker).
 //
 // Exit status: 0 done, 1 the operation failed (no database, no such saga),
 // 2 usage (a bad flag or argument).
@@ -121,7 +126,7 @@ func newRoot(stdout, stderr io.Writer) *cobra.Command {
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
-	root.AddCommand(sagasCmd(), showCmd(), retryCmd(), cancelCmd(), deadLettersCmd(), consumersCmd(), uiCmd(), migrateCmd(), versionCmd())
+	root.AddCommand(sagasCmd(), showCmd(), retryCmd(), cancelCmd(), deadLettersCmd(), consumersCmd(), relayCmd(), uiCmd(), migrateCmd(), versionCmd())
 	return root
 }
 

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -125,6 +126,22 @@ type Bridge struct {
 	inbox   sync.WaitGroup
 	subs    []message.Subscriber
 	stopCtx context.CancelFunc // ends the inbox before the relay
+
+	relayed, received, deadLettered atomic.Int64
+}
+
+// Stats counts what a bridge did since it was built.
+type Stats struct {
+	// Relayed counts the messages the broker took from the relay (in
+	// batches that committed); Received those queued from the broker (a
+	// redelivery counts again); DeadLettered those either side
+	// dead-lettered.
+	Relayed, Received, DeadLettered int64
+}
+
+// Stats returns what the bridge did so far.
+func (b *Bridge) Stats() Stats {
+	return Stats{Relayed: b.relayed.Load(), Received: b.received.Load(), DeadLettered: b.deadLettered.Load()}
 }
 
 // New validates cfg and returns a Bridge. It connects to nothing.

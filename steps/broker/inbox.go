@@ -89,9 +89,11 @@ func (b *Bridge) receive(topic string, msg *message.Message) {
 			return
 		}
 		log.Error("message from the broker dead-lettered", "reason", reason)
+		b.deadLettered.Add(1)
 		msg.Ack()
 		return
 	}
+	b.received.Add(1)
 	tc.Metrics.Received(topic)
 	if f := b.cfg.Faults; f != nil && f.RedeliverAfterStore(topic, msg) {
 		msg.Nack()

@@ -125,9 +125,12 @@ func (r *relay) batch(ctx context.Context) (more bool, err error) {
 	if b.Claimed() >= r.b.cfg.BatchSize {
 		more = true
 	}
+	dead := b.DeadLettered()
 	if err := b.Commit(); err != nil {
 		return false, errors.Join(pubErr, err)
 	}
+	r.b.relayed.Add(int64(relayed))
+	r.b.deadLettered.Add(int64(dead))
 	r.b.t.Config().Metrics.Relayed(r.topic, relayed)
 	if relayed > 0 {
 		r.b.log.Debug("relayed", "topic", r.topic, "messages", relayed)

@@ -1,0 +1,116 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/pgsaga/pgsaga/internal/brokers"
+	"github.com/pgsaga/pgsaga/internal/finddb"
+	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/steps/broker"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+func relayCmd() *cobra.Command {
+	var (
+		brokerURL string
+		topics    []string
+		batch     int
+		every     time.Duration
+		verbose   bool
+	)
+	cmd := &cobra.Command{
+		Use:   "relay --broker URL --topic T [--topic T…]",
+		Short: "Relay topics from the workers' database to a message broker, in order, until Ctrl-C",
+		Long: "relay runs the outbox relay as a process of its own: every message published to one of the topics in the " +
+			"workers' database is published to the broker (" + brokers.Schemes + "), at least once, in the order it was " +
+			"queued, with its UUID as the broker's deduplication id. It records the relay's consumer group of each topic " +
+			"first (messages published to a topic before any relay or group subscribed it are dead letters), creates the " +
+			"topics at the broker if missing, and runs until SIGINT or SIGTERM. Several relays of one topic take turns. " +
+			"Workers can run the relay themselves instead (saga.ClientConfig.Broker).",
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if brokerURL == "" {
+				return usagef("--broker is required: %s", brokers.Schemes)
+			}
+			if err := brokers.Check(brokerURL); err != nil {
+				return usageError{err}
+			}
+			if len(topics) == 0 {
+				return usagef("give at least one --topic to relay")
+			}
+			for _, t := range topics {
+				if err := transport.ValidateTopic(t); err != nil {
+					return usageError{err}
+				}
+			}
+			if batch < 1 || batch > 1000 {
+				return usagef("--batch must be between 1 and 1000, got %d", batch)
+			}
+			if every < 0 {
+				return usagef("--report-every must not be negative")
+			}
+			level := slog.LevelInfo
+			if verbose {
+				level = slog.LevelDebug
+			}
+			stderr := cmd.ErrOrStderr()
+			log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
+			ctx := cmd.Context()
+			return onFound(ctx, true, func(db *pgdb.DB, found *finddb.Found) error {
+				tr, err := transport.New(transport.Config{DB: db.SQL, Logger: log})
+				if err != nil {
+					return err
+				}
+				br, err := brokers.Open(brokerURL, log)
+				if err != nil {
+					return err
+				}
+				defer br.Close()
+				b, err := broker.New(broker.Config{Transport: tr, Broker: br, Relay: topics, BatchSize: batch, Logger: log})
+				if err != nil {
+					return usageError{err}
+				}
+				startCtx, cancel := context.WithTimeout(ctx, time.Minute)
+				err = b.Start(startCtx)
+				cancel()
+				if err != nil {
+					return err
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), "pgsaga relay: relaying %v from %s to %s; stop with Ctrl-C (SIGINT) or SIGTERM\n", topics, found.Describe(), brokers.Redact(brokerURL))
+				var tick <-chan time.Time
+				if every > 0 {
+					t := time.NewTicker(every)
+					defer t.Stop()
+					tick = t.C
+				}
+				last := b.Stats()
+				for running := true; running; {
+					select {
+					case <-ctx.Done():
+						running = false
+					case <-tick:
+						now := b.Stats()
+						fmt.Fprintf(cmd.OutOrStdout(), "pgsaga relay: %d relayed in the last %s (%d in all), %d dead-lettered in all\n",
+							now.Relayed-last.Relayed, every, now.Relayed, now.DeadLettered)
+						last = now
+					}
+				}
+				stopErr := b.Stop()
+				st := b.Stats()
+				fmt.Fprintf(cmd.OutOrStdout(), "pgsaga relay: stopped; %d relayed, %d dead-lettered\n", st.Relayed, st.DeadLettered)
+				return stopErr
+			})
+		},
+	}
+	cmd.Flags().StringVar(&brokerURL, "broker", "", "the broker: "+brokers.Schemes)
+	cmd.Flags().StringArrayVar(&topics, "topic", nil, "a topic to relay (repeat for several)")
+	cmd.Flags().IntVar(&batch, "batch", broker.BatchSizeDefault, "messages of a topic taken from the queue per transaction")
+	cmd.Flags().DurationVar(&every, "report-every", time.Minute, "print what was relayed this often (0: only when stopping)")
+	cmd.Flags().BoolVarP(&verbose, "verbose", "v", false, "log each batch (debug level)")
+	return cmd
+}
