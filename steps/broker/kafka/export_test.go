@@ -1,0 +1,4 @@
+package kafka
+
+// Marshaler is the wire format, for tests.
+var Marshaler = marshaler

@@ -1,0 +1,145 @@
+package kafka_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/steps/broker"
+	"github.com/pgsaga/pgsaga/steps/broker/kafka"
+	"github.com/pgsaga/pgsaga/steps/metadata"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+// A message's partition key keeps an event stream's versions, and a saga's
+// commands, in one partition: its stream, else its saga, else its UUID.
+func TestPartitionKey(t *testing.T) {
+	t.Parallel()
+	for name, c := range map[string]struct {
+		md   message.Metadata
+		want string
+	}{
+		"event":   {message.Metadata{metadata.PartitionKey: "order-1", metadata.SagaID: "s"}, "order-1"},
+		"command": {message.Metadata{metadata.SagaID: "saga-7"}, "saga-7"},
+		"other":   {message.Metadata{}, "the-uuid"},
+	} {
+		msg := message.NewMessage("the-uuid", []byte("{}"))
+		msg.Metadata = c.md
+		pm, err := kafka.Marshaler.Marshal("topic", msg)
+		require.NoError(t, err, name)
+		key, err := pm.Key.Encode()
+		require.NoError(t, err)
+		assert.Equal(t, c.want, string(key), name)
+	}
+}
+
+// Whatever a message's id and metadata hold, they travel as record
+// headers unchanged.
+func TestWireRoundTrip(t *testing.T) {
+	t.Parallel()
+	msg := message.NewMessage("id with spaces\nand a line break", []byte("payload\x00\xff"))
+	msg.Metadata = message.Metadata{"reason": "a\r\nb", "padded": "  x  ", "": "empty key", "naïve": "日本"}
+	pm, err := kafka.Marshaler.Marshal("topic", msg)
+	require.NoError(t, err)
+	value, err := pm.Value.Encode()
+	require.NoError(t, err)
+	cm := &sarama.ConsumerMessage{Topic: "topic", Value: value}
+	for _, h := range pm.Headers {
+		cm.Headers = append(cm.Headers, &sarama.RecordHeader{Key: h.Key, Value: h.Value})
+	}
+	back, err := kafka.Marshaler.Unmarshal(cm)
+	require.NoError(t, err)
+	assert.Equal(t, msg.UUID, back.UUID)
+	assert.Equal(t, msg.Payload, back.Payload)
+	assert.Equal(t, msg.Metadata, back.Metadata)
+}
+
+// brokers returns KAFKA_BROKERS, or skips: no Kafka broker runs where
+// pgsaga is developed (docker compose up -d kafka starts one).
+func brokers(t *testing.T) []string {
+	t.Helper()
+	env := os.Getenv("KAFKA_BROKERS")
+	if env == "" {
+		t.Skip("no Kafka broker: set KAFKA_BROKERS=127.0.0.1:9092 (docker compose up -d kafka starts one)")
+	}
+	list := strings.Split(env, ",")
+	conn, err := net.DialTimeout("tcp", list[0], 2*time.Second)
+	if err != nil {
+		t.Skipf("no Kafka broker answers at %s (KAFKA_BROKERS): %v", list[0], err)
+	}
+	_ = conn.Close()
+	return list
+}
+
+// With a broker: a topic relayed in order, received whole, by the same
+// bridge code as NATS JetStream.
+func TestRelayAndReceiveThroughKafka(t *testing.T) {
+	list := brokers(t)
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+	br, err := kafka.New(kafka.Config{Brokers: list, Partitions: 1, Logger: quiet})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = br.Close() })
+	out, in := testdb.Fresh(t), testdb.Fresh(t)
+	b := make([]byte, 5)
+	_, _ = rand.Read(b)
+	topic := "pgsagatest." + hex.EncodeToString(b)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+
+	trOut, err := transport.New(transport.Config{DB: out.SQL, Logger: quiet, IdlePollInterval: testdb.NoSafetyPoll})
+	require.NoError(t, err)
+	trIn, err := transport.New(transport.Config{DB: in.SQL, Logger: quiet, IdlePollInterval: testdb.NoSafetyPoll})
+	require.NoError(t, err)
+	require.NoError(t, trIn.Subscribe(ctx, transport.Subscription{Topic: topic, ConsumerGroup: "local"}))
+	for _, cfg := range []broker.Config{
+		{Transport: trOut, Broker: br, Relay: []string{topic}, Logger: quiet},
+		{Transport: trIn, Broker: br, Receive: []string{topic}, Group: "g" + hex.EncodeToString(b), Consumers: 1, Logger: quiet},
+	} {
+		bridge, err := broker.New(cfg)
+		require.NoError(t, err)
+		require.NoError(t, bridge.Start(ctx))
+		t.Cleanup(func() { _ = bridge.Stop() })
+	}
+	var ids []string
+	for i := range 20 {
+		msg := message.NewMessage(uuid.NewString(), fmt.Appendf(nil, `{"i":%d}`, i))
+		msg.Metadata.Set(metadata.PartitionKey, "stream-1")
+		tx, err := out.SQL.Begin()
+		require.NoError(t, err)
+		require.NoError(t, trOut.Publisher(tx).Publish(topic, msg))
+		require.NoError(t, tx.Commit())
+		ids = append(ids, msg.UUID)
+	}
+	// What the receiving database queued, in the order it was queued.
+	var got []string
+	require.Eventually(t, func() bool {
+		rows, err := in.SQL.QueryContext(ctx, `SELECT uuid FROM pgsaga_queue WHERE topic = $1 ORDER BY id`, topic)
+		require.NoError(t, err)
+		defer rows.Close()
+		got = got[:0]
+		for rows.Next() {
+			var id string
+			require.NoError(t, rows.Scan(&id))
+			got = append(got, id)
+		}
+		return len(got) >= len(ids)
+	}, 2*time.Minute, 50*time.Millisecond)
+	assert.Equal(t, ids, got)
+}
