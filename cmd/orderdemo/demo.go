@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"maps"
 	"math/rand/v2"
+	"os"
 	"slices"
 	"sort"
 	"strings"
@@ -15,8 +16,10 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/pgsaga/pgsaga/internal/brokers"
 	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/obs"
@@ -24,10 +27,12 @@ import (
 	"github.com/pgsaga/pgsaga/internal/workerwatch"
 	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/orders"
+	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
+	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/telemetry"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
@@ -48,6 +53,39 @@ type demo struct {
 	app      *orderpayment.App
 	workers  []*orderpayment.Worker
 	metrics  *obs.MetricsServer
+
+	// With -payments-service: the payment service, on its database,
+	// reached through a broker.
+	payDB        *pgdb.DB
+	payDBName    string
+	payChaosDB   *pgdb.DB
+	payInjector  *sagatest.Injector
+	pay          *orderpayment.PaymentService
+	brokers      []broker.Broker
+	brokerFaults []*sagatest.BrokerInjector
+	bridges      []*broker.Bridge // running
+}
+
+// faults are the handlers' faults the chaos flags ask for.
+func (d *demo) faults() sagatest.Faults {
+	return sagatest.Faults{
+		Seed:                  d.opts.seed,
+		DuplicateRate:         d.opts.duplicateRate,
+		CrashBeforeCommitRate: 0.45 * d.opts.crashRate,
+		CrashAfterCommitRate:  0.45 * d.opts.crashRate,
+		KillConnectionRate:    0.1 * d.opts.crashRate,
+	}
+}
+
+// split reports whether the payment service runs apart.
+func (d *demo) split() bool { return d.opts.paymentsService != "" }
+
+// payments is the payments domain: the App's, or the payment service's.
+func (d *demo) payments() *payments.Service {
+	if d.pay != nil {
+		return d.pay.Payments
+	}
+	return d.app.Payments
 }
 
 func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo, error) {
@@ -94,8 +132,15 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 	if len(applied) > 0 {
 		fmt.Fprintf(d.status, "migrations: applied %v\n", applied)
 	}
-	// The gateway is another service: a pool of its own.
-	d.gwDB, err = pgdb.Open(ctx, pgdb.Config{URL: found.URL, MaxConns: 4, ApplicationName: "orderdemo-gateway"})
+	gwURL := found.URL
+	if d.split() {
+		if gwURL, err = d.openPaymentsDB(ctx, opts); err != nil {
+			return nil, err
+		}
+	}
+	// The gateway is another service: a pool of its own, on the payment
+	// service's database when it has one.
+	d.gwDB, err = pgdb.Open(ctx, pgdb.Config{URL: gwURL, MaxConns: 4, ApplicationName: "orderdemo-gateway"})
 	if err != nil {
 		return nil, err
 	}
@@ -110,13 +155,7 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 		if err != nil {
 			return nil, err
 		}
-		d.injector, err = sagatest.NewInjector(d.chaosDB.SQL, sagatest.Faults{
-			Seed:                  d.opts.seed,
-			DuplicateRate:         d.opts.duplicateRate,
-			CrashBeforeCommitRate: 0.45 * d.opts.crashRate,
-			CrashAfterCommitRate:  0.45 * d.opts.crashRate,
-			KillConnectionRate:    0.1 * d.opts.crashRate,
-		}, d.log)
+		d.injector, err = sagatest.NewInjector(d.chaosDB.SQL, d.faults(), d.log)
 		if err != nil {
 			return nil, err
 		}
@@ -124,6 +163,33 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 		// A killed connection costs its whole batch: smaller batches keep
 		// each kill's cost small.
 		tcfg.BatchSize = 10
+	}
+	payTcfg := tcfg
+	var ordersFaults, payFaults broker.Faults
+	if d.split() && d.opts.chaos() {
+		// The payment service's database gets an injector of its own (a
+		// copy goes to its message's database); the bridges get broker
+		// faults: redeliveries at the duplicate rate, and each relay
+		// killed twice at most between a publish and its commit (at a
+		// tenth of the crash rate: a crash abandons the relay's whole
+		// batch, so a relay crashing often would never commit one).
+		d.payChaosDB, err = pgdb.Open(ctx, pgdb.Config{URL: gwURL, MaxConns: 4, ApplicationName: "orderdemo-chaos"})
+		if err != nil {
+			return nil, err
+		}
+		if d.payInjector, err = sagatest.NewInjector(d.payChaosDB.SQL, d.faults(), d.log); err != nil {
+			return nil, err
+		}
+		payTcfg.Intercept = d.payInjector.Intercept
+		for i := range 2 {
+			bf, err := sagatest.NewBrokerInjector(sagatest.BrokerFaults{Seed: d.opts.seed + uint64(i),
+				RedeliverRate: d.opts.duplicateRate, RelayCrashRate: d.opts.crashRate / 10, MaxRelayCrashes: 2})
+			if err != nil {
+				return nil, err
+			}
+			d.brokerFaults = append(d.brokerFaults, bf)
+		}
+		ordersFaults, payFaults = d.brokerFaults[0], d.brokerFaults[1]
 	}
 	if d.opts.declineRefunds {
 		fmt.Fprintln(d.status, "refunds: the gateway declines every refund (-decline-refunds); a saga that needs one parks for an operator")
@@ -140,13 +206,24 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 			return nil, err
 		}
 	}
-	d.app, err = orderpayment.New(orderpayment.Config{
+	cfg := orderpayment.Config{
 		DB:            d.db.SQL,
 		GatewayURL:    d.gateway.URL(),
 		Transport:     tcfg,
 		SweepInterval: 500 * time.Millisecond,
 		Logger:        d.log,
-	})
+	}
+	if d.split() {
+		payTcfg.Metrics = tcfg.Metrics
+		if err := d.startPaymentService(ctx, payTcfg, payFaults); err != nil {
+			return nil, err
+		}
+		if cfg.PaymentsBroker, err = d.openBroker(); err != nil {
+			return nil, err
+		}
+		cfg.BrokerFaults = ordersFaults
+	}
+	d.app, err = orderpayment.New(cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -154,7 +231,14 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 		return nil, err
 	}
 	if reg != nil {
-		reg.MustRegister(d.app.Client.Collector())
+		if d.split() {
+			// Both services' collectors read the same metrics from their
+			// own database: a service label tells them apart.
+			prometheus.WrapRegistererWith(prometheus.Labels{"service": "orders"}, reg).MustRegister(d.app.Client.Collector())
+			prometheus.WrapRegistererWith(prometheus.Labels{"service": "payments"}, reg).MustRegister(d.pay.Client.Collector())
+		} else {
+			reg.MustRegister(d.app.Client.Collector())
+		}
 		if d.metrics, err = obs.ServeMetrics(d.opts.metricsAddr, reg, d.log); err != nil {
 			return nil, err
 		}
@@ -162,6 +246,75 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 	}
 	ok = true
 	return d, nil
+}
+
+// openPaymentsDB finds, migrates and opens the payment service's database:
+// PAYMENTS_DATABASE_URL, else one next to the orders database. It returns
+// its URL.
+func (d *demo) openPaymentsDB(ctx context.Context, opts options) (string, error) {
+	url := os.Getenv(paymentsDatabaseEnv)
+	where := "database from " + paymentsDatabaseEnv + ": " + pgdb.Redact(url)
+	if url == "" {
+		var err error
+		if url, err = d.found.Sibling(ctx, "payments"); err != nil {
+			return "", fmt.Errorf("the payment service's database: %w (or set %s)", err, paymentsDatabaseEnv)
+		}
+		where = "database " + databaseName(url) + " next to it"
+	}
+	var err error
+	d.payDBName = databaseName(url)
+	d.payDB, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: int32(12 + 10*opts.workers), ApplicationName: "orderdemo-payments"})
+	if err != nil {
+		return "", err
+	}
+	applied, err := migrations.Apply(ctx, d.payDB.SQL)
+	if err != nil {
+		return "", fmt.Errorf("the payment service's database: %w", err)
+	}
+	fmt.Fprintf(d.status, "payment service: %s, reached through %s\n", where, brokers.Redact(opts.paymentsService))
+	if len(applied) > 0 {
+		fmt.Fprintf(d.status, "payment service: migrations applied %v\n", applied)
+	}
+	return url, nil
+}
+
+// paymentsDatabaseEnv names the payment service's database.
+const paymentsDatabaseEnv = "PAYMENTS_DATABASE_URL"
+
+// databaseName is the database a URL names.
+func databaseName(url string) string {
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		return "?"
+	}
+	return cfg.Database
+}
+
+// openBroker connects to the -payments-service broker (each service has
+// its own connections, as separate processes would).
+func (d *demo) openBroker() (broker.Broker, error) {
+	b, err := brokers.Open(d.opts.paymentsService, d.log)
+	if err != nil {
+		return nil, fmt.Errorf("-payments-service: %w", err)
+	}
+	d.brokers = append(d.brokers, b)
+	return b, nil
+}
+
+// startPaymentService builds the payment service and records its
+// subscriptions and topics; its workers and bridge start with the others'.
+func (d *demo) startPaymentService(ctx context.Context, tcfg transport.Config, faults broker.Faults) error {
+	b, err := d.openBroker()
+	if err != nil {
+		return err
+	}
+	d.pay, err = orderpayment.NewPaymentService(orderpayment.PaymentServiceConfig{
+		DB: d.payDB.SQL, GatewayURL: d.gateway.URL(), Broker: b, BrokerFaults: faults, Transport: tcfg, Logger: d.log,
+	})
+	if err != nil {
+		return err
+	}
+	return d.pay.Setup(ctx)
 }
 
 // declineRefunds makes every refund call a decline, and leaves the other
@@ -188,14 +341,35 @@ func (d *demo) startWorkers(ctx context.Context) (_ context.Context, stopWatchin
 	if err != nil {
 		return nil, nil, err
 	}
-	ctx, stopWatching = workerwatch.Watch(ctx, workers)
+	if d.pay != nil {
+		// The payment service's workers, then both bridges.
+		payWorkers, err := workerwatch.StartAll(ctx, d.opts.workers, d.pay.NewWorker)
+		d.workers = append(d.workers, payWorkers...)
+		if err != nil {
+			return nil, nil, err
+		}
+		for _, b := range []*broker.Bridge{d.pay.Client.Bridge(), d.app.Client.Bridge()} {
+			if err := b.Start(ctx); err != nil {
+				return nil, nil, fmt.Errorf("starting the bridge to the broker: %w", err)
+			}
+			d.bridges = append(d.bridges, b)
+		}
+	}
+	ctx, stopWatching = workerwatch.Watch(ctx, d.workers)
 	return ctx, stopWatching, nil
 }
 
-// stopWorkers drains and stops the workers.
+// stopWorkers drains and stops the workers, then the bridges (what the
+// workers published last is relayed).
 func (d *demo) stopWorkers() {
 	workerwatch.StopAll(d.workers, d.log)
 	d.workers = nil
+	for _, b := range d.bridges {
+		if err := b.Stop(); err != nil {
+			d.log.Error("stopping a bridge", "err", err)
+		}
+	}
+	d.bridges = nil
 }
 
 func (d *demo) close() {
@@ -205,13 +379,20 @@ func (d *demo) close() {
 			d.log.Error("stopping the metrics server", "err", err)
 		}
 	}
-	if d.injector != nil {
-		_ = d.injector.Close()
+	for _, inj := range []*sagatest.Injector{d.injector, d.payInjector} {
+		if inj != nil {
+			_ = inj.Close()
+		}
 	}
-	if d.chaosDB != nil {
-		d.chaosDB.Close()
-		d.chaosDB = nil
+	for _, b := range d.brokers {
+		_ = b.Close()
 	}
+	for _, db := range []*pgdb.DB{d.chaosDB, d.payChaosDB, d.payDB} {
+		if db != nil {
+			db.Close()
+		}
+	}
+	d.chaosDB, d.payChaosDB, d.payDB = nil, nil, nil
 	if d.gateway != nil {
 		_ = d.gateway.Close()
 	}
@@ -310,7 +491,12 @@ func (d *demo) runOrders(ctx context.Context) (code int, reported bool) {
 	}
 	// Stop the workers before checking, so nothing moves under the check.
 	d.stopWorkers()
-	report, err := orderpayment.Check(context.Background(), d.db.SQL, ids)
+	var report orderpayment.Report
+	if d.split() {
+		report, err = orderpayment.CheckSplit(context.Background(), d.db.SQL, d.payDB.SQL, ids)
+	} else {
+		report, err = orderpayment.Check(context.Background(), d.db.SQL, ids)
+	}
 	if err != nil {
 		fmt.Fprintln(d.errs, "orderdemo: checking invariants:", err)
 		return exitFailed, false
@@ -347,10 +533,10 @@ func (d *demo) placeOrders(ctx context.Context) ([]uuid.UUID, error) {
 		if err := d.app.Orders.AddCustomer(ctx, ids[i], fmt.Sprintf("Customer %d", i)); err != nil {
 			return nil, err
 		}
-		if err := d.app.Payments.OpenAccount(ctx, ids[i]); err != nil {
+		if err := d.payments().OpenAccount(ctx, ids[i]); err != nil {
 			return nil, err
 		}
-		if err := d.app.Payments.Deposit(ctx, ids[i], 25_000, "demo-seed"); err != nil {
+		if err := d.payments().Deposit(ctx, ids[i], 25_000, "demo-seed"); err != nil {
 			return nil, err
 		}
 	}
@@ -531,8 +717,10 @@ type summary struct {
 	GatewayCalls       int            `json:"gateway_calls"`
 	Seed               uint64         `json:"seed"`
 	Chaos              *chaosSummary  `json:"chaos,omitempty"`
-	InvariantsOK       bool           `json:"invariants_ok"`
-	Violations         []string       `json:"violations"`
+	// PaymentsService is set with -payments-service.
+	PaymentsService *paymentsService `json:"payments_service,omitempty"`
+	InvariantsOK    bool             `json:"invariants_ok"`
+	Violations      []string         `json:"violations"`
 	// FailedReasons counts the parked sagas by what parked them (the
 	// compensation that failed, and why).
 	FailedReasons map[string]int `json:"failed_reasons"`
@@ -557,6 +745,25 @@ type chaosSummary struct {
 	Attempts          int            `json:"handler_attempts"`
 	Retries           int            `json:"handler_retries"`
 	Replayed          int            `json:"replies_replayed"`
+	// Broker: the faults at the broker boundary (-payments-service).
+	Broker *brokerChaos `json:"broker,omitempty"`
+}
+
+// brokerChaos says what was injected at the broker boundary.
+type brokerChaos struct {
+	Received     int `json:"received"`
+	Redelivered  int `json:"redelivered"`
+	RelayCrashes int `json:"relay_crashes"`
+}
+
+// paymentsService says where the payment service ran (-payments-service)
+// and what crossed the broker.
+type paymentsService struct {
+	Broker       string `json:"broker"`
+	Database     string `json:"database"`
+	Relayed      int64  `json:"relayed"`
+	Received     int64  `json:"received"`
+	DeadLettered int64  `json:"dead_lettered"`
 }
 
 func (d *demo) report(ids []uuid.UUID, r orderpayment.Report, took time.Duration, finished bool) int {
@@ -583,18 +790,48 @@ func (d *demo) report(ids []uuid.UUID, r orderpayment.Report, took time.Duration
 		}
 	}
 	s.Seed = d.opts.seed
-	gw, gwErr := fakegateway.ReadStats(context.Background(), d.db.SQL)
+	gw, gwErr := fakegateway.ReadStats(context.Background(), d.gwDB.SQL)
 	if gwErr == nil {
 		s.GatewayCharges, s.GatewayRefunds, s.GatewayCalls = gw.Charges, gw.Refunds, gw.Calls
 	}
 	if d.injector != nil {
-		st := d.injector.Stats()
-		c := &chaosSummary{Duplicated: st.Duplicated, Copies: st.Copies, CrashesBefore: st.CrashesBefore, CrashesAfter: st.CrashesAfter,
-			ConnectionsKilled: st.ConnectionsKilled, Attempts: st.Attempts, Retries: st.Retries, Replayed: st.Replayed, GatewayFaults: map[string]int{}}
+		c := &chaosSummary{GatewayFaults: map[string]int{}}
+		for _, inj := range []*sagatest.Injector{d.injector, d.payInjector} {
+			if inj == nil {
+				continue
+			}
+			st := inj.Stats()
+			c.Duplicated += st.Duplicated
+			c.Copies += st.Copies
+			c.CrashesBefore += st.CrashesBefore
+			c.CrashesAfter += st.CrashesAfter
+			c.ConnectionsKilled += st.ConnectionsKilled
+			c.Attempts += st.Attempts
+			c.Retries += st.Retries
+			c.Replayed += st.Replayed
+		}
 		for f, n := range gw.Faults {
 			c.GatewayFaults[string(f)] = n
 		}
+		if len(d.brokerFaults) > 0 {
+			c.Broker = &brokerChaos{}
+			for _, bf := range d.brokerFaults {
+				st := bf.Stats()
+				c.Broker.Received += st.Received
+				c.Broker.Redelivered += st.Redelivered
+				c.Broker.RelayCrashes += st.RelayCrashes
+			}
+		}
 		s.Chaos = c
+	}
+	if d.split() {
+		s.PaymentsService = &paymentsService{Broker: brokers.Redact(d.opts.paymentsService), Database: d.payDBName}
+		for _, b := range []*broker.Bridge{d.app.Client.Bridge(), d.pay.Client.Bridge()} {
+			st := b.Stats()
+			s.PaymentsService.Relayed += st.Relayed
+			s.PaymentsService.Received += st.Received
+			s.PaymentsService.DeadLettered += st.DeadLettered
+		}
 	}
 
 	if d.opts.json {
@@ -700,6 +937,10 @@ func (d *demo) printTable(s summary) {
 	fmt.Fprintf(w, "  %-12s %s\n", "time taken", fmtMillis(s.DurationMillis))
 	fmt.Fprintf(w, "  %-12s %s, %s, %s (all runs)\n", "gateway", plural(s.GatewayCharges, "charge", "charges"),
 		plural(s.GatewayRefunds, "refund", "refunds"), plural(s.GatewayCalls, "call", "calls"))
+	if p := s.PaymentsService; p != nil {
+		fmt.Fprintf(w, "  %-12s database %s through %s: %s relayed, %s received, %d dead-lettered\n", "payments", p.Database, p.Broker,
+			plural(int(p.Relayed), "message", "messages"), plural(int(p.Received), "message", "messages"), p.DeadLettered)
+	}
 	if c := s.Chaos; c != nil {
 		fmt.Fprintf(w, "  %-12s %s duplicated (%s), %s before commit, %d after commit, %s killed\n", "chaos",
 			plural(c.Duplicated, "message", "messages"), plural(c.Copies, "copy", "copies"),
@@ -707,6 +948,10 @@ func (d *demo) printTable(s summary) {
 		fmt.Fprintf(w, "  %-12s gateway faults %s (all runs); %s, of which %s; %s answered from the store\n", "",
 			countList(c.GatewayFaults, "none"), plural(c.Attempts, "handler attempt", "handler attempts"),
 			plural(c.Retries, "retry", "retries"), plural(c.Replayed, "duplicate command", "duplicate commands"))
+		if b := c.Broker; b != nil {
+			fmt.Fprintf(w, "  %-12s broker: %s of %s redelivered, %s\n", "", plural(b.Redelivered, "message", "messages"),
+				plural(b.Received, "received", "received"), plural(b.RelayCrashes, "relay crash", "relay crashes"))
+		}
 		fmt.Fprintf(w, "  %-12s seed %d\n", "", s.Seed)
 	}
 	switch {

@@ -7,6 +7,7 @@ import (
 	"io"
 	"time"
 
+	"github.com/pgsaga/pgsaga/internal/brokers"
 	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/obs"
 )
@@ -32,6 +33,10 @@ type options struct {
 	// metricsAddr serves Prometheus metrics at http://metricsAddr/metrics
 	// while it runs ("": off).
 	metricsAddr string
+	// paymentsService is a broker URL: the payment service runs on a
+	// database of its own, reached through that broker ("": one
+	// database, as one service).
+	paymentsService string
 
 	duplicateRate    float64
 	crashRate        float64
@@ -59,6 +64,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.BoolVar(&o.serve, "serve", false, "after the report, keep the workers running until SIGINT or SIGTERM, carrying out operators' requests (pgsaga retry, pgsaga cancel); with -orders 0, serve only")
 	o.log.Register(fs, "warn (nothing with chaos flags)")
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve Prometheus metrics at http://ADDR/metrics while it runs, e.g. 127.0.0.1:9090 (port 0 picks one; the address is printed)")
+	fs.StringVar(&o.paymentsService, "payments-service", "", "run the payment step as a service of its own, on a second database (PAYMENTS_DATABASE_URL, else the first one's name + _payments), reached through this broker: "+brokers.Schemes)
 	fs.BoolVar(&o.declineRefunds, "decline-refunds", false, "the payment gateway declines every refund: a saga whose compensation needs one (an order cancelled after it was charged) parks as failed, its charge held, for an operator")
 	fs.Float64Var(&o.duplicateRate, "duplicate-rate", 0, "chaos: share of messages delivered again (copies arrive late and out of order)")
 	fs.Float64Var(&o.crashRate, "crash-rate", 0, "chaos: share of handler attempts crashed at a commit boundary (45% of them before commit, 45% after commit before the ack, 10% by killing the database connection)")
@@ -99,7 +105,10 @@ With -serve, SIGINT or SIGTERM after the report ends the serving, which is
 no failure: the exit status is the run's (0 for -orders 0).
 
 The database is DATABASE_URL, else a PostgreSQL on 127.0.0.1:5432 (database
-"pgsaga", created if missing), else an embedded PostgreSQL it starts.
+"pgsaga", created if missing), else an embedded PostgreSQL it starts. With
+-payments-service, the payment service has a database of its own:
+PAYMENTS_DATABASE_URL, else one named after the first with "_payments", on
+the same server (created if missing).
 
 Flags:
 `)
@@ -129,6 +138,11 @@ func validate(fs *flag.FlagSet, o *options) error {
 	if o.metricsAddr != "" {
 		if err := obs.CheckMetricsAddr(o.metricsAddr); err != nil {
 			return err
+		}
+	}
+	if o.paymentsService != "" {
+		if err := brokers.Check(o.paymentsService); err != nil {
+			return fmt.Errorf("-payments-service: %w", err)
 		}
 	}
 	for name, r := range map[string]float64{"-duplicate-rate": o.duplicateRate, "-crash-rate": o.crashRate, "-gateway-fault-rate": o.gatewayFaultRate} {

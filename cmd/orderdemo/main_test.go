@@ -72,18 +72,19 @@ func TestRunPlacesOrdersAndReports(t *testing.T) {
 func TestBadFlags(t *testing.T) {
 	t.Parallel()
 	for args, want := range map[string]string{
-		"-orders -1":            "-orders must not be negative",
-		"-workers 0":            "-workers must be between 1 and 16",
-		"-timeout 0s":           "-timeout must be positive",
-		"-resume -orders 10":    "-resume places no orders",
-		"extra":                 "unexpected arguments",
-		"-orders ten":           "invalid value",
-		"-no-such-flag":         "flag provided but not defined",
-		"-workers 2 -orders 1e": "invalid value",
-		"-duplicate-rate 1.5":   "-duplicate-rate must be between 0 and 1",
-		"-crash-rate -0.1":      "-crash-rate must be between 0 and 1",
-		"-gateway-fault-rate 2": "-gateway-fault-rate must be between 0 and 1",
-		"-seed -1":              "invalid value",
+		"-orders -1":                           "-orders must not be negative",
+		"-workers 0":                           "-workers must be between 1 and 16",
+		"-timeout 0s":                          "-timeout must be positive",
+		"-resume -orders 10":                   "-resume places no orders",
+		"extra":                                "unexpected arguments",
+		"-orders ten":                          "invalid value",
+		"-payments-service http://127.0.0.1:1": "unknown broker URL",
+		"-no-such-flag":                        "flag provided but not defined",
+		"-workers 2 -orders 1e":                "invalid value",
+		"-duplicate-rate 1.5":                  "-duplicate-rate must be between 0 and 1",
+		"-crash-rate -0.1":                     "-crash-rate must be between 0 and 1",
+		"-gateway-fault-rate 2":                "-gateway-fault-rate must be between 0 and 1",
+		"-seed -1":                             "invalid value",
 	} {
 		var stdout, stderr bytes.Buffer
 		code := run(context.Background(), strings.Fields(args), &stdout, &stderr)

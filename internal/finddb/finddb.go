@@ -391,3 +391,23 @@ func (f *Found) Describe() string {
 }
 
 var _ io.Closer = (*Found)(nil)
+
+// Sibling returns a URL for the database named after the found one with
+// suffix ("pgsaga" and "payments": "pgsaga_payments"), on the same server
+// with the same credentials, creating it if it does not exist: a second
+// service's database next to the first.
+func (f *Found) Sibling(ctx context.Context, suffix string) (string, error) {
+	cfg, err := pgx.ParseConfig(f.URL)
+	if err != nil {
+		return "", fmt.Errorf("reading the database URL: %w", err)
+	}
+	name := cfg.Database + "_" + suffix
+	if len(name) > 63 {
+		return "", fmt.Errorf("the database name %q is longer than PostgreSQL's 63 bytes", name)
+	}
+	url, err := ensureDatabase(ctx, f.URL, name, 30*time.Second)
+	if err != nil {
+		return "", fmt.Errorf("%w (the role needs CREATEDB, or create the database %s yourself)", err, name)
+	}
+	return url, nil
+}

@@ -70,6 +70,26 @@ func TestLocalServerGetsItsDatabase(t *testing.T) {
 	}
 }
 
+// A second service's database is created next to the found one, once.
+func TestSibling(t *testing.T) {
+	t.Parallel()
+	name := fmt.Sprintf("pgsaga_finddb_%d", time.Now().UnixNano())
+	t.Cleanup(func() { dropDatabase(t, name); dropDatabase(t, name+"_payments") })
+	f, err := finddb.Find(context.Background(), finddb.Config{Getenv: noEnv, ProbeURL: testdb.ServerURL(), Database: name, Logger: quiet})
+	require.NoError(t, err)
+	defer f.Close()
+	for range 2 { // the second time the database exists already
+		url, err := f.Sibling(context.Background(), "payments")
+		require.NoError(t, err)
+		conn, err := pgx.Connect(context.Background(), url)
+		require.NoError(t, err)
+		var db string
+		require.NoError(t, conn.QueryRow(context.Background(), "SELECT current_database()").Scan(&db))
+		assert.Equal(t, name+"_payments", db)
+		require.NoError(t, conn.Close(context.Background()))
+	}
+}
+
 func TestRootWithNothingAvailableExplainsTheWayOut(t *testing.T) {
 	t.Parallel()
 	_, err := finddb.Find(context.Background(), finddb.Config{

@@ -54,7 +54,7 @@ func transportConfig(db *testdb.DB) transport.Config {
 
 // fixture is one test's database, transport, broker and topic.
 type fixture struct {
-	t     *testing.T
+	t     testing.TB
 	db    *testdb.DB
 	tr    *transport.Transport
 	url   string
@@ -63,7 +63,7 @@ type fixture struct {
 	topic string
 }
 
-func newFixture(t *testing.T, url string, db *testdb.DB) *fixture {
+func newFixture(t testing.TB, url string, db *testdb.DB) *fixture {
 	t.Helper()
 	tr, err := transport.New(transportConfig(db))
 	require.NoError(t, err)
@@ -176,7 +176,7 @@ func (c *collector) handle(msg *message.Message) error {
 }
 
 // wait waits until the collector has at least n messages and returns them.
-func (c *collector) wait(t *testing.T, n int) []*message.Message {
+func (c *collector) wait(t testing.TB, n int) []*message.Message {
 	t.Helper()
 	deadline := time.After(time.Minute)
 	for {
