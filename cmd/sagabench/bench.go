@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/pgsaga/pgsaga/internal/brokers"
 	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/obs"
@@ -25,9 +26,11 @@ import (
 	"github.com/pgsaga/pgsaga/internal/workerwatch"
 	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/orders"
+	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
+	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/telemetry"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
@@ -83,6 +86,25 @@ type bench struct {
 	statementStats bool // pg_stat_statements is usable in the database
 
 	metrics *obs.MetricsServer // -metrics-addr
+
+	// With -payments-service: the payment service on a database of its
+	// own, reached through the broker.
+	payDBName  string
+	payDB      *pgdb.DB // its workers'
+	payClients *pgdb.DB // seeding its accounts
+	pay        *orderpayment.PaymentService
+	payFront   *orderpayment.PaymentService
+	brokers    []broker.Broker
+	bridges    []*broker.Bridge // running
+}
+
+// payments is where accounts are seeded: the clients' App, or the payment
+// service's.
+func (b *bench) payments() *payments.Service {
+	if b.payFront != nil {
+		return b.payFront.Payments
+	}
+	return b.front.Payments
 }
 
 func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*bench, error) {
@@ -133,7 +155,13 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	if b.clients, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: int32(opts.placers()), ApplicationName: "sagabench-clients", Tracer: &b.statements}); err != nil {
 		return nil, err
 	}
-	if b.gwDB, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: 8, ApplicationName: "sagabench-gateway", Tracer: &b.statements}); err != nil {
+	gwURL := url
+	if opts.paymentsService != "" {
+		if gwURL, err = b.openPaymentsDB(ctx, maxConns); err != nil {
+			return nil, err
+		}
+	}
+	if b.gwDB, err = pgdb.Open(ctx, pgdb.Config{URL: gwURL, MaxConns: 8, ApplicationName: "sagabench-gateway", Tracer: &b.statements}); err != nil {
 		return nil, err
 	}
 	if b.statsPool, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: 2, ApplicationName: "sagabench-stats"}); err != nil {
@@ -157,21 +185,36 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 			return nil, err
 		}
 	}
-	b.app, err = orderpayment.New(orderpayment.Config{DB: b.db.SQL, GatewayURL: b.gateway.URL(), Transport: tcfg,
-		AsyncProjection: opts.asyncProjection, QueueEveryHop: opts.queueEveryHop, FinishedChannel: finishedChannel, Logger: b.log})
+	cfg := orderpayment.Config{DB: b.db.SQL, GatewayURL: b.gateway.URL(), Transport: tcfg,
+		AsyncProjection: opts.asyncProjection, QueueEveryHop: opts.queueEveryHop, FinishedChannel: finishedChannel, Logger: b.log}
+	if opts.paymentsService != "" {
+		if err := b.newPaymentService(ctx, tcfg); err != nil {
+			return nil, err
+		}
+		if cfg.PaymentsBroker, err = b.openBroker(); err != nil {
+			return nil, err
+		}
+	}
+	b.app, err = orderpayment.New(cfg)
 	if err != nil {
 		return nil, err
 	}
 	if err := b.app.Setup(ctx); err != nil {
 		return nil, err
 	}
-	b.front, err = orderpayment.New(orderpayment.Config{DB: b.clients.SQL, GatewayURL: b.gateway.URL(), Transport: tcfg,
-		AsyncProjection: opts.asyncProjection, QueueEveryHop: opts.queueEveryHop, Logger: b.log})
+	front := cfg
+	front.DB, front.FinishedChannel = b.clients.SQL, ""
+	b.front, err = orderpayment.New(front)
 	if err != nil {
 		return nil, err
 	}
 	if reg != nil {
-		reg.MustRegister(b.app.Client.Collector())
+		if b.pay != nil {
+			prometheus.WrapRegistererWith(prometheus.Labels{"service": "orders"}, reg).MustRegister(b.app.Client.Collector())
+			prometheus.WrapRegistererWith(prometheus.Labels{"service": "payments"}, reg).MustRegister(b.pay.Client.Collector())
+		} else {
+			reg.MustRegister(b.app.Client.Collector())
+		}
 		if b.metrics, err = obs.ServeMetrics(opts.metricsAddr, reg, b.log); err != nil {
 			return nil, err
 		}
@@ -207,6 +250,14 @@ func (o options) connections() (workersPool int32, need int) {
 		workersPool = 8
 		need = int(workersPool) + o.placers() + 8 + o.workerProcs*(perWorker+4)
 	}
+	if o.paymentsService != "" {
+		// Each service consumes its own topics: the orders service five
+		// (no charge leases), plus its relays (2) and reply receivers
+		// (2); the payment service two, with their leases, plus its relay
+		// and command receivers (4). And a small pool seeds accounts.
+		workersPool = int32((o.consumers*5+4)*o.workers + 8)
+		need = 2*int(workersPool) + o.placers() + 8 + paySeedConns
+	}
 	return workersPool, need
 }
 
@@ -237,9 +288,81 @@ func (b *bench) startWorkers(ctx context.Context) (_ context.Context, stopWatchi
 	if err != nil {
 		return nil, nil, err
 	}
-	ctx, stopWatching = workerwatch.Watch(ctx, workers)
+	if b.pay != nil {
+		payWorkers, err := workerwatch.StartAll(ctx, b.opts.workers, b.pay.NewWorker)
+		b.workers = append(b.workers, payWorkers...)
+		if err != nil {
+			return nil, nil, err
+		}
+		for _, br := range []*broker.Bridge{b.pay.Client.Bridge(), b.app.Client.Bridge()} {
+			if err := br.Start(ctx); err != nil {
+				return nil, nil, fmt.Errorf("starting the bridge to the broker: %w", err)
+			}
+			b.bridges = append(b.bridges, br)
+		}
+	}
+	ctx, stopWatching = workerwatch.Watch(ctx, b.workers)
 	return ctx, stopWatching, nil
 }
+
+// openPaymentsDB creates, migrates and opens the payment service's fresh
+// database, next to the run's; it returns its URL.
+func (b *bench) openPaymentsDB(ctx context.Context, maxConns int32) (string, error) {
+	b.payDBName = b.dbName + "_payments"
+	if _, err := b.admin.SQL.ExecContext(ctx, "CREATE DATABASE "+pgx.Identifier{b.payDBName}.Sanitize()); err != nil {
+		b.payDBName = ""
+		return "", fmt.Errorf("creating the payment service's database: %w", err)
+	}
+	url, err := pgdb.WithDatabase(b.found.URL, b.payDBName)
+	if err != nil {
+		return "", err
+	}
+	if b.payDB, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: maxConns, ApplicationName: "sagabench-payments", Tracer: &b.statements}); err != nil {
+		return "", err
+	}
+	if _, err := migrations.Apply(ctx, b.payDB.SQL); err != nil {
+		return "", err
+	}
+	if b.payClients, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: paySeedConns, ApplicationName: "sagabench-payments-clients"}); err != nil {
+		return "", err
+	}
+	fmt.Fprintf(b.status, "payment service: a fresh database %s, reached through %s\n", b.payDBName, brokers.Redact(b.opts.paymentsService))
+	return url, nil
+}
+
+// openBroker connects to the -payments-service broker: each service its
+// own connections, as separate processes would have.
+func (b *bench) openBroker() (broker.Broker, error) {
+	br, err := brokers.Open(b.opts.paymentsService, b.log)
+	if err != nil {
+		return nil, fmt.Errorf("-payments-service: %w", err)
+	}
+	b.brokers = append(b.brokers, br)
+	return br, nil
+}
+
+// newPaymentService builds the payment service (its workers and bridge
+// start with the others) and its clients' view, for seeding.
+func (b *bench) newPaymentService(ctx context.Context, tcfg transport.Config) error {
+	br, err := b.openBroker()
+	if err != nil {
+		return err
+	}
+	b.pay, err = orderpayment.NewPaymentService(orderpayment.PaymentServiceConfig{DB: b.payDB.SQL, GatewayURL: b.gateway.URL(),
+		Broker: br, Transport: tcfg, Logger: b.log})
+	if err != nil {
+		return err
+	}
+	if err := b.pay.Setup(ctx); err != nil {
+		return err
+	}
+	b.payFront, err = orderpayment.NewPaymentService(orderpayment.PaymentServiceConfig{DB: b.payClients.SQL, GatewayURL: b.gateway.URL(),
+		Broker: br, Transport: tcfg, Logger: b.log})
+	return err
+}
+
+// paySeedConns is the pool that seeds the payment service's accounts.
+const paySeedConns = 4
 
 // topicsHint is the number of topics the sample's worker consumes, for
 // sizing the pool: trigger, charge, refund, confirm, cancel, replies,
@@ -354,10 +477,10 @@ func (b *bench) seed(ctx context.Context) error {
 				id := customerID(i)
 				err := b.front.Orders.AddCustomer(ctx, id, "Customer "+id)
 				if err == nil {
-					err = b.front.Payments.OpenAccount(ctx, id)
+					err = b.payments().OpenAccount(ctx, id)
 				}
 				if err == nil && i%refusedEvery != 0 {
-					err = b.front.Payments.Deposit(ctx, id, fundedCents, "bench-seed")
+					err = b.payments().Deposit(ctx, id, fundedCents, "bench-seed")
 				}
 				if err != nil {
 					mu.Lock()
@@ -396,10 +519,16 @@ func (b *bench) place(ctx context.Context, phase string, i int, rng *mrand.Rand,
 	return nil
 }
 
-// stopWorkers drains and stops the workers.
+// stopWorkers drains and stops the workers, then the bridges.
 func (b *bench) stopWorkers() {
 	workerwatch.StopAll(b.workers, b.log)
 	b.workers = nil
+	for _, br := range b.bridges {
+		if err := br.Stop(); err != nil {
+			b.log.Error("stopping a bridge", "err", err)
+		}
+	}
+	b.bridges = nil
 	var wg sync.WaitGroup
 	for _, p := range b.procs {
 		wg.Go(func() {
@@ -432,19 +561,24 @@ func (b *bench) close() {
 	if b.gateway != nil {
 		_ = b.gateway.Close()
 	}
-	for _, db := range []*pgdb.DB{b.statsPool, b.gwDB, b.clients, b.db} {
+	for _, br := range b.brokers {
+		_ = br.Close()
+	}
+	for _, db := range []*pgdb.DB{b.statsPool, b.gwDB, b.clients, b.db, b.payClients, b.payDB} {
 		if db != nil {
 			db.Close()
 		}
 	}
 	if b.admin != nil {
-		if b.dbName != "" && !b.opts.keep {
-			_, err := b.admin.SQL.Exec("DROP DATABASE IF EXISTS " + pgx.Identifier{b.dbName}.Sanitize() + " WITH (FORCE)")
-			if err != nil {
-				b.log.Error("dropping the benchmark database", "database", b.dbName, "err", err)
+		for _, name := range []string{b.dbName, b.payDBName} {
+			if name != "" && !b.opts.keep {
+				_, err := b.admin.SQL.Exec("DROP DATABASE IF EXISTS " + pgx.Identifier{name}.Sanitize() + " WITH (FORCE)")
+				if err != nil {
+					b.log.Error("dropping the benchmark database", "database", name, "err", err)
+				}
+			} else if name != "" {
+				fmt.Fprintf(b.status, "kept database %s\n", name)
 			}
-		} else if b.dbName != "" {
-			fmt.Fprintf(b.status, "kept database %s\n", b.dbName)
 		}
 		b.admin.Close()
 	}

@@ -8,6 +8,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/pgsaga/pgsaga/internal/brokers"
 	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/obs"
 )
@@ -44,6 +45,10 @@ type options struct {
 	// metricsAddr serves Prometheus metrics at http://metricsAddr/metrics
 	// during the run ("": off); each worker process serves its own.
 	metricsAddr string
+	// paymentsService is a broker URL: the payment service runs on a
+	// second fresh database, reached through that broker ("": one
+	// database).
+	paymentsService string
 }
 
 // placers is how many clients place orders, each on a connection of its
@@ -75,6 +80,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.BoolVar(&o.queueEveryHop, "queue-every-hop", false, "send every trigger, command and reply through the queue, as with one process per participant, instead of starting each saga in Place's transaction and delivering the orders steps and the engine's replies in process")
 	fs.BoolVar(&o.asyncProjection, "async-projection", false, "keep order_views by delivering each order event to the projection's consumer group, instead of inline in the appending transaction")
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve Prometheus metrics at http://ADDR/metrics during the run, e.g. 127.0.0.1:9090 (port 0 picks one; printed); each -worker-processes process serves its own on a free port, printed too")
+	fs.StringVar(&o.paymentsService, "payments-service", "", "run the payment step as a service of its own, on a second fresh database, reached through this broker ("+brokers.Schemes+"); the broker must be the run's own: the sample's subjects are fixed")
 	fs.DurationVar(&o.gatewayDelay, "gateway-delay", 0, "the fake payment gateway answers every call after this long (a real gateway takes 100ms to seconds); at most 1s")
 	o.log.Register(fs, "warn")
 	fs.Usage = func() {}
@@ -162,7 +168,10 @@ are 0):
                             queue_every_hop (true: no in-process
                             deliveries), gateway_delay_ms (-gateway-delay),
                             worker_processes (workers run as that many
-                            processes; their CPU counts as the process's)
+                            processes; their CPU counts as the process's),
+                            payments_service (true: the payment step ran on
+                            a second database, over -payments-service's
+                            broker; its invariants checked across both)
     machine                 cores, goos, goarch, go (version), postgres (server
                             version)
 
@@ -207,6 +216,14 @@ func validate(fs *flag.FlagSet, o *options) error {
 	if o.metricsAddr != "" {
 		if err := obs.CheckMetricsAddr(o.metricsAddr); err != nil {
 			return err
+		}
+	}
+	if o.paymentsService != "" {
+		if err := brokers.Check(o.paymentsService); err != nil {
+			return fmt.Errorf("-payments-service: %w", err)
+		}
+		if o.workerProcs > 0 {
+			return errors.New("-payments-service runs the payment service in this process: it cannot be combined with -worker-processes")
 		}
 	}
 	if o.profile != "" {

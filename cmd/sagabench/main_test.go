@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testnats"
 )
 
 func TestMain(m *testing.M) {
@@ -128,25 +129,27 @@ func takeTurn(t *testing.T, args []string) (need int) {
 func TestBadFlags(t *testing.T) {
 	t.Parallel()
 	for args, want := range map[string]string{
-		"-sagas -1":            "-sagas must be between 0 and 1000000",
-		"-inflight 0":          "-inflight must be positive",
-		"-rate -5":             "-rate must be between 0 and 10000",
-		"-duration 0s":         "-duration must be positive",
-		"-consumers 0":         "-consumers must be between 1 and 64",
-		"-lanes 65":            "-consumers must be between 1 and 64",
-		"-workers 17":          "-workers must be between 1 and 16",
-		"-worker-processes 17": "-worker-processes must be between 0 and 16",
-		"-batch 0":             "-batch must be between 1 and 1000",
-		"-gateway-delay 2s":    "-gateway-delay must be between 0 and 1s",
-		"-idle -1s":            "must not be negative",
-		"-timeout 0s":          "-timeout must be positive",
-		"-sagas 0 -rate 0":     "nothing to measure",
-		"extra":                "unexpected arguments",
-		"-no-such-flag":        "flag provided but not defined",
-		"-log-format xml":      `-log-format must be text or json, got "xml"`,
-		"-log-level loud":      `-log-level must be debug, info, warn or error, got "loud"`,
-		"-v -log-level debug":  "-v is short for -log-level info",
-		"-metrics-addr 9090":   `-metrics-addr "9090": want host:port`,
+		"-sagas -1":                    "-sagas must be between 0 and 1000000",
+		"-inflight 0":                  "-inflight must be positive",
+		"-rate -5":                     "-rate must be between 0 and 10000",
+		"-duration 0s":                 "-duration must be positive",
+		"-consumers 0":                 "-consumers must be between 1 and 64",
+		"-lanes 65":                    "-consumers must be between 1 and 64",
+		"-workers 17":                  "-workers must be between 1 and 16",
+		"-worker-processes 17":         "-worker-processes must be between 0 and 16",
+		"-batch 0":                     "-batch must be between 1 and 1000",
+		"-gateway-delay 2s":            "-gateway-delay must be between 0 and 1s",
+		"-payments-service http://x:1": "unknown broker URL",
+		"-payments-service nats://x:1 -worker-processes 2": "cannot be combined with -worker-processes",
+		"-idle -1s":           "must not be negative",
+		"-timeout 0s":         "-timeout must be positive",
+		"-sagas 0 -rate 0":    "nothing to measure",
+		"extra":               "unexpected arguments",
+		"-no-such-flag":       "flag provided but not defined",
+		"-log-format xml":     `-log-format must be text or json, got "xml"`,
+		"-log-level loud":     `-log-level must be debug, info, warn or error, got "loud"`,
+		"-v -log-level debug": "-v is short for -log-level info",
+		"-metrics-addr 9090":  `-metrics-addr "9090": want host:port`,
 	} {
 		var stdout, stderr bytes.Buffer
 		code := run(context.Background(), strings.Fields(args), &stdout, &stderr)
@@ -156,4 +159,34 @@ func TestBadFlags(t *testing.T) {
 	var stdout, stderr bytes.Buffer
 	assert.Equal(t, exitOK, run(context.Background(), []string{"-h"}, &stdout, &stderr))
 	assert.Contains(t, stderr.String(), "Usage: sagabench")
+}
+
+// With -payments-service the payment step runs as a service of its own on
+// a second fresh database, over the broker (a NATS server of the test's
+// own: the sample's subjects are fixed); every saga finishes, every
+// invariant holds across the two databases, and both are dropped.
+func TestPaymentsService(t *testing.T) {
+	srv := testnats.Private(t)
+	args := []string{"-sagas", "100", "-inflight", "20", "-rate", "20", "-duration", "1s", "-baseline", "0", "-idle", "0",
+		"-consumers", "1", "-batch", "10", "-timeout", "2m", "-payments-service", srv.URL()}
+	takeTurn(t, args)
+	db := testdb.Shared(t)
+	t.Setenv("DATABASE_URL", db.URL)
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), args, &stdout, &stderr)
+	require.Equal(t, exitOK, code, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
+	lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
+	var r result
+	require.NoError(t, json.Unmarshal([]byte(lines[len(lines)-1]), &r))
+	assert.True(t, r.OK)
+	assert.True(t, r.InvariantsOK, "%v", r.Violations)
+	assert.True(t, r.Config.PaymentsService)
+	assert.Equal(t, 120, r.Completed+r.Compensated)
+	assert.Positive(t, r.Compensated, "a tenth of the customers have no money")
+	assert.Positive(t, r.P50Ms)
+	name := regexp.MustCompile(`pgsaga_bench_[0-9a-f]+_payments`).FindString(stderr.String())
+	require.NotEmpty(t, name, stderr.String())
+	var exists bool
+	require.NoError(t, db.SQL.QueryRow(`SELECT EXISTS (SELECT FROM pg_database WHERE datname = $1)`, name).Scan(&exists))
+	assert.False(t, exists, "the payment service's database is dropped")
 }

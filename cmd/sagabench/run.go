@@ -99,6 +99,9 @@ type benchConfig struct {
 	// WorkerProcesses: the workers ran as this many processes (0: in this
 	// one).
 	WorkerProcesses int `json:"worker_processes"`
+	// PaymentsService: the payment step ran as a service of its own, on a
+	// second database, reached through a broker (-payments-service).
+	PaymentsService bool `json:"payments_service"`
 }
 
 type machine struct {
@@ -121,7 +124,8 @@ func (b *bench) run(ctx context.Context) int {
 		Config: benchConfig{Consumers: b.opts.consumers, Lanes: b.opts.consumers, Workers: b.opts.workers, Batch: b.opts.batch, Inflight: b.opts.inflight,
 			DurationS: b.opts.duration.Seconds(), BaselineS: b.opts.baseline.Seconds(), IdleS: b.opts.idle.Seconds(),
 			AsyncProjection: b.opts.asyncProjection, QueueEveryHop: b.opts.queueEveryHop, WorkerProcesses: b.opts.workerProcs,
-			GatewayDelayMs: float64(b.opts.gatewayDelay) / float64(time.Millisecond)},
+			PaymentsService: b.opts.paymentsService != "",
+			GatewayDelayMs:  float64(b.opts.gatewayDelay) / float64(time.Millisecond)},
 		Machine: machine{Cores: runtime.NumCPU(), GOOS: runtime.GOOS, GOARCH: runtime.GOARCH, Go: runtime.Version()}}
 	_ = b.db.SQL.QueryRowContext(ctx, `SELECT current_setting('server_version')`).Scan(&r.Machine.Postgres)
 	finished := true
@@ -170,7 +174,12 @@ func (b *bench) run(ctx context.Context) int {
 	}
 	// Stop the workers before checking, so nothing moves under the check.
 	b.stopWorkers()
-	report, err := orderpayment.Check(context.WithoutCancel(ctx), b.db.SQL, nil)
+	var report orderpayment.Report
+	if b.pay != nil {
+		report, err = orderpayment.CheckSplit(context.WithoutCancel(ctx), b.db.SQL, b.payDB.SQL, nil)
+	} else {
+		report, err = orderpayment.Check(context.WithoutCancel(ctx), b.db.SQL, nil)
+	}
 	if err != nil {
 		fmt.Fprintln(b.status, "sagabench: checking invariants:", err)
 		return exitFailed
