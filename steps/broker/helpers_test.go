@@ -3,6 +3,7 @@ package broker_test
 import (
 	"context"
 	"crypto/rand"
+	"errors"
 	"encoding/hex"
 	"fmt"
 	"io"
@@ -125,12 +126,19 @@ func (f *fixture) stored(topic string, n int) []string {
 	f.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	stream, err := f.js.Stream(ctx, natsjs.StreamName(topic))
-	require.NoError(f.t, err)
 	for {
-		info, err := stream.Info(ctx)
-		require.NoError(f.t, err)
-		if int(info.State.Msgs) >= n {
+		var msgs uint64
+		stream, err := f.js.Stream(ctx, natsjs.StreamName(topic))
+		if err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+			require.NoError(f.t, err)
+		}
+		var info *jetstream.StreamInfo
+		if err == nil {
+			info, err = stream.Info(ctx)
+			require.NoError(f.t, err)
+			msgs = info.State.Msgs
+		}
+		if info != nil && int(msgs) >= n {
 			var out []string
 			for seq := info.State.FirstSeq; seq <= info.State.LastSeq; seq++ {
 				m, err := stream.GetMsg(ctx, seq)
@@ -141,7 +149,7 @@ func (f *fixture) stored(topic string, n int) []string {
 		}
 		select {
 		case <-ctx.Done():
-			f.t.Fatalf("the stream of %s holds %d messages, want %d", topic, info.State.Msgs, n)
+			f.t.Fatalf("the stream of %s holds %d messages, want %d", topic, msgs, n)
 		case <-time.After(20 * time.Millisecond): // polls the broker's state, not a result of ours
 		}
 	}

@@ -10,12 +10,16 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testnats"
 	"github.com/pgsaga/pgsaga/steps/broker"
+	"github.com/pgsaga/pgsaga/steps/broker/natsjs"
+	"github.com/pgsaga/pgsaga/steps/telemetry"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -173,4 +177,69 @@ func TestClaimRelayIsHeldByOne(t *testing.T) {
 	require.NoError(t, err)
 	assert.Empty(t, third.Messages, "the relayed message left the queue")
 	third.Rollback()
+}
+
+// A stream deleted under a running relay (an operator's mistake) is
+// created again, and the relay goes on; nothing queued is lost.
+func TestRelayRecreatesADeletedStream(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	f.bridge(broker.Config{Relay: []string{f.topic}})
+	first := f.publish(f.topic, 3, nil)
+	f.stored(f.topic, len(first))
+	require.NoError(t, f.js.DeleteStream(context.Background(), natsjs.StreamName(f.topic)))
+	again := f.publish(f.topic, 3, nil)
+	assert.Equal(t, again, f.stored(f.topic, len(again)))
+}
+
+// The bridge counts what it relayed and received (Stats, and the
+// telemetry counters, when its batch committed or its message was queued).
+func TestBridgeCounts(t *testing.T) {
+	t.Parallel()
+	url := testnats.URL(t)
+	db := testdb.Shared(t)
+	reg := prometheus.NewRegistry()
+	m, err := telemetry.NewMetrics(reg)
+	require.NoError(t, err)
+	cfg := transportConfig(db)
+	cfg.Metrics = m
+	tr, err := transport.New(cfg)
+	require.NoError(t, err)
+	f := newFixture(t, url, db)
+	f.tr = tr
+	c := newCollector()
+	in := "pgsagatest." + randomID() + ".in"
+	t.Cleanup(func() { _ = f.js.DeleteStream(context.Background(), natsjs.StreamName(in)) })
+	f.consume(in, "local", c)
+	b := f.bridge(broker.Config{Relay: []string{f.topic}, Receive: []string{in}, Group: "g" + randomID()})
+	f.publish(f.topic, 4, nil)
+	f.stored(f.topic, 4)
+	for range 3 {
+		require.NoError(t, f.br.Publish(context.Background(), in, message.NewMessage(uuid.NewString(), []byte("{}"))))
+	}
+	c.wait(t, 3)
+	require.Eventually(t, func() bool { st := b.Stats(); return st.Relayed == 4 && st.Received == 3 }, time.Minute, 10*time.Millisecond)
+	assert.Equal(t, 4.0, counted(t, reg, "pgsaga_broker_relayed_total", f.topic))
+	assert.Equal(t, 3.0, counted(t, reg, "pgsaga_broker_received_total", in))
+	assert.Equal(t, int64(0), b.Stats().DeadLettered)
+}
+
+// counted is the value of counter name with label topic.
+func counted(t *testing.T, reg *prometheus.Registry, name, topic string) float64 {
+	t.Helper()
+	families, err := reg.Gather()
+	require.NoError(t, err)
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "topic" && l.GetValue() == topic {
+					return m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return 0
 }

@@ -278,7 +278,9 @@ func (b *Broker) Provision(ctx context.Context, topics ...string) error {
 
 // Publish publishes msg to topic's subject and waits for the stream's
 // acknowledgement (at most Config.PublishTimeout). ctx is not consulted
-// once the publish is sent: the wait is bounded by the timeout.
+// once the publish is sent: the wait is bounded by the timeout. When no
+// stream answers (one deleted under a running relay), it provisions the
+// topic again and publishes once more.
 func (b *Broker) Publish(ctx context.Context, topic string, msg *message.Message) error {
 	if err := ctx.Err(); err != nil {
 		return err
@@ -286,7 +288,14 @@ func (b *Broker) Publish(ctx context.Context, topic string, msg *message.Message
 	if err := subject(topic); err != nil {
 		return err
 	}
-	return b.pub.Publish(topic, msg)
+	err := b.pub.Publish(topic, msg)
+	if errors.Is(err, nats.ErrNoStreamResponse) {
+		if perr := b.Provision(ctx, topic); perr != nil {
+			return errors.Join(err, perr)
+		}
+		err = b.pub.Publish(topic, msg)
+	}
+	return err
 }
 
 // errCodeMessageTooLarge is JetStream's error code for a message larger
