@@ -330,21 +330,33 @@ func (e *Engine) HandleReply(msg *message.Message) (err error) {
 	if err != nil {
 		return transport.Permanent(fmt.Errorf("saga: reply %s names no saga (saga_id %q)", msg.UUID, env.SagaID))
 	}
-	inst, err := loadInstance(ctx, tx, id, true)
-	if errors.Is(err, ErrNotFound) {
-		return transport.Permanent(fmt.Errorf("saga: reply %s for unknown saga %s", msg.UUID, id))
-	}
+	// Most replies are not for the command in flight (duplicates, replays
+	// for re-sent commands, late answers), and change nothing: they are
+	// told from a plain read, without the instance's row lock. Taken, that
+	// lock is held until the delivery's whole batch commits, and stalls
+	// (or deadlocks) the batch of another consumer holding the reply the
+	// saga waits for: under load, copies of one reply meet in concurrent
+	// batches, and the reply queue backs up behind them. The plain read
+	// suffices: the command a reply answers became the command in flight
+	// in a transaction committed before the reply existed, and an instance
+	// never returns to a command it has moved on from (keys only go
+	// forward: step, phase, generation), so a reply not for the command in
+	// flight as committed now never will be.
+	inst, def, err := e.replyInstance(ctx, tx, id, msg, false)
 	if err != nil {
 		return err
 	}
-	def, ok := e.definition(inst.Type, inst.DefVersion)
-	if !ok {
-		return transport.Permanent(fmt.Errorf("%w: reply %s for saga %s of %s version %d", ErrUnknownDefinition, msg.UUID, id, inst.Type, inst.DefVersion))
+	if inst.forCommandInFlight(def, env.Key) {
+		// Lock it and read it again: a concurrent reply may have moved it
+		// on meanwhile.
+		if inst, def, err = e.replyInstance(ctx, tx, id, msg, true); err != nil {
+			return err
+		}
 	}
 	ctx, span := e.decide(ctx, "reply", inst)
 	defer func() { e.decided(span, inst, err) }()
 	span.SetAttributes(telemetry.AttrKey.String(env.Key), telemetry.AttrOutcome.String(env.Outcome))
-	if inst.Status.Terminal() || inst.Step < 0 || env.Key != inst.key(def) {
+	if !inst.forCommandInFlight(def, env.Key) {
 		span.SetAttributes(telemetry.AttrOutcome.String("ignored: not for the command in flight"))
 		e.log.Debug("reply is not for the command in flight; ignored", "saga", id, "key", env.Key, "message_uuid", msg.UUID)
 		return nil
@@ -380,6 +392,29 @@ func (e *Engine) HandleReply(msg *message.Message) (err error) {
 		return transport.Permanent(err)
 	}
 	return e.save(ctx, tx, inst)
+}
+
+// replyInstance loads the instance reply msg is for, locking it if lock,
+// and its definition.
+func (e *Engine) replyInstance(ctx context.Context, tx transport.Tx, id uuid.UUID, msg *message.Message, lock bool) (*instance, *Definition, error) {
+	inst, err := loadInstance(ctx, tx, id, lock)
+	if errors.Is(err, ErrNotFound) {
+		return nil, nil, transport.Permanent(fmt.Errorf("saga: reply %s for unknown saga %s", msg.UUID, id))
+	}
+	if err != nil {
+		return nil, nil, err
+	}
+	def, ok := e.definition(inst.Type, inst.DefVersion)
+	if !ok {
+		return nil, nil, transport.Permanent(fmt.Errorf("%w: reply %s for saga %s of %s version %d", ErrUnknownDefinition, msg.UUID, id, inst.Type, inst.DefVersion))
+	}
+	return inst, def, nil
+}
+
+// forCommandInFlight reports whether key is the key of the instance's
+// command in flight.
+func (inst *instance) forCommandInFlight(def *Definition, key string) bool {
+	return !inst.Status.Terminal() && inst.Step >= 0 && key == inst.key(def)
 }
 
 // key is the idempotency key of the instance's in-flight command.

@@ -633,6 +633,49 @@ func TestEarlierStepReplyWhileLaterStepInFlight(t *testing.T) {
 	assert.Equal(t, inst.Version, after.Version)
 }
 
+// A reply that is not for the command in flight takes no lock on the
+// instance, so a batch that handled one and is still open does not hold
+// up another consumer's batch holding the reply the saga waits for. (It
+// did: copies of one reply, claimed by concurrent batches, waited for each
+// other's commits and deadlocked, and under load the reply queue backed up
+// until a compensation's reply outlived its five deadlines and the saga
+// was parked as failed.)
+func TestStaleReplyDoesNotHoldUpTheReplyInFlight(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{silent: []string{"pay"}})
+	id := e.start("linz")
+	e.wait(id, "pay in flight", func(i saga.Instance) bool { return i.Step == "pay" && i.Attempt == 1 })
+	var u, meta, payKey string
+	var payload []byte
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT uuid, payload, metadata::text FROM `+archived(e.def.ReplyTopic)+
+		` WHERE metadata->>'saga_id' = $1 AND metadata->>'step' = 'book'`, id.String()).Scan(&u, &payload, &meta))
+	stale := message.NewMessage(u, payload) // book's reply again
+	require.NoError(t, json.Unmarshal([]byte(meta), &stale.Metadata))
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT metadata->>$2 FROM `+archived(e.topics["pay"])+
+		` WHERE metadata->>'saga_id' = $1`, id.String(), steps.MetaKey).Scan(&payKey))
+	answer, err := steps.NewMessage(tripReply{Op: "pay"}, steps.Envelope{SagaID: id.String(), Step: "pay", Key: payKey, Outcome: steps.OutcomeOK})
+	require.NoError(t, err)
+
+	ctx := context.Background()
+	// One consumer's batch has handled the stale reply and is still open.
+	busy, err := e.db.SQL.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer busy.Rollback() //nolint:errcheck // the batch never commits here
+	stale.SetContext(transport.ContextWithTx(ctx, busy))
+	require.NoError(t, e.engine.HandleReply(stale))
+
+	// Another consumer's batch applies the reply in flight meanwhile.
+	other, err := e.db.SQL.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer other.Rollback() //nolint:errcheck // no-op after Commit
+	_, err = other.ExecContext(ctx, `SET LOCAL lock_timeout = '2s'`)
+	require.NoError(t, err)
+	answer.SetContext(transport.ContextWithTx(ctx, other))
+	require.NoError(t, e.engine.HandleReply(answer), "the reply in flight waited for the batch of a stale reply")
+	require.NoError(t, other.Commit())
+	assert.Equal(t, saga.StatusCompleted, e.terminal(id).Status)
+}
+
 // An instance whose command cannot be built is parked with the cause; it
 // does not stop the sweeper from handling the others.
 func TestBrokenInstanceDoesNotBlockTheSweeper(t *testing.T) {

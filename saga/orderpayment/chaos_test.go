@@ -101,12 +101,19 @@ func runChaos(t *testing.T, queueEveryHop bool) {
 			Retry:     transport.RetryPolicy{MaxAttempts: 8, InitialBackoff: 5 * time.Millisecond, MaxBackoff: 100 * time.Millisecond},
 			Intercept: inj.Intercept,
 		},
-		Timeouts: orderpayment.StepTimeouts{Deadline: 5 * time.Second,
-			// Patience for slowness, not for loss: a compensation never answered
-			// still parks (after 5 attempts, 100 s, within WaitTerminal's 3 min);
-			// at 10 s a loaded 2-core CI machine parked one saga in 300
-			// whose cancel got no reply within 50 s (twice in 7 runs).
-			CompensationDeadline: 20 * time.Second},
+		// Patience for slowness, not for loss: an action never answered is
+		// still given up on (after 3 attempts, 60 s) and a compensation never
+		// answered still parks (after 5 attempts, 100 s), within
+		// WaitTerminal's 3 min. The 300 orders arrive at once: on a loaded
+		// 2-core machine the charge queue takes 15 to 40 s (median) to reach
+		// a command, so a 5 s action deadline re-sent nearly every charge
+		// twice and gave up on 90 to 100% of them. Every saga then needed a
+		// refund, the costliest step (gateway calls inside its attempt), and
+		// each re-send a replay and a reply: the refund queue backed up past
+		// 100 s and parked 20 to 110 sagas in 300 ("charge: no reply after 3
+		// attempts; then compensation of charge got no reply after 5
+		// attempts"), with every refund still queued, none lost.
+		Timeouts:      orderpayment.StepTimeouts{Deadline: 20 * time.Second, CompensationDeadline: 20 * time.Second},
 		SweepInterval: 200 * time.Millisecond,
 		QueueEveryHop: queueEveryHop,
 		Logger:        logger(),
