@@ -92,7 +92,8 @@ type ClientConfig struct {
 	// reply topics; a participant service: its steps' command topics).
 	// Where a step runs is this configuration alone: saga definitions do
 	// not change. Its Transport is the client's; Start runs the bridge
-	// after the worker, Stop stops it after the worker. Default: none
+	// after the worker, Stop stops it after the worker (what the relay had
+	// no time for stays queued for the next start). Default: none
 	// (Broker.Broker nil).
 	Broker broker.Config
 
@@ -612,7 +613,9 @@ func (c *Client) Stop() error {
 	if w != nil {
 		err = w.Stop()
 		if c.bridge != nil {
-			// After the worker: what it published last is relayed.
+			// After the worker: nothing is received for a worker that
+			// stopped; what it published last and the relay had no time
+			// for stays queued, for the next start.
 			err = errors.Join(err, c.bridge.Stop())
 		}
 	}

@@ -230,6 +230,9 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 	if err := d.app.Setup(ctx); err != nil {
 		return nil, err
 	}
+	if err := d.forgetOtherMode(ctx); err != nil {
+		return nil, err
+	}
 	if reg != nil {
 		if d.split() {
 			// Both services' collectors read the same metrics from their
@@ -246,6 +249,40 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 	}
 	ok = true
 	return d, nil
+}
+
+// forgetOtherMode drops, in the orders database, the consumer groups of
+// the payment step that the other mode recorded there: with
+// -payments-service, the local steps' groups (a worker of a one-database
+// run would otherwise charge from this database too, and their queues
+// grow); without it, the relay's (its queue would grow, and a later
+// -payments-service run would relay old commands). A saga whose command
+// was dropped sends it again at its deadline.
+func (d *demo) forgetOtherMode(ctx context.Context) error {
+	topics := []string{payments.ChargeTopic, payments.RefundTopic}
+	groups := []string{payments.ChargeStepName, payments.RefundStepName}
+	why := "the payment step runs in the payment service (-payments-service)"
+	if !d.split() {
+		groups = []string{transport.RelayGroup, transport.RelayGroup}
+		why = "the payment step runs here (no -payments-service)"
+	}
+	tr := d.app.Client.Transport()
+	for i, topic := range topics {
+		group := groups[i]
+		recorded, err := tr.SubscribedGroups(ctx, topic)
+		if err != nil {
+			return err
+		}
+		if !slices.Contains(recorded, group) {
+			continue
+		}
+		n, err := tr.DropConsumerGroup(ctx, topic, group)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(d.status, "dropped consumer group %s of %s in this database, with the %d messages it held: %s\n", group, topic, n, why)
+	}
+	return nil
 }
 
 // openPaymentsDB finds, migrates and opens the payment service's database:

@@ -104,6 +104,17 @@ func (c Config) validate() error {
 	if c.BatchSize < 1 {
 		errs = append(errs, fmt.Errorf("BatchSize must be at least 1, got %d", c.BatchSize))
 	}
+	if c.Transport != nil && c.Broker != nil {
+		tc := c.Transport.Config()
+		if bound := publishBound(c.Broker, tc); len(c.Relay) > 0 && relayWindow(tc) < bound {
+			errs = append(errs, fmt.Errorf("a publish may take %s (the broker's bound), more than a relay batch's transaction leaves it (%s of the transport's MaxTransactionDuration %s): lower the broker's publish timeout or raise the transport's AttemptTimeout",
+				bound, relayWindow(tc), tc.MaxTransactionDuration()))
+		}
+		if w, ok := c.Broker.(AckWaiter); ok && len(c.Receive) > 0 && receiveBound(tc) >= w.AckWait() {
+			errs = append(errs, fmt.Errorf("queuing a received message may take %s (twice the transport's StatementTimeout), as long as the broker waits for its acknowledgement (%s): raise the broker's ack wait or lower the StatementTimeout",
+				receiveBound(tc), w.AckWait()))
+		}
+	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
@@ -127,7 +138,7 @@ type Bridge struct {
 	subs    []message.Subscriber
 	stopCtx context.CancelFunc // ends the inbox before the relay
 
-	relayed, received, deadLettered atomic.Int64
+	relayed, received, deadLettered, handedBack atomic.Int64
 }
 
 // Stats counts what a bridge did since it was built.
@@ -135,13 +146,14 @@ type Stats struct {
 	// Relayed counts the messages the broker took from the relay (in
 	// batches that committed); Received those queued from the broker (a
 	// redelivery counts again); DeadLettered those either side
-	// dead-lettered.
-	Relayed, Received, DeadLettered int64
+	// dead-lettered; HandedBack those received that the database did not
+	// take then, handed back to the broker for redelivery.
+	Relayed, Received, DeadLettered, HandedBack int64
 }
 
 // Stats returns what the bridge did so far.
 func (b *Bridge) Stats() Stats {
-	return Stats{Relayed: b.relayed.Load(), Received: b.received.Load(), DeadLettered: b.deadLettered.Load()}
+	return Stats{Relayed: b.relayed.Load(), Received: b.received.Load(), DeadLettered: b.deadLettered.Load(), HandedBack: b.handedBack.Load()}
 }
 
 // New validates cfg and returns a Bridge. It connects to nothing.
@@ -190,17 +202,19 @@ func (b *Bridge) Start(ctx context.Context) error {
 	runCtx, cancel := context.WithCancel(context.Background())
 	inboxCtx, stopInbox := context.WithCancel(runCtx)
 	if err := b.startInbox(inboxCtx); err != nil {
+		_ = b.closeSubscribers()
 		stopInbox()
 		cancel()
-		b.closeSubscribers()
+		b.inbox.Wait()
 		return err
 	}
+	b.warnLocalGroups(ctx)
 	if len(b.cfg.Relay) > 0 {
 		if err := b.t.Alive(ctx, b.relaySubscriptions()...); err != nil {
 			b.log.Warn("recording the relay as running failed", "err", err)
 		}
 		for _, topic := range b.cfg.Relay {
-			r := &relay{b: b, topic: topic}
+			r := &relay{b: b, topic: topic, bound: publishBound(b.cfg.Broker, b.t.Config())}
 			b.relays.Go(func() { r.run(runCtx) })
 		}
 		b.relays.Go(func() { b.heartbeat(runCtx) })
@@ -210,19 +224,23 @@ func (b *Bridge) Start(ctx context.Context) error {
 	return nil
 }
 
-// Stop stops receiving (what is being queued is queued, or handed back to
-// the broker), then the relay (its batch in progress commits what it
-// relayed), and returns. Messages not relayed yet stay queued for the next
-// relay. It is a no-op on a bridge that is not running.
+// Stop stops receiving (the messages being queued are queued and
+// acknowledged; those the broker had handed out but not yet to a consumer
+// are handed back, for another process or the next start), then the relay
+// (its batch in progress commits what it relayed), and returns. Messages
+// not relayed yet stay queued for the next relay. It is a no-op on a bridge
+// that is not running.
 func (b *Bridge) Stop() error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if !b.started {
 		return nil
 	}
+	// The subscribers first, while the consumers still take what is under
+	// way: closing them ends the consumers' channels.
+	err := b.closeSubscribers()
 	b.stopCtx()
 	b.inbox.Wait()
-	err := b.closeSubscribers()
 	b.cancel()
 	b.relays.Wait()
 	b.started = false
@@ -265,5 +283,43 @@ func (b *Bridge) heartbeat(ctx context.Context) {
 			b.log.Warn("heartbeat of the relay failed; it may be listed as not running", "err", err)
 		}
 		cancel()
+	}
+}
+
+// publishBound is how long one publish of br may take.
+func publishBound(br Broker, tc transport.Config) time.Duration {
+	if b, ok := br.(PublishBound); ok {
+		return b.MaxPublishDuration()
+	}
+	return tc.AttemptTimeout
+}
+
+// relayWindow is how long after its claim a relay batch may still start a
+// publish that lasts the broker's bound: its transaction lasts at most
+// MaxTransactionDuration, the claim and the commit a StatementTimeout
+// each, and a second is kept to spare.
+func relayWindow(tc transport.Config) time.Duration {
+	return tc.MaxTransactionDuration() - 2*tc.StatementTimeout - time.Second
+}
+
+// receiveBound bounds the queuing of one received message.
+func receiveBound(tc transport.Config) time.Duration { return 2 * tc.StatementTimeout }
+
+// warnLocalGroups says which relayed topics are also queued for groups of
+// this database: events read here and elsewhere are fine, but a step moved
+// to another service whose old group is still recorded here would run
+// twice (and its queue grow for ever if no worker runs it any more).
+func (b *Bridge) warnLocalGroups(ctx context.Context) {
+	for _, topic := range b.cfg.Relay {
+		groups, err := b.t.SubscribedGroups(ctx, topic)
+		if err != nil {
+			b.log.Warn("could not list the consumer groups of a relayed topic", "topic", topic, "err", err)
+			continue
+		}
+		others := slices.DeleteFunc(groups, func(g string) bool { return g == transport.RelayGroup })
+		if len(others) > 0 {
+			b.log.Warn("a relayed topic is also queued for consumer groups of this database: if one is a step that now runs in another service, drop it (pgsaga consumers drop GROUP --topic TOPIC --yes), or it runs in both",
+				"topic", topic, "groups", others)
+		}
 	}
 }

@@ -34,6 +34,7 @@ package broker
 import (
 	"context"
 	"errors"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 )
@@ -63,6 +64,21 @@ type Broker interface {
 	Subscriber(group string) (message.Subscriber, error)
 	// Close releases the broker's connections.
 	Close() error
+}
+
+// A PublishBound bounds how long one Publish of its broker takes. The
+// relay, which publishes inside a transaction, starts no publish that
+// could outlast the transaction's bound; a broker without one is assumed
+// to take up to the transport's AttemptTimeout.
+type PublishBound interface {
+	MaxPublishDuration() time.Duration
+}
+
+// An AckWaiter tells how long its broker waits for the acknowledgement of
+// a delivery before delivering it again. Queuing a received message must
+// end well within it (New checks), or every delivery would come again.
+type AckWaiter interface {
+	AckWait() time.Duration
 }
 
 // MalformedKey is the metadata entry a Broker's subscriber sets on a

@@ -3,8 +3,8 @@ package broker_test
 import (
 	"context"
 	"crypto/rand"
-	"errors"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -49,6 +49,9 @@ func transportConfig(db *testdb.DB) transport.Config {
 		IdlePollInterval: testdb.NoSafetyPoll,
 		RetryInterval:    20 * time.Millisecond,
 		MaxRetryInterval: 200 * time.Millisecond,
+		// Queuing a received message is bounded by two of these, within
+		// the broker's ack wait of the tests (5s).
+		StatementTimeout: 2 * time.Second,
 		Retry:            transport.RetryPolicy{MaxAttempts: 5, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond},
 	}
 }
@@ -120,8 +123,8 @@ func (f *fixture) publish(topic string, n int, md message.Metadata) []string {
 }
 
 // stored returns the Watermill UUIDs of what the topic's stream holds, in
-// stream order, once it holds at least n messages (waiting up to a
-// minute).
+// stream order, once it holds at least n messages and nothing is left to
+// relay (waiting up to a minute): a copy published late would be seen.
 func (f *fixture) stored(topic string, n int) []string {
 	f.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -138,7 +141,7 @@ func (f *fixture) stored(topic string, n int) []string {
 			require.NoError(f.t, err)
 			msgs = info.State.Msgs
 		}
-		if info != nil && int(msgs) >= n {
+		if info != nil && int(msgs) >= n && f.queued(topic, transport.RelayGroup) == 0 {
 			var out []string
 			for seq := info.State.FirstSeq; seq <= info.State.LastSeq; seq++ {
 				m, err := stream.GetMsg(ctx, seq)

@@ -77,6 +77,7 @@ func (b *Bridge) receive(topic string, msg *message.Message) {
 	switch {
 	case err != nil:
 		log.Warn("could not queue a message from the broker; it will be delivered again", "err", err)
+		b.handedBack.Add(1)
 		tc.Metrics.ReceiveFailed(topic)
 		msg.Nack()
 		return
@@ -84,6 +85,7 @@ func (b *Bridge) receive(topic string, msg *message.Message) {
 		reason = "received from the broker but cannot be queued: " + reason
 		if err := b.t.StoreDeadLetter(ctx, topic, b.cfg.Group, ReceiveHandler, in, reason); err != nil {
 			log.Warn("could not dead-letter a message from the broker; it will be delivered again", "reason", reason, "err", err)
+			b.handedBack.Add(1)
 			tc.Metrics.ReceiveFailed(topic)
 			msg.Nack()
 			return
@@ -102,13 +104,20 @@ func (b *Bridge) receive(topic string, msg *message.Message) {
 	msg.Ack()
 }
 
-// queue publishes in to topic in a transaction of its own.
+// queue publishes in to topic in a transaction of its own, bounded like
+// the transport's: its statements, lock waits and idle time (a queue
+// insert blocked by a table lock gives up, and the message is delivered
+// again).
 func (b *Bridge) queue(ctx context.Context, topic string, in *message.Message) error {
 	tx, err := b.t.DB().BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return fmt.Errorf("queuing a message from the broker: %w", err)
 	}
 	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+	tc := b.t.Config()
+	if _, err := tx.ExecContext(ctx, boundSQL, tc.StatementTimeout.Milliseconds(), tc.LockTimeout.Milliseconds(), receiveBound(tc).Milliseconds()); err != nil {
+		return fmt.Errorf("queuing a message from the broker: bounding the transaction: %w", err)
+	}
 	if err := b.t.Publisher(tx).Publish(topic, in); err != nil {
 		return fmt.Errorf("queuing a message from the broker: %w", err)
 	}
@@ -143,3 +152,8 @@ func unqueueable(msg *message.Message) string {
 func permanent(err error) bool {
 	return pgerr.BadInput(err) || errors.Is(err, transport.ErrInvalidMessageID) || errors.Is(err, transport.ErrInvalidTopic)
 }
+
+// boundSQL bounds a transaction's statements, lock waits and idle time
+// (milliseconds).
+const boundSQL = `SELECT set_config('statement_timeout', $1::bigint::text, true), set_config('lock_timeout', $2::bigint::text, true),
+    set_config('idle_in_transaction_session_timeout', $3::bigint::text, true)`

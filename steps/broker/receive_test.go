@@ -2,12 +2,14 @@ package broker_test
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/assert"
@@ -17,6 +19,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/testnats"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/broker/natsjs"
+	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // A message another service published to the broker is queued here for
@@ -189,8 +192,124 @@ func TestBridgeConfig(t *testing.T) {
 		"round in circles": {Transport: f.tr, Broker: f.br, Relay: []string{"a"}, Receive: []string{"a"}},
 		"bad group":        {Transport: f.tr, Broker: f.br, Receive: []string{"a"}, Group: "a group"},
 		"consumers":        {Transport: f.tr, Broker: f.br, Receive: []string{"a"}, Consumers: -1},
+		"slow broker":      {Transport: f.tr, Broker: bounded{f.br, time.Hour}, Relay: []string{"a"}},
 	} {
 		_, err := broker.New(cfg)
 		assert.ErrorIs(t, err, broker.ErrInvalidConfig, name)
 	}
 }
+
+// Stopping a bridge while the broker has handed it messages that no
+// consumer took yet: it stops (no panic: watermill-nats alone sent them to
+// a closed channel), the messages being queued are queued and acknowledged,
+// the rest are handed back, and the next bridge receives every message.
+func TestReceiveStopsWithABacklog(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	ctx := context.Background()
+	require.NoError(t, f.br.Provision(ctx, f.topic))
+	const n = 300
+	ids := map[string]bool{}
+	for range n {
+		m := message.NewMessage(uuid.NewString(), []byte("{}"))
+		ids[m.UUID] = true
+		require.NoError(t, f.br.Publish(ctx, f.topic, m))
+	}
+	c := newCollector()
+	f.consume(f.topic, "local", c)
+	group := "g" + randomID()
+	cfg := broker.Config{Transport: f.tr, Broker: f.br, Receive: []string{f.topic}, Group: group, Logger: testLogger()}
+	first, err := broker.New(cfg)
+	require.NoError(t, err)
+	require.NoError(t, first.Start(ctx))
+	require.Eventually(t, func() bool { return first.Stats().Received >= 10 }, time.Minute, time.Millisecond)
+	require.NoError(t, first.Stop())
+
+	f.bridge(cfg)
+	seen := map[string]int{}
+	for k := n; len(seen) < n; k++ {
+		clear(seen)
+		for _, m := range c.wait(t, k) {
+			seen[m.UUID]++
+		}
+	}
+	twice := 0
+	for id := range ids {
+		if seen[id] > 1 {
+			twice++
+		}
+	}
+	// A message handed back while the broker was delivering it may come
+	// twice (at least once); what was queued was acknowledged, so no more
+	// than the consumers held (2 of them, 8 messages each) come again.
+	assert.LessOrEqual(t, twice, 2*8, "messages received twice")
+}
+
+// A group's consumer deleted at the broker under a running bridge (an
+// operator's mistake) is created again: messages published afterwards
+// arrive. (A new consumer starts again from the stream's oldest message:
+// what came before is delivered again, which receivers absorb.)
+func TestReceiveAfterTheConsumerIsDeleted(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	c := newCollector()
+	f.consume(f.topic, "local", c)
+	group := "g" + randomID()
+	f.bridge(broker.Config{Receive: []string{f.topic}, Group: group, Consumers: 1})
+	ctx := context.Background()
+	before := message.NewMessage(uuid.NewString(), []byte("{}"))
+	require.NoError(t, f.br.Publish(ctx, f.topic, before))
+	c.wait(t, 1)
+	// nats-server 2.9 sometimes answers a consumer's deletion with an
+	// error while its files are written ("directory not empty"), having
+	// deleted it or not: delete until it is gone.
+	require.Eventually(t, func() bool {
+		err := f.js.DeleteConsumer(ctx, natsjs.StreamName(f.topic), natsjs.ConsumerName(group, f.topic))
+		return err == nil || errors.Is(err, jetstream.ErrConsumerNotFound)
+	}, time.Minute, 50*time.Millisecond)
+	after := message.NewMessage(uuid.NewString(), []byte("{}"))
+	require.NoError(t, f.br.Publish(ctx, f.topic, after))
+	for n := 2; ; n++ {
+		if got := c.wait(t, n); got[len(got)-1].UUID == after.UUID {
+			break
+		}
+	}
+}
+
+// Queuing a received message is bounded: a queue insert that waits for a
+// lock someone holds on the queue (a table rewrite, say) gives up after
+// the transport's LockTimeout, and the message is delivered again and
+// queued once the lock is gone; the consumer is never stuck.
+func TestReceiveGivesUpOnALockedQueue(t *testing.T) {
+	t.Parallel()
+	db := testdb.Fresh(t)
+	f := newFixture(t, testnats.URL(t), db)
+	cfg := transportConfig(db)
+	cfg.LockTimeout = 200 * time.Millisecond
+	tr, err := transport.New(cfg)
+	require.NoError(t, err)
+	f.tr = tr
+	c := newCollector()
+	f.consume(f.topic, "local", c)
+	b := f.bridge(broker.Config{Receive: []string{f.topic}, Group: "g" + randomID(), Consumers: 1})
+	ctx := context.Background()
+	lock, err := db.SQL.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	_, err = lock.ExecContext(ctx, `LOCK TABLE pgsaga_queue IN EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	msg := message.NewMessage(uuid.NewString(), []byte("{}"))
+	require.NoError(t, f.br.Publish(ctx, f.topic, msg))
+	require.Eventually(t, func() bool { return b.Stats().HandedBack > 0 }, time.Minute, 10*time.Millisecond,
+		"the insert gave up waiting for the lock and handed the message back")
+	require.NoError(t, lock.Rollback())
+	got := c.wait(t, 1)
+	assert.Equal(t, msg.UUID, got[0].UUID)
+}
+
+// bounded is a broker whose publish may take up to bound.
+type bounded struct {
+	broker.Broker
+	bound time.Duration
+}
+
+func (b bounded) MaxPublishDuration() time.Duration { return b.bound }

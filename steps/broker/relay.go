@@ -19,6 +19,7 @@ const heldRecheck = time.Second
 type relay struct {
 	b     *Bridge
 	topic string
+	bound time.Duration // of one publish
 }
 
 func (r *relay) run(ctx context.Context) {
@@ -99,11 +100,15 @@ func (r *relay) batch(ctx context.Context) (more bool, err error) {
 		return false, err
 	}
 	defer b.Rollback()
-	window := r.b.t.Config().BatchTimeout
+	tc := r.b.t.Config()
+	// No publish starts that could outlast the transaction: the batch
+	// stops at BatchTimeout, and earlier if the broker's bound leaves too
+	// little of the transaction's (New checks that one publish fits).
+	lastStart := b.Started().Add(relayWindow(tc) - r.bound)
 	relayed := 0
 	var pubErr error
 	for i, msg := range b.Messages {
-		if i > 0 && (time.Since(b.Started()) > window || ctx.Err() != nil) {
+		if i > 0 && (time.Since(b.Started()) > tc.BatchTimeout || time.Now().After(lastStart) || ctx.Err() != nil) {
 			more = true
 			break
 		}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -120,19 +121,39 @@ func TestRelayDeadLettersWhatTheBrokerRefuses(t *testing.T) {
 	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
 	f.bridge(broker.Config{Relay: []string{f.topic}})
 	before := f.publish(f.topic, 2, nil)
+	// A payload larger than the server takes, and metadata larger than
+	// JetStream stores as headers (a long reason with line breaks, which
+	// travels encoded).
 	huge := message.NewMessage("huge-"+randomID(), []byte(strings.Repeat("x", 2<<20)))
+	wordy := message.NewMessage("wordy-"+randomID(), []byte("{}"))
+	wordy.Metadata.Set("reason", strings.Repeat("a line\n", 10_000))
 	tx, err := f.db.SQL.Begin()
 	require.NoError(t, err)
-	require.NoError(t, f.tr.Publisher(tx).Publish(f.topic, huge))
+	require.NoError(t, f.tr.Publisher(tx).Publish(f.topic, huge, wordy))
 	require.NoError(t, tx.Commit())
 	after := f.publish(f.topic, 2, nil)
 	assert.Equal(t, append(before, after...), f.stored(f.topic, 4))
-	var handler, reason string
-	require.Eventually(t, func() bool {
-		return f.db.SQL.QueryRow(`SELECT handler, reason FROM pgsaga_dead_letters WHERE uuid = $1`, huge.UUID).Scan(&handler, &reason) == nil
-	}, time.Minute, 10*time.Millisecond)
-	assert.Equal(t, transport.RelayHandler, handler)
-	assert.Contains(t, reason, "the broker refuses it")
+	for _, m := range []*message.Message{huge, wordy} {
+		var handler, reason string
+		require.Eventually(t, func() bool {
+			return f.db.SQL.QueryRow(`SELECT handler, reason FROM pgsaga_dead_letters WHERE uuid = $1`, m.UUID).Scan(&handler, &reason) == nil
+		}, time.Minute, 10*time.Millisecond)
+		assert.Equal(t, transport.RelayHandler, handler)
+		assert.Contains(t, reason, "the broker refuses it")
+	}
+}
+
+// A stream of the name pgsaga would give a topic, capturing other
+// subjects, is no stream of the topic: provisioning says so.
+func TestProvisionRefusesANameThatCapturesOtherSubjects(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	ctx := context.Background()
+	_, err := f.js.CreateStream(ctx, jetstream.StreamConfig{Name: natsjs.StreamName(f.topic), Subjects: []string{f.topic + ".other"}, Storage: jetstream.MemoryStorage})
+	require.NoError(t, err)
+	err = f.br.Provision(ctx, f.topic)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "does not capture the topic")
 }
 
 // Two relays of one topic (two processes) relay each message once, in

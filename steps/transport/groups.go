@@ -88,3 +88,21 @@ func (r *Router) heartbeat(done <-chan struct{}) {
 		cancel()
 	}
 }
+
+// SubscribedGroups lists the consumer groups recorded for topic, by name.
+func (t *Transport) SubscribedGroups(ctx context.Context, topic string) ([]string, error) {
+	rows, err := t.db.QueryContext(ctx, `SELECT consumer_group FROM pgsaga_subscriptions WHERE topic = $1 ORDER BY consumer_group`, topic)
+	if err != nil {
+		return nil, fmt.Errorf("transport: listing the consumer groups of %s: %w", topic, migrationHint(err))
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var g string
+		if err := rows.Scan(&g); err != nil {
+			return nil, err
+		}
+		out = append(out, g)
+	}
+	return out, rows.Err()
+}

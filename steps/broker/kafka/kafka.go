@@ -27,12 +27,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
-	wmkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill"
+	wmkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/pgsaga/pgsaga/steps/broker"
@@ -43,7 +42,7 @@ import (
 const (
 	PartitionsDefault        = 3
 	ReplicationFactorDefault = 1
-	PublishTimeoutDefault    = 5 * time.Second
+	PublishTimeoutDefault    = 3 * time.Second
 )
 
 // Config configures a Broker. Zero values take the defaults.
@@ -71,9 +70,6 @@ type Broker struct {
 	log  *slog.Logger
 	wlog watermill.LoggerAdapter
 	pub  *wmkafka.Publisher
-
-	mu   sync.Mutex
-	subs []*wmkafka.Subscriber
 }
 
 var _ broker.Broker = (*Broker)(nil)
@@ -133,21 +129,47 @@ func (b *Broker) producerConfig() *sarama.Config {
 	c.Producer.RequiredAcks = sarama.WaitForAll
 	c.Producer.Idempotent = true
 	c.Net.MaxOpenRequests = 1
-	c.Producer.Retry.Max = 5
+	// A publish is bounded (see MaxPublishDuration): each network wait by
+	// PublishTimeout, two retries.
+	c.Producer.Retry.Max = 2
+	c.Producer.Retry.Backoff = 100 * time.Millisecond
 	c.Producer.Timeout = b.cfg.PublishTimeout
+	c.Net.DialTimeout, c.Net.ReadTimeout, c.Net.WriteTimeout = b.cfg.PublishTimeout, b.cfg.PublishTimeout, b.cfg.PublishTimeout
 	return c
 }
 
+// MaxPublishDuration bounds one Publish: three tries, each of a dial, a
+// write and a read bounded by PublishTimeout (see broker.PublishBound).
+func (b *Broker) MaxPublishDuration() time.Duration { return 3*3*b.cfg.PublishTimeout + time.Second }
+
 // marshaler is Watermill's default (UUID and metadata as headers), with a
-// partition key that keeps a stream's or a saga's messages in order.
-var marshaler = wmkafka.NewWithPartitioningMarshaler(func(_ string, msg *message.Message) (string, error) {
+// partition key that keeps a stream's or a saga's messages in order; a
+// record of another producer, with no Watermill UUID, takes
+// "kafka:<topic>:<partition>:<offset>", the same on redelivery.
+var marshaler = codec{wmkafka.NewWithPartitioningMarshaler(func(_ string, msg *message.Message) (string, error) {
 	for _, k := range []string{metadata.PartitionKey, metadata.SagaID} {
 		if v := msg.Metadata.Get(k); v != "" {
 			return v, nil
 		}
 	}
 	return msg.UUID, nil
-})
+})}
+
+type codec struct{ wmkafka.MarshalerUnmarshaler }
+
+// Unmarshal never fails: a record it cannot read whole is handed out
+// marked malformed (broker.MalformedKey).
+func (c codec) Unmarshal(m *sarama.ConsumerMessage) (*message.Message, error) {
+	msg, err := c.MarshalerUnmarshaler.Unmarshal(m)
+	if err != nil || msg == nil {
+		msg = message.NewMessage("", m.Value)
+		msg.Metadata.Set(broker.MalformedKey, fmt.Sprintf("its record cannot be read: %v", err))
+	}
+	if msg.UUID == "" {
+		msg.UUID = fmt.Sprintf("kafka:%s:%d:%d", m.Topic, m.Partition, m.Offset)
+	}
+	return msg, nil
+}
 
 // Provision creates the topics that do not exist.
 func (b *Broker) Provision(_ context.Context, topics ...string) error {
@@ -195,9 +217,6 @@ func (b *Broker) Subscriber(group string) (message.Subscriber, error) {
 	if err != nil {
 		return nil, fmt.Errorf("kafka: %w", err)
 	}
-	b.mu.Lock()
-	b.subs = append(b.subs, sub)
-	b.mu.Unlock()
 	return sub, nil
 }
 

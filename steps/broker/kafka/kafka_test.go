@@ -143,3 +143,12 @@ func TestRelayAndReceiveThroughKafka(t *testing.T) {
 	}, 2*time.Minute, 50*time.Millisecond)
 	assert.Equal(t, ids, got)
 }
+
+// A record of another producer, with no Watermill UUID, takes a stable id
+// from its position.
+func TestForeignRecordGetsAnID(t *testing.T) {
+	t.Parallel()
+	msg, err := kafka.Marshaler.Unmarshal(&sarama.ConsumerMessage{Topic: "t", Partition: 2, Offset: 41, Value: []byte("{}")})
+	require.NoError(t, err)
+	assert.Equal(t, "kafka:t:2:41", msg.UUID)
+}

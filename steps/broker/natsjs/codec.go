@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sort"
 	"strings"
@@ -76,7 +77,29 @@ func (codec) Marshal(topic string, msg *message.Message) (*nats.Msg, error) {
 		}
 		h.Set(HeaderEncoded, base64.RawURLEncoding.EncodeToString(b))
 	}
+	if n := headerSize(h); n > MaxHeaderBytes {
+		return nil, fmt.Errorf("%w: message %s would carry %d bytes of headers (its metadata), JetStream takes %d", ErrHeadersTooLarge, MsgID(msg.UUID), n, MaxHeaderBytes)
+	}
 	return &nats.Msg{Subject: topic, Data: msg.Payload, Header: h}, nil
+}
+
+// MaxHeaderBytes is the most header bytes JetStream stores with a
+// message (64 KiB; "header size exceeds maximum allowed" beyond).
+const MaxHeaderBytes = 64 * 1024
+
+// ErrHeadersTooLarge refuses, for good, a message whose metadata JetStream
+// would not store.
+var ErrHeadersTooLarge = errors.New("natsjs: the message's headers are larger than JetStream takes")
+
+// headerSize is the size of h on the wire, as nats.go writes it.
+func headerSize(h nats.Header) int {
+	n := len("NATS/1.0\r\n\r\n")
+	for k, vs := range h {
+		for _, v := range vs {
+			n += len(k) + len(v) + len(": \r\n")
+		}
+	}
+	return n
 }
 
 // MsgID is the JetStream deduplication id (Nats-Msg-Id) of a message with

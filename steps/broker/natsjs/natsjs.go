@@ -260,15 +260,26 @@ func (b *Broker) Provision(ctx context.Context, topics ...string) error {
 			if err != nil {
 				return fmt.Errorf("natsjs: reading stream %s of topic %s: %w", name, topic, err)
 			}
-			if s.CachedInfo().Config.Duplicates <= 0 {
-				b.log.Warn("the stream of a topic does not deduplicate: a relay that publishes again may store a message twice", "topic", topic, "stream", name)
+			if w := s.CachedInfo().Config.Duplicates; w < b.cfg.DuplicateWindow {
+				b.log.Warn("the stream of a topic deduplicates over a shorter window than configured: a relay that publishes again after it stores a message twice",
+					"topic", topic, "stream", name, "duplicate_window", w, "configured", b.cfg.DuplicateWindow)
 			}
 			continue
 		case !errors.Is(err, jetstream.ErrStreamNotFound):
 			return fmt.Errorf("natsjs: finding the stream of topic %s: %w", topic, err)
 		}
 		sc := b.cfg.Stream(topic, b.cfg.DuplicateWindow)
-		if _, err := b.js.CreateStream(ctx, sc); err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+		_, err = b.js.CreateStream(ctx, sc)
+		if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+			// Created meanwhile by another process, or a stream of that
+			// name that captures other subjects: then the topic still
+			// has none.
+			if _, err = b.js.StreamNameBySubject(ctx, topic); err != nil {
+				return fmt.Errorf("natsjs: topic %s: a stream named %s exists and does not capture the topic: %w", topic, sc.Name, err)
+			}
+			continue
+		}
+		if err != nil {
 			return fmt.Errorf("natsjs: creating stream %s for topic %s: %w", sc.Name, topic, err)
 		}
 		b.log.Info("stream created", "topic", topic, "stream", sc.Name, "duplicate_window", sc.Duplicates)
@@ -290,7 +301,10 @@ func (b *Broker) Publish(ctx context.Context, topic string, msg *message.Message
 	}
 	err := b.pub.Publish(topic, msg)
 	if errors.Is(err, nats.ErrNoStreamResponse) {
-		if perr := b.Provision(ctx, topic); perr != nil {
+		pctx, cancel := context.WithTimeout(ctx, b.cfg.PublishTimeout)
+		perr := b.Provision(pctx, topic)
+		cancel()
+		if perr != nil {
 			return errors.Join(err, perr)
 		}
 		err = b.pub.Publish(topic, msg)
@@ -298,29 +312,41 @@ func (b *Broker) Publish(ctx context.Context, topic string, msg *message.Message
 	return err
 }
 
-// errCodeMessageTooLarge is JetStream's error code for a message larger
-// than its stream allows (JSStreamMessageExceedsMaximumErr).
-const errCodeMessageTooLarge = 10054
+// JetStream's error codes for a message larger than its stream allows
+// (JSStreamMessageExceedsMaximumErr) and for headers larger than it
+// stores (JSStreamHeaderExceedsMaximumErr).
+const (
+	errCodeMessageTooLarge = 10054
+	errCodeHeadersTooLarge = 10097
+)
 
 // Permanent reports whether a Publish error refuses the message for
-// good: larger than the server or its stream take, or a topic that cannot
-// be a subject.
+// good: larger than the server or its stream take (payload or headers), or
+// a topic that cannot be a subject.
 func (b *Broker) Permanent(err error) bool {
-	if errors.Is(err, nats.ErrMaxPayload) || errors.Is(err, ErrUnsupportedTopic) || errors.Is(err, nats.ErrBadSubject) {
+	if errors.Is(err, nats.ErrMaxPayload) || errors.Is(err, ErrUnsupportedTopic) || errors.Is(err, nats.ErrBadSubject) || errors.Is(err, ErrHeadersTooLarge) {
 		return true
 	}
 	var api *nats.APIError
-	if errors.As(err, &api) && api.ErrorCode == errCodeMessageTooLarge {
-		return true
-	}
-	return false
+	return errors.As(err, &api) && (api.ErrorCode == errCodeMessageTooLarge || api.ErrorCode == errCodeHeadersTooLarge)
 }
+
+// MaxPublishDuration bounds one Publish: the publish, a provisioning of
+// the topic if no stream answered, and the publish again, each bounded by
+// Config.PublishTimeout (see broker.PublishBound).
+func (b *Broker) MaxPublishDuration() time.Duration { return 3 * b.cfg.PublishTimeout }
+
+// AckWait is how long the broker waits for a delivery's acknowledgement
+// before delivering it again (see broker.AckWaiter).
+func (b *Broker) AckWait() time.Duration { return b.cfg.AckWait }
 
 // Subscriber returns a subscriber of group, over a connection of its own
 // (closed with it): each Subscribe(topic) is one more pull consumer of the
-// group's durable consumer of topic, created if missing. Messages handed
+// group's durable consumer of topic, created if missing (its stream too),
+// and created again should it be deleted while it runs. Messages handed
 // back (nack) are delivered again after a delay that doubles from
-// NakDelayDefault up to MaxNakDelay.
+// NakDelayDefault up to MaxNakDelay. Close waits for the deliveries under
+// way and hands the buffered ones back.
 func (b *Broker) Subscriber(group string) (message.Subscriber, error) {
 	nc, err := b.connect("subscriber " + group)
 	if err != nil {
@@ -329,11 +355,23 @@ func (b *Broker) Subscriber(group string) (message.Subscriber, error) {
 	b.mu.Lock()
 	b.conns = append(b.conns, nc)
 	b.mu.Unlock()
+	forget := func() {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		for i, c := range b.conns {
+			if c == nc {
+				b.conns = append(b.conns[:i], b.conns[i+1:]...)
+				break
+			}
+		}
+		nc.Close()
+	}
+	g := &gate{}
 	sub, err := wmjs.NewSubscriber(wmjs.SubscriberConfig{
 		Conn:                nc,
 		Logger:              b.wlog,
 		AckWaitTimeout:      b.cfg.AckWait,
-		ResourceInitializer: b.consumer(group),
+		ResourceInitializer: b.consumer(group, g),
 		NakDelay:            nakDelay{},
 		Unmarshaler:         codec{},
 		// A consumer asks for few messages at a time: each one fetched
@@ -341,37 +379,53 @@ func (b *Broker) Subscriber(group string) (message.Subscriber, error) {
 		ConsumeOptions: []jetstream.PullConsumeOpt{jetstream.PullMaxMessages(8)},
 	})
 	if err != nil {
-		nc.Close()
+		forget()
 		return nil, fmt.Errorf("natsjs: %w", err)
 	}
-	return sub, nil
+	return &subscriber{Subscriber: sub, gate: g, done: forget}, nil
 }
 
-// consumer creates (or updates) group's durable consumer of a topic, on
-// the stream that captures the topic; it is never deleted by pgsaga.
-func (b *Broker) consumer(group string) wmjs.ResourceInitializer {
+// consumer is the subscriber's ResourceInitializer: group's durable
+// consumer of a topic, consumed through the gate (see consume.go); pgsaga
+// never deletes it.
+func (b *Broker) consumer(group string, g *gate) wmjs.ResourceInitializer {
 	return func(ctx context.Context, js jetstream.JetStream, topic string) (jetstream.Consumer, func(context.Context, watermill.LoggerAdapter), error) {
-		if err := subject(topic); err != nil {
+		c, err := b.ensureConsumer(ctx, js, group, topic)
+		if err != nil {
 			return nil, nil, err
 		}
-		stream, err := js.StreamNameBySubject(ctx, topic)
-		if err != nil {
-			return nil, nil, fmt.Errorf("natsjs: finding the stream of topic %s (provision it first): %w", topic, err)
-		}
-		c, err := js.CreateOrUpdateConsumer(ctx, stream, jetstream.ConsumerConfig{
-			Durable:       ConsumerName(group, topic),
-			Description:   "pgsaga group " + group + " of topic " + topic,
-			FilterSubject: topic,
-			DeliverPolicy: jetstream.DeliverAllPolicy,
-			AckPolicy:     jetstream.AckExplicitPolicy,
-			AckWait:       b.cfg.AckWait,
-			MaxDeliver:    -1,
-		})
-		if err != nil {
-			return nil, nil, fmt.Errorf("natsjs: consumer %s of stream %s: %w", ConsumerName(group, topic), stream, err)
-		}
-		return c, nil, nil
+		return &consumer{Consumer: c, b: b, js: js, group: group, topic: topic, gate: g}, nil, nil
 	}
+}
+
+// ensureConsumer creates (or updates) group's durable consumer of topic on
+// the stream that captures it, provisioning the stream if none does.
+func (b *Broker) ensureConsumer(ctx context.Context, js jetstream.JetStream, group, topic string) (jetstream.Consumer, error) {
+	if err := subject(topic); err != nil {
+		return nil, err
+	}
+	stream, err := js.StreamNameBySubject(ctx, topic)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		if err = b.Provision(ctx, topic); err == nil {
+			stream, err = js.StreamNameBySubject(ctx, topic)
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("natsjs: finding the stream of topic %s: %w", topic, err)
+	}
+	c, err := js.CreateOrUpdateConsumer(ctx, stream, jetstream.ConsumerConfig{
+		Durable:       ConsumerName(group, topic),
+		Description:   "pgsaga group " + group + " of topic " + topic,
+		FilterSubject: topic,
+		DeliverPolicy: jetstream.DeliverAllPolicy,
+		AckPolicy:     jetstream.AckExplicitPolicy,
+		AckWait:       b.cfg.AckWait,
+		MaxDeliver:    -1,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("natsjs: consumer %s of stream %s: %w", ConsumerName(group, topic), stream, err)
+	}
+	return c, nil
 }
 
 // nakDelay is the wait before a message handed back is delivered again.
