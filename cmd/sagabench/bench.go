@@ -342,11 +342,25 @@ func (b *bench) openBroker() (broker.Broker, error) {
 }
 
 // newPaymentService builds the payment service (its workers and bridge
-// start with the others) and its clients' view, for seeding.
+// start with the others) and its clients' view, for seeding. The run's
+// databases are fresh: so must the broker's topics be, or what an earlier
+// run left there (commands re-sent after its sagas ended) would be
+// delivered to this one's.
 func (b *bench) newPaymentService(ctx context.Context, tcfg transport.Config) error {
 	br, err := b.openBroker()
 	if err != nil {
 		return err
+	}
+	if r, ok := br.(broker.Resetter); ok {
+		def, err := saga.Define(orderpayment.Spec(orderpayment.Steps(orderpayment.StepTimeouts{})))
+		if err != nil {
+			return err
+		}
+		topics := []string{payments.ChargeTopic, payments.RefundTopic, def.ReplyTopic}
+		if err := r.Reset(ctx, topics...); err != nil {
+			return fmt.Errorf("-payments-service: %w", err)
+		}
+		fmt.Fprintf(b.status, "payment service: the sample's topics at the broker start empty (%v)\n", topics)
 	}
 	b.pay, err = orderpayment.NewPaymentService(orderpayment.PaymentServiceConfig{DB: b.payDB.SQL, GatewayURL: b.gateway.URL(),
 		Broker: br, Transport: tcfg, Logger: b.log})

@@ -80,7 +80,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.BoolVar(&o.queueEveryHop, "queue-every-hop", false, "send every trigger, command and reply through the queue, as with one process per participant, instead of starting each saga in Place's transaction and delivering the orders steps and the engine's replies in process")
 	fs.BoolVar(&o.asyncProjection, "async-projection", false, "keep order_views by delivering each order event to the projection's consumer group, instead of inline in the appending transaction")
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve Prometheus metrics at http://ADDR/metrics during the run, e.g. 127.0.0.1:9090 (port 0 picks one; printed); each -worker-processes process serves its own on a free port, printed too")
-	fs.StringVar(&o.paymentsService, "payments-service", "", "run the payment step as a service of its own, on a second fresh database, reached through this broker ("+brokers.Schemes+"); the broker must be the run's own: the sample's subjects are fixed")
+	fs.StringVar(&o.paymentsService, "payments-service", "", "run the payment step as a service of its own, on a second fresh database, reached through this broker ("+brokers.Schemes+"); the sample's topics there are deleted first (the run starts fresh), so the broker must be the run's own")
 	fs.DurationVar(&o.gatewayDelay, "gateway-delay", 0, "the fake payment gateway answers every call after this long (a real gateway takes 100ms to seconds); at most 1s")
 	o.log.Register(fs, "warn")
 	fs.Usage = func() {}

@@ -81,6 +81,14 @@ type AckWaiter interface {
 	AckWait() time.Duration
 }
 
+// A Resetter deletes what the broker keeps of topics (JetStream: their
+// streams and consumers; Kafka: the topics), for a run that must start
+// from nothing (a benchmark on fresh databases). Never for production: it
+// drops what was relayed and not yet received.
+type Resetter interface {
+	Reset(ctx context.Context, topics ...string) error
+}
+
 // MalformedKey is the metadata entry a Broker's subscriber sets on a
 // message it could not read whole (a header it cannot decode, say): the
 // reason. A Bridge dead-letters such a message on receipt.

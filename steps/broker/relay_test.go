@@ -264,3 +264,16 @@ func counted(t *testing.T, reg *prometheus.Registry, name, topic string) float64
 	}
 	return 0
 }
+
+// Reset deletes what the broker keeps of a topic (a benchmark's fresh
+// start); a topic it does not keep is no error.
+func TestReset(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	ctx := context.Background()
+	require.NoError(t, f.br.Provision(ctx, f.topic))
+	require.NoError(t, f.br.Publish(ctx, f.topic, message.NewMessage(uuid.NewString(), []byte("{}"))))
+	require.NoError(t, f.br.Reset(ctx, f.topic, "pgsagatest."+randomID()+".never"))
+	_, err := f.js.Stream(ctx, natsjs.StreamName(f.topic))
+	assert.ErrorIs(t, err, jetstream.ErrStreamNotFound)
+}

@@ -188,6 +188,21 @@ func (b *Broker) Provision(_ context.Context, topics ...string) error {
 	return nil
 }
 
+// Reset deletes the topics (see broker.Resetter).
+func (b *Broker) Reset(_ context.Context, topics ...string) error {
+	admin, err := sarama.NewClusterAdmin(b.cfg.Brokers, b.base())
+	if err != nil {
+		return fmt.Errorf("kafka: connecting to the cluster: %w", err)
+	}
+	defer admin.Close()
+	for _, topic := range topics {
+		if err := admin.DeleteTopic(topic); err != nil && !errors.Is(err, sarama.ErrUnknownTopicOrPartition) {
+			return fmt.Errorf("kafka: deleting topic %s: %w", topic, err)
+		}
+	}
+	return nil
+}
+
 // Publish publishes msg and waits for its acknowledgement.
 func (b *Broker) Publish(ctx context.Context, topic string, msg *message.Message) error {
 	if err := ctx.Err(); err != nil {

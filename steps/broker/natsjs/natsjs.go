@@ -287,6 +287,24 @@ func (b *Broker) Provision(ctx context.Context, topics ...string) error {
 	return nil
 }
 
+// Reset deletes the streams that capture topics, with their consumers
+// (see broker.Resetter).
+func (b *Broker) Reset(ctx context.Context, topics ...string) error {
+	for _, topic := range topics {
+		name, err := b.js.StreamNameBySubject(ctx, topic)
+		if errors.Is(err, jetstream.ErrStreamNotFound) {
+			continue
+		}
+		if err == nil {
+			err = b.js.DeleteStream(ctx, name)
+		}
+		if err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+			return fmt.Errorf("natsjs: resetting topic %s: %w", topic, err)
+		}
+	}
+	return nil
+}
+
 // Publish publishes msg to topic's subject and waits for the stream's
 // acknowledgement (at most Config.PublishTimeout). ctx is not consulted
 // once the publish is sent: the wait is bounded by the timeout. When no
