@@ -296,7 +296,7 @@ func (s *split) check(ids []uuid.UUID) orderpayment.Report {
 }
 
 // 300 sagas with the payment step in its own database, over JetStream,
-// while 30% of deliveries are duplicated in each database, 30% of what
+// while 40% of deliveries are duplicated in each database, 40% of what
 // each service receives from the broker is delivered twice by the broker,
 // each relay is killed twice between the broker's acknowledgement and its
 // commit, attempts crash and workers churn on both sides: every saga ends,
@@ -308,12 +308,14 @@ func TestSplitChaos(t *testing.T) {
 	t.Logf("chaos seed %d (run again with PGSAGA_CHAOS_SEED=%d)", seed, seed)
 	const orderCount = 300
 	start := time.Now()
-	ordersFaults, err := sagatest.NewBrokerInjector(sagatest.BrokerFaults{Seed: seed, RelayCrashRate: 0.05, MaxRelayCrashes: 2, RedeliverRate: 0.3})
+	// Rates are drawn per message: 40% makes at least 30% certain (over
+	// some 1,900 messages the share varies by about 1%).
+	ordersFaults, err := sagatest.NewBrokerInjector(sagatest.BrokerFaults{Seed: seed, RelayCrashRate: 0.05, MaxRelayCrashes: 2, RedeliverRate: 0.4})
 	require.NoError(t, err)
-	paymentFaults, err := sagatest.NewBrokerInjector(sagatest.BrokerFaults{Seed: seed + 1, RelayCrashRate: 0.05, MaxRelayCrashes: 2, RedeliverRate: 0.3})
+	paymentFaults, err := sagatest.NewBrokerInjector(sagatest.BrokerFaults{Seed: seed + 1, RelayCrashRate: 0.05, MaxRelayCrashes: 2, RedeliverRate: 0.4})
 	require.NoError(t, err)
 	s := newSplit(t, splitOptions{ordersFaults: ordersFaults, paymentFaults: paymentFaults,
-		chaos:         &sagatest.Faults{Seed: seed, DuplicateRate: 0.3, CrashBeforeCommitRate: 0.05, CrashAfterCommitRate: 0.05, DelayRate: 0.05, MaxDelay: 50 * time.Millisecond},
+		chaos:         &sagatest.Faults{Seed: seed, DuplicateRate: 0.4, CrashBeforeCommitRate: 0.05, CrashAfterCommitRate: 0.05, DelayRate: 0.05, MaxDelay: 50 * time.Millisecond},
 		gatewayFaults: orderpayment.GatewayFaults(seed, 0.1),
 		// As TestChaos: patience for the queues of 300 orders placed at once.
 		timeouts: orderpayment.StepTimeouts{Deadline: 20 * time.Second, CompensationDeadline: 20 * time.Second}})
@@ -339,15 +341,15 @@ func TestSplitChaos(t *testing.T) {
 		counts[saga.StatusCompleted], counts[saga.StatusCompensated], counts[saga.StatusFailed])
 	t.Logf("split chaos: broker: %d received (%d redelivered by the broker), relays killed %d+%d; queues: %d messages duplicated (%d copies), %d crashes before commit, %d after",
 		received, redelivered, os.RelayCrashes, ps.RelayCrashes, local.Duplicated, local.Copies, local.CrashesBefore, local.CrashesAfter)
-	// Duplicated deliveries: copies queued in each database (30% of the
+	// Duplicated deliveries: copies queued in each database (40% of the
 	// messages the handlers saw first), and messages the broker delivered
-	// again (30% of what each service received first).
+	// again (40% of what each service received first): 30% at least.
 	firstSeen := local.Attempts - local.Retries
 	dupShare := float64(local.Duplicated+redelivered) / float64(firstSeen+received-redelivered)
 	t.Logf("split chaos: %.0f%% of deliveries duplicated (%d of %d messages in the queues, %d of %d from the broker)",
 		100*dupShare, local.Duplicated, firstSeen, redelivered, received-redelivered)
 	assert.GreaterOrEqual(t, dupShare, 0.3, "at least 30%% of deliveries duplicated")
-	assert.GreaterOrEqual(t, float64(redelivered)/float64(received-redelivered), 0.25, "the broker delivered about 30%% of its messages twice")
+	assert.GreaterOrEqual(t, float64(redelivered)/float64(received-redelivered), 0.25, "the broker delivered about 40%% of its messages twice")
 }
 
 // heldBroker fails every publish while hold is set: a relay that cannot

@@ -165,10 +165,11 @@ func TestTwoRelaysOfOneTopic(t *testing.T) {
 	f := newFixture(t, url, db)
 	other := newFixture(t, url, db)
 	other.topic = f.topic
-	f.bridge(broker.Config{Relay: []string{f.topic}, BatchSize: 3})
-	other.bridge(broker.Config{Relay: []string{f.topic}, BatchSize: 3})
+	a := f.bridge(broker.Config{Relay: []string{f.topic}, BatchSize: 3})
+	b := other.bridge(broker.Config{Relay: []string{f.topic}, BatchSize: 3})
 	ids := f.publish(f.topic, 40, nil)
 	assert.Equal(t, ids, f.stored(f.topic, len(ids)))
+	assert.Equal(t, int64(len(ids)), a.Stats().Relayed+b.Stats().Relayed, "no message published by both (the broker's deduplication would hide it)")
 }
 
 // While one relay batch of a topic is open, another is refused at once
