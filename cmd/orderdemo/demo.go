@@ -832,21 +832,12 @@ func (d *demo) report(ids []uuid.UUID, r orderpayment.Report, took time.Duration
 		s.GatewayCharges, s.GatewayRefunds, s.GatewayCalls = gw.Charges, gw.Refunds, gw.Calls
 	}
 	if d.injector != nil {
-		c := &chaosSummary{GatewayFaults: map[string]int{}}
-		for _, inj := range []*sagatest.Injector{d.injector, d.payInjector} {
-			if inj == nil {
-				continue
-			}
-			st := inj.Stats()
-			c.Duplicated += st.Duplicated
-			c.Copies += st.Copies
-			c.CrashesBefore += st.CrashesBefore
-			c.CrashesAfter += st.CrashesAfter
-			c.ConnectionsKilled += st.ConnectionsKilled
-			c.Attempts += st.Attempts
-			c.Retries += st.Retries
-			c.Replayed += st.Replayed
+		st := d.injector.Stats()
+		if d.payInjector != nil {
+			st = st.Add(d.payInjector.Stats())
 		}
+		c := &chaosSummary{Duplicated: st.Duplicated, Copies: st.Copies, CrashesBefore: st.CrashesBefore, CrashesAfter: st.CrashesAfter,
+			ConnectionsKilled: st.ConnectionsKilled, Attempts: st.Attempts, Retries: st.Retries, Replayed: st.Replayed, GatewayFaults: map[string]int{}}
 		for f, n := range gw.Faults {
 			c.GatewayFaults[string(f)] = n
 		}

@@ -157,14 +157,7 @@ func (s *split) stopChurn() {
 func (s *split) injectorStats() sagatest.Stats {
 	var sum sagatest.Stats
 	for _, inj := range s.injectors {
-		st := inj.Stats()
-		sum.Attempts += st.Attempts
-		sum.Retries += st.Retries
-		sum.Duplicated += st.Duplicated
-		sum.Copies += st.Copies
-		sum.CrashesBefore += st.CrashesBefore
-		sum.CrashesAfter += st.CrashesAfter
-		sum.Replayed += st.Replayed
+		sum = sum.Add(inj.Stats())
 	}
 	return sum
 }

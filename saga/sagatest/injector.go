@@ -140,6 +140,21 @@ type Stats struct {
 	Replayed int
 }
 
+// Add is s and o counted together: the stats of several injectors (one
+// per database of services joined by a broker).
+func (s Stats) Add(o Stats) Stats {
+	s.Attempts += o.Attempts
+	s.Retries += o.Retries
+	s.Duplicated += o.Duplicated
+	s.Copies += o.Copies
+	s.CrashesBefore += o.CrashesBefore
+	s.CrashesAfter += o.CrashesAfter
+	s.ConnectionsKilled += o.ConnectionsKilled
+	s.Delays += o.Delays
+	s.Replayed += o.Replayed
+	return s
+}
+
 // Injector injects faults into handlers.
 type Injector struct {
 	cfg  Faults

@@ -356,3 +356,10 @@ func TestInjectorRestartedDrawsAfreshForTheNextAttempt(t *testing.T) {
 	assert.Positive(t, count(`SELECT count(*) FROM done`)-(n-crashed), "a message whose first attempt crashed succeeded on its second, in the new process")
 	assert.Less(t, count(`SELECT count(*) FROM pgsaga_dead_letters`), crashed, "not every such message crashed again")
 }
+
+// Stats of several injectors add up field by field.
+func TestStatsAdd(t *testing.T) {
+	t.Parallel()
+	a := sagatest.Stats{Attempts: 1, Retries: 2, Duplicated: 3, Copies: 4, CrashesBefore: 5, CrashesAfter: 6, ConnectionsKilled: 7, Delays: 8, Replayed: 9}
+	assert.Equal(t, sagatest.Stats{Attempts: 2, Retries: 4, Duplicated: 6, Copies: 8, CrashesBefore: 10, CrashesAfter: 12, ConnectionsKilled: 14, Delays: 16, Replayed: 18}, a.Add(a))
+}

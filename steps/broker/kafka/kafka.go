@@ -67,7 +67,6 @@ type Config struct {
 // Broker is Kafka as a pgsaga broker.
 type Broker struct {
 	cfg  Config
-	log  *slog.Logger
 	wlog watermill.LoggerAdapter
 	pub  *wmkafka.Publisher
 }
@@ -94,8 +93,8 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.Partitions < 0 || cfg.ReplicationFactor < 0 || cfg.PublishTimeout < 0 {
 		return nil, fmt.Errorf("%w: kafka: Partitions, ReplicationFactor and PublishTimeout must not be negative", broker.ErrInvalidConfig)
 	}
-	b := &Broker{cfg: cfg, log: cfg.Logger.With("broker", "kafka"),
-		wlog: watermill.NewSlogLoggerWithLevelMapping(cfg.Logger, map[slog.Level]slog.Level{slog.LevelInfo: slog.LevelDebug})}
+	b := &Broker{cfg: cfg,
+		wlog: watermill.NewSlogLoggerWithLevelMapping(cfg.Logger.With("broker", "kafka"), map[slog.Level]slog.Level{slog.LevelInfo: slog.LevelDebug})}
 	pub, err := wmkafka.NewPublisher(wmkafka.PublisherConfig{
 		Brokers:               cfg.Brokers,
 		Marshaler:             marshaler,
