@@ -624,10 +624,15 @@ func (d *demo) placeOrders(ctx context.Context) ([]uuid.UUID, error) {
 			}
 		})
 	}
+dispatch:
 	for i := range plans {
+		if ctx.Err() != nil { // select would pick at random between the two
+			break
+		}
 		select {
 		case next <- i:
 		case <-ctx.Done():
+			break dispatch
 		}
 	}
 	close(next)
@@ -636,7 +641,15 @@ func (d *demo) placeOrders(ctx context.Context) ([]uuid.UUID, error) {
 	if len(errs) > 0 {
 		return nil, fmt.Errorf("placing orders: %d failed, first: %w", len(errs), errs[0])
 	}
-	return sagas, nil
+	// Only the orders placed: an interruption leaves the rest unplaced,
+	// and the caller tells it by the count.
+	placed := make([]uuid.UUID, 0, len(sagas))
+	for _, id := range sagas {
+		if id != uuid.Nil {
+			placed = append(placed, id)
+		}
+	}
+	return placed, nil
 }
 
 // unfinished lists the sagas -resume waits for: every running or

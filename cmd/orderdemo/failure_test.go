@@ -128,3 +128,37 @@ func TestNoPasswordInOutput(t *testing.T) {
 		})
 	}
 }
+
+// cancelOn cancels a run's context the moment its output holds a line with
+// want, before the run writes anything more.
+type cancelOn struct {
+	testout.Buffer
+	want   string
+	cancel context.CancelFunc
+}
+
+func (c *cancelOn) Write(p []byte) (int, error) {
+	n, err := c.Buffer.Write(p)
+	if strings.Contains(string(p), c.want) {
+		c.cancel()
+	}
+	return n, err
+}
+
+// An interruption that comes between two orders, while no order is being
+// placed, is still an interruption while placing: the run used to count
+// the orders it never placed as placed, wait for sagas that do not exist
+// and report them as "never started", a broken invariant.
+func TestInterruptedBetweenOrders(t *testing.T) {
+	t.Setenv("DATABASE_URL", testdb.Fresh(t).URL)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	stdout := &cancelOn{want: "placing 50 orders", cancel: cancel}
+	var stderr testout.Buffer
+	code := run(ctx, []string{"-orders", "50", "-timeout", "1m"}, stdout, &stderr)
+	all := stdout.String() + stderr.String()
+	assert.Equal(t, exitFailed, code, all)
+	assert.Contains(t, all, "interrupted while placing the orders", all)
+	assert.NotContains(t, all, "invariants", "no report for orders never placed")
+	assert.NotContains(t, all, "never started")
+}
