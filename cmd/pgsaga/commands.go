@@ -271,18 +271,21 @@ func oneLine(s string) string { return strings.Join(strings.Fields(s), " ") }
 // deadLetterJSON is a dead letter in --json listings. Its field names are a
 // contract.
 type deadLetterJSON struct {
-	ID            int64             `json:"id"`
-	UUID          string            `json:"uuid"`
-	Topic         string            `json:"topic"`
-	ConsumerGroup string            `json:"consumer_group"`
-	Handler       string            `json:"handler"`
-	Reason        string            `json:"reason"`
-	Attempts      int               `json:"attempts"`
-	CreatedAt     time.Time         `json:"created_at"`
-	DeadAt        time.Time         `json:"dead_at"`
-	ReplayedAt    *time.Time        `json:"replayed_at"`
-	Metadata      map[string]string `json:"metadata"`
-	Payload       string            `json:"payload"`
+	ID            int64      `json:"id"`
+	UUID          string     `json:"uuid"`
+	Topic         string     `json:"topic"`
+	ConsumerGroup string     `json:"consumer_group"`
+	Handler       string     `json:"handler"`
+	Reason        string     `json:"reason"`
+	Attempts      int        `json:"attempts"`
+	CreatedAt     time.Time  `json:"created_at"`
+	DeadAt        time.Time  `json:"dead_at"`
+	ReplayedAt    *time.Time `json:"replayed_at"`
+	// Replayable is false for what a broker bridge received but could not
+	// queue: replay refuses it, the sender must send it again.
+	Replayable bool              `json:"replayable"`
+	Metadata   map[string]string `json:"metadata"`
+	Payload    string            `json:"payload"`
 }
 
 func deadLettersCmd() *cobra.Command {
@@ -308,7 +311,7 @@ func deadLettersCmd() *cobra.Command {
 					out := make([]deadLetterJSON, len(dl))
 					for i, d := range dl {
 						out[i] = deadLetterJSON{ID: d.ID, UUID: d.UUID, Topic: d.Topic, ConsumerGroup: d.ConsumerGroup, Handler: d.Handler,
-							Reason: d.Reason, Attempts: d.Attempts, CreatedAt: d.CreatedAt, DeadAt: d.DeadAt, ReplayedAt: d.ReplayedAt, Metadata: d.Metadata,
+							Reason: d.Reason, Attempts: d.Attempts, CreatedAt: d.CreatedAt, DeadAt: d.DeadAt, ReplayedAt: d.ReplayedAt, Replayable: d.Replayable(), Metadata: d.Metadata,
 							Payload: strings.ToValidUTF8(string(d.Payload), "\uFFFD")}
 					}
 					return writeJSON(cmd.OutOrStdout(), out)
@@ -318,6 +321,9 @@ func deadLettersCmd() *cobra.Command {
 				now := time.Now()
 				for _, d := range dl {
 					replayed := "-"
+					if !d.Replayable() {
+						replayed = "cannot"
+					}
 					if d.ReplayedAt != nil {
 						replayed = age(now.Sub(*d.ReplayedAt)) + " ago"
 					}

@@ -175,6 +175,25 @@ func TestSubcommandsOnARealRun(t *testing.T) {
 	require.NoError(t, json.Unmarshal([]byte(out), &dead))
 	require.Len(t, dead, 1)
 	assert.NotNil(t, dead[0].ReplayedAt)
+	assert.True(t, dead[0].Replayable)
+
+	// What a broker bridge received but could not queue is listed as not
+	// replayable, and its replay is refused with why.
+	tr, err := transport.New(transport.Config{DB: db})
+	require.NoError(t, err)
+	require.NoError(t, tr.StoreDeadLetter(context.Background(), "payments.replies", "pgsaga", transport.ReceiveHandler,
+		message.NewMessage("garbled", []byte("\xff")), "unreadable"))
+	code, out, _ = pgsaga(t, "dead-letters", "--json", "--topic", "payments.replies")
+	require.Equal(t, exitOK, code)
+	require.NoError(t, json.Unmarshal([]byte(out), &dead))
+	require.Len(t, dead, 1)
+	assert.False(t, dead[0].Replayable)
+	code, out, _ = pgsaga(t, "dead-letters", "--topic", "payments.replies")
+	require.Equal(t, exitOK, code)
+	assert.Contains(t, out, "cannot")
+	code, _, errOut = pgsaga(t, "dead-letters", "replay", strconv.FormatInt(dead[0].ID, 10))
+	assert.Equal(t, exitFailed, code)
+	assert.Contains(t, errOut, "must be sent again")
 
 	code, out, _ = pgsaga(t, "consumers", "--json")
 	require.Equal(t, exitOK, code)

@@ -428,12 +428,15 @@ type deadLetterRow struct {
 	Dead, DeadAt, PublishedAt           string
 	IsReplayed                          bool
 	Replayed, ReplayedAt                string
-	Payload, PayloadNote                string
-	PayloadBytes                        int
-	Metadata                            []keyValue
-	MetadataNote                        string
-	SagaID, SagaShort, SagaHref         string
-	Anchor, ReplayAction                string
+	// NotReplayable says why the dead letter cannot be replayed ("" if it
+	// can).
+	NotReplayable               string
+	Payload, PayloadNote        string
+	PayloadBytes                int
+	Metadata                    []keyValue
+	MetadataNote                string
+	SagaID, SagaShort, SagaHref string
+	Anchor, ReplayAction        string
 	// Consumer says who gave up on it: the group and its handler, or that
 	// no group read the topic.
 	Consumer string
@@ -448,6 +451,9 @@ func (u *webUI) deadLetterRow(d transport.DeadLetter, now time.Time) deadLetterR
 		Anchor: fmt.Sprintf("dl-%d", d.ID), ReplayAction: fmt.Sprintf("/dead-letters/%d/replay", d.ID)}
 	row.ReasonShort = clip(oneLine(row.Reason), 160)
 	row.ReasonLong = row.ReasonShort != row.Reason
+	if !d.Replayable() {
+		row.NotReplayable = "arrived from a message broker and could not be queued here: it must be sent again"
+	}
 	if !utf8.Valid(d.Payload) || bytes.IndexByte(d.Payload, 0) >= 0 {
 		row.PayloadNote = "not valid UTF-8 text: the bytes that are not are shown as \uFFFD"
 	}
@@ -548,7 +554,7 @@ func (u *webUI) replay(w http.ResponseWriter, r *http.Request) error {
 		u.redirect(w, r, back, flash{"ok", strings.ToUpper(done[:1]) + done[1:] + "."})
 	case errors.Is(err, transport.ErrDeadLetterNotFound):
 		u.redirect(w, r, back, flash{"error", fmt.Sprintf("No dead letter has the id %d: nothing was replayed.", id)})
-	case errors.Is(err, transport.ErrAlreadyReplayed), errors.Is(err, transport.ErrNoConsumerGroup):
+	case errors.Is(err, transport.ErrAlreadyReplayed), errors.Is(err, transport.ErrNoConsumerGroup), errors.Is(err, transport.ErrNotReplayable):
 		u.redirect(w, r, back, flash{"error", fmt.Sprintf("Dead letter %d not replayed: %s.", id, strings.TrimPrefix(err.Error(), "transport: "))})
 	default:
 		return err

@@ -474,6 +474,20 @@ func TestUIButtons(t *testing.T) {
 	forged := b.do(http.MethodGet, "/dead-letters", nil, map[string]string{"Cookie": flashCookie + "=eyJrIjoib2siLCJtIjoiaGkifQ.AAAA"})
 	assert.NotContains(t, forged.body, `id="flash"`, "a flash message this server did not sign is not shown")
 
+	// What a broker bridge received but could not queue: its button is
+	// disabled and says why; pressed anyway, the replay is refused.
+	garbled := message.NewMessage("garbled", []byte("\xff"))
+	require.NoError(t, w.tr.StoreDeadLetter(ctx, "payments.commands", "pgsaga", transport.ReceiveHandler, garbled, "unreadable"))
+	received, err := w.tr.DeadLetters(ctx, transport.DeadLetterFilter{Topic: "payments.commands"})
+	require.NoError(t, err)
+	require.Len(t, received, 1)
+	rid := strconv.FormatInt(received[0].ID, 10)
+	list := b.get("/dead-letters?topic=payments.commands")
+	assert.Regexp(t, `<button type="submit" class="btn btn-small replay" disabled title="[^"]*must be sent again[^"]*">Replay</button>`, list.body)
+	kind, msg = flashOf(t, b.follow(b.press("/dead-letters/"+rid+"/replay", nil)).body)
+	assert.Equal(t, "error", kind)
+	assert.Contains(t, msg, "Dead letter "+rid+" not replayed: the dead letter cannot be replayed")
+
 	// Cancel a running saga: the workers carry it out; its compensation is
 	// refused, so it parks.
 	a = b.press("/sagas/"+w.running.String()+"/cancel", url.Values{"reason": {"asked <i>twice</i>"}})

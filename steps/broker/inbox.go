@@ -14,8 +14,8 @@ import (
 )
 
 // ReceiveHandler names the bridge's receiving side in the dead letters it
-// leaves.
-const ReceiveHandler = "pgsaga.receive"
+// leaves; they cannot be replayed (transport.ErrNotReplayable).
+const ReceiveHandler = transport.ReceiveHandler
 
 // startInbox subscribes Consumers consumers to each received topic.
 func (b *Bridge) startInbox(ctx context.Context) error {

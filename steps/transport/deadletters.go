@@ -37,6 +37,10 @@ type DeadLetter struct {
 	ReplayedAt *time.Time
 }
 
+// Replayable reports whether ReplayDeadLetter can send d back: not a
+// message a broker bridge received but could not queue (ReceiveHandler).
+func (d DeadLetter) Replayable() bool { return d.Handler != ReceiveHandler }
+
 // Metadata a dead letter carries besides the message's own.
 const (
 	DeadLetterReason   = metadata.DeadLetterReason
@@ -120,6 +124,7 @@ var (
 	ErrDeadLetterNotFound = errors.New("transport: no such dead letter")
 	ErrAlreadyReplayed    = errors.New("transport: the dead letter was replayed already")
 	ErrNoConsumerGroup    = errors.New("transport: no consumer group reads the dead letter's topic")
+	ErrNotReplayable      = errors.New("transport: the dead letter cannot be replayed")
 )
 
 // ReplayDeadLetter sends dead letter id back to its topic, once: to the
@@ -129,7 +134,9 @@ var (
 // dead letter's own entries dropped, ReplayedDeadLetter added); the dead
 // letter stays, marked replayed. It returns how many queues it went to.
 // Replaying again is ErrAlreadyReplayed; a group that no longer reads the
-// topic (or none at all) is ErrNoConsumerGroup, and nothing changes.
+// topic (or none at all) is ErrNoConsumerGroup; a message a broker bridge
+// received but could not queue (ReceiveHandler) is ErrNotReplayable; in
+// each case nothing changes.
 func (t *Transport) ReplayDeadLetter(ctx context.Context, id int64) (int, error) {
 	tx, err := t.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
@@ -137,10 +144,10 @@ func (t *Transport) ReplayDeadLetter(ctx context.Context, id int64) (int, error)
 	}
 	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
 	var (
-		topic, group string
-		replayed     *time.Time
+		topic, group, handler string
+		replayed              *time.Time
 	)
-	err = tx.QueryRowContext(ctx, lockDeadLetterSQL, id).Scan(&topic, &group, &replayed)
+	err = tx.QueryRowContext(ctx, lockDeadLetterSQL, id).Scan(&topic, &group, &handler, &replayed)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
 		return 0, fmt.Errorf("%w: %d", ErrDeadLetterNotFound, id)
@@ -148,6 +155,8 @@ func (t *Transport) ReplayDeadLetter(ctx context.Context, id int64) (int, error)
 		return 0, fmt.Errorf("transport: replaying dead letter %d: %w", id, migrationHint(err))
 	case replayed != nil:
 		return 0, fmt.Errorf("%w: %d at %s", ErrAlreadyReplayed, id, replayed.Format(time.RFC3339))
+	case !(DeadLetter{Handler: handler}).Replayable():
+		return 0, fmt.Errorf("%w: dead letter %d arrived from a message broker and was never queued here (what arrived cannot be queued as it is); it must be sent again", ErrNotReplayable, id)
 	}
 	var n int
 	if err := tx.QueryRowContext(ctx, replayDeadLetterSQL, id, t.schema.notifyChannel).Scan(&n); err != nil {

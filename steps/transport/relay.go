@@ -21,6 +21,11 @@ const RelayGroup = "pgsaga.relay"
 // RelayHandler names the relay in the dead letters it leaves.
 const RelayHandler = "pgsaga.relay"
 
+// ReceiveHandler names the receiving side of a bridge from a message broker
+// (steps/broker) in the dead letters it leaves: messages it took in that
+// no queue here can hold. ReplayDeadLetter refuses them (ErrNotReplayable).
+const ReceiveHandler = "pgsaga.receive"
+
 // ErrRelayHeld is returned by ClaimRelay while another transaction holds
 // the topic's relay: a relay runs in another process (or goroutine).
 var ErrRelayHeld = errors.New("transport: another relay holds this topic")

@@ -84,3 +84,26 @@ func TestReplayUnroutedDeadLetter(t *testing.T) {
 	assert.Equal(t, 1, e.waiting(topic, "a"))
 	assert.Equal(t, 1, e.waiting(topic, "b"))
 }
+
+// A dead letter that a message broker's bridge left (a message it received
+// but could not queue here: unreadable, or text PostgreSQL cannot keep) is
+// no message of this database's queues: replaying it is refused, and says
+// so, even when a group of the bridge's name reads the topic here. It stays
+// as a record, unreplayed.
+func TestReplayRefusesWhatTheBrokerBridgeCouldNotQueue(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	topic := "received_" + e.id
+	ctx := context.Background()
+	require.NoError(t, e.tr.Subscribe(ctx, transport.Subscription{Topic: topic, ConsumerGroup: "bridge"}))
+	m := message.NewMessage("r-"+e.id, []byte("\xff\x00 not json"))
+	m.Metadata.Set("k", "nul\x00here")
+	require.NoError(t, e.tr.StoreDeadLetter(ctx, topic, "bridge", transport.ReceiveHandler, m, "its metadata holds a NUL character"))
+	dl := e.deadLetters(topic)
+	require.Len(t, dl, 1)
+	_, err := e.tr.ReplayDeadLetter(ctx, dl[0].ID)
+	require.ErrorIs(t, err, transport.ErrNotReplayable)
+	assert.Contains(t, err.Error(), "sent again")
+	assert.Zero(t, e.waiting(topic, "bridge"), "nothing queued")
+	assert.Nil(t, e.deadLetters(topic)[0].ReplayedAt, "the record stays as it was")
+}

@@ -205,7 +205,7 @@ DELETE FROM pgsaga_queue WHERE topic = $1 AND consumer_group = $2`
 	deadLettersWaitingSQL = `SELECT topic, count(*) FROM pgsaga_dead_letters WHERE replayed_at IS NULL GROUP BY topic`
 
 	// lockDeadLetterSQL locks dead letter $1 for its replay.
-	lockDeadLetterSQL = `SELECT topic, consumer_group, replayed_at FROM pgsaga_dead_letters WHERE id = $1 FOR UPDATE`
+	lockDeadLetterSQL = `SELECT topic, consumer_group, handler, replayed_at FROM pgsaga_dead_letters WHERE id = $1 FOR UPDATE`
 
 	// replayDeadLetterSQL queues dead letter $1 again, for the group that
 	// gave up on it if it still reads the topic, or for every group that
