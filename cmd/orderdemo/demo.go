@@ -51,7 +51,7 @@ type demo struct {
 	injector *sagatest.Injector
 	gateway  *fakegateway.Gateway
 	app      *orderpayment.App
-	workers  []*orderpayment.Worker
+	fleet    *workerwatch.Fleet // running: the workers, then the bridges
 	metrics  *obs.MetricsServer
 
 	// With -payments-service: the payment service, on its database,
@@ -63,7 +63,6 @@ type demo struct {
 	pay          *orderpayment.PaymentService
 	brokers      []broker.Broker
 	brokerFaults []*sagatest.BrokerInjector
-	bridges      []*broker.Bridge // running
 }
 
 // faults are the handlers' faults the chaos flags ask for.
@@ -373,40 +372,25 @@ func declineRefunds(faults func(fakegateway.Call) fakegateway.Fault) func(fakega
 // returns ends when ctx does or when a worker stops (see workerwatch.Watch);
 // call stopWatching before stopping the workers.
 func (d *demo) startWorkers(ctx context.Context) (_ context.Context, stopWatching func(), _ error) {
-	workers, err := workerwatch.StartAll(ctx, d.opts.workers, d.app.NewWorker)
-	d.workers = workers
+	services := []workerwatch.Service{{Name: "orders", NewWorker: d.app.NewWorker}}
+	if d.pay != nil {
+		services[0].Bridge = d.app.Client.Bridge()
+		services = append(services, workerwatch.Service{Name: "payment service", NewWorker: d.pay.NewWorker, Bridge: d.pay.Client.Bridge()})
+	}
+	fleet, err := workerwatch.StartFleet(ctx, d.opts.workers, services...)
+	d.fleet = fleet
 	if err != nil {
 		return nil, nil, err
 	}
-	if d.pay != nil {
-		// The payment service's workers, then both bridges.
-		payWorkers, err := workerwatch.StartAll(ctx, d.opts.workers, d.pay.NewWorker)
-		d.workers = append(d.workers, payWorkers...)
-		if err != nil {
-			return nil, nil, err
-		}
-		for _, b := range []*broker.Bridge{d.pay.Client.Bridge(), d.app.Client.Bridge()} {
-			if err := b.Start(ctx); err != nil {
-				return nil, nil, fmt.Errorf("starting the bridge to the broker: %w", err)
-			}
-			d.bridges = append(d.bridges, b)
-		}
-	}
-	ctx, stopWatching = workerwatch.Watch(ctx, d.workers)
+	ctx, stopWatching = workerwatch.Watch(ctx, d.fleet.Workers)
 	return ctx, stopWatching, nil
 }
 
 // stopWorkers drains and stops the workers, then the bridges (what the
 // workers published last is relayed).
 func (d *demo) stopWorkers() {
-	workerwatch.StopAll(d.workers, d.log)
-	d.workers = nil
-	for _, b := range d.bridges {
-		if err := b.Stop(); err != nil {
-			d.log.Error("stopping a bridge", "err", err)
-		}
-	}
-	d.bridges = nil
+	d.fleet.Stop(d.log)
+	d.fleet = nil
 }
 
 func (d *demo) close() {

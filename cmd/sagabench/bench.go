@@ -67,10 +67,10 @@ type bench struct {
 	gwDB    *pgdb.DB // the gateway's
 	gateway *fakegateway.Gateway
 	app     *orderpayment.App
-	front   *orderpayment.App // the clients' view: places orders
-	workers []*orderpayment.Worker
-	procs   []*workerProcess // -worker-processes
-	url     string           // the run's database
+	front   *orderpayment.App  // the clients' view: places orders
+	fleet   *workerwatch.Fleet // running: the workers, then the bridges
+	procs   []*workerProcess   // -worker-processes
+	url     string             // the run's database
 
 	stopRetention context.CancelFunc
 	retentionDone chan error
@@ -95,7 +95,6 @@ type bench struct {
 	pay        *orderpayment.PaymentService
 	payFront   *orderpayment.PaymentService
 	brokers    []broker.Broker
-	bridges    []*broker.Bridge // running
 }
 
 // payments is where accounts are seeded: the clients' App, or the payment
@@ -283,25 +282,17 @@ func (b *bench) startWorkers(ctx context.Context) (_ context.Context, stopWatchi
 		ctx, stopWatching = workerwatch.Watch(ctx, b.procs)
 		return ctx, stopWatching, nil
 	}
-	workers, err := workerwatch.StartAll(ctx, b.opts.workers, b.app.NewWorker)
-	b.workers = workers
+	services := []workerwatch.Service{{Name: "orders", NewWorker: b.app.NewWorker}}
+	if b.pay != nil {
+		services[0].Bridge = b.app.Client.Bridge()
+		services = append(services, workerwatch.Service{Name: "payment service", NewWorker: b.pay.NewWorker, Bridge: b.pay.Client.Bridge()})
+	}
+	fleet, err := workerwatch.StartFleet(ctx, b.opts.workers, services...)
+	b.fleet = fleet
 	if err != nil {
 		return nil, nil, err
 	}
-	if b.pay != nil {
-		payWorkers, err := workerwatch.StartAll(ctx, b.opts.workers, b.pay.NewWorker)
-		b.workers = append(b.workers, payWorkers...)
-		if err != nil {
-			return nil, nil, err
-		}
-		for _, br := range []*broker.Bridge{b.pay.Client.Bridge(), b.app.Client.Bridge()} {
-			if err := br.Start(ctx); err != nil {
-				return nil, nil, fmt.Errorf("starting the bridge to the broker: %w", err)
-			}
-			b.bridges = append(b.bridges, br)
-		}
-	}
-	ctx, stopWatching = workerwatch.Watch(ctx, b.workers)
+	ctx, stopWatching = workerwatch.Watch(ctx, b.fleet.Workers)
 	return ctx, stopWatching, nil
 }
 
@@ -535,14 +526,8 @@ func (b *bench) place(ctx context.Context, phase string, i int, rng *mrand.Rand,
 
 // stopWorkers drains and stops the workers, then the bridges.
 func (b *bench) stopWorkers() {
-	workerwatch.StopAll(b.workers, b.log)
-	b.workers = nil
-	for _, br := range b.bridges {
-		if err := br.Stop(); err != nil {
-			b.log.Error("stopping a bridge", "err", err)
-		}
-	}
-	b.bridges = nil
+	b.fleet.Stop(b.log)
+	b.fleet = nil
 	var wg sync.WaitGroup
 	for _, p := range b.procs {
 		wg.Go(func() {

@@ -10,6 +10,7 @@ import (
 	"log/slog"
 
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/steps/broker"
 )
 
 // Stoppable is what Watch needs of a worker started with Start
@@ -96,4 +97,60 @@ func StopAll(workers []*saga.Worker, log *slog.Logger) {
 			}
 		}
 	}
+}
+
+// Service is one database's share of a run: how to build its workers, and
+// its bridge to a message broker (nil: none).
+type Service struct {
+	Name      string // says which service failed to start
+	NewWorker func() (*saga.Worker, error)
+	Bridge    *broker.Bridge
+}
+
+// Fleet is what StartFleet started: the workers of every service, then
+// their bridges. Stop it with Stop.
+type Fleet struct {
+	Workers []*saga.Worker
+	bridges []*broker.Bridge
+}
+
+// StartFleet starts n workers of each service, in order, then each
+// service's bridge, in order, once every worker runs; it returns once all
+// run, or with the reason one cannot. It returns what it started either
+// way: stop it with Stop. ctx bounds the starts only.
+func StartFleet(ctx context.Context, n int, services ...Service) (*Fleet, error) {
+	f := &Fleet{}
+	for _, s := range services {
+		workers, err := StartAll(ctx, n, s.NewWorker)
+		f.Workers = append(f.Workers, workers...)
+		if err != nil {
+			return f, fmt.Errorf("%s: %w", s.Name, err)
+		}
+	}
+	for _, s := range services {
+		if s.Bridge == nil {
+			continue
+		}
+		if err := s.Bridge.Start(ctx); err != nil {
+			return f, fmt.Errorf("%s: starting the bridge to the broker: %w", s.Name, err)
+		}
+		f.bridges = append(f.bridges, s.Bridge)
+	}
+	return f, nil
+}
+
+// Stop drains and stops the workers (as StopAll), then the bridges, so
+// that what the workers published last is relayed. A nil Fleet is none.
+func (f *Fleet) Stop(log *slog.Logger) {
+	if f == nil {
+		return
+	}
+	StopAll(f.Workers, log)
+	f.Workers = nil
+	for _, b := range f.bridges {
+		if err := b.Stop(); err != nil {
+			log.Error("stopping a bridge", "err", err)
+		}
+	}
+	f.bridges = nil
 }

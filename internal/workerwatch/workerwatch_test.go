@@ -16,6 +16,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/workerwatch"
+	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
 )
 
@@ -100,4 +101,40 @@ func TestStartAllSaysWhyAWorkerCannotRun(t *testing.T) {
 	assert.Contains(t, err.Error(), "worker 1 of 2")
 	assert.Contains(t, err.Error(), "too many connections for role")
 	assert.Empty(t, workers)
+}
+
+// A service whose worker cannot be built stops StartFleet with its name and
+// the cause; the workers of the services before it are in the fleet, and
+// its Stop stops them.
+func TestStartFleetStopsAtTheServiceThatCannotRun(t *testing.T) {
+	t.Parallel()
+	db := testdb.Fresh(t)
+	discard := slog.New(slog.DiscardHandler)
+	app, err := orderpayment.New(orderpayment.Config{DB: db.SQL, GatewayURL: "http://127.0.0.1:1", Logger: discard})
+	require.NoError(t, err)
+	require.NoError(t, app.Setup(context.Background()))
+	fleet, err := workerwatch.StartFleet(context.Background(), 2,
+		workerwatch.Service{Name: "orders", NewWorker: app.NewWorker},
+		workerwatch.Service{Name: "payments", NewWorker: func() (*saga.Worker, error) { return nil, errors.New("no gateway") }})
+	require.Error(t, err)
+	assert.Equal(t, "payments: building worker 1 of 2: no gateway", err.Error())
+	require.Len(t, fleet.Workers, 2, "the orders service's workers run")
+	workers := fleet.Workers
+	for _, w := range workers {
+		select {
+		case <-w.Stopped():
+			t.Fatal("a worker stopped before the fleet was stopped")
+		default:
+		}
+	}
+	fleet.Stop(discard)
+	for _, w := range workers {
+		select {
+		case <-w.Stopped():
+		default:
+			t.Fatal("a worker still runs after the fleet was stopped")
+		}
+	}
+	assert.Empty(t, fleet.Workers)
+	(*workerwatch.Fleet)(nil).Stop(discard) // a fleet never started
 }
