@@ -372,12 +372,7 @@ func declineRefunds(faults func(fakegateway.Call) fakegateway.Fault) func(fakega
 // returns ends when ctx does or when a worker stops (see workerwatch.Watch);
 // call stopWatching before stopping the workers.
 func (d *demo) startWorkers(ctx context.Context) (_ context.Context, stopWatching func(), _ error) {
-	services := []workerwatch.Service{{Name: "orders", NewWorker: d.app.NewWorker}}
-	if d.pay != nil {
-		services[0].Bridge = d.app.Client.Bridge()
-		services = append(services, workerwatch.Service{Name: "payment service", NewWorker: d.pay.NewWorker, Bridge: d.pay.Client.Bridge()})
-	}
-	fleet, err := workerwatch.StartFleet(ctx, d.opts.workers, services...)
+	fleet, err := workerwatch.StartFleet(ctx, d.opts.workers, workerwatch.Sample(d.app, d.pay)...)
 	d.fleet = fleet
 	if err != nil {
 		return nil, nil, err

@@ -282,12 +282,7 @@ func (b *bench) startWorkers(ctx context.Context) (_ context.Context, stopWatchi
 		ctx, stopWatching = workerwatch.Watch(ctx, b.procs)
 		return ctx, stopWatching, nil
 	}
-	services := []workerwatch.Service{{Name: "orders", NewWorker: b.app.NewWorker}}
-	if b.pay != nil {
-		services[0].Bridge = b.app.Client.Bridge()
-		services = append(services, workerwatch.Service{Name: "payment service", NewWorker: b.pay.NewWorker, Bridge: b.pay.Client.Bridge()})
-	}
-	fleet, err := workerwatch.StartFleet(ctx, b.opts.workers, services...)
+	fleet, err := workerwatch.StartFleet(ctx, b.opts.workers, workerwatch.Sample(b.app, b.pay)...)
 	b.fleet = fleet
 	if err != nil {
 		return nil, nil, err

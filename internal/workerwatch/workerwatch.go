@@ -10,6 +10,7 @@ import (
 	"log/slog"
 
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/orderpayment"
 	"github.com/pgsaga/pgsaga/steps/broker"
 )
 
@@ -105,6 +106,18 @@ type Service struct {
 	Name      string // says which service failed to start
 	NewWorker func() (*saga.Worker, error)
 	Bridge    *broker.Bridge
+}
+
+// Sample is the order-payment sample's services: the orders service, and
+// with pay (not nil) the payment service, each with its bridge.
+func Sample(app *orderpayment.App, pay *orderpayment.PaymentService) []Service {
+	if pay == nil {
+		return []Service{{Name: "orders", NewWorker: app.NewWorker}}
+	}
+	return []Service{
+		{Name: "orders", NewWorker: app.NewWorker, Bridge: app.Client.Bridge()},
+		{Name: "payment service", NewWorker: pay.NewWorker, Bridge: pay.Client.Bridge()},
+	}
 }
 
 // Fleet is what StartFleet started: the workers of every service, then
