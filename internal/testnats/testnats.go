@@ -6,6 +6,7 @@ package testnats
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -31,7 +32,7 @@ func URL(t testing.TB) string {
 	if url == "" {
 		url = DefaultURL
 	}
-	if err := check(url); err != nil {
+	if _, err := check(url); err != nil {
 		msg := fmt.Sprintf("no NATS server with JetStream at %s (%v): start one with `nats-server -js` or set NATS_URL", url, err)
 		if os.Getenv("CI") != "" {
 			t.Fatal(msg + "; .ci/run starts one where nats-server is installed")
@@ -63,22 +64,22 @@ func ConnectTo(t testing.TB, url string) (*nats.Conn, jetstream.JetStream) {
 	return nc, js
 }
 
-func check(url string) error {
+func check(url string) (serverName string, _ error) {
 	nc, err := nats.Connect(url, nats.Timeout(2*time.Second), nats.MaxReconnects(0))
 	if err != nil {
-		return err
+		return "", err
 	}
 	defer nc.Close()
 	js, err := jetstream.New(nc)
 	if err != nil {
-		return err
+		return "", err
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	if _, err := js.AccountInfo(ctx); err != nil {
-		return fmt.Errorf("JetStream: %w", err)
+		return "", fmt.Errorf("JetStream: %w", err)
 	}
-	return nil
+	return nc.ConnectedServerName(), nil
 }
 
 // Server is a NATS server with JetStream that a test started for itself,
@@ -89,6 +90,7 @@ type Server struct {
 	bin  string
 	port int
 	dir  string
+	name string // the server's, to tell it from another on its port
 	cmd  *exec.Cmd
 	done chan struct{}
 }
@@ -111,16 +113,27 @@ func Private(t testing.TB) *Server {
 		}
 		t.Skip(msg)
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("testnats: finding a free port: %v", err)
+	// The port is free when asked for, and may be taken before the server
+	// binds it (another test's server, say): then another one is tried.
+	for attempt := 1; ; attempt++ {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatalf("testnats: finding a free port: %v", err)
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		_ = l.Close()
+		s := &Server{t: t, bin: bin, port: port, dir: t.TempDir(), name: fmt.Sprintf("pgsaga-test-%d-%d", os.Getpid(), port)}
+		err = s.start()
+		if errors.Is(err, errPortTaken) && attempt < 5 {
+			t.Logf("testnats: %v; trying another port", err)
+			continue
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(s.Stop)
+		return s
 	}
-	port := l.Addr().(*net.TCPAddr).Port
-	_ = l.Close()
-	s := &Server{t: t, bin: bin, port: port, dir: t.TempDir()}
-	s.Start()
-	t.Cleanup(s.Stop)
-	return s
 }
 
 // URL is the server's URL; it stays the same across restarts.
@@ -130,28 +143,44 @@ func (s *Server) URL() string { return fmt.Sprintf("nats://127.0.0.1:%d", s.port
 // and storage) and waits until JetStream answers.
 func (s *Server) Start() {
 	s.t.Helper()
-	s.cmd = exec.Command(s.bin, "-a", "127.0.0.1", "-p", strconv.Itoa(s.port), "-js", "-sd", s.dir)
-	out := &strings.Builder{}
+	if err := s.start(); err != nil {
+		s.t.Fatal(err)
+	}
+}
+
+// errPortTaken is start's error when another process holds the port.
+var errPortTaken = errors.New("the port is taken")
+
+func (s *Server) start() error {
+	s.cmd = exec.Command(s.bin, "-a", "127.0.0.1", "-p", strconv.Itoa(s.port), "-n", s.name, "-js", "-sd", s.dir)
+	out := &strings.Builder{} // read once the server exited
 	s.cmd.Stdout, s.cmd.Stderr = out, out
 	if err := s.cmd.Start(); err != nil {
-		s.t.Fatalf("testnats: starting nats-server: %v", err)
+		return fmt.Errorf("testnats: starting nats-server: %w", err)
 	}
 	done := make(chan struct{})
 	go func(cmd *exec.Cmd) { _ = cmd.Wait(); close(done) }(s.cmd)
 	s.done = done
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		err := check(s.URL())
-		if err == nil {
-			return
-		}
+		name, err := check(s.URL())
 		select {
 		case <-done:
-			s.t.Fatalf("testnats: nats-server exited: %s", out.String())
+			if strings.Contains(out.String(), "address already in use") {
+				return fmt.Errorf("testnats: nats-server on port %d: %w", s.port, errPortTaken)
+			}
+			return fmt.Errorf("testnats: nats-server exited: %s", out.String())
 		default:
 		}
+		if err == nil && name != s.name { // another's server answered there
+			s.Kill()
+			return fmt.Errorf("testnats: nats-server %s answers on port %d: %w", name, s.port, errPortTaken)
+		}
+		if err == nil {
+			return nil
+		}
 		if time.Now().After(deadline) {
-			s.t.Fatalf("testnats: nats-server on port %d does not answer: %v", s.port, err)
+			return fmt.Errorf("testnats: nats-server on port %d does not answer: %w", s.port, err)
 		}
 		time.Sleep(50 * time.Millisecond) // a server starting, polled for
 	}
