@@ -199,6 +199,9 @@ func (b *Bridge) Start(ctx context.Context) error {
 	if err := b.Setup(ctx); err != nil {
 		return err
 	}
+	if err := b.checkLocalGroups(ctx); err != nil {
+		return err
+	}
 	runCtx, cancel := context.WithCancel(context.Background())
 	inboxCtx, stopInbox := context.WithCancel(runCtx)
 	if err := b.startInbox(inboxCtx); err != nil {
@@ -221,6 +224,21 @@ func (b *Bridge) Start(ctx context.Context) error {
 	}
 	b.started, b.cancel, b.stopCtx = true, cancel, stopInbox
 	b.log.Info("bridge started", "relay", b.cfg.Relay, "receive", b.cfg.Receive, "group", b.cfg.Group)
+	return nil
+}
+
+// checkLocalGroups fails with ErrNoLocalGroup when a received topic has no
+// consumer group here but the relay's.
+func (b *Bridge) checkLocalGroups(ctx context.Context) error {
+	for _, topic := range b.cfg.Receive {
+		groups, err := b.t.SubscribedGroups(ctx, topic)
+		if err != nil {
+			return fmt.Errorf("broker: %w", err)
+		}
+		if !slices.ContainsFunc(groups, func(g string) bool { return g != transport.RelayGroup }) {
+			return fmt.Errorf("%w: %s (start the workers that read it before the bridge)", ErrNoLocalGroup, topic)
+		}
+	}
 	return nil
 }
 

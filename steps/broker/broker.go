@@ -120,4 +120,9 @@ var (
 	ErrRelayCrashed = errors.New("broker: the relay crashed after a publish (fault injected)")
 	// ErrStarted is returned by Start on a bridge that was started.
 	ErrStarted = errors.New("broker: the bridge was started already")
+	// ErrNoLocalGroup refuses to start a bridge that would receive a topic
+	// no consumer group of its database reads: what it took from the
+	// broker would be a dead letter here. Start the workers (or Subscribe
+	// the groups) first.
+	ErrNoLocalGroup = errors.New("broker: no consumer group of this database reads a received topic")
 )

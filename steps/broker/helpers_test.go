@@ -216,3 +216,14 @@ func (f *fixture) consume(topic, group string, c *collector) {
 	require.NoError(f.t, r.Start(ctx))
 	f.t.Cleanup(func() { _ = r.Close() })
 }
+
+// newReceiver is a fixture on the shared database whose bridge receives its
+// topic with one consumer, queued for a local group the collector handles.
+func newReceiver(t testing.TB) (*fixture, *collector) {
+	t.Helper()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	c := newCollector()
+	f.consume(f.topic, "local", c)
+	f.bridge(broker.Config{Receive: []string{f.topic}, Group: "g" + randomID(), Consumers: 1})
+	return f, c
+}

@@ -313,3 +313,146 @@ type bounded struct {
 }
 
 func (b bounded) MaxPublishDuration() time.Duration { return b.bound }
+
+// nats.go takes a message with no data and a Status header for a message
+// of the server's own: it never reaches the handler, and a 400 stops the
+// consumer. A message of pgsaga's with no payload and such metadata
+// (Status, Description, in any case) travels encoded and arrives whole;
+// the messages after it arrive too.
+func TestReceiveAnEmptyMessageWithStatusMetadata(t *testing.T) {
+	t.Parallel()
+	f, c := newReceiver(t)
+	ctx := context.Background()
+	var sent []*message.Message
+	for _, md := range []message.Metadata{
+		{"Status": "400", "Description": "Bad Request"},
+		{"status": "409", "description": "Consumer Deleted"},
+		{"STATUS": "100"},
+		{"Status": "404", "Description": "No Messages"},
+		{"plain": "after them"},
+	} {
+		m := message.NewMessage(uuid.NewString(), nil)
+		m.Metadata = md
+		require.NoError(t, f.br.Publish(ctx, f.topic, m))
+		sent = append(sent, m)
+	}
+	got := c.wait(t, len(sent))
+	byID := map[string]*message.Message{}
+	for _, m := range got {
+		byID[m.UUID] = m
+	}
+	for _, m := range sent {
+		require.Contains(t, byID, m.UUID)
+		assert.Equal(t, m.Metadata, byID[m.UUID].Metadata)
+		assert.Empty(t, byID[m.UUID].Payload)
+	}
+}
+
+// A message another client published with no data and a Status header of
+// 400 stops nats.go's consumer, and no handler ever sees it: the receiver
+// consumes again at once, so the messages after it (and those it meets
+// again after each ack wait) still arrive.
+func TestReceiveGoesOnPastAForeignStatusMessage(t *testing.T) {
+	t.Parallel()
+	f, c := newReceiver(t)
+	nc, _ := testnats.ConnectTo(t, f.url)
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	ctx := context.Background()
+	poison := nats.NewMsg(f.topic)
+	poison.Header.Set("Status", "400")
+	poison.Header.Set("Description", "Bad Request")
+	_, err = js.PublishMsg(ctx, poison)
+	require.NoError(t, err)
+	var want []string
+	for range 3 {
+		m := message.NewMessage(uuid.NewString(), []byte(`{}`))
+		require.NoError(t, f.br.Publish(ctx, f.topic, m))
+		want = append(want, m.UUID)
+	}
+	got := c.wait(t, len(want))
+	var ids []string
+	for _, m := range got {
+		ids = append(ids, m.UUID)
+	}
+	assert.ElementsMatch(t, want, ids)
+}
+
+// JetStream's ack wait runs from a message's delivery to the process; a
+// receiver that took several messages at a time held the later ones
+// waiting for the inserts of the earlier ones, past the ack wait, and the
+// broker delivered them again: each was queued twice, though one insert's
+// bound (which New checks) is within the ack wait. A receiver now takes a
+// message once it is free for it. (Each insert takes a fifth of the ack
+// wait here.)
+func TestReceiveTakesNoMoreThanItCanQueueWithinTheAckWait(t *testing.T) {
+	t.Parallel()
+	db := testdb.Fresh(t)
+	_, err := db.SQL.Exec(`CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN PERFORM pg_sleep(0.4); RETURN NEW; END $$;
+CREATE TRIGGER slow_insert BEFORE INSERT ON pgsaga_queue FOR EACH ROW WHEN (NEW.consumer_group = 'local') EXECUTE FUNCTION slow_insert()`)
+	require.NoError(t, err)
+	url := testnats.URL(t)
+	f := newFixture(t, url, db)
+	cfg := transportConfig(db)
+	cfg.StatementTimeout = 900 * time.Millisecond // an insert's bound: 1.8s
+	tr, err := transport.New(cfg)
+	require.NoError(t, err)
+	br, err := natsjs.New(natsjs.Config{URL: url, Logger: testLogger(), AckWait: 2 * time.Second})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = br.Close() })
+	ctx := context.Background()
+	require.NoError(t, tr.Subscribe(ctx, transport.Subscription{Topic: f.topic, ConsumerGroup: "local"}))
+	group := "g" + randomID()
+	b := f.bridge(broker.Config{Transport: tr, Broker: br, Receive: []string{f.topic}, Group: group, Consumers: 1})
+	const n = 10
+	for range n {
+		require.NoError(t, br.Publish(ctx, f.topic, message.NewMessage(uuid.NewString(), []byte(`{}`))))
+	}
+	cons, err := f.js.Consumer(ctx, natsjs.StreamName(f.topic), natsjs.ConsumerName(group, f.topic))
+	require.NoError(t, err)
+	bound, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	for {
+		info, err := cons.Info(bound)
+		require.NoError(t, err)
+		if info.NumPending == 0 && info.NumAckPending == 0 {
+			break
+		}
+		select {
+		case <-bound.Done():
+			t.Fatalf("the broker still has %d messages to deliver and %d unacknowledged", info.NumPending, info.NumAckPending)
+		case <-time.After(50 * time.Millisecond): // polls the broker's state
+		}
+	}
+	assert.Equal(t, int64(n), b.Stats().Received, "each queued once")
+	assert.Equal(t, n, f.queued(f.topic, "local"))
+}
+
+// A bridge that would receive a topic no consumer group of its database
+// reads refuses to start, naming the topic: what it took from the broker
+// would be a dead letter here, acknowledged at the broker. Once a group
+// reads it, the bridge starts and receives.
+func TestBridgeRefusesToReceiveWhatNoGroupReads(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Fresh(t))
+	ctx := context.Background()
+	// The relay's own group does not count.
+	require.NoError(t, f.tr.Subscribe(ctx, transport.Subscription{Topic: f.topic, ConsumerGroup: transport.RelayGroup}))
+	b, err := broker.New(broker.Config{Transport: f.tr, Broker: f.br, Receive: []string{f.topic}, Group: "g" + randomID(), Logger: testLogger()})
+	require.NoError(t, err)
+	err = b.Start(ctx)
+	require.ErrorIs(t, err, broker.ErrNoLocalGroup)
+	assert.Contains(t, err.Error(), f.topic)
+	sent := message.NewMessage(uuid.NewString(), []byte(`{}`))
+	require.NoError(t, f.br.Publish(ctx, f.topic, sent))
+
+	c := newCollector()
+	f.consume(f.topic, "local", c)
+	require.NoError(t, b.Start(ctx))
+	t.Cleanup(func() { _ = b.Stop() })
+	assert.Equal(t, sent.UUID, c.wait(t, 1)[0].UUID, "the message waited at the broker")
+	dl, err := f.tr.DeadLetters(ctx, transport.DeadLetterFilter{Topic: f.topic})
+	require.NoError(t, err)
+	assert.Empty(t, dl)
+}

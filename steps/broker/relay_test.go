@@ -278,3 +278,34 @@ func TestReset(t *testing.T) {
 	_, err := f.js.Stream(ctx, natsjs.StreamName(f.topic))
 	assert.ErrorIs(t, err, jetstream.ErrStreamNotFound)
 }
+
+// JetStream finds a message's Nats-Msg-Id by the first place its headers
+// hold that text, and ignores it unless that place starts a line: metadata
+// holding the text (in a key or a value, and nats.go writes headers in no
+// fixed order) would turn off the deduplication the relay relies on. Such
+// metadata travels encoded: a message published again and again (a relay
+// whose commits fail) is stored once.
+func TestBrokerStoresOnceWhateverTheMetadataHolds(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	ctx := context.Background()
+	for name, md := range map[string]message.Metadata{
+		"key":           {"X-Nats-Msg-Id": "v"},
+		"value":         {"note": "copied from Nats-Msg-Id"},
+		"another case":  {"note": "nats-msg-id"},
+		"another nats-": {"X-Nats-Expected-Stream": "s"},
+	} {
+		topic := f.topic + "." + strings.ReplaceAll(name, " ", "_")
+		msg := message.NewMessage(uuid.NewString(), []byte(`{}`))
+		msg.Metadata = md
+		for range 20 {
+			require.NoError(t, f.br.Publish(ctx, topic, msg), name)
+		}
+		t.Cleanup(func() { _ = f.js.DeleteStream(context.Background(), natsjs.StreamName(topic)) })
+		stream, err := f.js.Stream(ctx, natsjs.StreamName(topic))
+		require.NoError(t, err)
+		info, err := stream.Info(ctx)
+		require.NoError(t, err)
+		assert.Equal(t, uint64(1), info.State.Msgs, name)
+	}
+}

@@ -189,9 +189,11 @@ func (codec) Unmarshal(m jetstream.Msg) (*message.Message, error) {
 }
 
 // headerKey reports whether k can be a NATS header key as it is, and is
-// none of the wire format's or NATS's own.
+// none of the wire format's, NATS's own, or one nats.go reads (Status and
+// Description: with no data, nats.go takes the message for one of the
+// server's and never hands it out).
 func headerKey(k string) bool {
-	if k == "" || k == HeaderUUID || k == HeaderEncoded || natsHeader(k) {
+	if k == "" || k == HeaderUUID || k == HeaderEncoded || strings.EqualFold(k, "Status") || strings.EqualFold(k, "Description") || mentionsNATS(k) {
 		return false
 	}
 	for i := 0; i < len(k); i++ {
@@ -205,9 +207,10 @@ func headerKey(k string) bool {
 
 // headerValue reports whether v travels in a NATS header unchanged:
 // UTF-8 with no control characters (nats.go turns line breaks into
-// spaces) and no surrounding spaces (it trims them).
+// spaces) and no surrounding spaces (it trims them), and is harmless to
+// JetStream (see mentionsNATS).
 func headerValue(v string) bool {
-	if !utf8.ValidString(v) || strings.TrimSpace(v) != v {
+	if !utf8.ValidString(v) || strings.TrimSpace(v) != v || mentionsNATS(v) {
 		return false
 	}
 	for _, r := range v {
@@ -221,3 +224,18 @@ func headerValue(v string) bool {
 // natsHeader reports whether k is in NATS's own header space (Nats-…),
 // whose entries change how the server handles a message.
 func natsHeader(k string) bool { return len(k) >= 5 && strings.EqualFold(k[:5], "nats-") }
+
+// mentionsNATS reports whether s holds "Nats-" anywhere, in any case. The
+// server finds a header of its own (Nats-Msg-Id, …) by the first place the
+// headers hold its name, and ignores it unless that place starts a line:
+// a key or value holding the name, written before the real header (nats.go
+// writes headers in no fixed order), would turn off deduplication. (The
+// encoded header cannot hold it: base64url of JSON text has no '-'.)
+func mentionsNATS(s string) bool {
+	for i := 0; i+5 <= len(s); i++ {
+		if strings.EqualFold(s[i:i+5], "nats-") {
+			return true
+		}
+	}
+	return false
+}

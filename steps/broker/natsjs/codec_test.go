@@ -1,6 +1,7 @@
 package natsjs_test
 
 import (
+	"strings"
 	"testing"
 	"time"
 
@@ -39,6 +40,9 @@ func FuzzWireRoundTrip(f *testing.F) {
 	f.Add("ok", natsjs.HeaderEncoded, "spoof", []byte(""))
 	f.Add("ok", natsjs.HeaderUUID, "spoof", []byte(""))
 	f.Add("ok", "naïve", "日本\u0085", []byte(""))
+	f.Add("ok", "Status", "400", []byte(""))
+	f.Add("ok", "X-Nats-Msg-Id", "copied from Nats-Msg-Id", []byte("p"))
+	f.Add("id-NATS-msg-id", "description", "no messages", []byte(nil))
 	nc, _ := testnats.Connect(f)
 	subject := "pgsagatest.wire." + nats.NewInbox()[7:]
 	sub, err := nc.SubscribeSync(subject)
@@ -62,5 +66,16 @@ func FuzzWireRoundTrip(f *testing.F) {
 		require.Equal(t, string(msg.Payload), string(back.Payload))
 		require.Equal(t, msg.Metadata, back.Metadata)
 		require.Equal(t, natsjs.MsgID(uuid), got.Header.Get(jetstream.MsgIDHeader), "the deduplication id")
+		// Nothing but the deduplication id names a header of NATS's own
+		// (JetStream would miss it), and nothing could pass for a
+		// message of the server's (nats.go would never hand it out).
+		for k, vs := range nm.Header {
+			for _, v := range vs {
+				if k != jetstream.MsgIDHeader {
+					require.NotContains(t, strings.ToLower(k+": "+v), "nats-", "header %q", k)
+				}
+			}
+			require.False(t, strings.EqualFold(k, "Status") || strings.EqualFold(k, "Description"), "header %q", k)
+		}
 	})
 }

@@ -27,6 +27,11 @@ import (
 //     consuming and watermill-nats never says so: the group would receive
 //     nothing, silently. The consumer is created again (its stream too) and
 //     consumed again, after a backoff while that fails.
+//   - Any other end of consuming that nobody asked for: a message another
+//     client published with no data and a Status header of 400 passes
+//     for the server's and stops nats.go's consumer. It is consumed
+//     again at once (the message that stopped it is met again after each
+//     AckWait, and stops it again; the messages after it flow).
 
 // subscriber is watermill-nats' JetStream subscriber with a gate.
 type subscriber struct {
@@ -124,7 +129,26 @@ func (r *resuming) consume(cons jetstream.Consumer) error {
 	if stopping { // stopped while resuming
 		cc.Drain()
 	}
+	go func() {
+		<-cc.Closed()
+		r.ended(cc)
+	}()
 	return nil
+}
+
+// ended consumes again when cc, ended, is the current one and nobody asked
+// it to end: not stopping, not resuming (which ends the old one itself,
+// or, from onError, looks again once done).
+func (r *resuming) ended(cc jetstream.ConsumeContext) {
+	r.mu.Lock()
+	if r.stopping || cc != r.current || r.resuming {
+		r.mu.Unlock()
+		return
+	}
+	r.resuming = true
+	r.mu.Unlock()
+	r.c.b.log.Warn("consuming from the broker ended unasked; consuming again", "group", r.c.group, "topic", r.c.topic)
+	r.resume()
 }
 
 // onError resumes on a new consumer when the current one is gone: nats.go
@@ -145,6 +169,11 @@ func (r *resuming) onError(cc jetstream.ConsumeContext, err error) {
 			r.mu.Lock()
 			r.resuming = false
 			r.mu.Unlock()
+			select {
+			case <-cc.Closed(): // it ended meanwhile (a bad request, say)
+				r.ended(cc)
+			default:
+			}
 			return
 		}
 		r.c.b.log.Warn("the group's consumer at the broker is gone; creating it again", "group", r.c.group, "topic", r.c.topic, "err", err)

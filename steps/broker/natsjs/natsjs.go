@@ -392,9 +392,12 @@ func (b *Broker) Subscriber(group string) (message.Subscriber, error) {
 		ResourceInitializer: b.consumer(group, g),
 		NakDelay:            nakDelay{},
 		Unmarshaler:         codec{},
-		// A consumer asks for few messages at a time: each one fetched
-		// waits its turn, and its AckWait runs from its delivery.
-		ConsumeOptions: []jetstream.PullConsumeOpt{jetstream.PullMaxMessages(8)},
+		// A consumer asks for one message at a time, once free for it: the
+		// broker's AckWait runs from a message's delivery, so one taken
+		// early would wait for the inserts of those before it, past the
+		// AckWait, and be delivered (and queued) again. One insert's bound
+		// fits the AckWait (broker.New checks it).
+		ConsumeOptions: []jetstream.PullConsumeOpt{jetstream.PullMaxMessages(1)},
 	})
 	if err != nil {
 		forget()
