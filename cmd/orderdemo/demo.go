@@ -255,31 +255,54 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 // -payments-service, the local steps' groups (a worker of a one-database
 // run would otherwise charge from this database too, and their queues
 // grow); without it, the relay's (its queue would grow, and a later
-// -payments-service run would relay old commands). A saga whose command
-// was dropped sends it again at its deadline.
+// -payments-service run would relay old commands). It refuses while a
+// saga of the database is unfinished: its payment commands wait in the
+// other mode's queues (here, or in the payment service's database), and
+// sent again in this mode they would charge where the accounts are not
+// (and compensate) while the other side went on charging.
 func (d *demo) forgetOtherMode(ctx context.Context) error {
 	topics := []string{payments.ChargeTopic, payments.RefundTopic}
 	groups := []string{payments.ChargeStepName, payments.RefundStepName}
-	why := "the payment step runs in the payment service (-payments-service)"
+	why, other := "the payment step runs in the payment service (-payments-service)", "without -payments-service"
 	if !d.split() {
 		groups = []string{transport.RelayGroup, transport.RelayGroup}
-		why = "the payment step runs here (no -payments-service)"
+		why, other = "the payment step runs here (no -payments-service)", "with -payments-service"
 	}
 	tr := d.app.Client.Transport()
+	var drop []int
 	for i, topic := range topics {
-		group := groups[i]
 		recorded, err := tr.SubscribedGroups(ctx, topic)
 		if err != nil {
 			return err
 		}
-		if !slices.Contains(recorded, group) {
-			continue
+		if slices.Contains(recorded, groups[i]) {
+			drop = append(drop, i)
 		}
-		n, err := tr.DropConsumerGroup(ctx, topic, group)
+	}
+	if len(drop) == 0 {
+		return nil
+	}
+	unfinished, err := d.unfinished(ctx)
+	if err != nil {
+		return err
+	}
+	if n := len(unfinished); n > 0 {
+		is, them, resume := "are", "them", "orderdemo -resume -payments-service URL"
+		if n == 1 {
+			is, them = "is", "it"
+		}
+		if d.split() {
+			resume = "orderdemo -resume"
+		}
+		return fmt.Errorf("%s of this database %s unfinished and ran %s: finish %s in that mode first (%s), or use another database (DATABASE_URL); switching now would strand their payment commands in the other mode's queues",
+			plural(n, "saga", "sagas"), is, other, them, resume)
+	}
+	for _, i := range drop {
+		n, err := tr.DropConsumerGroup(ctx, topics[i], groups[i])
 		if err != nil {
 			return err
 		}
-		fmt.Fprintf(d.status, "dropped consumer group %s of %s in this database, with the %d messages it held: %s\n", group, topic, n, why)
+		fmt.Fprintf(d.status, "dropped consumer group %s of %s in this database, with the %d messages it held: %s\n", groups[i], topics[i], n, why)
 	}
 	return nil
 }

@@ -98,8 +98,10 @@ ended. Exit status:
      broken, or a worker that stopped during the run or while serving (its
      cause is printed);
   2  bad flags;
-  3  it cannot start: no database, or a worker that cannot run (the cause
-     is printed).
+  3  it cannot start: no database, a worker that cannot run, or a database
+     whose unfinished sagas ran in the other mode (with or without
+     -payments-service: finish them in that mode first); the cause is
+     printed.
 
 With -serve, SIGINT or SIGTERM after the report ends the serving, which is
 no failure: the exit status is the run's (0 for -orders 0).

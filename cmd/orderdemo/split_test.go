@@ -10,6 +10,8 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testnats"
+	"github.com/pgsaga/pgsaga/payments"
+	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // -payments-service runs the payment step as a service of its own, on a
@@ -48,6 +50,76 @@ func TestPaymentsService(t *testing.T) {
 				require.NotNil(t, s.Chaos.Broker)
 				assert.Positive(t, s.Chaos.Broker.Redelivered, "the broker delivered messages twice")
 			}
+		})
+	}
+}
+
+// Switching a database between the two modes while sagas of the other
+// mode are unfinished is refused, saying what to do: their payment
+// commands wait in the other mode's queues (the local step's, or the
+// relay's and the payment service's), and the switch used to drop them
+// and re-send each charge where the accounts are not, compensating every
+// saga while the payment service went on charging (customers charged for
+// cancelled orders, and the one-database check, blind to the other
+// database, said every invariant held). With every saga finished, the
+// switch goes ahead and drops the other mode's groups.
+func TestSwitchingModesWaitsForTheUnfinishedSagas(t *testing.T) {
+	srv := testnats.Private(t)
+	db := testdb.Fresh(t)
+	t.Setenv("DATABASE_URL", db.URL)
+	t.Setenv(paymentsDatabaseEnv, testdb.Fresh(t).URL)
+	one := []string{"-orders", "3"}
+	two := []string{"-orders", "3", "-payments-service", srv.URL()}
+	runOK := func(args []string) string {
+		var stdout, stderr bytes.Buffer
+		code := run(context.Background(), args, &stdout, &stderr)
+		require.Equal(t, exitOK, code, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
+		return stdout.String() + stderr.String()
+	}
+	unfinish := func() {
+		_, err := db.SQL.Exec(`UPDATE saga_instances SET status = 'running', finished_at = NULL WHERE id = (SELECT id FROM saga_instances ORDER BY id LIMIT 1)`)
+		require.NoError(t, err)
+	}
+	finish := func() {
+		_, err := db.SQL.Exec(`UPDATE saga_instances SET status = 'completed', finished_at = now() WHERE status = 'running'`)
+		require.NoError(t, err)
+	}
+	groups := func(topic string) []string {
+		var out []string
+		rows, err := db.SQL.Query(`SELECT consumer_group FROM pgsaga_subscriptions WHERE topic = $1 ORDER BY 1`, topic)
+		require.NoError(t, err)
+		defer rows.Close()
+		for rows.Next() {
+			var g string
+			require.NoError(t, rows.Scan(&g))
+			out = append(out, g)
+		}
+		return out
+	}
+
+	runOK(one)
+	for _, c := range []struct {
+		name             string
+		args, resume     []string
+		keeps, otherMode string
+	}{
+		{"to the payment service", two, []string{"-resume", "-payments-service", srv.URL()}, payments.ChargeStepName, "without -payments-service"},
+		{"back to one database", one, []string{"-resume"}, transport.RelayGroup, "with -payments-service"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			unfinish()
+			for _, args := range [][]string{c.args, c.resume} {
+				var stdout, stderr bytes.Buffer
+				code := run(context.Background(), args, &stdout, &stderr)
+				assert.Equal(t, exitNoService, code, "%v", args)
+				assert.Contains(t, stderr.String(), "1 saga of this database is unfinished and ran "+c.otherMode, "%v", args)
+				assert.Contains(t, stderr.String(), "finish it in that mode first", "%v", args)
+				assert.Contains(t, groups(payments.ChargeTopic), c.keeps, "the other mode's group is kept, with what it holds")
+			}
+			finish()
+			out := runOK(c.args)
+			assert.Contains(t, out, "dropped consumer group "+c.keeps)
+			assert.NotContains(t, groups(payments.ChargeTopic), c.keeps)
 		})
 	}
 }
