@@ -27,6 +27,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -210,9 +211,16 @@ func (b *Broker) Publish(ctx context.Context, topic string, msg *message.Message
 	return b.pub.Publish(topic, msg)
 }
 
-// Permanent reports whether a Publish error refuses the message for good.
+// Permanent reports whether a Publish error refuses the message for good:
+// too large (said by the broker, or by sarama itself before sending, as a
+// ConfigurationError naming Producer.MaxMessageBytes), or an invalid
+// topic. A CRC mismatch (ErrInvalidMessage) is not: sarama retries it too.
 func (b *Broker) Permanent(err error) bool {
-	return errors.Is(err, sarama.ErrMessageSizeTooLarge) || errors.Is(err, sarama.ErrInvalidTopic) || errors.Is(err, sarama.ErrInvalidMessage)
+	var conf sarama.ConfigurationError
+	if errors.As(err, &conf) && strings.Contains(string(conf), "MaxMessageBytes") {
+		return true
+	}
+	return errors.Is(err, sarama.ErrMessageSizeTooLarge) || errors.Is(err, sarama.ErrInvalidTopic)
 }
 
 // Subscriber returns a subscriber of the Kafka consumer group group. A

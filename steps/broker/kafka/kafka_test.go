@@ -152,3 +152,37 @@ func TestForeignRecordGetsAnID(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, "kafka:t:2:41", msg.UUID)
 }
+
+// What the relay does with a failed publish hangs on Permanent: a message
+// refused for good is dead-lettered and the topic goes on; any other
+// failure holds the topic's head until it passes. Sarama refuses a message
+// over Producer.MaxMessageBytes itself, before any broker sees it, with a
+// ConfigurationError (not ErrMessageSizeTooLarge): that refusal is for
+// good, or the relay would retry it for ever and relay nothing behind it.
+// A CRC mismatch (ErrInvalidMessage) is what sarama itself retries: not
+// for good. (Against sarama's own protocol-level fake broker: no Kafka
+// runs here.)
+func TestPermanentPublishFailures(t *testing.T) {
+	t.Parallel()
+	mb := sarama.NewMockBroker(t, 1)
+	defer mb.Close()
+	mb.SetHandlerByMap(map[string]sarama.MockResponse{
+		"ApiVersionsRequest":    sarama.NewMockApiVersionsResponse(t),
+		"MetadataRequest":       sarama.NewMockMetadataResponse(t).SetBroker(mb.Addr(), mb.BrokerID()).SetLeader("t1", 0, mb.BrokerID()),
+		"InitProducerIDRequest": sarama.NewMockInitProducerIDResponse(t),
+		"ProduceRequest":        sarama.NewMockProduceResponse(t),
+	})
+	b, err := kafka.New(kafka.Config{Brokers: []string{mb.Addr()}, PublishTimeout: time.Second})
+	require.NoError(t, err)
+	defer b.Close()
+	ctx := context.Background()
+	require.NoError(t, b.Publish(ctx, "t1", message.NewMessage(uuid.NewString(), []byte("small"))))
+	err = b.Publish(ctx, "t1", message.NewMessage(uuid.NewString(), []byte(strings.Repeat("x", 1_100_000))))
+	require.Error(t, err)
+	assert.True(t, b.Permanent(err), "too large: %v", err)
+
+	assert.False(t, b.Permanent(fmt.Errorf("publishing: %w", sarama.ErrInvalidMessage)), "a CRC mismatch is retried")
+	assert.False(t, b.Permanent(sarama.ConfigurationError("Producing headers requires Kafka at least v0.11")), "a configuration that refuses every message is no message's fault")
+	assert.True(t, b.Permanent(fmt.Errorf("publishing: %w", sarama.ErrMessageSizeTooLarge)))
+	assert.False(t, b.Permanent(fmt.Errorf("publishing: %w", sarama.ErrNotLeaderForPartition)))
+}
