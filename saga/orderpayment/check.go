@@ -362,13 +362,21 @@ WHERE g.id IS NULL OR p.reference IS NULL`
 // operations from paymentsDB into temporary tables of a transaction on
 // ordersDB, where they stand in for that database's own (unused) tables,
 // runs Check's queries there and rolls the transaction back; the idempotency
-// keys left pending are looked for in both databases.
+// keys left pending are looked for in both databases. Nothing may move in
+// either database while it runs (stop the workers first): the tables are
+// read one after the other, not in one snapshot.
 func CheckSplit(ctx context.Context, ordersDB, paymentsDB *sql.DB, ids []uuid.UUID) (Report, error) {
 	tx, err := ordersDB.BeginTx(ctx, nil)
 	if err != nil {
 		return Report{}, fmt.Errorf("orderpayment: checking across databases: %w", err)
 	}
 	defer tx.Rollback() //nolint:errcheck // nothing of it is kept
+	// The copies stand in for the tables of the same names only if the
+	// search path looks in pg_temp first: a path that names it later (a
+	// common hardening) would have the checks read this database's own.
+	if _, err := tx.ExecContext(ctx, `SELECT set_config('search_path', 'pg_temp, ' || current_setting('search_path'), true)`); err != nil {
+		return Report{}, fmt.Errorf("orderpayment: checking across databases: %w", err)
+	}
 	for _, table := range []string{"account_postings", "fake_gateway_operations"} {
 		if err := copyTable(ctx, paymentsDB, tx, table); err != nil {
 			return Report{}, fmt.Errorf("orderpayment: copying the payment service's %s: %w", table, err)

@@ -529,6 +529,15 @@ func TestCheckSplitLooksAcrossTheDatabases(t *testing.T) {
 	r, err := orderpayment.CheckSplit(ctx, s.ordersDB.SQL, s.paymentsDB.SQL, ids)
 	require.NoError(t, err)
 	require.Empty(t, r.Violations)
+	// A search path that names pg_temp last (a common hardening) would
+	// have the checks read the orders database's own ledger, empty here.
+	hardened := testdb.Open(t, s.ordersDB.URL+"&search_path=%22%24user%22,public,pg_temp", 2)
+	var path string
+	require.NoError(t, hardened.SQL.QueryRow(`SHOW search_path`).Scan(&path))
+	require.Equal(t, `"$user",public,pg_temp`, path)
+	r, err = orderpayment.CheckSplit(ctx, hardened.SQL, s.paymentsDB.SQL, ids)
+	require.NoError(t, err)
+	require.Empty(t, r.Violations, "with pg_temp last in the search path")
 	single, err := orderpayment.Check(ctx, s.ordersDB.SQL, ids)
 	require.NoError(t, err)
 	require.NotEmpty(t, single.Violations, "the orders database alone holds no charge")
