@@ -130,13 +130,13 @@ func newRoot(stdout, stderr io.Writer) *cobra.Command {
 	return root
 }
 
-// open finds and opens the workers' database.
-func open(ctx context.Context) (*pgdb.DB, *finddb.Found, error) {
+// open finds and opens the workers' database, with a pool of conns.
+func open(ctx context.Context, conns int32) (*pgdb.DB, *finddb.Found, error) {
 	found, err := finddb.Find(ctx, finddb.Config{Existing: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
 		return nil, nil, failed(err)
 	}
-	db, err := pgdb.Open(ctx, pgdb.Config{URL: found.URL, MaxConns: 4, ApplicationName: "pgsaga"})
+	db, err := pgdb.Open(ctx, pgdb.Config{URL: found.URL, MaxConns: conns, ApplicationName: "pgsaga"})
 	if err != nil {
 		_ = found.Close()
 		return nil, nil, failed(err)
@@ -168,12 +168,17 @@ func withTransport(ctx context.Context, fn func(tr *transport.Transport) error) 
 }
 
 func onDB(ctx context.Context, needSchema bool, fn func(db *pgdb.DB) error) error {
-	return onFound(ctx, needSchema, func(db *pgdb.DB, _ *finddb.Found) error { return fn(db) })
+	return onFound(ctx, needSchema, commandConns, func(db *pgdb.DB, _ *finddb.Found) error { return fn(db) })
 }
 
-// onFound is onDB for a command that also says where the database is.
-func onFound(ctx context.Context, needSchema bool, fn func(db *pgdb.DB, found *finddb.Found) error) error {
-	db, found, err := open(ctx)
+// commandConns is the pool of a command: the operator's commands and the
+// web view run a few statements at a time.
+const commandConns = 4
+
+// onFound is onDB for a command that also says where the database is, with
+// a pool of conns.
+func onFound(ctx context.Context, needSchema bool, conns int32, fn func(db *pgdb.DB, found *finddb.Found) error) error {
+	db, found, err := open(ctx, conns)
 	if err != nil {
 		return err
 	}

@@ -61,7 +61,7 @@ func relayCmd() *cobra.Command {
 			stderr := cmd.ErrOrStderr()
 			log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
 			ctx := cmd.Context()
-			return onFound(ctx, true, func(db *pgdb.DB, found *finddb.Found) error {
+			return onFound(ctx, true, relayConns(len(topics)), func(db *pgdb.DB, found *finddb.Found) error {
 				tr, err := transport.New(transport.Config{DB: db.SQL, Logger: log})
 				if err != nil {
 					return err
@@ -114,3 +114,7 @@ func relayCmd() *cobra.Command {
 	cmd.Flags().BoolVarP(&verbose, "verbose", "v", false, "log each batch (debug level)")
 	return cmd
 }
+
+// relayConns is the pool of a relay of n topics: a batch of each at once,
+// the wake-up listener, the heartbeat, and one for the start's statements.
+func relayConns(n int) int32 { return int32(n) + 3 }

@@ -64,7 +64,7 @@ func uiCmd() *cobra.Command {
 			stderr := cmd.ErrOrStderr()
 			log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
 			ctx := cmd.Context()
-			return onFound(ctx, true, func(db *pgdb.DB, found *finddb.Found) error {
+			return onFound(ctx, true, commandConns, func(db *pgdb.DB, found *finddb.Found) error {
 				tr, err := transport.New(transport.Config{DB: db.SQL})
 				if err != nil {
 					return err
