@@ -237,17 +237,22 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	return b, nil
 }
 
+// sidePools are the run's pools besides the workers' and the clients':
+// the fake gateway's (8) and the statistics' (2). (The admin pool is open
+// when the connections are counted: it counts as used.)
+const sidePools = 8 + 2
+
 // connections returns the size of the workers' pool in this process and
 // how many connections the whole run may open at most.
 func (o options) connections() (workersPool int32, need int) {
 	perWorker := o.consumers * (len(topicsHint) + 2) // a connection per busy consumer, plus charge leases
 	workersPool = int32(perWorker*o.workers + 8)
-	need = int(workersPool) + o.placers() + 8
+	need = int(workersPool) + o.placers() + sidePools
 	if o.workerProcs > 0 {
 		// The workers are elsewhere: this process seeds, checks and
 		// runs the retention jobs.
 		workersPool = 8
-		need = int(workersPool) + o.placers() + 8 + o.workerProcs*(perWorker+4)
+		need = int(workersPool) + o.placers() + sidePools + o.workerProcs*(perWorker+4)
 	}
 	if o.paymentsService != "" {
 		// Each service consumes its own topics: the orders service five
@@ -255,7 +260,7 @@ func (o options) connections() (workersPool int32, need int) {
 		// (2); the payment service two, with their leases, plus its relay
 		// and command receivers (4). And a small pool seeds accounts.
 		workersPool = int32((o.consumers*5+4)*o.workers + 8)
-		need = 2*int(workersPool) + o.placers() + 8 + paySeedConns
+		need = 2*int(workersPool) + o.placers() + sidePools + paySeedConns
 	}
 	return workersPool, need
 }

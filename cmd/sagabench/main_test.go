@@ -121,7 +121,7 @@ func takeTurn(t *testing.T, args []string) (need int) {
 	o, err := parseFlags(args, io.Discard)
 	require.NoError(t, err)
 	_, need = o.connections()
-	need += 2 // the run's own admin and stats pools count first
+	need += 2 // the run's own admin pool counts first
 	testdb.FreeConnections(t, need)
 	return need
 }
