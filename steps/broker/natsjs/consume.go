@@ -122,8 +122,10 @@ func (r *resuming) consume(cons jetstream.Consumer) error {
 	if err != nil {
 		return err
 	}
+	// The new one is current and no resuming is under way, at once: should
+	// it end before its watch below runs, the watch resumes it.
 	r.mu.Lock()
-	r.current = cc
+	r.current, r.resuming = cc, false
 	stopping := r.stopping
 	r.mu.Unlock()
 	if stopping { // stopped while resuming
@@ -215,10 +217,7 @@ func (r *resuming) resume() {
 			if old != nil {
 				old.Stop() // what it still had buffered is delivered again
 			}
-			if err = r.consume(cons); err == nil {
-				r.mu.Lock()
-				r.resuming = false
-				r.mu.Unlock()
+			if err = r.consume(cons); err == nil { // which ends the resuming
 				r.c.b.log.Info("consuming again", "group", r.c.group, "topic", r.c.topic)
 				return
 			}
