@@ -226,10 +226,12 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 	if err != nil {
 		return nil, err
 	}
-	if err := d.app.Setup(ctx); err != nil {
+	// Before this mode's groups are recorded: a refused switch records
+	// nothing, and the run it advises (in the other mode) can start.
+	if err := d.forgetOtherMode(ctx); err != nil {
 		return nil, err
 	}
-	if err := d.forgetOtherMode(ctx); err != nil {
+	if err := d.app.Setup(ctx); err != nil {
 		return nil, err
 	}
 	if reg != nil {

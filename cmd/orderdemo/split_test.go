@@ -99,12 +99,14 @@ func TestSwitchingModesWaitsForTheUnfinishedSagas(t *testing.T) {
 
 	runOK(one)
 	for _, c := range []struct {
-		name             string
-		args, resume     []string
-		keeps, otherMode string
+		name                      string
+		args, resume, advised     []string
+		keeps, records, otherMode string
 	}{
-		{"to the payment service", two, []string{"-resume", "-payments-service", srv.URL()}, payments.ChargeStepName, "without -payments-service"},
-		{"back to one database", one, []string{"-resume"}, transport.RelayGroup, "with -payments-service"},
+		{"to the payment service", two, []string{"-resume", "-payments-service", srv.URL()}, []string{"-resume"},
+			payments.ChargeStepName, transport.RelayGroup, "without -payments-service"},
+		{"back to one database", one, []string{"-resume"}, []string{"-resume", "-payments-service", srv.URL()},
+			transport.RelayGroup, payments.ChargeStepName, "with -payments-service"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			unfinish()
@@ -115,7 +117,14 @@ func TestSwitchingModesWaitsForTheUnfinishedSagas(t *testing.T) {
 				assert.Contains(t, stderr.String(), "1 saga of this database is unfinished and ran "+c.otherMode, "%v", args)
 				assert.Contains(t, stderr.String(), "finish it in that mode first", "%v", args)
 				assert.Contains(t, groups(payments.ChargeTopic), c.keeps, "the other mode's group is kept, with what it holds")
+				assert.NotContains(t, groups(payments.ChargeTopic), c.records, "nothing of the refused mode is recorded")
 			}
+			// The advice is followed: a run in the other mode starts (and
+			// gives up on the saga made unfinished by hand).
+			var stdout, stderr bytes.Buffer
+			code := run(context.Background(), append(c.advised, "-timeout", "1s"), &stdout, &stderr)
+			assert.Equal(t, exitFailed, code, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
+			assert.Contains(t, stdout.String()+stderr.String(), "gave up waiting")
 			finish()
 			out := runOK(c.args)
 			assert.Contains(t, out, "dropped consumer group "+c.keeps)

@@ -189,7 +189,13 @@ func (c *collector) handle(msg *message.Message) error {
 // wait waits until the collector has at least n messages and returns them.
 func (c *collector) wait(t testing.TB, n int) []*message.Message {
 	t.Helper()
-	deadline := time.After(time.Minute)
+	return c.waitWithin(t, n, time.Minute)
+}
+
+// waitWithin is wait, failing the test after d.
+func (c *collector) waitWithin(t testing.TB, n int, d time.Duration) []*message.Message {
+	t.Helper()
+	deadline := time.After(d)
 	for {
 		c.mu.Lock()
 		got := append([]*message.Message(nil), c.msgs...)

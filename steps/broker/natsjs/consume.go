@@ -31,7 +31,8 @@ import (
 //     client published with no data and a Status header of 400 passes
 //     for the server's and stops nats.go's consumer. It is consumed
 //     again at once (the message that stopped it is met again after each
-//     AckWait, and stops it again; the messages after it flow).
+//     AckWait, and stops it again; the messages after it flow). (Another
+//     status uses up the request instead: see pullExpiry.)
 
 // subscriber is watermill-nats' JetStream subscriber with a gate.
 type subscriber struct {
@@ -142,6 +143,9 @@ func (r *resuming) consume(cons jetstream.Consumer) error {
 // it to end: not stopping, not resuming (which ends the old one itself,
 // or, from onError, looks again once done).
 func (r *resuming) ended(cc jetstream.ConsumeContext) {
+	if r.c.gate.isClosed() { // the subscriber is closing: its consumes end
+		return
+	}
 	r.mu.Lock()
 	if r.stopping || cc != r.current || r.resuming {
 		r.mu.Unlock()

@@ -396,14 +396,25 @@ func (b *Broker) Subscriber(group string) (message.Subscriber, error) {
 		// broker's AckWait runs from a message's delivery, so one taken
 		// early would wait for the inserts of those before it, past the
 		// AckWait, and be delivered (and queued) again. One insert's bound
-		// fits the AckWait (broker.New checks it).
-		ConsumeOptions: []jetstream.PullConsumeOpt{jetstream.PullMaxMessages(1)},
+		// fits the AckWait (broker.New checks it). A request expires soon
+		// (pullExpiry): a message another client published that passes for
+		// a status message of the server's (no data, a Status header) uses
+		// up the request without reaching a handler, and the consumer asks
+		// again only when it expires.
+		ConsumeOptions: []jetstream.PullConsumeOpt{jetstream.PullMaxMessages(1), jetstream.PullExpiry(pullExpiry(b.cfg.AckWait))},
 	})
 	if err != nil {
 		forget()
 		return nil, fmt.Errorf("natsjs: %w", err)
 	}
 	return &subscriber{Subscriber: sub, gate: g, done: forget}, nil
+}
+
+// pullExpiry is how long a consumer's request for a message stands: half
+// the AckWait, at most 5s, at least 1s (nats.go's heartbeats every half
+// of it).
+func pullExpiry(ackWait time.Duration) time.Duration {
+	return min(max(ackWait/2, time.Second), 5*time.Second)
 }
 
 // consumer is the subscriber's ResourceInitializer: group's durable
