@@ -4,9 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
-	"log/slog"
-	"os"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -19,6 +16,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/transport"
@@ -26,12 +24,8 @@ import (
 
 func TestMain(m *testing.M) { testdb.Main(m) }
 
-func logger() *slog.Logger {
-	if os.Getenv("PGSAGA_TEST_LOG") != "" {
-		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	}
-	return slog.New(slog.NewTextHandler(io.Discard, nil))
-}
+// logger is the tests' logger (PGSAGA_TEST_LOG shows it).
+var logger = testout.Logger
 
 // The test saga: trip = book (action/cancel) then pay (action/refund).
 

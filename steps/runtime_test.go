@@ -5,9 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"log/slog"
-	"os"
 	"sync"
 	"testing"
 	"time"
@@ -19,6 +16,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 	"github.com/pgsaga/pgsaga/steps/transport"
@@ -53,12 +51,8 @@ type noted struct {
 
 func (noted) MessageType() string { return "test.Noted" }
 
-func logger() *slog.Logger {
-	if os.Getenv("PGSAGA_TEST_LOG") != "" {
-		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	}
-	return slog.New(slog.NewTextHandler(io.Discard, nil))
-}
+// logger is the tests' logger (PGSAGA_TEST_LOG shows it).
+var logger = testout.Logger
 
 // env is one test's world: its topics, its ledger table, a runtime, and the
 // test step.

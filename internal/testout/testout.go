@@ -1,10 +1,12 @@
-// Package testout holds what tests of the programs need to read a run's
-// output while it runs.
+// Package testout holds what tests need of output: a run's, read while it
+// runs, and their own logs.
 package testout
 
 import (
 	"bytes"
 	"context"
+	"log/slog"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -51,4 +53,13 @@ func (l *Buffer) WaitFor(ctx context.Context, t testing.TB, want string) {
 func Tail(s string, n int) string {
 	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
 	return strings.Join(lines[max(0, len(lines)-n):], "\n")
+}
+
+// Logger is the logger a test hands to what it runs: silent, or, with
+// PGSAGA_TEST_LOG set, everything down to Debug on stderr.
+func Logger() *slog.Logger {
+	if os.Getenv("PGSAGA_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.DiscardHandler)
 }

@@ -3,9 +3,6 @@ package orderpayment_test
 import (
 	"context"
 	"encoding/json"
-	"io"
-	"log/slog"
-	"os"
 	"sync"
 	"testing"
 	"time"
@@ -15,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
@@ -25,12 +23,8 @@ import (
 
 func TestMain(m *testing.M) { testdb.Main(m) }
 
-func logger() *slog.Logger {
-	if os.Getenv("PGSAGA_TEST_LOG") != "" {
-		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	}
-	return slog.New(slog.NewTextHandler(io.Discard, nil))
-}
+// logger is the tests' logger (PGSAGA_TEST_LOG shows it).
+var logger = testout.Logger
 
 type env struct {
 	t   *testing.T

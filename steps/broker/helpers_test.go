@@ -6,9 +6,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
-	"log/slog"
-	"os"
 	"sync"
 	"testing"
 	"time"
@@ -20,6 +17,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testnats"
+	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/broker/natsjs"
 	"github.com/pgsaga/pgsaga/steps/transport"
@@ -27,12 +25,8 @@ import (
 
 func TestMain(m *testing.M) { testdb.Main(m) }
 
-func testLogger() *slog.Logger {
-	if os.Getenv("PGSAGA_TEST_LOG") != "" {
-		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	}
-	return slog.New(slog.NewTextHandler(io.Discard, nil))
-}
+// testLogger is the tests' logger (PGSAGA_TEST_LOG shows it).
+var testLogger = testout.Logger
 
 func randomID() string {
 	b := make([]byte, 5)

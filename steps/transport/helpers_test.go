@@ -6,8 +6,6 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
-	"io"
-	"log/slog"
 	"os"
 	"sync"
 	"testing"
@@ -18,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -31,12 +30,8 @@ func TestMain(m *testing.M) {
 }
 
 // testLogger is quiet unless PGSAGA_TEST_LOG is set.
-func testLogger() *slog.Logger {
-	if os.Getenv("PGSAGA_TEST_LOG") != "" {
-		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	}
-	return slog.New(slog.NewTextHandler(io.Discard, nil))
-}
+// testLogger is the tests' logger (PGSAGA_TEST_LOG shows it).
+var testLogger = testout.Logger
 
 // fastConfig polls and retries quickly so tests finish fast. Idle consumers
 // wait an hour for a wake-up: a lost one fails the test instead of hiding
