@@ -29,7 +29,6 @@ func TestMain(m *testing.M) {
 	testdb.Main(m)
 }
 
-// testLogger is quiet unless PGSAGA_TEST_LOG is set.
 // testLogger is the tests' logger (PGSAGA_TEST_LOG shows it).
 var testLogger = testout.Logger
 
