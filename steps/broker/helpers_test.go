@@ -218,12 +218,14 @@ func (f *fixture) consume(topic, group string, c *collector) {
 }
 
 // newReceiver is a fixture on the shared database whose bridge receives its
-// topic with one consumer, queued for a local group the collector handles.
-func newReceiver(t testing.TB) (*fixture, *collector) {
+// topic as group with one consumer, queued for a local group the collector
+// handles.
+func newReceiver(t testing.TB) (f *fixture, c *collector, group string) {
 	t.Helper()
-	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
-	c := newCollector()
+	f = newFixture(t, testnats.URL(t), testdb.Shared(t))
+	c = newCollector()
 	f.consume(f.topic, "local", c)
-	f.bridge(broker.Config{Receive: []string{f.topic}, Group: "g" + randomID(), Consumers: 1})
-	return f, c
+	group = "g" + randomID()
+	f.bridge(broker.Config{Receive: []string{f.topic}, Group: group, Consumers: 1})
+	return f, c, group
 }

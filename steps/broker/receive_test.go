@@ -81,11 +81,7 @@ func TestReceiveAForeignMessage(t *testing.T) {
 // after it flow.
 func TestReceiveDeadLettersWhatCannotBeQueued(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
-	c := newCollector()
-	f.consume(f.topic, "local", c)
-	group := "g" + randomID()
-	f.bridge(broker.Config{Receive: []string{f.topic}, Group: group, Consumers: 1})
+	f, c, group := newReceiver(t)
 	nc, _ := testnats.ConnectTo(t, f.url)
 	js, err := jetstream.New(nc)
 	require.NoError(t, err)
@@ -251,11 +247,7 @@ func TestReceiveStopsWithABacklog(t *testing.T) {
 // what came before is delivered again, which receivers absorb.)
 func TestReceiveAfterTheConsumerIsDeleted(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
-	c := newCollector()
-	f.consume(f.topic, "local", c)
-	group := "g" + randomID()
-	f.bridge(broker.Config{Receive: []string{f.topic}, Group: group, Consumers: 1})
+	f, c, group := newReceiver(t)
 	ctx := context.Background()
 	before := message.NewMessage(uuid.NewString(), []byte("{}"))
 	require.NoError(t, f.br.Publish(ctx, f.topic, before))
@@ -321,7 +313,7 @@ func (b bounded) MaxPublishDuration() time.Duration { return b.bound }
 // the messages after it arrive too.
 func TestReceiveAnEmptyMessageWithStatusMetadata(t *testing.T) {
 	t.Parallel()
-	f, c := newReceiver(t)
+	f, c, _ := newReceiver(t)
 	ctx := context.Background()
 	var sent []*message.Message
 	for _, md := range []message.Metadata{
@@ -361,7 +353,7 @@ func TestReceiveGoesOnPastAForeignStatusMessage(t *testing.T) {
 	for _, status := range []string{"400", "100", "404", "408"} {
 		t.Run(status, func(t *testing.T) {
 			t.Parallel()
-			f, c := newReceiver(t)
+			f, c, _ := newReceiver(t)
 			nc, _ := testnats.ConnectTo(t, f.url)
 			js, err := jetstream.New(nc)
 			require.NoError(t, err)
