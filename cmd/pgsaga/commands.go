@@ -312,7 +312,7 @@ func deadLettersCmd() *cobra.Command {
 					for i, d := range dl {
 						out[i] = deadLetterJSON{ID: d.ID, UUID: d.UUID, Topic: d.Topic, ConsumerGroup: d.ConsumerGroup, Handler: d.Handler,
 							Reason: d.Reason, Attempts: d.Attempts, CreatedAt: d.CreatedAt, DeadAt: d.DeadAt, ReplayedAt: d.ReplayedAt, Replayable: d.Replayable(), Metadata: d.Metadata,
-							Payload: strings.ToValidUTF8(string(d.Payload), "\uFFFD")}
+							Payload: strings.ToValidUTF8(string(d.PayloadPreview), "\uFFFD")}
 					}
 					return writeJSON(cmd.OutOrStdout(), out)
 				}

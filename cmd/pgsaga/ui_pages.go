@@ -447,14 +447,14 @@ type keyValue struct{ Key, Value string }
 func (u *webUI) deadLetterRow(d transport.DeadLetter, now time.Time) deadLetterRow {
 	row := deadLetterRow{ID: d.ID, UUID: printable([]byte(d.UUID)), Topic: d.Topic, Group: dash(d.ConsumerGroup), Handler: dash(d.Handler),
 		Reason: printable([]byte(d.Reason)), Attempts: d.Attempts, Dead: age(now.Sub(d.DeadAt)) + " ago", DeadAt: stamp(d.DeadAt),
-		PublishedAt: stamp(d.CreatedAt), Payload: prettyJSON(d.Payload), PayloadBytes: len(d.Payload), IsReplayed: d.ReplayedAt != nil,
+		PublishedAt: stamp(d.CreatedAt), Payload: prettyJSON(d.PayloadPreview), PayloadBytes: d.PayloadSize, IsReplayed: d.ReplayedAt != nil,
 		Anchor: fmt.Sprintf("dl-%d", d.ID), ReplayAction: fmt.Sprintf("/dead-letters/%d/replay", d.ID)}
 	row.ReasonShort = clip(oneLine(row.Reason), 160)
 	row.ReasonLong = row.ReasonShort != row.Reason
 	if !d.Replayable() {
 		row.NotReplayable = "arrived from a message broker and could not be queued here: it must be sent again"
 	}
-	if !utf8.Valid(d.Payload) || bytes.IndexByte(d.Payload, 0) >= 0 {
+	if !utf8.Valid(d.PayloadPreview) || bytes.IndexByte(d.PayloadPreview, 0) >= 0 {
 		row.PayloadNote = "not valid UTF-8 text: the bytes that are not are shown as \uFFFD"
 	}
 	if d.ReplayedAt != nil {

@@ -17,24 +17,56 @@ import (
 
 // DeadLetter is a message kept in pgsaga_dead_letters: one no consumer
 // could handle, or that no consumer group subscribed to.
+//
+// DeadLetters lists them with a bounded part of each (PayloadPreview, a
+// Reason cut at DeadLetterListText characters, Metadata only up to
+// DeadLetterListText bytes); Transport.DeadLetter reads one whole.
 type DeadLetter struct {
 	ID            int64
 	UUID          string
 	Topic         string
 	ConsumerGroup string // "" when no group subscribed to the topic
 	Handler       string
-	Payload       []byte
+	// Payload is the whole payload, read by Transport.DeadLetter only;
+	// nil in a listing.
+	Payload []byte
+	// PayloadPreview is the payload's first DeadLetterPreviewBytes bytes
+	// (the whole payload if it is shorter), and PayloadSize its size.
+	PayloadPreview []byte
+	PayloadSize    int
 	// Metadata is the message's, with the DeadLetter* entries; nil if it was
-	// not a JSON object of strings (the raw value is in RawMetadata).
-	Metadata    message.Metadata
-	RawMetadata json.RawMessage
-	Reason      string
-	Attempts    int
-	CreatedAt   time.Time // when the message was published
-	DeadAt      time.Time
+	// not a JSON object of strings (the raw value is in RawMetadata), or,
+	// in a listing, if its text is longer than DeadLetterListText bytes
+	// (MetadataSize says how long it is).
+	Metadata     message.Metadata
+	RawMetadata  json.RawMessage
+	MetadataSize int
+	// Reason says why the message is here; in a listing, its first
+	// DeadLetterListText characters (ReasonLength is its length in
+	// characters).
+	Reason       string
+	ReasonLength int
+	Attempts     int
+	CreatedAt    time.Time // when the message was published
+	DeadAt       time.Time
 	// ReplayedAt is when it was sent back to its queue (ReplayDeadLetter);
 	// nil if it was not.
 	ReplayedAt *time.Time
+}
+
+// Bounds of what DeadLetters reads of each dead letter.
+const (
+	// DeadLetterPreviewBytes bounds PayloadPreview.
+	DeadLetterPreviewBytes = 256
+	// DeadLetterListText bounds the reason (in characters) and the
+	// metadata (in bytes of its JSON text) of a listed dead letter.
+	DeadLetterListText = 4096
+)
+
+// PayloadComplete reports whether d holds its whole payload: read by
+// Transport.DeadLetter, or listed with a preview that is all of it.
+func (d DeadLetter) PayloadComplete() bool {
+	return d.Payload != nil || len(d.PayloadPreview) == d.PayloadSize
 }
 
 // Replayable reports whether ReplayDeadLetter can send d back: not a
@@ -61,27 +93,24 @@ type DeadLetterFilter struct {
 	Limit int
 }
 
-// DeadLetters lists dead letters, oldest first.
+// DeadLetters lists dead letters, oldest first, each with a bounded part
+// of its payload, reason and metadata (see DeadLetter): a page of them
+// takes memory in proportion to its Limit, however large the messages.
+// DeadLetter reads one whole.
 func (t *Transport) DeadLetters(ctx context.Context, f DeadLetterFilter) ([]DeadLetter, error) {
 	if f.Limit <= 0 {
 		f.Limit = 100
 	}
-	rows, err := t.db.QueryContext(ctx, deadLettersSQL, f.Topic, f.AfterID, f.Limit)
+	rows, err := t.db.QueryContext(ctx, deadLettersSQL, f.Topic, f.AfterID, f.Limit, DeadLetterPreviewBytes, DeadLetterListText)
 	if err != nil {
 		return nil, fmt.Errorf("transport: listing dead letters: %w", migrationHint(err))
 	}
 	defer rows.Close()
 	var out []DeadLetter
 	for rows.Next() {
-		var d DeadLetter
-		var md []byte
-		if err := rows.Scan(&d.ID, &d.UUID, &d.Topic, &d.ConsumerGroup, &d.Handler, &d.Payload, &md, &d.Reason, &d.Attempts, &d.CreatedAt, &d.DeadAt, &d.ReplayedAt); err != nil {
+		d, err := scanDeadLetter(rows, false)
+		if err != nil {
 			return nil, fmt.Errorf("transport: listing dead letters: %w", err)
-		}
-		d.RawMetadata = md
-		var m message.Metadata
-		if json.Unmarshal(md, &m) == nil {
-			d.Metadata = m
 		}
 		out = append(out, d)
 	}
@@ -89,6 +118,47 @@ func (t *Transport) DeadLetters(ctx context.Context, f DeadLetterFilter) ([]Dead
 		return nil, fmt.Errorf("transport: listing dead letters: %w", err)
 	}
 	return out, nil
+}
+
+// DeadLetter reads dead letter id whole, its payload included;
+// ErrDeadLetterNotFound if there is none.
+func (t *Transport) DeadLetter(ctx context.Context, id int64) (DeadLetter, error) {
+	d, err := scanDeadLetter(t.db.QueryRowContext(ctx, deadLetterByIDSQL, id), true)
+	if errors.Is(err, sql.ErrNoRows) {
+		return DeadLetter{}, fmt.Errorf("%w: %d", ErrDeadLetterNotFound, id)
+	}
+	if err != nil {
+		return DeadLetter{}, fmt.Errorf("transport: reading dead letter %d: %w", id, migrationHint(err))
+	}
+	return d, nil
+}
+
+// scanDeadLetter scans a row of deadLettersSQL (whole: deadLetterSQL).
+func scanDeadLetter(row interface{ Scan(...any) error }, whole bool) (DeadLetter, error) {
+	var (
+		d       DeadLetter
+		payload []byte
+		md      []byte
+	)
+	if err := row.Scan(&d.ID, &d.UUID, &d.Topic, &d.ConsumerGroup, &d.Handler, &payload, &d.PayloadSize, &md, &d.MetadataSize,
+		&d.Reason, &d.ReasonLength, &d.Attempts, &d.CreatedAt, &d.DeadAt, &d.ReplayedAt); err != nil {
+		return DeadLetter{}, err
+	}
+	if payload == nil {
+		payload = []byte{}
+	}
+	d.PayloadPreview = payload[:min(len(payload), DeadLetterPreviewBytes)]
+	if whole {
+		d.Payload = payload
+	}
+	if md != nil { // nil: left out of a listing for its size
+		d.RawMetadata = md
+		var m message.Metadata
+		if json.Unmarshal(md, &m) == nil {
+			d.Metadata = m
+		}
+	}
+	return d, nil
 }
 
 // DeadLettersWaiting counts the dead letters not replayed, by topic.

@@ -223,7 +223,7 @@ func TestExhaustedRetriesGoToDeadLetters(t *testing.T) {
 	assert.Equal(t, 3, d.Attempts)
 	assert.Equal(t, "h", d.Handler)
 	assert.Equal(t, "g", d.ConsumerGroup)
-	assert.Equal(t, `{"x":1}`, string(d.Payload))
+	assert.Equal(t, `{"x":1}`, string(d.PayloadPreview))
 	assert.Equal(t, "always fails", d.Metadata[transport.DeadLetterReason])
 	assert.Equal(t, "3", d.Metadata[transport.DeadLetterAttempts])
 	assert.Equal(t, e.in, d.Metadata[transport.DeadLetterTopic])
@@ -326,7 +326,7 @@ func TestUnreadableMessagesDeadLetteredInOneAttempt(t *testing.T) {
 		assert.False(t, ok, "the handler never saw %s", d.UUID)
 		assert.Equal(t, 1, d.Attempts)
 		assert.Contains(t, d.Reason, "cannot be read")
-		assert.Equal(t, []byte{0, 0xff, 0xfe}, d.Payload, "kept byte for byte")
+		assert.Equal(t, []byte{0, 0xff, 0xfe}, d.PayloadPreview, "kept byte for byte")
 	}
 }
 
@@ -545,7 +545,7 @@ func TestUnroutedMessagesAreKept(t *testing.T) {
 	require.Len(t, dead, 1)
 	assert.Equal(t, "no consumer group subscribes to topic "+lonely, dead[0].Reason)
 	assert.Equal(t, "v", dead[0].Metadata["k"])
-	assert.Equal(t, `{"a":1}`, string(dead[0].Payload))
+	assert.Equal(t, `{"a":1}`, string(dead[0].PayloadPreview))
 	assert.Zero(t, e.count(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1`, lonely))
 
 	require.NoError(t, e.tr.Subscribe(context.Background(), transport.Subscription{Topic: lonely, ConsumerGroup: "late"}))

@@ -77,7 +77,7 @@ func Example() {
 		panic(err)
 	}
 	for _, d := range dead {
-		fmt.Printf("dead letter: %s after %d attempt(s)\n", d.Payload, d.Attempts)
+		fmt.Printf("dead letter: %s after %d attempt(s)\n", d.PayloadPreview, d.Attempts)
 	}
 	// Output:
 	// handled: invoice 2

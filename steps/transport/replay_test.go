@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -106,4 +107,53 @@ func TestReplayRefusesWhatTheBrokerBridgeCouldNotQueue(t *testing.T) {
 	assert.Contains(t, err.Error(), "sent again")
 	assert.Zero(t, e.waiting(topic, "bridge"), "nothing queued")
 	assert.Nil(t, e.deadLetters(topic)[0].ReplayedAt, "the record stays as it was")
+}
+
+// A listing reads a bounded part of each dead letter, however large: a
+// page of them must not load every payload (the relay dead-letters exactly
+// the messages too large for a broker); DeadLetter reads one whole.
+func TestDeadLettersListsABoundedPartOfEach(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := context.Background()
+	big := strings.Repeat("p", 1<<20)
+	reason := strings.Repeat("r", 3*transport.DeadLetterListText)
+	md := `{"k":"` + strings.Repeat("m", 2*transport.DeadLetterListText) + `"}`
+	var id int64
+	require.NoError(t, e.db.SQL.QueryRowContext(ctx, `INSERT INTO pgsaga_dead_letters
+        (uuid, topic, consumer_group, handler, payload, metadata, reason, attempts, created_at)
+        VALUES ($1, $2, 'g', 'h', $3, $4::jsonb, $5, 1, now()) RETURNING id`,
+		"big-"+e.id, e.in, []byte(big), md, reason).Scan(&id))
+	small := message.NewMessage("small-"+e.id, []byte(`{"a":1}`))
+	require.NoError(t, e.tr.Publisher(e.db.SQL).Publish("nobody_"+e.id, small))
+
+	dl := e.deadLetters(e.in)
+	require.Len(t, dl, 1)
+	d := dl[0]
+	assert.Nil(t, d.Payload, "a listing holds no whole payload")
+	assert.Equal(t, []byte(big[:transport.DeadLetterPreviewBytes]), d.PayloadPreview)
+	assert.Equal(t, len(big), d.PayloadSize)
+	assert.False(t, d.PayloadComplete())
+	assert.Len(t, d.Reason, transport.DeadLetterListText)
+	assert.Equal(t, len(reason), d.ReasonLength)
+	assert.Nil(t, d.Metadata, "metadata over the bound is left out")
+	assert.Nil(t, d.RawMetadata)
+	assert.Greater(t, d.MetadataSize, transport.DeadLetterListText, "its size is told")
+
+	whole, err := e.tr.DeadLetter(ctx, id)
+	require.NoError(t, err)
+	assert.Equal(t, []byte(big), whole.Payload)
+	assert.Equal(t, reason, whole.Reason)
+	assert.Equal(t, strings.Repeat("m", 2*transport.DeadLetterListText), whole.Metadata["k"])
+	assert.True(t, whole.PayloadComplete())
+
+	// A small one is listed whole, its metadata with it.
+	dl = e.deadLetters("nobody_" + e.id)
+	require.Len(t, dl, 1)
+	assert.Equal(t, `{"a":1}`, string(dl[0].PayloadPreview))
+	assert.True(t, dl[0].PayloadComplete())
+	assert.Equal(t, "nobody_"+e.id, dl[0].Metadata[transport.DeadLetterTopic])
+
+	_, err = e.tr.DeadLetter(ctx, -1)
+	assert.ErrorIs(t, err, transport.ErrDeadLetterNotFound)
 }

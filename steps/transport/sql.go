@@ -234,10 +234,25 @@ DELETE FROM pgsaga_queue WHERE topic = $1 AND consumer_group = $2`
 SELECT count(*)::int FROM queued LEFT JOIN LATERAL (SELECT pg_notify($2, queued.topic) WHERE $2 <> '') n ON true`
 
 	// deadLettersSQL lists dead letters, newest last, optionally of one
-	// topic ($1 = '' for all), after id $2, at most $3.
-	deadLettersSQL = `SELECT id, uuid, topic, consumer_group, handler, payload, coalesce(metadata, 'null'::jsonb), reason, attempts, created_at, dead_at, replayed_at
+	// topic ($1 = '' for all), after id $2, at most $3, reading of each a
+	// bounded part: the payload's first $4 bytes and its size, the reason's
+	// first $5 characters and its length, and the metadata only if its text
+	// is at most $5 bytes (else NULL; its size either way), so that a listing's memory
+	// is bounded by its page size whatever the messages hold.
+	deadLettersSQL = `SELECT id, uuid, topic, consumer_group, handler,
+    substring(payload FROM 1 FOR $4), coalesce(octet_length(payload), 0),
+    CASE WHEN coalesce(octet_length(metadata::text), 0) <= $5 THEN coalesce(metadata, 'null'::jsonb) END,
+    coalesce(octet_length(metadata::text), 0),
+    left(reason, $5), length(reason), attempts, created_at, dead_at, replayed_at
 FROM pgsaga_dead_letters
 WHERE ($1 = '' OR topic = $1) AND id > $2
 ORDER BY id
 LIMIT $3`
+
+	// deadLetterByIDSQL reads dead letter $1 whole.
+	deadLetterByIDSQL = `SELECT id, uuid, topic, consumer_group, handler, payload, coalesce(octet_length(payload), 0),
+    coalesce(metadata, 'null'::jsonb), coalesce(octet_length(metadata::text), 0),
+    reason, length(reason), attempts, created_at, dead_at, replayed_at
+FROM pgsaga_dead_letters
+WHERE id = $1`
 )
