@@ -78,8 +78,9 @@ func ExampleClient() {
 		})
 	welcome := steps.Define("mail.welcome-"+run, "mail.welcome."+run,
 		func(ctx context.Context, tx *steps.Tx, cmd SendWelcome) (steps.Message, error) {
-			if cmd.Email == "" {
-				return nil, steps.Fail(nil, "no address") // final: the saga compensates
+			if !strings.Contains(cmd.Email, "@") {
+				// Final: answered with this reason, and the saga compensates.
+				return nil, steps.Fail(nil, "not an e-mail address")
 			}
 			return Done{}, nil
 		})
@@ -112,38 +113,51 @@ func ExampleClient() {
 	}
 	defer client.Stop() //nolint:errcheck
 
-	// Start a saga in your own transaction: it starts if, and only if, the
+	// Start sagas in your own transaction: they start if, and only if, the
 	// transaction commits, with whatever else you wrote in it.
 	tx, err := client.DB().BeginTx(ctx, nil)
 	if err != nil {
 		panic(err)
 	}
-	trigger, err := steps.NewMessage(SignedUp{Email: "ada@example.com"}, steps.Envelope{})
-	if err != nil {
-		panic(err)
-	}
-	if err := client.StartTx(ctx, tx, def.Name, trigger); err != nil {
-		panic(err)
+	for _, email := range []string{"ada@example.com", "grace"} {
+		trigger, err := steps.NewMessage(SignedUp{Email: email}, steps.Envelope{})
+		if err != nil {
+			panic(err)
+		}
+		if err := client.StartTx(ctx, tx, def.Name, trigger); err != nil {
+			panic(err)
+		}
 	}
 	if err := tx.Commit(); err != nil {
 		panic(err)
 	}
 
-	// Wait for it to end (no polling: the engine announces every end).
-	inst, err := client.WaitFinished(ctx, saga.ID(def.Name, "ada@example.com"))
-	if err != nil {
-		panic(err)
-	}
-	fmt.Println(inst.Status)
-	for _, h := range inst.History {
-		fmt.Println(strings.TrimSpace(fmt.Sprintf("%-9s %s", h.Kind, h.Step)))
+	// Wait for them to end (no polling: the engine announces every end).
+	for _, email := range []string{"ada@example.com", "grace"} {
+		inst, err := client.WaitFinished(ctx, saga.ID(def.Name, email))
+		if err != nil {
+			panic(err)
+		}
+		fmt.Println(strings.TrimSpace(fmt.Sprintf("%s: %s %s", email, inst.Status, inst.FailureReason)))
+		for _, h := range inst.History {
+			fmt.Println(strings.TrimSpace(fmt.Sprintf("%-12s %-8s %s", h.Kind, h.Step, h.Phase)))
+		}
 	}
 	// Output:
-	// completed
+	// ada@example.com: completed
 	// started
-	// sent      account
-	// reply_ok  account
-	// sent      welcome
-	// reply_ok  welcome
+	// sent         account  action
+	// reply_ok     account  action
+	// sent         welcome  action
+	// reply_ok     welcome  action
 	// completed
+	// grace: compensated welcome: not an e-mail address
+	// started
+	// sent         account  action
+	// reply_ok     account  action
+	// sent         welcome  action
+	// reply_failed welcome  action
+	// sent         account  compensation
+	// reply_ok     account  compensation
+	// compensated
 }

@@ -61,9 +61,29 @@ func (e *BusinessError) Error() string { return "business failure: " + e.Reason 
 // Outcome implements outcome.Classifier: a business failure.
 func (e *BusinessError) Outcome() outcome.Kind { return outcome.BusinessFailure }
 
-// Fail returns a BusinessError. reply may be nil when the command has no
-// failure reply.
+// Fail returns a BusinessError. reply may be nil: a command that expects
+// a reply (a saga's) is then answered with a FailureReply carrying reason,
+// so the failure, and why, always reaches the sender.
 func Fail(reply Message, reason string) error { return &BusinessError{Reply: reply, Reason: reason} }
+
+// FailureReply is the reply to a command that expects one (its reply_to
+// is set) when its handler failed it (Fail) without a reply of its own.
+// Like every reply, it carries the outcome and the reason in its envelope
+// (MetaOutcome, MetaReason).
+type FailureReply struct {
+	Reason string `json:"reason"`
+}
+
+// MessageType implements Message.
+func (FailureReply) MessageType() string { return "pgsaga.StepFailed" }
+
+// DoneReply is the reply to a command that expects one when its handler
+// completed it without a reply of its own (a nil Message): a sender
+// waiting for the answer (a saga) is told the step is done.
+type DoneReply struct{}
+
+// MessageType implements Message.
+func (DoneReply) MessageType() string { return "pgsaga.StepDone" }
 
 // Step is a step ready for a Runtime: build it with Define.
 type Step struct {
@@ -361,10 +381,17 @@ func claimIn(s Step, keys *idempotency.MessageKeys, msg *message.Message) (trans
 }
 
 // replies builds the reply to a command; none when the command names no
-// reply topic or there is nothing to say.
+// reply topic. A command that names one is always answered, with
+// FailureReply or DoneReply when the handler gave no reply of its own.
 func (rt *Runtime) replies(s Step, cmd Envelope, key string, reply Message, outcome, reason string) ([]*message.Message, error) {
-	if reply == nil || cmd.ReplyTo == "" {
+	if cmd.ReplyTo == "" {
 		return nil, nil
+	}
+	if reply == nil {
+		reply = DoneReply{}
+		if outcome == OutcomeFailed {
+			reply = FailureReply{Reason: reason}
+		}
 	}
 	m, err := NewMessage(reply, Envelope{
 		ID:            derivedID("reply", s.Name, key),

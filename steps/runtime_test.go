@@ -527,3 +527,44 @@ func TestRacingWriterCausesOneRetry(t *testing.T) {
 		})
 	}
 }
+
+// A command that expects a reply is always answered: a handler that fails
+// it without a reply of its own (Fail(nil, reason)), or completes it with
+// none, still sends the outcome and the reason, else a saga would wait out
+// its deadlines and compensate with "no reply", the participant's reason
+// lost. Replayed for a duplicate, like any stored reply.
+func TestACommandExpectingAReplyIsAlwaysAnswered(t *testing.T) {
+	for _, m := range modes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newEnv(t)
+			e.step = steps.Define("bare-"+e.id, e.cmds, func(ctx context.Context, tx *steps.Tx, cmd addCmd) (steps.Message, error) {
+				if cmd.Amount < 0 {
+					return nil, steps.Fail(nil, "no negative amounts here")
+				}
+				return nil, nil
+			})
+			require.NoError(t, e.tr.Subscribe(context.Background(), e.rt.Subscriptions(e.step)...))
+			m.deliver(e, e.command("neg", -1), 2)
+			m.deliver(e, e.command("pos", 5), 1)
+
+			replies := e.messages(e.replies)
+			require.Len(t, replies, 3, "one reply per delivery, the duplicate's replayed")
+			byKey := map[string][]storedMsg{}
+			for _, r := range replies {
+				byKey[r.Metadata[steps.MetaKey]] = append(byKey[r.Metadata[steps.MetaKey]], r)
+			}
+			failed := byKey["key-neg"]
+			require.Len(t, failed, 2)
+			assert.Equal(t, failed[0].UUID, failed[1].UUID, "the replay keeps the reply's id")
+			assert.Equal(t, steps.OutcomeFailed, failed[0].Metadata[steps.MetaOutcome])
+			assert.Equal(t, "no negative amounts here", failed[0].Metadata[steps.MetaReason])
+			assert.Equal(t, steps.FailureReply{}.MessageType(), failed[0].Metadata[steps.MetaType])
+			assert.JSONEq(t, `{"reason":"no negative amounts here"}`, failed[0].Payload)
+			assert.Equal(t, "true", failed[1].Metadata[steps.MetaReplayed])
+			done := byKey["key-pos"]
+			require.Len(t, done, 1)
+			assert.Equal(t, steps.OutcomeOK, done[0].Metadata[steps.MetaOutcome])
+			assert.Equal(t, steps.DoneReply{}.MessageType(), done[0].Metadata[steps.MetaType])
+		})
+	}
+}
