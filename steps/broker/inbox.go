@@ -35,12 +35,50 @@ func (b *Bridge) startInbox(ctx context.Context) error {
 			}
 			b.inbox.Go(func() {
 				for msg := range msgs {
-					b.receive(topic, msg)
+					b.receiveSafely(topic, msg)
 				}
 			})
 		}
 	}
 	return nil
+}
+
+// receiveSafely receives msg (receive): a panic is this message's failure
+// alone, its stack logged; the message is dead-lettered with the panic's
+// value (the same message would panic again), or handed back if even that
+// fails.
+func (b *Bridge) receiveSafely(topic string, msg *message.Message) {
+	defer func() {
+		p := recover()
+		if p == nil {
+			return
+		}
+		perr := transport.Recovered("receiving a message from the broker", p)
+		log := b.log.With("topic", topic, "message_uuid", transport.Storable(msg.UUID))
+		log.Error("receiving a message from the broker panicked", "panic", perr.Value, "stack", string(perr.Stack))
+		if err := b.deadLetterReceived(topic, msg, perr.Error()); err != nil {
+			log.Warn("could not dead-letter a message whose receiving panicked; it will be delivered again", "err", err)
+			msg.Nack()
+			return
+		}
+		msg.Ack()
+	}()
+	b.receive(topic, msg)
+}
+
+// deadLetterReceived keeps msg, received on topic, as a dead letter of the
+// receiving side with reason; a panic doing so is an error.
+func (b *Bridge) deadLetterReceived(topic string, msg *message.Message, reason string) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = transport.Recovered("dead-lettering", p)
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*b.t.Config().StatementTimeout)
+	defer cancel()
+	in := message.NewMessage(msg.UUID, msg.Payload)
+	in.Metadata = msg.Metadata
+	return b.t.StoreDeadLetter(ctx, topic, b.cfg.Group, ReceiveHandler, in, "received from the broker but cannot be queued: "+reason)
 }
 
 // receive queues msg, received from the broker on topic, for this

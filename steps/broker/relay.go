@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -93,6 +95,21 @@ func sleep(ctx context.Context, wake <-chan struct{}, d time.Duration, woken boo
 	return true
 }
 
+// publish publishes msg to the broker; a panic of the broker's client is
+// this message's failure (a transport.PanicError, which the relay
+// dead-letters: the same message would panic again), its stack logged.
+func (r *relay) publish(ctx context.Context, msg *message.Message) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			perr := transport.Recovered("publishing to the broker", p)
+			r.b.log.Error("publishing a message to the broker panicked", "topic", r.topic, "message_uuid", transport.Storable(msg.UUID),
+				"panic", perr.Value, "stack", string(perr.Stack))
+			err = perr
+		}
+	}()
+	return r.b.cfg.Broker.Publish(ctx, r.topic, msg)
+}
+
 // batch relays one batch: it reports whether more messages may wait.
 func (r *relay) batch(ctx context.Context) (more bool, err error) {
 	b, err := r.b.t.ClaimRelay(ctx, r.topic, r.b.cfg.BatchSize)
@@ -112,8 +129,8 @@ func (r *relay) batch(ctx context.Context) (more bool, err error) {
 			more = true
 			break
 		}
-		if err := r.b.cfg.Broker.Publish(ctx, r.topic, msg); err != nil {
-			if r.b.cfg.Broker.Permanent(err) {
+		if err := r.publish(ctx, msg); err != nil {
+			if r.b.cfg.Broker.Permanent(err) || errors.Is(err, transport.ErrHandlerPanicked) {
 				b.DeadLetter(i, "the broker refuses it: "+err.Error())
 				r.b.log.Error("message dead-lettered: the broker refuses it", "topic", r.topic, "message_uuid", msg.UUID, "err", err)
 				continue

@@ -309,3 +309,70 @@ func TestBrokerStoresOnceWhateverTheMetadataHolds(t *testing.T) {
 		assert.Equal(t, uint64(1), info.State.Msgs, name)
 	}
 }
+
+// A broker client that panics on one message costs that message alone: it
+// is dead-lettered with the panic's value (it would panic again), the
+// relay goes on with the others, and the process lives.
+func TestRelayDeadLettersAMessageWhosePublishPanics(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	br := failing{Broker: f.br, fail: func(msg *message.Message) error {
+		if msg.Metadata.Get("poison") == "yes" {
+			panic("broker client bug")
+		}
+		return nil
+	}}
+	f.bridge(broker.Config{Relay: []string{f.topic}, Broker: br})
+	before := f.publish(f.topic, 2, nil)
+	f.publish(f.topic, 1, message.Metadata{"poison": "yes"})
+	after := f.publish(f.topic, 2, nil)
+	assert.Equal(t, append(before, after...), f.stored(f.topic, 4))
+	var reason string
+	require.Eventually(t, func() bool {
+		return f.db.SQL.QueryRow(`SELECT reason FROM pgsaga_dead_letters WHERE topic = $1 AND handler = $2`, f.topic, transport.RelayHandler).Scan(&reason) == nil
+	}, time.Minute, 10*time.Millisecond)
+	assert.Contains(t, reason, "panicked: broker client bug")
+	assert.NotContains(t, reason, "goroutine")
+}
+
+// panicOnReceive panics while the bridge receives a message marked so.
+type panicOnReceive struct{}
+
+func (panicOnReceive) CrashAfterPublish(string, *message.Message) bool { return false }
+func (panicOnReceive) RedeliverAfterStore(_ string, msg *message.Message) bool {
+	if msg.Metadata.Get("poison") == "yes" {
+		panic("receiving bug")
+	}
+	return false
+}
+
+// A panic while receiving one message costs that message alone: it is
+// dead-lettered with the panic's value, the others are received, and the
+// process lives.
+func TestReceiveDeadLettersAMessageWhoseReceivingPanics(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	c := newCollector()
+	f.consume(f.topic, "local", c)
+	f.bridge(broker.Config{Receive: []string{f.topic}, Group: "g" + randomID(), Consumers: 1, Faults: panicOnReceive{}})
+	ctx := context.Background()
+	for i, poison := range []string{"no", "yes", "no"} {
+		m := message.NewMessage(uuid.NewString(), []byte(`{}`))
+		m.Metadata.Set("poison", poison)
+		m.Metadata.Set("i", string(rune('0'+i)))
+		require.NoError(t, f.br.Publish(ctx, f.topic, m))
+	}
+	got := c.wait(t, 3)
+	var poisoned int
+	for _, m := range got {
+		if m.Metadata.Get("poison") == "yes" {
+			poisoned++
+		}
+	}
+	assert.Equal(t, 1, poisoned, "the poisoned message was queued before the fault hook ran; the panic came after")
+	var reason string
+	require.Eventually(t, func() bool {
+		return f.db.SQL.QueryRow(`SELECT reason FROM pgsaga_dead_letters WHERE topic = $1 AND handler = $2`, f.topic, transport.ReceiveHandler).Scan(&reason) == nil
+	}, time.Minute, 10*time.Millisecond)
+	assert.Contains(t, reason, "panicked: receiving bug")
+}

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"runtime/debug"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -94,7 +95,7 @@ func Savepoint(ctx context.Context, tx Tx, fn func(tx Tx) error) (err error) {
 	}
 	defer func() {
 		if p := recover(); p != nil {
-			err = fmt.Errorf("%w: %v", ErrHandlerPanicked, p)
+			err = Recovered("savepoint's function", p)
 		}
 		if err == nil {
 			if _, rerr := tx.ExecContext(ctx, "RELEASE SAVEPOINT "+name); rerr != nil {
@@ -504,7 +505,7 @@ func (t *Transport) runHooks(hooks []func()) {
 		func() {
 			defer func() {
 				if p := recover(); p != nil {
-					t.log.Error("transport: a commit hook panicked", "panic", p)
+					t.log.Error("transport: a commit hook panicked", "panic", PanicValue(p), "stack", string(debug.Stack()))
 				}
 			}()
 			h()

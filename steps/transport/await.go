@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"runtime/debug"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -123,7 +122,7 @@ func runAwaited(ctx context.Context, aw *AwaitError) (err error) {
 	defer cancel()
 	defer func() {
 		if p := recover(); p != nil {
-			err = fmt.Errorf("%w: in its awaited call: %v\n%s", ErrHandlerPanicked, p, debug.Stack())
+			err = Recovered("awaited call", p)
 		}
 	}()
 	if err := aw.Call(ctx); err != nil {

@@ -478,7 +478,7 @@ func (c *consumer) fail(b *batch, log *slog.Logger, d delivery, n int, cause err
 		return
 	}
 	b.d.hooks = append(b.d.hooks, func() { c.t.cfg.Metrics.Retrying(c.rt.topic, c.rt.name) })
-	log.Warn("attempt failed; the message will be retried", "attempt", n, "of", c.rt.retry.MaxAttempts, "retry_in", wait, "err", cause)
+	log.Warn("attempt failed; the message will be retried", append([]any{"attempt", n, "of", c.rt.retry.MaxAttempts, "retry_in", wait, "err", cause}, panicStack(cause)...)...)
 }
 
 // final reports whether failed attempt n is the message's last (see
@@ -494,7 +494,7 @@ func (c *consumer) deadLetter(b *batch, log *slog.Logger, d delivery, n int, cau
 		return
 	}
 	b.d.hooks = append(b.d.hooks, func() { c.t.cfg.Metrics.DeadLettered(c.rt.topic, c.rt.name) })
-	log.Error("message dead-lettered", "attempts", n, "permanent", IsPermanent(cause), "reason", cause)
+	log.Error("message dead-lettered", append([]any{"attempts", n, "permanent", IsPermanent(cause), "reason", cause}, panicStack(cause)...)...)
 }
 
 // breakBatch gives up on the batch: its transaction can no longer commit
@@ -545,10 +545,10 @@ func (c *consumer) recordAfter(f failure) {
 	case !done:
 	case final:
 		c.t.cfg.Metrics.DeadLettered(c.rt.topic, c.rt.name)
-		log.Error("message dead-lettered", "attempts", f.n, "permanent", IsPermanent(f.cause), "reason", f.cause)
+		log.Error("message dead-lettered", append([]any{"attempts", f.n, "permanent", IsPermanent(f.cause), "reason", f.cause}, panicStack(f.cause)...)...)
 	default:
 		c.t.cfg.Metrics.Retrying(c.rt.topic, c.rt.name)
-		log.Warn(what+" failed; the message will be retried", "of", c.rt.retry.MaxAttempts, "retry_in", wait, "err", f.cause)
+		log.Warn(what+" failed; the message will be retried", append([]any{"of", c.rt.retry.MaxAttempts, "retry_in", wait, "err", f.cause}, panicStack(f.cause)...)...)
 	}
 }
 

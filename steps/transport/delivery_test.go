@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -18,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -640,4 +642,34 @@ func TestNameErrors(t *testing.T) {
 	require.ErrorIs(t, r.AddHandler("h", e.in, "bad group", func(*message.Message) error { return nil }), transport.ErrInvalidConsumerGroup)
 	require.NoError(t, r.AddHandler("h", e.in, "", func(*message.Message) error { return nil }))
 	require.Error(t, r.AddHandler("h", e.in, "g", func(*message.Message) error { return nil }), "duplicate handler name")
+}
+
+// A handler that panics costs its message an attempt, like an error: the
+// reason a dead letter keeps is one short line with the panic's value; the
+// stack goes to the log, never into a reason (it used to: a dead letter's
+// reason was a goroutine dump).
+func TestPanicReasonIsShortAndTheStackIsLogged(t *testing.T) {
+	t.Parallel()
+	var logs testout.Buffer
+	e := newEnv(t, func(cfg *transport.Config) {
+		cfg.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
+		cfg.Retry = transport.RetryPolicy{MaxAttempts: 2, InitialBackoff: time.Millisecond}
+	})
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		panic("boom\nsecond line " + strings.Repeat("x", 1000))
+	}))
+	startRouter(t, r)
+	e.publish(1)
+	e.drained(e.in, "g", 10*time.Second)
+	dead := e.deadLetters(e.in)
+	require.Len(t, dead, 1)
+	assert.Equal(t, 2, dead[0].Attempts)
+	assert.True(t, strings.HasPrefix(dead[0].Reason, "transport: handler panicked: boom second line xxx"), dead[0].Reason)
+	assert.NotContains(t, dead[0].Reason, "\n")
+	assert.NotContains(t, dead[0].Reason, "goroutine")
+	assert.Less(t, len(dead[0].Reason), 400)
+	assert.Contains(t, logs.String(), "goroutine", "the stack is logged")
+	assert.Contains(t, logs.String(), "delivery_test.go", "the stack names the handler")
 }

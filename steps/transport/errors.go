@@ -5,7 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"runtime/debug"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/internal/pgserver"
@@ -189,6 +192,57 @@ func ValidateTopic(topic string) error {
 func ValidateConsumerGroup(group string) error {
 	if group == "" || len(group) > 255 || !namePattern.MatchString(group) {
 		return fmt.Errorf("%w: %q", ErrInvalidConsumerGroup, group)
+	}
+	return nil
+}
+
+// PanicError is a recovered panic: a failure of the one message (or item)
+// whose handling panicked. Error says what panicked and the panic's value,
+// on one short line (PanicValue): it is what a dead letter's reason and a
+// saga's failure reason quote. Stack, the goroutine's stack at the panic,
+// is for the log only.
+type PanicError struct {
+	// What panicked: "handler", "router middleware", "awaited call".
+	What  string
+	Value string
+	Stack []byte
+}
+
+// Recovered makes a PanicError of p, recovered from what, with the
+// current stack. Call it in the deferred function that recovered p.
+func Recovered(what string, p any) *PanicError {
+	return &PanicError{What: what, Value: PanicValue(p), Stack: debug.Stack()}
+}
+
+// Error implements error.
+func (e *PanicError) Error() string { return "transport: " + e.What + " panicked: " + e.Value }
+
+// Unwrap makes a PanicError ErrHandlerPanicked.
+func (e *PanicError) Unwrap() error { return ErrHandlerPanicked }
+
+// maxPanicValue bounds PanicValue.
+const maxPanicValue = 300
+
+// PanicValue renders a panic's value on one line of at most 300 bytes, for
+// a reason: a panic value can be anything, of any size.
+func PanicValue(p any) string {
+	s := strings.Join(strings.Fields(strings.ToValidUTF8(fmt.Sprint(p), "\uFFFD")), " ")
+	if len(s) > maxPanicValue {
+		cut := maxPanicValue
+		for cut > 0 && !utf8.RuneStart(s[cut]) {
+			cut--
+		}
+		s = s[:cut] + "…"
+	}
+	return s
+}
+
+// panicStack is the log attributes of err's panic stack, if err is (or
+// wraps) a PanicError: none otherwise.
+func panicStack(err error) []any {
+	var p *PanicError
+	if errors.As(err, &p) && len(p.Stack) > 0 {
+		return []any{"stack", string(p.Stack)}
 	}
 	return nil
 }

@@ -48,7 +48,7 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 		permanent := IsPermanent(err)
 		if !o.retry.final(n, err) {
 			wait := o.retry.backoff(n)
-			log.Warn("attempt failed; retrying", "attempt", n, "retry_in", wait, "err", err)
+			log.Warn("attempt failed; retrying", append([]any{"attempt", n, "retry_in", wait, "err", err}, panicStack(err)...)...)
 			t.cfg.Metrics.Retrying(topic, name)
 			select {
 			case <-time.After(wait):
@@ -65,7 +65,7 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 			return errors.Join(err, fmt.Errorf("transport: dead-lettering %s: %w", msg.UUID, derr))
 		}
 		t.cfg.Metrics.DeadLettered(topic, name)
-		log.Error("message dead-lettered", "attempts", n, "permanent", permanent, "reason", err)
+		log.Error("message dead-lettered", append([]any{"attempts", n, "permanent", permanent, "reason", err}, panicStack(err)...)...)
 		return fmt.Errorf("%w: %w", ErrDeadLettered, err)
 	}
 }

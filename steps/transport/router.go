@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"runtime/debug"
 	"strconv"
 	"sync"
 	"time"
@@ -333,7 +332,7 @@ func (r *Router) closeCalls(timeout time.Duration) {
 func call(h HandlerFunc, msg *message.Message) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			err = fmt.Errorf("%w: %v\n%s", ErrHandlerPanicked, p, debug.Stack())
+			err = Recovered("handler", p)
 		}
 	}()
 	return h(msg)
@@ -465,7 +464,7 @@ func (g *gate) middleware(log *slog.Logger) message.HandlerMiddleware {
 func callChain(h message.HandlerFunc, msg *message.Message) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			err = fmt.Errorf("%w: %v\n%s", ErrHandlerPanicked, p, debug.Stack())
+			err = Recovered("router middleware", p)
 		}
 	}()
 	_, err = h(msg)
