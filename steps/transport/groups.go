@@ -106,3 +106,23 @@ func (t *Transport) SubscribedGroups(ctx context.Context, topic string) ([]strin
 	}
 	return out, rows.Err()
 }
+
+// Departed reports whether message uuid, published to topic, has left
+// this database: it waits neither in the queue of the relay to a message
+// broker (RelayGroup) nor in the queue of every local consumer group of
+// topic untouched. A group's copy that is being handled, was handled,
+// failed an attempt or is parked while its handler's call runs has been
+// taken; so has a copy handled in process (no row). A message queued for
+// a group that nobody runs, beside groups that took it, has left too. It
+// reads through q, a transaction of the caller's or the database.
+//
+// It is what a saga's reply deadline counts from: a command still waiting
+// here (the broker or every participant down) is not overdue, and sending
+// it again would only queue a copy.
+func (t *Transport) Departed(ctx context.Context, q Tx, topic, uuid string) (bool, error) {
+	var waiting bool
+	if err := q.QueryRowContext(ctx, waitingHereSQL, topic, uuid).Scan(&waiting); err != nil {
+		return false, fmt.Errorf("transport: has message %s of %s left: %w", uuid, topic, migrationHint(err))
+	}
+	return !waiting, nil
+}
