@@ -404,12 +404,18 @@ func (c *Client) Subscriptions() []transport.Subscription {
 	return append(subs, c.engine.Subscriptions()...)
 }
 
-// Setup records the client's subscriptions, so that nothing published
+// Setup records the step lists of the client's saga definitions (refusing
+// one whose steps changed without a new Version while instances of it are
+// unfinished: ErrDefinitionChanged, see Engine.RecordDefinitions) and its
+// subscriptions, so that nothing published
 // before its first worker starts goes unrouted (a message reaches the
 // consumer groups its topic had when it was published). Start does it;
 // call it earlier, before publishing, if publishing may come first. Safe
 // in several processes at once.
 func (c *Client) Setup(ctx context.Context) error {
+	if err := c.engine.RecordDefinitions(ctx); err != nil {
+		return err
+	}
 	if err := c.transport.Subscribe(ctx, c.Subscriptions()...); err != nil {
 		return err
 	}

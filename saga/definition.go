@@ -22,6 +22,8 @@
 package saga
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -48,7 +50,20 @@ type Spec[D any] struct {
 	Steps []Step[D]
 	// ReplyTopic is where participants answer. Default: "saga.<Name>.replies".
 	ReplyTopic string
+	// Timeout bounds how long an instance may take to complete its
+	// actions: one still running then gives up on the action in flight and
+	// compensates (that step included, as after its attempts ran out). It
+	// is what gives up on a saga whose commands only wait: a step's
+	// deadline counts only from when its command left this database (see
+	// Step.Deadline), so an outage of the broker or of every participant
+	// delays a saga without costing it an attempt. Compensations are not
+	// bounded by it. An operator's retry of a running instance starts it
+	// afresh. Default: DefaultTimeout.
+	Timeout time.Duration
 }
+
+// DefaultTimeout is Spec.Timeout's default.
+const DefaultTimeout = 24 * time.Hour
 
 // Trigger starts an instance from a message, at most once per key.
 type Trigger[D any] struct {
@@ -73,7 +88,12 @@ type Step[D any] struct {
 	// the action happened (or happens later: fence it). Optional.
 	Compensation *Command[D]
 	// Deadline is how long to wait for a reply before sending the command
-	// again (with the same key). Default: 30s.
+	// again (with the same key), counted from when the command left this
+	// database: relayed to a broker, or taken by a consumer group of its
+	// topic. A command still waiting here (the broker or every participant
+	// down, a backlog) is not overdue; once it leaves, it gets its whole
+	// deadline (give or take one deadline: the sweeper looks again a
+	// deadline after it found it waiting). Default: 30s.
 	Deadline time.Duration
 	// MaxAttempts is how many times a command is sent without an answer
 	// before the engine gives up on it: an action is then treated as failed
@@ -103,6 +123,7 @@ type Definition struct {
 	Version    int
 	ReplyTopic string
 	Trigger    string // the trigger's topic
+	Timeout    time.Duration
 
 	start func(msg *message.Message) (key string, data json.RawMessage, err error)
 	steps []stepDef
@@ -146,6 +167,12 @@ func Define[D any](spec Spec[D]) (*Definition, error) {
 	if spec.ReplyTopic == "" {
 		spec.ReplyTopic = "saga." + spec.Name + ".replies"
 	}
+	if spec.Timeout == 0 {
+		spec.Timeout = DefaultTimeout
+	}
+	if spec.Timeout < 0 {
+		return nil, fmt.Errorf("saga %s: Timeout must be positive", spec.Name)
+	}
 	if err := transport.ValidateTopic(spec.ReplyTopic); err != nil {
 		return nil, fmt.Errorf("saga %s: reply topic: %w", spec.Name, err)
 	}
@@ -161,7 +188,7 @@ func Define[D any](spec Spec[D]) (*Definition, error) {
 	if len(spec.Steps) == 0 {
 		return nil, fmt.Errorf("saga %s: no steps", spec.Name)
 	}
-	d := &Definition{Name: spec.Name, Version: spec.Version, ReplyTopic: spec.ReplyTopic, Trigger: spec.Trigger.Topic}
+	d := &Definition{Name: spec.Name, Version: spec.Version, ReplyTopic: spec.ReplyTopic, Trigger: spec.Trigger.Topic, Timeout: spec.Timeout}
 	d.start = func(msg *message.Message) (string, json.RawMessage, error) {
 		key, data, err := spec.Trigger.Start(msg)
 		if err != nil {
@@ -306,4 +333,33 @@ func (d *Definition) Topics() []string {
 		}
 	}
 	return out
+}
+
+// stepShape is how an instance reads a step of its definition: what
+// saga_definitions records of each version.
+type stepShape struct {
+	Name         string `json:"name"`
+	Action       bool   `json:"action"`
+	Compensation bool   `json:"compensation"`
+}
+
+// shape is the definition's step list as instances read it: the steps'
+// names, in order, and which have an action and a compensation. An
+// instance stores the index of its step and the phase of its command, so
+// any change to this list misreads the instances started before it;
+// deadlines, attempts and topics may change freely.
+func (d *Definition) shape() []stepShape {
+	out := make([]stepShape, len(d.steps))
+	for i, s := range d.steps {
+		out[i] = stepShape{Name: s.name, Action: s.action != nil, Compensation: s.compensation != nil}
+	}
+	return out
+}
+
+// Fingerprint identifies the definition's step list (see shape): two
+// definitions with the same fingerprint read every instance alike.
+func (d *Definition) Fingerprint() string {
+	raw, _ := json.Marshal(d.shape())
+	sum := sha256.Sum256(raw)
+	return hex.EncodeToString(sum[:])
 }

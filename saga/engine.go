@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -243,6 +244,15 @@ type instance struct {
 	FinishedAt    *time.Time
 	// TraceParent is the saga's trace (see decide); "" if none.
 	TraceParent string
+	// CommandTopic and CommandID name the command in flight (its latest
+	// send); "" when none, or for an instance of an earlier release.
+	CommandTopic string
+	CommandID    string
+	// CommandWaiting: the sweeper found the command in flight still
+	// waiting in this database when its deadline passed.
+	CommandWaiting bool
+	// ExpiresAt is the saga's own deadline (Spec.Timeout); nil: none.
+	ExpiresAt *time.Time
 
 	history  []historyEntry   // to write
 	outbox   []pendingCommand // to publish
@@ -296,6 +306,8 @@ func (e *Engine) HandleTrigger(name string, msg *message.Message) (err error) {
 	ctx, span := e.decide(ctx, "start", inst)
 	defer func() { e.decided(span, inst, err) }()
 	inst.TraceParent = e.trace.TraceParent(ctx)
+	expires := time.Now().Add(def.Timeout)
+	inst.ExpiresAt = &expires
 	inst.note("started", -1, def, msg.UUID, "trigger "+key)
 	if err := e.advance(inst, def, msg.UUID); err != nil {
 		return transport.Permanent(err)
@@ -346,11 +358,17 @@ func (e *Engine) HandleReply(msg *message.Message) (err error) {
 	if err != nil {
 		return err
 	}
+	if inst.mismatch(def) != nil {
+		return e.parkMismatched(ctx, tx, id, msg)
+	}
 	if inst.forCommandInFlight(def, env.Key) {
 		// Lock it and read it again: a concurrent reply may have moved it
 		// on meanwhile.
 		if inst, def, err = e.replyInstance(ctx, tx, id, msg, true); err != nil {
 			return err
+		}
+		if inst.mismatch(def) != nil {
+			return e.parkMismatched(ctx, tx, id, msg)
 		}
 	}
 	ctx, span := e.decide(ctx, "reply", inst)
@@ -391,6 +409,28 @@ func (e *Engine) HandleReply(msg *message.Message) (err error) {
 	if err != nil {
 		return transport.Permanent(err)
 	}
+	return e.save(ctx, tx, inst)
+}
+
+// parkMismatched parks instance id, which its definition cannot read, in
+// the transaction of reply msg, which it consumes: nothing it could do
+// with the reply would be right.
+func (e *Engine) parkMismatched(ctx context.Context, tx transport.Tx, id uuid.UUID, msg *message.Message) (err error) {
+	inst, def, err := e.replyInstance(ctx, tx, id, msg, true)
+	if err != nil {
+		return err
+	}
+	ctx, span := e.decide(ctx, "reply", inst)
+	defer func() { e.decided(span, inst, err) }()
+	m := inst.mismatch(def)
+	if m == nil {
+		return errors.New("saga: the instance changed meanwhile; trying the reply again") // transient
+	}
+	if inst.Status.Terminal() {
+		return nil
+	}
+	span.SetAttributes(telemetry.AttrOutcome.String("parked: its definition cannot read it"))
+	e.park(inst, def, mismatchReason(m))
 	return e.save(ctx, tx, inst)
 }
 
@@ -483,6 +523,7 @@ func (e *Engine) finish(inst *instance, status Status, reason string) {
 		inst.FailureReason = reason
 	}
 	inst.DeadlineAt = nil
+	inst.CommandTopic, inst.CommandID, inst.CommandWaiting = "", "", false
 	now := time.Now()
 	inst.FinishedAt = &now
 	inst.finished = true
@@ -515,9 +556,9 @@ func (e *Engine) send(inst *instance, def *Definition, cause string) error {
 		return err
 	}
 	inst.outbox = append(inst.outbox, pendingCommand{topic: cmd.topic, msg: msg})
+	inst.CommandTopic, inst.CommandID, inst.CommandWaiting = cmd.topic, msg.UUID, false
 	wait, _ := step.limits(inst.Phase)
-	deadline := time.Now().Add(wait)
-	inst.DeadlineAt = &deadline
+	inst.DeadlineAt = inst.deadline(wait)
 	kind := "sent"
 	if inst.Attempt > 1 {
 		kind = "resent"
@@ -526,13 +567,73 @@ func (e *Engine) send(inst *instance, def *Definition, cause string) error {
 	return nil
 }
 
+// deadline is when the command in flight, sent or found departed now, is
+// overdue: after wait, or when the saga itself times out (its actions),
+// whichever comes first.
+func (inst *instance) deadline(wait time.Duration) *time.Time {
+	d := time.Now().Add(wait)
+	if inst.Status == StatusRunning && inst.Phase == PhaseAction && inst.ExpiresAt != nil && inst.ExpiresAt.Before(d) {
+		d = *inst.ExpiresAt
+	}
+	return &d
+}
+
 func (inst *instance) note(kind string, step int, def *Definition, msgID, detail string) {
 	h := historyEntry{Kind: kind, MessageID: msgID, Detail: detail}
 	if step >= 0 {
-		h.Step, h.Phase, h.Attempt = def.steps[step].name, inst.Phase, inst.Attempt
+		h.Step, h.Phase, h.Attempt = stepName(def, step), inst.Phase, inst.Attempt
 		h.CommandKey = CommandKey(inst.ID, h.Step, inst.Phase, inst.Generation)
 	}
 	inst.history = append(inst.history, h)
+}
+
+// stepName names step i of def, or "#i" if def has no such step.
+func stepName(def *Definition, i int) string {
+	if i >= 0 && i < len(def.steps) {
+		return def.steps[i].name
+	}
+	return "#" + strconv.Itoa(i)
+}
+
+// ErrDefinitionMismatch: an instance its definition cannot read (a step
+// index outside the definition, an unknown phase, a phase whose command
+// the step lacks), as after a definition changed its steps without a new
+// Version. The sweeper and the reply handler park such an instance with
+// the reason; an operator's retry or cancel of it is refused. Refused at
+// start: a definition whose steps changed while instances of its version
+// are unfinished (see Engine.RecordDefinitions).
+var ErrDefinitionMismatch = errors.New("saga: instance does not match its definition")
+
+// mismatchReason is the failure reason of an instance parked for m.
+func mismatchReason(m error) string {
+	return "its definition cannot read it: " + strings.TrimPrefix(m.Error(), ErrDefinitionMismatch.Error()+": ")
+}
+
+// mismatch says why def cannot drive inst, nil if it can: its step must
+// exist, and, unless inst is completed or compensated, hold the command
+// of its phase.
+func (inst *instance) mismatch(def *Definition) error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: %s version %d %s", ErrDefinitionMismatch, def.Name, def.Version, fmt.Sprintf(format, args...))
+	}
+	if inst.Phase != PhaseAction && inst.Phase != PhaseCompensation {
+		return bad("has no phase %q", string(inst.Phase))
+	}
+	if inst.Status == StatusCompleted || inst.Status == StatusCompensated {
+		return nil
+	}
+	n := len(def.steps)
+	if inst.Step < 0 || inst.Step >= n {
+		return bad("has %d steps; the instance is at step %d", n, inst.Step)
+	}
+	s := def.steps[inst.Step]
+	if inst.Phase == PhaseAction && s.action == nil {
+		return bad("has no action at step %d (%s); the instance waits for one", inst.Step, s.name)
+	}
+	if inst.Phase == PhaseCompensation && s.compensation == nil {
+		return bad("has no compensation at step %d (%s); the instance waits for one", inst.Step, s.name)
+	}
+	return nil
 }
 
 // save writes an existing instance's new state, its timeline and its

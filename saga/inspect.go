@@ -42,7 +42,7 @@ type Instance struct {
 type HistoryEntry struct {
 	Seq       int
 	At        time.Time
-	Kind      string // started, sent, resent, deadline, reply_ok, reply_failed, gave_up, cancelled, completed, compensated, failed, retried
+	Kind      string // started, sent, resent, deadline, waiting, reply_ok, reply_failed, gave_up, timed_out, cancelled, completed, compensated, failed, retried
 	Step      string
 	Phase     Phase
 	Attempt   int
@@ -257,9 +257,11 @@ func (e *Engine) UnknownDefinitions(ctx context.Context) ([]UnknownDefinition, e
 //     stored a failure for the old key runs it anew; on success the saga
 //     compensates on;
 //   - running or compensating: the in-flight command is sent again now, with
-//     its key, and its attempts start over.
+//     its key, and its attempts start over (a running saga's own deadline,
+//     Spec.Timeout, too).
 //
-// Completed and compensated instances are ErrNotRetryable.
+// Completed and compensated instances are ErrNotRetryable, and so is an
+// instance its definition cannot read (ErrDefinitionMismatch too).
 func (e *Engine) Retry(ctx context.Context, id uuid.UUID) error {
 	return e.inTx(ctx, "retrying "+id.String(), func(tx transport.Tx) error { return e.RetryTx(ctx, tx, id) })
 }
@@ -291,6 +293,9 @@ func (e *Engine) RetryTx(ctx context.Context, tx transport.Tx, id uuid.UUID) (er
 	if !ok {
 		return fmt.Errorf("%w: %s version %d", ErrUnknownDefinition, inst.Type, inst.DefVersion)
 	}
+	if m := inst.mismatch(def); m != nil {
+		return fmt.Errorf("%w: %s: %w", ErrNotRetryable, id, m)
+	}
 	ctx, span := e.decide(ctx, "retry", inst)
 	defer func() { e.decided(span, inst, err) }()
 	switch inst.Status {
@@ -301,7 +306,11 @@ func (e *Engine) RetryTx(ctx context.Context, tx transport.Tx, id uuid.UUID) (er
 		inst.Status, inst.FinishedAt = StatusCompensating, nil
 		inst.Generation++
 		inst.FailureReason, _, _ = strings.Cut(inst.FailureReason, parkSeparator)
-	case StatusRunning, StatusCompensating:
+	case StatusRunning:
+		// Started afresh: its own deadline too.
+		expires := time.Now().Add(def.Timeout)
+		inst.ExpiresAt = &expires
+	case StatusCompensating:
 	default:
 		return fmt.Errorf("%w: %s is %s", ErrNotRetryable, id, inst.Status)
 	}
@@ -319,7 +328,8 @@ func (e *Engine) RetryTx(ctx context.Context, tx transport.Tx, id uuid.UUID) (er
 // then the steps before it, last first; the saga ends compensated. The
 // timeline says "cancelled" with reason. A saga compensating or
 // compensated already is left as it is (nil); a completed or parked one is
-// ErrNotCancellable.
+// ErrNotCancellable, and so is one its definition cannot read
+// (ErrDefinitionMismatch too).
 func (e *Engine) Cancel(ctx context.Context, id uuid.UUID, reason string) error {
 	return e.inTx(ctx, "cancelling "+id.String(), func(tx transport.Tx) error { return e.CancelTx(ctx, tx, id, reason) })
 }
@@ -333,6 +343,9 @@ func (e *Engine) CancelTx(ctx context.Context, tx transport.Tx, id uuid.UUID, re
 	def, ok := e.definition(inst.Type, inst.DefVersion)
 	if !ok {
 		return fmt.Errorf("%w: %s version %d", ErrUnknownDefinition, inst.Type, inst.DefVersion)
+	}
+	if m := inst.mismatch(def); m != nil {
+		return fmt.Errorf("%w: %s: %w", ErrNotCancellable, id, m)
 	}
 	ctx, span := e.decide(ctx, "cancel", inst)
 	defer func() { e.decided(span, inst, err) }()

@@ -13,20 +13,24 @@ import (
 
 const instanceColumns = `id, saga_type, definition_version, status, data, current_step, phase, attempt,
 generation, version, coalesce(correlation_id, ''), coalesce(failure_reason, ''), deadline_at,
-created_at, updated_at, finished_at, coalesce(trace_parent, '')`
+created_at, updated_at, finished_at, coalesce(trace_parent, ''),
+coalesce(command_topic, ''), coalesce(command_id, ''), command_waiting, expires_at`
 
 const (
 	// insertInstanceSQL starts an instance unless one with its id exists.
 	insertInstanceSQL = `INSERT INTO saga_instances (id, saga_type, definition_version, status, data,
-    current_step, phase, attempt, generation, version, correlation_id, failure_reason, deadline_at, finished_at, trace_parent)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, nullif($12, ''), $13, $14, nullif($15, ''))
+    current_step, phase, attempt, generation, version, correlation_id, failure_reason, deadline_at, finished_at, trace_parent,
+    command_topic, command_id, expires_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, nullif($12, ''), $13, $14, nullif($15, ''),
+    nullif($16, ''), nullif($17, ''), $18)
 ON CONFLICT (id) DO NOTHING`
 
 	// updateInstanceSQL writes an instance's new state if nobody changed it
 	// since it was read.
 	updateInstanceSQL = `UPDATE saga_instances SET status = $2, data = $3::jsonb, current_step = $4, phase = $5,
     attempt = $6, generation = $7, version = version + 1, failure_reason = nullif($8, ''),
-    deadline_at = $9, finished_at = $10, updated_at = clock_timestamp()
+    deadline_at = $9, finished_at = $10, updated_at = clock_timestamp(),
+    command_topic = nullif($12, ''), command_id = nullif($13, ''), command_waiting = $14, expires_at = $15
 WHERE id = $1::uuid AND version = $11`
 
 	loadInstanceSQL       = `SELECT ` + instanceColumns + ` FROM saga_instances WHERE id = $1`
@@ -114,7 +118,7 @@ WHERE status IN ('running', 'compensating') GROUP BY saga_type, definition_versi
 func insertInstance(ctx context.Context, tx transport.Tx, inst *instance) (bool, error) {
 	res, err := tx.ExecContext(ctx, insertInstanceSQL, inst.ID, inst.Type, inst.DefVersion, string(inst.Status), []byte(inst.Data),
 		inst.Step, string(inst.Phase), inst.Attempt, inst.Generation, inst.Version, inst.CorrelationID, inst.FailureReason,
-		inst.DeadlineAt, inst.FinishedAt, inst.TraceParent)
+		inst.DeadlineAt, inst.FinishedAt, inst.TraceParent, inst.CommandTopic, inst.CommandID, inst.ExpiresAt)
 	if err != nil {
 		return false, fmt.Errorf("saga %s: starting: %w", inst.ID, err)
 	}
@@ -128,7 +132,8 @@ func insertInstance(ctx context.Context, tx transport.Tx, inst *instance) (bool,
 // transport.Queuer); elsewhere it runs at once and checks the version.
 func updateInstance(ctx context.Context, tx transport.Tx, inst *instance) error {
 	args := []any{inst.ID.String(), string(inst.Status), string(inst.Data), inst.Step, string(inst.Phase),
-		inst.Attempt, inst.Generation, inst.FailureReason, inst.DeadlineAt, inst.FinishedAt, inst.Version}
+		inst.Attempt, inst.Generation, inst.FailureReason, inst.DeadlineAt, inst.FinishedAt, inst.Version,
+		inst.CommandTopic, inst.CommandID, inst.CommandWaiting, inst.ExpiresAt}
 	if q, ok := tx.(transport.Queuer); ok {
 		if err := q.QueueExec("saving saga "+inst.ID.String(), updateInstanceSQL, args...); err != nil {
 			return fmt.Errorf("saga %s: saving: %w", inst.ID, err)
@@ -159,7 +164,8 @@ func scanInstance(row scanner, more ...any) (*instance, error) {
 	)
 	err := row.Scan(append([]any{&inst.ID, &inst.Type, &inst.DefVersion, &status, &data, &inst.Step, &phase, &inst.Attempt,
 		&inst.Generation, &inst.Version, &inst.CorrelationID, &inst.FailureReason, &inst.DeadlineAt,
-		&inst.CreatedAt, &inst.UpdatedAt, &inst.FinishedAt, &inst.TraceParent}, more...)...)
+		&inst.CreatedAt, &inst.UpdatedAt, &inst.FinishedAt, &inst.TraceParent,
+		&inst.CommandTopic, &inst.CommandID, &inst.CommandWaiting, &inst.ExpiresAt}, more...)...)
 	if err != nil {
 		return nil, err
 	}

@@ -5,7 +5,10 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"log/slog"
+	"runtime/debug"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/pgsaga/pgsaga/steps/transport"
@@ -19,16 +22,36 @@ type SweepResult struct {
 	GaveUp int
 	// Parked sagas whose compensation got no answer: now failed.
 	Parked int
+	// Waiting: overdue commands found still waiting in this database (for
+	// the relay to a broker, or for every consumer group of their topic);
+	// their deadline starts when they leave.
+	Waiting int
+	// Departed: commands found waiting before that have left since; their
+	// deadline started again, no attempt counted.
+	Departed int
+	// TimedOut sagas whose own deadline (Spec.Timeout) passed while
+	// running: they gave up on the action in flight and compensate.
+	TimedOut int
+	// SetAside instances the sweeper could not handle: parked (a command
+	// that cannot be built, an instance its definition cannot read, a
+	// decision that panicked) or postponed a minute (the database).
+	SetAside int
 }
 
 // Sweep handles instances whose in-flight command is overdue, each in a
-// transaction of its own: it sends the command again with the same key
-// until the step's MaxAttempts, then gives up on it (an action: the saga
-// compensates; a compensation: the saga is parked as failed). Instances
-// locked by another sweeper or a reply are skipped (FOR UPDATE SKIP LOCKED),
-// so any number of processes may sweep. Instances of definition versions
-// this process does not know are left alone: a process that knows them
-// sweeps them (see Register and ErrUnknownDefinition).
+// transaction of its own. A command that has not left this database yet
+// (transport.Departed: the broker or every participant is down, or
+// behind) is not overdue: its deadline starts again once it leaves. One
+// that left and got no reply is sent again with the same key until the
+// step's MaxAttempts, then given up on (an action: the saga compensates; a
+// compensation: the saga is parked as failed). A running saga past its own
+// deadline (Spec.Timeout) gives up on its action at once. Instances
+// locked by another sweeper or a reply are skipped (FOR UPDATE SKIP
+// LOCKED), so any number of processes may sweep. Instances of definition
+// versions this process does not know are left alone: a process that
+// knows them sweeps them (see Register and ErrUnknownDefinition). An
+// instance that cannot be handled (see SweepResult.SetAside) never holds
+// up the others, and a panic deciding it is its failure alone.
 func (e *Engine) Sweep(ctx context.Context) (SweepResult, error) {
 	var res SweepResult
 	known := e.knownDefinitions()
@@ -53,6 +76,10 @@ func (e *Engine) knownDefinitions() []string {
 	return out
 }
 
+// errDecisionPanicked: deciding what to do with an overdue instance
+// panicked (a command's Build, say); the stack is logged.
+var errDecisionPanicked = errors.New("saga: deciding panicked")
+
 func (e *Engine) sweepOne(ctx context.Context, known []string, res *SweepResult) (bool, error) {
 	tx, err := e.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
@@ -69,26 +96,8 @@ func (e *Engine) sweepOne(ctx context.Context, known []string, res *SweepResult)
 		return false, fmt.Errorf("saga: sweeping: %w", err)
 	}
 	def, _ := e.definition(inst.Type, inst.DefVersion)
-	step := def.steps[inst.Step]
-	ctx, span := e.decide(ctx, "deadline", inst)
-	defer func() { e.decided(span, inst, err) }()
-	wait, attempts := step.limits(inst.Phase)
-	var outcome *int
-	switch {
-	case inst.Attempt < attempts:
-		inst.note("deadline", inst.Step, def, "", fmt.Sprintf("no reply after %s", wait))
-		err, outcome = e.send(inst, def, ""), &res.Resent
-	case inst.Phase == PhaseAction:
-		// The action may or may not have happened: compensate this step too.
-		reason := fmt.Sprintf("%s: no reply after %d attempts", step.name, inst.Attempt)
-		inst.note("gave_up", inst.Step, def, "", reason)
-		inst.FailureReason = reason
-		err, outcome = e.compensate(inst, def, inst.Step+1, ""), &res.GaveUp
-	default:
-		e.park(inst, def, fmt.Sprintf("compensation of %s got no reply after %d attempts", step.name, inst.Attempt))
-		outcome = &res.Parked
-	}
 	held := &heldTx{Tx: tx}
+	outcome, what, err := e.overdue(ctx, held, inst, def, res)
 	if err == nil {
 		err = e.save(ctx, held, inst)
 	}
@@ -101,21 +110,97 @@ func (e *Engine) sweepOne(ctx context.Context, known []string, res *SweepResult)
 		if ctx.Err() != nil {
 			return false, err
 		}
-		e.setAside(ctx, inst, step.name, err)
+		e.setAside(ctx, inst, def, err)
+		res.SetAside++
 		return true, nil
 	}
 	*outcome++
-	e.log.Info("swept overdue saga command", "saga", inst.ID, "step", step.name, "phase", inst.Phase, "status", inst.Status, "attempt", inst.Attempt)
+	if outcome == &res.Waiting {
+		e.log.Debug("a saga command overdue has not left this database yet; its deadline starts when it leaves",
+			"saga", inst.ID, "step", stepName(def, inst.Step), "phase", inst.Phase, "message_uuid", inst.CommandID)
+		return true, nil
+	}
+	e.log.Info(what, "saga", inst.ID, "step", stepName(def, inst.Step), "phase", inst.Phase, "status", inst.Status, "attempt", inst.Attempt)
 	return true, nil
 }
 
+// overdue decides what becomes of inst, whose command's deadline passed,
+// and says which result counts it and what to log. A panic is inst's
+// failure (errDecisionPanicked), its stack logged.
+func (e *Engine) overdue(ctx context.Context, tx transport.Tx, inst *instance, def *Definition, res *SweepResult) (outcome *int, what string, err error) {
+	ctx, span := e.decide(ctx, "deadline", inst)
+	defer func() {
+		if p := recover(); p != nil {
+			e.log.Error("deciding on an overdue saga panicked; parking it", "saga", inst.ID, "panic", p, "stack", string(debug.Stack()))
+			err = fmt.Errorf("%w: %s", errDecisionPanicked, transport.PanicValue(p))
+		}
+		e.decided(span, inst, err)
+	}()
+	if m := inst.mismatch(def); m != nil {
+		return nil, "", m
+	}
+	step := def.steps[inst.Step]
+	wait, attempts := step.limits(inst.Phase)
+	if inst.Status == StatusRunning && inst.ExpiresAt != nil && !time.Now().Before(*inst.ExpiresAt) {
+		// The action may or may not have happened: compensate this step too.
+		reason := fmt.Sprintf("%s: the saga took longer than its timeout (%s)", step.name, def.Timeout)
+		inst.note("timed_out", inst.Step, def, "", reason)
+		inst.FailureReason = reason
+		return &res.TimedOut, "gave up on a saga past its timeout", e.compensate(inst, def, inst.Step+1, "")
+	}
+	if inst.CommandID != "" {
+		departed, err := e.cfg.Transport.Departed(ctx, tx, inst.CommandTopic, inst.CommandID)
+		if err != nil {
+			return nil, "", err
+		}
+		switch {
+		case !departed:
+			if !inst.CommandWaiting {
+				inst.CommandWaiting = true
+				inst.note("waiting", inst.Step, def, inst.CommandID,
+					"not left this database yet (queued for a broker, or for its consumers); its deadline starts when it leaves")
+			}
+			inst.DeadlineAt = inst.deadline(wait)
+			return &res.Waiting, "", nil
+		case inst.CommandWaiting:
+			// It left within the last deadline: it gets a whole one.
+			inst.CommandWaiting = false
+			inst.DeadlineAt = inst.deadline(wait)
+			return &res.Departed, "a saga command that waited has left; its deadline starts now", nil
+		}
+	}
+	switch {
+	case inst.Attempt < attempts:
+		inst.note("deadline", inst.Step, def, "", fmt.Sprintf("no reply after %s", wait))
+		return &res.Resent, "swept overdue saga command", e.send(inst, def, "")
+	case inst.Phase == PhaseAction:
+		// The action may or may not have happened: compensate this step too.
+		reason := fmt.Sprintf("%s: no reply after %d attempts", step.name, inst.Attempt)
+		inst.note("gave_up", inst.Step, def, "", reason)
+		inst.FailureReason = reason
+		return &res.GaveUp, "swept overdue saga command", e.compensate(inst, def, inst.Step+1, "")
+	default:
+		e.park(inst, def, fmt.Sprintf("compensation of %s got no reply after %d attempts", step.name, inst.Attempt))
+		return &res.Parked, "swept overdue saga command", nil
+	}
+}
+
 // setAside deals with an instance the sweeper could not handle: one whose
-// command cannot be built or sent at all is parked as failed with the cause;
-// after any other error (the database, say) its deadline moves a minute on,
-// so the sweeper moves on to the others.
-func (e *Engine) setAside(ctx context.Context, inst *instance, step string, cause error) {
-	if errors.Is(cause, errBadCommand) || errors.Is(cause, transport.ErrInvalidTopic) || transport.IsPermanent(cause) {
+// command cannot be built or sent at all, that its definition cannot read,
+// or whose decision panicked is parked as failed with the cause; after any
+// other error (the database, say) its deadline moves a minute on, so the
+// sweeper moves on to the others.
+func (e *Engine) setAside(ctx context.Context, inst *instance, def *Definition, cause error) {
+	step := stepName(def, inst.Step)
+	if errors.Is(cause, errBadCommand) || errors.Is(cause, transport.ErrInvalidTopic) || transport.IsPermanent(cause) ||
+		errors.Is(cause, ErrDefinitionMismatch) || errors.Is(cause, errDecisionPanicked) {
 		reason := fmt.Sprintf("cannot send the %s of %s: %v", inst.Phase, step, cause)
+		switch {
+		case errors.Is(cause, ErrDefinitionMismatch):
+			reason = mismatchReason(cause)
+		case errors.Is(cause, errDecisionPanicked):
+			reason = fmt.Sprintf("deciding on the %s of %s panicked: %s", inst.Phase, step, strings.TrimPrefix(cause.Error(), errDecisionPanicked.Error()+": "))
+		}
 		var parked int
 		if err := e.cfg.DB.QueryRowContext(ctx, parkBrokenSQL, inst.ID, reason, e.cfg.FinishedChannel).Scan(&parked); err != nil {
 			e.log.Error("parking a saga the sweeper cannot handle", "saga", inst.ID, "cause", cause, "err", err)
@@ -123,7 +208,7 @@ func (e *Engine) setAside(ctx context.Context, inst *instance, step string, caus
 		}
 		if parked == 1 {
 			e.metrics.SagaFinished(inst.Type, string(StatusFailed))
-			e.log.Error("parked a saga whose command cannot be sent", "saga", inst.Type, "saga_id", inst.ID, "status", StatusFailed, "step", step, "cause", cause)
+			e.log.Error("parked a saga the sweeper cannot handle", "saga", inst.Type, "saga_id", inst.ID, "status", StatusFailed, "step", step, "reason", reason)
 		}
 		return
 	}
@@ -144,7 +229,14 @@ func (e *Engine) RunSweeper(ctx context.Context) error {
 		if res, err := e.Sweep(ctx); err != nil && ctx.Err() == nil {
 			e.log.Error("sweeping sagas", "err", err)
 		} else if res != (SweepResult{}) {
-			e.log.Info("swept sagas", "resent", res.Resent, "gave_up", res.GaveUp, "parked", res.Parked)
+			// Commands that only wait (an outage) are found again every
+			// deadline: that alone is not news.
+			level := slog.LevelInfo
+			if res == (SweepResult{Waiting: res.Waiting}) {
+				level = slog.LevelDebug
+			}
+			e.log.Log(ctx, level, "swept sagas", "resent", res.Resent, "gave_up", res.GaveUp, "parked", res.Parked,
+				"waiting", res.Waiting, "departed", res.Departed, "timed_out", res.TimedOut, "set_aside", res.SetAside)
 		}
 		if time.Since(lastReport) > time.Minute {
 			lastReport = time.Now()

@@ -558,3 +558,52 @@ func TestCheckSplitLooksAcrossTheDatabases(t *testing.T) {
 	require.NoError(t, s.ordersDB.SQL.QueryRow(`SELECT count(*) FROM pg_class WHERE relpersistence = 't' AND relname IN ('account_postings', 'fake_gateway_operations')`).Scan(&temp))
 	assert.Zero(t, temp, "the copies went with the check's transaction")
 }
+
+// The broker stopped in the middle of 300 two-database sagas for longer
+// than three of the charge's reply deadlines (shortened for the test): a
+// command waiting at its relay is not overdue, and one that left before
+// the outage is sent again once, the copy waiting in turn; no saga
+// is compensated or parked for want of a reply, every one completes once
+// the broker is back, and every invariant holds across the databases.
+// (With deadlines counted from the send, a 45 s outage of the sample
+// compensated 271 of 300 sagas, 188 of them charged and refunded.)
+func TestSplitOutageLongerThanTheReplyDeadlines(t *testing.T) {
+	t.Parallel()
+	const deadline = time.Second
+	var failed atomic.Int64
+	count := func(b broker.Broker) broker.Broker { return countingBroker{Broker: b, failed: &failed} }
+	s := newSplit(t, splitOptions{timeouts: orderpayment.StepTimeouts{Deadline: deadline, MaxAttempts: 3,
+		CompensationDeadline: deadline, CompensationAttempts: 3}, ordersBroker: count, paymentBroker: count})
+	s.start()
+	customers := s.customers(20, 10_000_000)
+	ids := s.place(150, customers, 0)
+	waitFinished(t, s, 20) // messages flow
+	s.nats.Stop()
+	down := time.Now()
+	ids = append(ids, s.place(150, customers, 0)...)
+	historyOf := func(kind string) int {
+		var n int
+		require.NoError(t, s.ordersDB.SQL.QueryRow(`SELECT count(*) FROM saga_history WHERE kind = $1`, kind).Scan(&n))
+		return n
+	}
+	// The outage lasts more than three deadlines and a few sweeps (the
+	// outage's length is the scenario, not a wait for a result).
+	time.Sleep(4*deadline + time.Second - time.Since(down))
+	var ended int
+	require.NoError(t, s.ordersDB.SQL.QueryRow(`SELECT count(*) FROM saga_instances WHERE status IN ('compensating', 'compensated', 'failed')`).Scan(&ended))
+	assert.Zero(t, ended, "no saga gave up while the broker was down")
+	assert.Positive(t, historyOf("waiting"), "the sweeper found commands waiting at the relay")
+	outage := time.Since(down)
+	s.nats.Start()
+
+	counts, err := sagatest.WaitTerminal(context.Background(), s.ordersDB.SQL, ids, 3*time.Minute)
+	require.NoError(t, err, s.whereabouts())
+	assert.Equal(t, len(ids), counts[saga.StatusCompleted], "every saga completed: %v", counts)
+	reasons, err := sagatest.Rows(context.Background(), s.ordersDB.SQL, `SELECT DISTINCT failure_reason FROM saga_instances WHERE failure_reason IS NOT NULL`)
+	require.NoError(t, err)
+	assert.Empty(t, reasons, "no saga compensated or parked for want of a reply")
+	s.drained()
+	s.check(ids)
+	t.Logf("%d sagas, broker down %s (%d charge deadlines): %d completed; %d commands found waiting at the relay, %d re-sent, %d publishes failed",
+		len(ids), outage.Round(100*time.Millisecond), int(outage/deadline), counts[saga.StatusCompleted], historyOf("waiting"), historyOf("resent"), failed.Load())
+}
