@@ -81,8 +81,9 @@ type batch struct {
 	attempted   []delivery // messages whose attempts ran, in order
 	broken      error      // why the batch can no longer commit
 	// deadline is when the transaction is rolled back
-	// (Config.MaxTransactionDuration after it began).
-	deadline time.Time
+	// (Config.MaxTransactionDuration after it began at begun); claimDone
+	// is when the claim returned its first message.
+	deadline, begun, claimDone time.Time
 	// culprit is the message whose attempt broke the batch: its failure
 	// is recorded once the batch has rolled back.
 	culprit  *failure
@@ -123,7 +124,7 @@ func (c *consumer) BeginTx(ctx context.Context, opts *sql.TxOptions) (*sql.Tx, e
 		cn.release()
 		return nil, fmt.Errorf("transport: beginning a delivery transaction: %w", err)
 	}
-	b := &batch{cancel: cancel, ended: make(chan struct{})}
+	b := &batch{cancel: cancel, ended: make(chan struct{}), begun: time.Now()}
 	b.deadline, _ = txCtx.Deadline()
 	b.settled = sync.NewCond(&b.mu)
 	b.d = deliveryTx{c: cn, tx: tx, more: b.more, local: c.local, expired: func() bool { return txCtx.Err() != nil }}
@@ -150,6 +151,9 @@ func (c *consumer) claimedOne() {
 	c.mu.Unlock()
 	if b != nil {
 		b.mu.Lock()
+		if b.claimed == 0 {
+			b.claimDone = time.Now()
+		}
 		b.claimed++
 		b.mu.Unlock()
 	}
@@ -416,8 +420,7 @@ func (c *consumer) deliver(msg *message.Message) error {
 	defer b.run.Unlock()
 	if ok, late := b.start(d, c.t.cfg, c.gate.closing()); !ok {
 		if late {
-			c.log.Warn("transport: a batch's first delivery came too late for an attempt to fit in its transaction (router middleware slower than BatchTimeout?); its messages are handed back",
-				"message_uuid", msg.UUID, "since_claim", c.t.cfg.MaxTransactionDuration()-time.Until(b.deadline))
+			c.t.late.tell(c.log, b)
 		}
 		return nil
 	}
@@ -601,4 +604,38 @@ func reason(err error) string {
 		s = s[:cut] + "…"
 	}
 	return s
+}
+
+// lateLog tells of batches whose first delivery came too late for an
+// attempt to fit in their transaction, at Warn at most once a minute per
+// transport (after a restart every consumer's first batch may be late at
+// once), at Debug otherwise.
+type lateLog struct {
+	mu         sync.Mutex
+	last       time.Time
+	suppressed int
+}
+
+func (l *lateLog) tell(log *slog.Logger, b *batch) {
+	b.mu.Lock()
+	begun, claimDone := b.begun, b.claimDone
+	b.mu.Unlock()
+	now := time.Now()
+	if claimDone.IsZero() {
+		claimDone = now
+	}
+	l.mu.Lock()
+	level, more := slog.LevelDebug, 0
+	if now.Sub(l.last) >= time.Minute {
+		level, more, l.last, l.suppressed = slog.LevelWarn, l.suppressed, now, 0
+	} else {
+		l.suppressed++
+	}
+	l.mu.Unlock()
+	// Where the time went: the claim (the database slow to answer: a
+	// restart, a lock, a busy server), or between the claim and the
+	// delivery (this process starved of CPU, or router middleware).
+	log.Log(context.Background(), level, "transport: a delivery batch came to its first message too late for an attempt to fit in its transaction; its messages are handed back untouched for the next batch",
+		"claim_took", claimDone.Sub(begun).Round(time.Millisecond), "then_waited", now.Sub(claimDone).Round(time.Millisecond),
+		"more_since_last_warning", more)
 }

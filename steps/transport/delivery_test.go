@@ -673,3 +673,73 @@ func TestPanicReasonIsShortAndTheStackIsLogged(t *testing.T) {
 	assert.Contains(t, logs.String(), "goroutine", "the stack is logged")
 	assert.Contains(t, logs.String(), "delivery_test.go", "the stack names the handler")
 }
+
+// A handler that publishes a message with no id, or one too long, does so
+// on every attempt: it is dead-lettered after one attempt, not retried as
+// transient.
+func TestPublishingABadMessageIDIsPermanent(t *testing.T) {
+	t.Parallel()
+	for name, id := range map[string]string{"empty": "", "too long": strings.Repeat("x", 256)} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			r, err := e.tr.NewRouter()
+			require.NoError(t, err)
+			var calls atomic.Int32
+			require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+				calls.Add(1)
+				tx, _ := transport.TxFromContext(msg.Context())
+				return e.tr.Publisher(tx).Publish(e.out, message.NewMessage(id, []byte(`{}`)))
+			}))
+			startRouter(t, r)
+			e.publish(1)
+			e.drained(e.in, "g", 10*time.Second)
+			assert.EqualValues(t, 1, calls.Load(), "one attempt")
+			dead := e.deadLetters(e.in)
+			require.Len(t, dead, 1)
+			assert.Equal(t, 1, dead[0].Attempts)
+			assert.Contains(t, dead[0].Reason, "message UUID must be 1 to 255 bytes")
+		})
+	}
+}
+
+// Batches whose claim took so long that no attempt fits in their
+// transaction (the queue locked for a while, as around a restart) hand
+// their messages back; that is told once, at Warn, with where the time
+// went, not once per consumer (it was, blaming router middleware).
+func TestLateBatchesAreToldOnceWithWhereTheTimeWent(t *testing.T) {
+	t.Parallel()
+	var logs testout.Buffer
+	e := newEnvOn(t, testdb.Fresh(t), func(cfg *transport.Config) {
+		cfg.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	})
+	ids := e.publish(20)
+	ctx := context.Background()
+	lock, err := e.db.SQL.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	_, err = lock.ExecContext(ctx, `LOCK TABLE pgsaga_queue IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	handled := make(chan string, len(ids))
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		handled <- msg.UUID
+		return nil
+	}, transport.WithConsumers(4)))
+	startRouter(t, r)
+	// Every consumer's claim waits on the lock for longer than the time a
+	// batch may take before its first attempt.
+	cfg := e.tr.Config()
+	waitFor(t, 10*time.Second, "four claims waiting on the lock", func() bool {
+		return e.count(`SELECT count(*) FROM pg_locks WHERE relation = 'pgsaga_queue'::regclass AND NOT granted`) == 4
+	})
+	time.Sleep(cfg.BatchTimeout + 1500*time.Millisecond) // the lock's length is the scenario
+	require.NoError(t, lock.Rollback())
+	for range ids {
+		<-handled
+	}
+	warnings := strings.Count(logs.String(), "came to its first message too late")
+	assert.Equal(t, 1, warnings, logs.String())
+	assert.Regexp(t, `claim_took=[2-9]\.[0-9]+s`, logs.String())
+	assert.NotContains(t, logs.String(), "middleware")
+}

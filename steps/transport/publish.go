@@ -38,15 +38,17 @@ type txPublisher struct {
 }
 
 func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
+	// A bad name is permanent: a handler that publishes it does so on
+	// every attempt.
 	if err := ValidateTopic(topic); err != nil {
-		return err
+		return Permanent(err)
 	}
 	if len(msgs) == 0 {
 		return nil
 	}
 	for _, m := range msgs {
 		if m.UUID == "" || len(m.UUID) > 255 {
-			return fmt.Errorf("%w: %q (topic %s)", ErrInvalidMessageID, m.UUID, topic)
+			return Permanent(fmt.Errorf("%w: it has %d bytes (topic %s)", ErrInvalidMessageID, len(m.UUID), topic))
 		}
 	}
 	for _, m := range msgs {

@@ -77,6 +77,8 @@ type Transport struct {
 
 	checkMu sync.Mutex
 	checked bool // the server passed checkServer
+
+	late lateLog // batches whose first delivery came too late
 }
 
 // New validates cfg and returns a Transport. It does not connect.
