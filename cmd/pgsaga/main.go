@@ -12,7 +12,7 @@
 //	pgsaga consumers [--stale D] [--json]
 //	pgsaga consumers drop <group> [--topic T] --yes
 //	pgsaga relay --broker URL --topic T [--topic T]... [--batch N] [--report-every D] [--verbose]
-//	pgsaga ui [--addr 127.0.0.1:8080] [--verbose]
+//	pgsaga ui [--addr 127.0.0.1:8080] [--allow-host NAME]... [--verbose]
 //	pgsaga migrate
 //	pgsaga version [--json]
 //

@@ -25,9 +25,11 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/spf13/cobra"
 
@@ -43,6 +45,7 @@ var webFS embed.FS
 func uiCmd() *cobra.Command {
 	var (
 		addr    string
+		allow   []string
 		verbose bool
 	)
 	cmd := &cobra.Command{
@@ -50,11 +53,28 @@ func uiCmd() *cobra.Command {
 		Short: "Serve the operator's web view: sagas, a saga's timeline, dead letters, consumer groups",
 		Long: "ui serves web pages over the database the other commands read, until SIGINT or SIGTERM: the sagas by status, " +
 			"a saga's timeline drawn as a picture with Retry and Cancel buttons, the dead letters with a Replay button each, " +
-			"and every consumer group. There is no login: it listens on the loopback interface unless --addr says otherwise, " +
-			"answers there only to local host names, and refuses a button press that comes from another site.",
+			"and every consumer group. It listens on the loopback interface unless --addr says otherwise, answers only to " +
+			"its host names (there, the local ones), and refuses a button press that comes from another site. Elsewhere it needs " +
+			"a login (" + envUIToken + " or " + envUITokenFile + ", or " + envUIUser + " with " + envUIPassword + " or " +
+			envUIPasswordFile + "; on loopback it is optional) and the host names it is reached by (--allow-host).",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := checkAddr(addr); err != nil {
+				return usageError{err}
+			}
+			names := make([]string, len(allow))
+			for i, a := range allow {
+				n, err := checkAllowHost(a)
+				if err != nil {
+					return usageError{err}
+				}
+				names[i] = n
+			}
+			auth, err := uiAuthFromEnv(os.Getenv)
+			if err != nil {
+				return usageError{err}
+			}
+			if err := exposedWithout(addr, auth, names); err != nil {
 				return usageError{err}
 			}
 			level := slog.LevelInfo
@@ -73,12 +93,13 @@ func uiCmd() *cobra.Command {
 				if err != nil {
 					return fmt.Errorf("cannot listen on %s: %w", addr, err)
 				}
-				hosts := allowedHosts(addr, ln.Addr())
-				if hosts == nil {
-					fmt.Fprintf(stderr, "pgsaga ui: %s is reachable from other machines and has no login: anyone who reaches it can retry, "+
-						"cancel and replay. Prefer 127.0.0.1 with an SSH tunnel, or an authenticating proxy in front.\n", ln.Addr())
+				loopback := loopbackAddr(addr)
+				hosts := allowedHosts(loopback, addr, ln.Addr(), names)
+				if !loopback {
+					fmt.Fprintf(stderr, "pgsaga ui: reachable from other machines; it answers to %s, with the login. It speaks plain HTTP: "+
+						"put a proxy that speaks HTTPS in front, or the login crosses the network readable.\n", strings.Join(hosts, ", "))
 				}
-				h, err := newUI(uiConfig{DB: db.SQL, Transport: tr, Logger: log, Where: found.Describe(), Hosts: hosts})
+				h, err := newUI(uiConfig{DB: db.SQL, Transport: tr, Logger: log, Where: found.Describe(), Hosts: hosts, Auth: auth})
 				if err != nil {
 					_ = ln.Close()
 					return err
@@ -87,75 +108,10 @@ func uiCmd() *cobra.Command {
 			})
 		},
 	}
-	cmd.Flags().StringVar(&addr, "addr", "127.0.0.1:8080", "host:port to listen on (port 0: any free port)")
+	cmd.Flags().StringVar(&addr, "addr", "127.0.0.1:8080", "host:port to listen on (port 0: any free port); off loopback it needs a login and --allow-host")
+	cmd.Flags().StringArrayVar(&allow, "allow-host", nil, "a host name (or IP address, optionally with :port) the view is reached by; repeat for each")
 	cmd.Flags().BoolVarP(&verbose, "verbose", "v", false, "log one line per request on stderr (at debug level)")
 	return cmd
-}
-
-// checkAddr says what is wrong with a listening address, if anything.
-func checkAddr(addr string) error {
-	host, port, err := net.SplitHostPort(addr)
-	if err != nil {
-		return fmt.Errorf("--addr %q: want host:port, like 127.0.0.1:8080", addr)
-	}
-	if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
-		return fmt.Errorf("--addr %q: the port must be a number from 0 to 65535", addr)
-	}
-	if host != "" && net.ParseIP(host) == nil && !hostName(host) {
-		return fmt.Errorf("--addr %q: %q is neither an IP address nor a host name", addr, host)
-	}
-	return nil
-}
-
-// hostName reports whether s is a syntactically valid DNS name.
-func hostName(s string) bool {
-	if len(s) > 253 {
-		return false
-	}
-	for _, label := range strings.Split(s, ".") {
-		if label == "" || len(label) > 63 || label[0] == '-' || label[len(label)-1] == '-' {
-			return false
-		}
-		for _, c := range label {
-			if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-') {
-				return false
-			}
-		}
-	}
-	return true
-}
-
-// allowedHosts is the Host headers a server bound to bound answers to: on
-// a loopback address, only the machine's own names for it (a page of
-// another site whose name was pointed at 127.0.0.1, DNS rebinding, gets
-// nothing); elsewhere any (nil), since the names it is reached by are
-// unknown.
-func allowedHosts(flagAddr string, bound net.Addr) []string {
-	tcp, ok := bound.(*net.TCPAddr)
-	if !ok || !tcp.IP.IsLoopback() {
-		return nil
-	}
-	port := strconv.Itoa(tcp.Port)
-	names := []string{"localhost", "127.0.0.1", "[::1]"}
-	if ip := tcp.IP.String(); tcp.IP.To4() == nil {
-		names = append(names, "["+ip+"]")
-	} else {
-		names = append(names, ip)
-	}
-	if h, _, err := net.SplitHostPort(flagAddr); err == nil && h != "" {
-		if strings.Contains(h, ":") {
-			h = "[" + h + "]"
-		}
-		names = append(names, h)
-	}
-	var out []string
-	for _, n := range names {
-		out = append(out, strings.ToLower(n)+":"+port)
-		if port == "80" {
-			out = append(out, strings.ToLower(n))
-		}
-	}
-	return out
 }
 
 // serveUI serves h on ln until ctx ends, then shuts down gracefully:
@@ -195,9 +151,11 @@ type uiConfig struct {
 	Logger    *slog.Logger
 	// Where says where the database is, for the pages' header.
 	Where string
-	// Hosts are the Host headers answered (lower case, with the port); nil
-	// answers any.
+	// Hosts are the Host headers answered, and the hosts of the origins a
+	// button press may come from (allowedHosts). Required.
 	Hosts []string
+	// Auth is the login every request needs; nil for none.
+	Auth *uiAuth
 	// RequestWait is how long a Retry or Cancel waits for a worker to
 	// carry the request out before the page says it is pending. Default 3s.
 	RequestWait time.Duration
@@ -221,13 +179,14 @@ const (
 	pageSagas       = "sagas.html"
 	pageSaga        = "saga.html"
 	pageDeadLetters = "deadletters.html"
+	pageDeadLetter  = "deadletter.html"
 	pageConsumers   = "consumers.html"
 	pageError       = "error.html"
 )
 
 func newUI(cfg uiConfig) (*webUI, error) {
-	if cfg.DB == nil || cfg.Transport == nil {
-		return nil, errors.New("ui: DB and Transport are required")
+	if cfg.DB == nil || cfg.Transport == nil || len(cfg.Hosts) == 0 {
+		return nil, errors.New("ui: DB, Transport and Hosts are required")
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
@@ -247,7 +206,7 @@ func newUI(cfg uiConfig) (*webUI, error) {
 	if _, err := rand.Read(u.flashKey); err != nil {
 		return nil, err
 	}
-	for _, p := range []string{pageSagas, pageSaga, pageDeadLetters, pageConsumers, pageError} {
+	for _, p := range []string{pageSagas, pageSaga, pageDeadLetters, pageDeadLetter, pageConsumers, pageError} {
 		t, err := template.New(p).Funcs(templateFuncs).ParseFS(webFS, "web/layout.html", "web/partials.html", "web/timeline.svg.html", "web/"+p)
 		if err != nil {
 			return nil, fmt.Errorf("ui: template %s: %w", p, err)
@@ -272,6 +231,8 @@ func newUI(cfg uiConfig) (*webUI, error) {
 	mux.Handle("POST /sagas/{id}/retry", u.page(u.askRetry))
 	mux.Handle("POST /sagas/{id}/cancel", u.page(u.askCancel))
 	mux.Handle("GET /dead-letters", u.page(u.deadLetters))
+	mux.Handle("GET /dead-letters/{id}", u.page(u.deadLetter))
+	mux.Handle("GET /dead-letters/{id}/payload", u.page(u.deadLetterPayload))
 	mux.Handle("POST /dead-letters/{id}/replay", u.page(u.replay))
 	mux.Handle("GET /consumers", u.page(u.consumers))
 	mux.HandleFunc("GET /healthz", u.healthz)
@@ -279,7 +240,7 @@ func newUI(cfg uiConfig) (*webUI, error) {
 	mux.Handle("/", u.page(func(w http.ResponseWriter, r *http.Request) error {
 		return notFound("There is no page at %s. The pages are Sagas, Dead letters and Consumers, in the bar above.", r.URL.Path)
 	}))
-	u.handler = u.logRequests(u.recoverPanics(securityHeaders(u.checkHost(u.checkOrigin(mux)))))
+	u.handler = u.logRequests(u.recoverPanics(securityHeaders(u.checkHost(u.checkAuth(u.checkOrigin(u.checkInput(mux)))))))
 	return u, nil
 }
 
@@ -356,16 +317,65 @@ func (u *webUI) render(w http.ResponseWriter, r *http.Request, status int, page,
 	var buf bytes.Buffer
 	if err := u.pages[page].ExecuteTemplate(&buf, "layout", pd); err != nil {
 		u.log.Error("ui: rendering", "page", page, "err", err)
-		http.Error(w, "pgsaga ui: the page could not be rendered: "+err.Error(), http.StatusInternalServerError)
+		plainError(w, http.StatusInternalServerError, "pgsaga ui: the page could not be rendered: "+err.Error())
 		return
 	}
+	// Whatever the database held, the page holds no control character:
+	// html/template escapes markup, not them.
+	out := printableBytes(buf.Bytes())
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
-	w.Header().Set("Content-Length", strconv.Itoa(buf.Len()))
+	w.Header().Set("Content-Length", strconv.Itoa(len(out)))
 	w.WriteHeader(status)
-	_, _ = w.Write(buf.Bytes())
+	_, _ = w.Write(out)
 }
 
-var titles = map[string]string{pageSagas: "Sagas", pageSaga: "Saga", pageDeadLetters: "Dead letters", pageConsumers: "Consumers"}
+// printable is s as text a page can show: bytes that are not UTF-8 become
+// U+FFFD, and control characters (but tab and line ends) and the
+// characters that reorder text (bidi embeddings, overrides, isolates and
+// marks, which can make one string look like another) are written out as
+// \x1b or \u202e.
+func printable(s string) string {
+	if utf8.ValidString(s) && strings.IndexFunc(s, unsafeRune) < 0 {
+		return s
+	}
+	var b strings.Builder
+	for _, r := range strings.ToValidUTF8(s, "\uFFFD") {
+		switch {
+		case !unsafeRune(r):
+			b.WriteRune(r)
+		case r < 0x80:
+			fmt.Fprintf(&b, `\x%02x`, r)
+		default:
+			fmt.Fprintf(&b, `\u%04x`, r)
+		}
+	}
+	return b.String()
+}
+
+// printableBytes is printable for b, b itself if it is printable already.
+func printableBytes(b []byte) []byte {
+	if utf8.Valid(b) && bytes.IndexFunc(b, unsafeRune) < 0 {
+		return b
+	}
+	return []byte(printable(string(b)))
+}
+
+// unsafeRune reports whether r is a character a page must not show as it
+// is: a control character but tab and line ends (C0, DEL, C1), or one
+// that reorders text.
+func unsafeRune(r rune) bool {
+	switch {
+	case r == '\t' || r == '\n' || r == '\r':
+		return false
+	case r < 0x20, r >= 0x7f && r <= 0x9f:
+		return true
+	case r == '\u061c', r == '\u200e', r == '\u200f', r >= '\u202a' && r <= '\u202e', r >= '\u2066' && r <= '\u2069':
+		return true
+	}
+	return false
+}
+
+var titles = map[string]string{pageSagas: "Sagas", pageSaga: "Saga", pageDeadLetters: "Dead letters", pageDeadLetter: "Dead letter", pageConsumers: "Consumers"}
 
 // flash is a message a POST leaves for the page it redirects to.
 type flash struct {
@@ -456,67 +466,6 @@ func cacheFor(d time.Duration, next http.Handler) http.Handler {
 	})
 }
 
-// checkHost refuses a request for a host name the server does not answer
-// to (see allowedHosts).
-func (u *webUI) checkHost(next http.Handler) http.Handler {
-	if u.cfg.Hosts == nil {
-		return next
-	}
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		host := strings.ToLower(r.Host)
-		for _, h := range u.cfg.Hosts {
-			if host == h {
-				next.ServeHTTP(w, r)
-				return
-			}
-		}
-		u.refuse(w, r, fmt.Sprintf("This server answers to %s, not to the host name %q: it refuses other names so that a page of another site cannot reach it through a name pointed at this machine.",
-			strings.Join(u.cfg.Hosts, ", "), r.Host))
-	})
-}
-
-// checkOrigin refuses a request that changes something (anything but GET
-// and HEAD) unless it comes from a page of this server: the browser says
-// so in Sec-Fetch-Site, or, for one that does not send it, in Origin.
-func (u *webUI) checkOrigin(next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Method == http.MethodGet || r.Method == http.MethodHead {
-			next.ServeHTTP(w, r)
-			return
-		}
-		if err := sameOrigin(r); err != nil {
-			u.refuse(w, r, "Refused: "+err.Error()+". Use the buttons of these pages; nothing was changed.")
-			return
-		}
-		r.Body = http.MaxBytesReader(w, r.Body, 64<<10)
-		next.ServeHTTP(w, r)
-	})
-}
-
-func sameOrigin(r *http.Request) error {
-	switch site := r.Header.Get("Sec-Fetch-Site"); site {
-	case "same-origin":
-		return nil
-	case "":
-	default:
-		return fmt.Errorf("the request came from another site (Sec-Fetch-Site: %s)", site)
-	}
-	origin := r.Header.Get("Origin")
-	if origin == "" {
-		return fmt.Errorf("the request does not say where it comes from (no Origin header; a script must send Origin: http://%s)", r.Host)
-	}
-	if !strings.EqualFold(origin, "http://"+r.Host) && !strings.EqualFold(origin, "https://"+r.Host) {
-		return fmt.Errorf("the request came from %s, not from a page of this server (%s)", origin, r.Host)
-	}
-	return nil
-}
-
-func (u *webUI) refuse(w http.ResponseWriter, r *http.Request, msg string) {
-	u.log.Warn("ui: request refused", "method", r.Method, "path", r.URL.Path, "host", r.Host, "origin", r.Header.Get("Origin"),
-		"sec_fetch_site", r.Header.Get("Sec-Fetch-Site"), "remote", r.RemoteAddr)
-	u.render(w, r, http.StatusForbidden, pageError, "", errorView{Status: http.StatusForbidden, StatusText: http.StatusText(http.StatusForbidden), Message: msg})
-}
-
 // statusRecorder notes what a handler answered, for the request log.
 type statusRecorder struct {
 	http.ResponseWriter
@@ -584,7 +533,7 @@ func (u *webUI) healthz(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 	if err := u.cfg.DB.PingContext(ctx); err != nil {
 		w.WriteHeader(http.StatusServiceUnavailable)
-		fmt.Fprintln(w, "database unreachable:", err)
+		fmt.Fprintln(w, printable("database unreachable: "+err.Error()))
 		return
 	}
 	fmt.Fprintln(w, "ok")

@@ -2,6 +2,11 @@ package main
 
 import (
 	"context"
+	"fmt"
+	"html"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -13,6 +18,8 @@ import (
 	"github.com/chromedp/chromedp"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/saga"
 )
 
 // chromium is the browser the end-to-end test drives: Debian's chromium.
@@ -44,16 +51,39 @@ func screenshotDir(t *testing.T) string {
 }
 
 // The web view in a real browser (headless chromium, driven over the
-// DevTools protocol), on a database filled by real runs: the sagas page
-// filtered by status, a click through to a saga whose timeline picture has
-// a lane per step and a bar per command, a dead letter replayed with the
-// Replay button (the page says so and marks it), the consumers page. It
-// takes a full-page screenshot of each page.
+// DevTools protocol), on a database filled by real runs, served as exposed
+// to other machines (`--addr 0.0.0.0:port --allow-host ui.test`, a user
+// and password) though it listens on 127.0.0.1, where chromium finds
+// ui.test and evil.test. The operator logs in, filters the sagas page by
+// status, clicks through to a saga whose timeline picture has a lane per
+// step and a bar per command, replays a dead letter with the Replay button
+// (the page says so and marks it), opens the consumers page; a full-page
+// screenshot of each. Then the pages of a hostile site, in the same
+// browser: one of another origin (fetching a page, posting retry, cancel
+// and replay with the browser's credentials, submitting a form), and one
+// whose name was pointed at the view's address after it loaded (DNS
+// rebinding), doing the same from what the browser takes for the view's
+// origin. They read nothing and change nothing.
 func TestUIInABrowser(t *testing.T) {
 	exe := chromium(t)
-	w := newUIWorld(t, uiConfig{})
+	// The rebound page is served by the view's listener, under evil.test:
+	// the page the hostile site served before its name pointed here.
+	rebound := func(ui http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if strings.HasPrefix(r.Host, "evil.test:") && r.URL.Path == "/rebound" {
+				hostilePage(w, r)
+				return
+			}
+			ui.ServeHTTP(w, r)
+		})
+	}
+	w := newUIWorld(t, uiConfig{Auth: loginFrom(t, map[string]string{envUIUser: "operator", envUIPassword: testPassword})},
+		uiServing{Allow: []string{"ui.test"}, Wrap: rebound})
 	_, err := w.db.Exec(`INSERT INTO pgsaga_subscriptions (topic, consumer_group) VALUES ('nobody.reads', 'late-reader')`)
 	require.NoError(t, err)
+	hostileSite := httptest.NewServer(http.HandlerFunc(hostilePage))
+	defer hostileSite.Close()
+	evil := "http://evil.test:" + hostileSite.URL[strings.LastIndex(hostileSite.URL, ":")+1:]
 	shots := screenshotDir(t)
 
 	alloc, cancelAlloc := chromedp.NewExecAllocator(context.Background(),
@@ -70,6 +100,7 @@ func TestUIInABrowser(t *testing.T) {
 		chromedp.Flag("disable-extensions", true),
 		chromedp.Flag("disable-dev-shm-usage", true),
 		chromedp.Flag("force-color-profile", "srgb"),
+		chromedp.Flag("host-resolver-rules", "MAP ui.test 127.0.0.1, MAP evil.test 127.0.0.1"),
 		chromedp.UserDataDir(t.TempDir()),
 		chromedp.WindowSize(1360, 900),
 	)
@@ -120,8 +151,17 @@ func TestUIInABrowser(t *testing.T) {
 		require.NoError(t, os.WriteFile(filepath.Join(shots, name), png, 0o644))
 	}
 
-	// The sagas, then only the compensated ones.
-	step("opening the sagas page", chromedp.Navigate(w.base+"/sagas"), chromedp.WaitVisible(chromedp.ID("sagas")))
+	// Without the login: nothing.
+	_, err = chromedp.Run(ctx, chromedp.NavigateResponse(w.base+"/sagas"))
+	assert.ErrorContains(t, err, "net::ERR_INVALID_AUTH_CREDENTIALS", "a 401, and no login to give (headless chromium has no prompt)")
+	assert.Empty(t, attrs("#sagas tbody tr", "data-id"))
+
+	// Logging in (the credentials in the address, as the prompt would take
+	// them; chromium keeps them for the site), then the sagas, then only
+	// the compensated ones.
+	step("logging in and opening the sagas page",
+		chromedp.Navigate("http://operator:"+testPassword+"@ui.test:"+w.port+"/sagas"), chromedp.WaitVisible(chromedp.ID("sagas")))
+	assert.Equal(t, "/sagas", location())
 	assert.ElementsMatch(t, []string{w.paid.String(), w.unpaid.String(), w.parked.String(), w.running.String()},
 		attrs("#sagas tbody tr", "data-id"))
 	screenshot("ui-sagas.png")
@@ -180,4 +220,74 @@ func TestUIInABrowser(t *testing.T) {
 	assert.Equal(t, "running", state["payments.charge"])
 	assert.Equal(t, "never ran", state["old-group"])
 	screenshot("ui-consumers.png")
+
+	// The hostile pages. What they aim at: cancel the running saga, retry
+	// the parked one, replay the dead letter not replayed yet.
+	var requestsBefore int
+	require.NoError(t, w.db.QueryRow(`SELECT count(*) FROM saga_requests`).Scan(&requestsBefore))
+	unchanged := func(what string) {
+		t.Helper()
+		var n int
+		require.NoError(t, w.db.QueryRow(`SELECT count(*) FROM saga_requests`).Scan(&n))
+		assert.Equal(t, requestsBefore, n, "%s: nothing was asked", what)
+		assert.False(t, replayed(t, w.db, w.hostile), "%s: nothing was replayed", what)
+		in, err := saga.NewInspector(w.db).Get(context.Background(), w.running)
+		require.NoError(t, err)
+		assert.Equal(t, saga.StatusRunning, in.Status, what)
+	}
+	targets := url.Values{"cancel": {"/sagas/" + w.running.String() + "/cancel"}, "retry": {"/sagas/" + w.parked.String() + "/retry"},
+		"replay": {"/dead-letters/" + strconv.FormatInt(w.hostile, 10) + "/replay"}}
+	for name, page := range map[string]string{
+		"a page of another site":             evil + "/?ui=" + url.QueryEscape(w.base) + "&" + targets.Encode(),
+		"a page whose name was rebound here": "http://evil.test:" + w.port + "/rebound?" + targets.Encode(),
+	} {
+		step(name, chromedp.Navigate(page), chromedp.WaitVisible(chromedp.ID("done")))
+		got := text("#out")
+		assert.Contains(t, got, "read: ", name)
+		for _, secret := range []string{w.paid.String(), w.running.String(), w.parked.String(), testWhere, "Sagas"} {
+			assert.NotContains(t, got, secret, "%s: nothing was read", name)
+		}
+		unchanged(name)
+	}
+	// A form of another site, submitted: the browser sends the operator's
+	// credentials with it, but not from a page of ui.test.
+	step("a form of another site",
+		chromedp.Navigate(evil+"/form?ui="+url.QueryEscape(w.base)+"&"+targets.Encode()),
+		chromedp.WaitVisible(chromedp.ID("error-message")))
+	assert.Contains(t, text("#error-message"), "nothing was changed")
+	unchanged("a form of another site")
+}
+
+// hostilePage is what a hostile site serves: a page whose script reads the
+// view's sagas page and presses its buttons (the addresses in its query),
+// asking the browser to send its credentials, and says what it got; at
+// /form, a form that posts a cancel as soon as it loads.
+func hostilePage(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	if r.URL.Path == "/form" {
+		fmt.Fprintf(w, `<!doctype html><form id="f" method="post" action="%s%s"><input name="reason" value="attack"></form>
+<script>document.getElementById("f").submit()</script>`, html.EscapeString(q.Get("ui")), html.EscapeString(q.Get("cancel")))
+		return
+	}
+	fmt.Fprintf(w, `<!doctype html><pre id="out"></pre><script>
+const ui = %q, posts = {cancel: %q, retry: %q, replay: %q};
+(async () => {
+  const lines = [];
+  try {
+    const r = await fetch(ui + "/sagas", {credentials: "include"});
+    lines.push("read: " + r.status + " " + await r.text());
+  } catch (e) { lines.push("read: refused, " + e); }
+  for (const [name, path] of Object.entries(posts)) {
+    try {
+      const r = await fetch(ui + path, {method: "POST", mode: "no-cors", credentials: "include", body: new URLSearchParams({reason: "attack"})});
+      lines.push(name + ": " + r.type + " " + r.status);
+    } catch (e) { lines.push(name + ": refused, " + e); }
+  }
+  document.getElementById("out").textContent = lines.join("\n");
+  const done = document.createElement("p");
+  done.id = "done";
+  document.body.append(done);
+})();
+</script>`, q.Get("ui"), q.Get("cancel"), q.Get("retry"), q.Get("replay"))
 }

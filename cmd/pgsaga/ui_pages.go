@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"html/template"
+	"maps"
 	"net/http"
 	"net/url"
 	"slices"
@@ -32,16 +33,6 @@ var templateFuncs = template.FuncMap{
 	"px":  func(f float64) string { return strconv.FormatFloat(f, 'f', 1, 64) },
 	"add": func(a, b float64) float64 { return a + b },
 	"mid": func(a, b float64) float64 { return (a + b) / 2 },
-	"deadLetterTable": func(rows []deadLetterRow, ret string) deadLetterTable {
-		return deadLetterTable{Rows: rows, Return: ret}
-	},
-}
-
-// deadLetterTable is what the dead letter table shows: the rows, and the
-// page a Replay returns to.
-type deadLetterTable struct {
-	Rows   []deadLetterRow
-	Return string
 }
 
 // --- the sagas -------------------------------------------------------------
@@ -163,7 +154,6 @@ type sagaView struct {
 	Request                                *requestView
 	CanRetry, CanCancel                    bool
 	RetryHint, CancelHint                  string
-	Return                                 string
 }
 
 func (v sagaView) title() string { return "Saga " + v.ID }
@@ -238,7 +228,7 @@ func (u *webUI) saga(w http.ResponseWriter, r *http.Request) error {
 	v := sagaView{ID: in.ID.String(), Type: in.Type, Version: in.DefinitionVersion, Status: string(in.Status), Step: dash(in.Step),
 		Phase: dash(string(in.Phase)), Attempt: attempt(in.Attempt), Generation: in.Generation, Reason: in.FailureReason,
 		Started: stamp(in.CreatedAt), Updated: stamp(in.UpdatedAt) + " (" + age(now.Sub(in.UpdatedAt)) + " ago)",
-		Correlation: in.CorrelationID, Data: prettyJSON(in.Data), Request: req, Return: r.URL.RequestURI()}
+		Correlation: in.CorrelationID, Data: prettyJSON(in.Data), Request: req}
 	if in.FinishedAt != nil {
 		v.Finished = stamp(*in.FinishedAt)
 		v.Took = ms(in.FinishedAt.Sub(in.CreatedAt))
@@ -271,15 +261,19 @@ func (u *webUI) saga(w http.ResponseWriter, r *http.Request) error {
 			MessageID: h.MessageID, Detail: h.Detail, At: stamp(h.At)})
 	}
 	v.Timeline = buildTimeline(in, now)
-	dead, scannedAll, err := u.sagaDeadLetters(ctx, id)
+	dead, scannedAll, unknown, err := u.sagaDeadLetters(ctx, id)
 	if err != nil {
 		return err
 	}
 	for _, d := range dead {
-		v.DeadLetters = append(v.DeadLetters, u.deadLetterRow(d, now))
+		v.DeadLetters = append(v.DeadLetters, deadLetterRowOf(d, d.PayloadPreview, now, r.URL.RequestURI()))
 	}
 	if !scannedAll {
-		v.DeadLettersNote = fmt.Sprintf("Only the oldest %d dead letters were searched for this saga.", deadLetterScan)
+		v.DeadLettersNote = fmt.Sprintf("Only the oldest %s dead letters were searched for this saga.", thousands(deadLetterScan))
+	}
+	if unknown > 0 {
+		v.DeadLettersNote = strings.TrimSpace(v.DeadLettersNote + fmt.Sprintf(" %d dead letter%s searched had metadata too large to list (over %s bytes), so whether they name this saga is not known: the Dead letters page links to each.",
+			unknown, plural(unknown), thousands(transport.DeadLetterListText)))
 	}
 	u.render(w, r, http.StatusOK, pageSaga, "sagas", v)
 	return nil
@@ -290,27 +284,35 @@ const deadLetterScan = 10_000
 
 // sagaDeadLetters are the dead letters whose metadata names saga id,
 // oldest first, from the oldest deadLetterScan (scannedAll false if there
-// are more).
-func (u *webUI) sagaDeadLetters(ctx context.Context, id uuid.UUID) (found []transport.DeadLetter, scannedAll bool, err error) {
+// are more), each as a listing has it: a bounded part. unknown counts
+// those whose metadata was too large to list, which may name it.
+func (u *webUI) sagaDeadLetters(ctx context.Context, id uuid.UUID) (found []transport.DeadLetter, scannedAll bool, unknown int, err error) {
 	const page = 500
 	var after int64
 	for scanned := 0; scanned < deadLetterScan; scanned += page {
 		list, err := u.cfg.Transport.DeadLetters(ctx, transport.DeadLetterFilter{AfterID: after, Limit: page})
 		if err != nil {
-			return nil, false, err
+			return nil, false, 0, err
 		}
 		for _, d := range list {
-			if d.Metadata.Get(metadata.SagaID) == id.String() {
+			switch {
+			case d.Metadata.Get(metadata.SagaID) == id.String():
 				found = append(found, d)
+			case metadataLeftOut(d):
+				unknown++
 			}
 		}
 		if len(list) < page {
-			return found, true, nil
+			return found, true, unknown, nil
 		}
 		after = list[len(list)-1].ID
 	}
-	return found, false, nil
+	return found, false, unknown, nil
 }
+
+// metadataLeftOut reports whether a listing left d's metadata out for its
+// size.
+func metadataLeftOut(d transport.DeadLetter) bool { return d.RawMetadata == nil && d.MetadataSize > 0 }
 
 func kindClass(kind string) string {
 	switch kind {
@@ -330,7 +332,8 @@ func ms(d time.Duration) string {
 	return strconv.FormatFloat(float64(d.Microseconds())/1000, 'f', 1, 64) + " ms"
 }
 
-// prettyJSON is raw indented, or as it is if it is not JSON.
+// prettyJSON is raw indented, or as it is if it is not JSON (a page shows
+// it printable).
 func prettyJSON(raw []byte) string {
 	if len(raw) == 0 {
 		return ""
@@ -339,13 +342,7 @@ func prettyJSON(raw []byte) string {
 	if json.Indent(&buf, raw, "", "  ") == nil {
 		return buf.String()
 	}
-	return printable(raw)
-}
-
-// printable is b as text a page can show: invalid UTF-8 and NUL become
-// U+FFFD (html/template escapes the rest).
-func printable(b []byte) string {
-	return strings.ReplaceAll(strings.ToValidUTF8(string(b), "\uFFFD"), "\x00", "\uFFFD")
+	return string(raw)
 }
 
 // --- retry and cancel ----------------------------------------------------------
@@ -365,9 +362,6 @@ func (u *webUI) ask(w http.ResponseWriter, r *http.Request, kind saga.RequestKin
 	id, err := sagaID(r)
 	if err != nil {
 		return err
-	}
-	if err := r.ParseForm(); err != nil {
-		return badRequest("The form could not be read: %v.", err)
 	}
 	reason := ""
 	if kind == saga.RequestCancel {
@@ -416,27 +410,33 @@ type deadLettersView struct {
 	Topics   []string
 	Rows     []deadLetterRow
 	NextHref string
-	Return   string
 }
 
+// deadLetterRow is a dead letter as the pages show it: in a listing, the
+// bounded part a listing reads; on its own page, all of it but the
+// payload's first pageShowBytes.
 type deadLetterRow struct {
-	ID                                  int64
-	UUID, Topic, Group, Handler, Reason string
-	ReasonShort                         string
-	ReasonLong                          bool
-	Attempts                            int
-	Dead, DeadAt, PublishedAt           string
-	IsReplayed                          bool
-	Replayed, ReplayedAt                string
+	ID                          int64
+	UUID, Topic, Group, Handler string
+	// Reason is as read (in a listing, cut: ReasonNote says so);
+	// ReasonShort is its first line for a table, ReasonLong whether that
+	// is not all of it.
+	Reason, ReasonShort, ReasonNote string
+	ReasonLong                      bool
+	Attempts                        int
+	Dead, DeadAt, PublishedAt       string
+	IsReplayed                      bool
+	Replayed, ReplayedAt            string
 	// NotReplayable says why the dead letter cannot be replayed ("" if it
 	// can).
-	NotReplayable               string
-	Payload, PayloadNote        string
-	PayloadBytes                int
-	Metadata                    []keyValue
-	MetadataNote                string
-	SagaID, SagaShort, SagaHref string
-	Anchor, ReplayAction        string
+	NotReplayable string
+	// Payload is the part of the payload shown; PayloadShown says which
+	// part ("N bytes", or "first n of N bytes"); PayloadSize is N.
+	Payload, PayloadNote, PayloadShown, PayloadSize string
+	Metadata                                        []keyValue
+	MetadataNote                                    string
+	SagaID, SagaShort, SagaHref                     string
+	Anchor, Href, PayloadHref, ReplayAction, Return string
 	// Consumer says who gave up on it: the group and its handler, or that
 	// no group read the topic.
 	Consumer string
@@ -444,33 +444,56 @@ type deadLetterRow struct {
 
 type keyValue struct{ Key, Value string }
 
-func (u *webUI) deadLetterRow(d transport.DeadLetter, now time.Time) deadLetterRow {
-	row := deadLetterRow{ID: d.ID, UUID: printable([]byte(d.UUID)), Topic: d.Topic, Group: dash(d.ConsumerGroup), Handler: dash(d.Handler),
-		Reason: printable([]byte(d.Reason)), Attempts: d.Attempts, Dead: age(now.Sub(d.DeadAt)) + " ago", DeadAt: stamp(d.DeadAt),
-		PublishedAt: stamp(d.CreatedAt), Payload: prettyJSON(d.PayloadPreview), PayloadBytes: d.PayloadSize, IsReplayed: d.ReplayedAt != nil,
-		Anchor: fmt.Sprintf("dl-%d", d.ID), ReplayAction: fmt.Sprintf("/dead-letters/%d/replay", d.ID)}
+// pageShowBytes bounds the payload a dead letter's page shows; its
+// download has all of it.
+const pageShowBytes = 1 << 20
+
+// deadLetterRowOf shows d with shown, the part of its payload a page shows;
+// ret is the page its Replay button returns to.
+func deadLetterRowOf(d transport.DeadLetter, shown []byte, now time.Time, ret string) deadLetterRow {
+	row := deadLetterRow{ID: d.ID, UUID: d.UUID, Topic: d.Topic, Group: dash(d.ConsumerGroup), Handler: dash(d.Handler),
+		Reason: d.Reason, Attempts: d.Attempts, Dead: age(now.Sub(d.DeadAt)) + " ago", DeadAt: stamp(d.DeadAt),
+		PublishedAt: stamp(d.CreatedAt), IsReplayed: d.ReplayedAt != nil, PayloadSize: thousands(d.PayloadSize) + " bytes",
+		Anchor: fmt.Sprintf("dl-%d", d.ID), Href: fmt.Sprintf("/dead-letters/%d", d.ID), Return: ret}
+	row.PayloadHref, row.ReplayAction = row.Href+"/payload", row.Href+"/replay"
 	row.ReasonShort = clip(oneLine(row.Reason), 160)
 	row.ReasonLong = row.ReasonShort != row.Reason
+	if n := utf8.RuneCountInString(d.Reason); d.ReasonLength > n {
+		row.ReasonNote = fmt.Sprintf("The first %s of %s characters: the dead letter's page has all of it.", thousands(n), thousands(d.ReasonLength))
+	}
 	if !d.Replayable() {
 		row.NotReplayable = "arrived from a message broker and could not be queued here: it must be sent again"
 	}
-	if !utf8.Valid(d.PayloadPreview) || bytes.IndexByte(d.PayloadPreview, 0) >= 0 {
-		row.PayloadNote = "not valid UTF-8 text: the bytes that are not are shown as \uFFFD"
+	row.PayloadShown = row.PayloadSize
+	if len(shown) < d.PayloadSize {
+		row.PayloadShown = "first " + thousands(len(shown)) + " of " + row.PayloadSize
+		shown = wholeRunes(shown)
+		row.Payload = string(shown)
+	} else {
+		row.Payload = prettyJSON(shown)
 	}
+	// Printable here, not only once the page is made: html/template would
+	// make a NUL U+FFFD first.
+	row.Payload = printable(row.Payload)
+	var notes []string
+	if !utf8.Valid(shown) {
+		notes = append(notes, "not valid UTF-8 text: the bytes that are not are shown as \uFFFD")
+	}
+	if bytes.IndexFunc(shown, unsafeRune) >= 0 {
+		notes = append(notes, `control characters are shown as \x00, \x1b and the like`)
+	}
+	row.PayloadNote = strings.Join(notes, "; ")
 	if d.ReplayedAt != nil {
 		row.Replayed, row.ReplayedAt = age(now.Sub(*d.ReplayedAt))+" ago", stamp(*d.ReplayedAt)
 	}
-	if d.Metadata == nil && len(d.RawMetadata) > 0 && string(d.RawMetadata) != "null" {
-		row.MetadataNote = "not a JSON object of strings: " + printable(d.RawMetadata)
+	switch {
+	case metadataLeftOut(d):
+		row.MetadataNote = fmt.Sprintf("%s bytes, too many to list: the dead letter's page shows them.", thousands(d.MetadataSize))
+	case d.Metadata == nil && len(d.RawMetadata) > 0 && string(d.RawMetadata) != "null":
+		row.MetadataNote = "not a JSON object of strings: " + string(d.RawMetadata)
 	}
-	for _, k := range slices.Sorted(func(yield func(string) bool) {
-		for k := range d.Metadata {
-			if !yield(k) {
-				return
-			}
-		}
-	}) {
-		row.Metadata = append(row.Metadata, keyValue{printable([]byte(k)), printable([]byte(d.Metadata[k]))})
+	for _, k := range slices.Sorted(maps.Keys(d.Metadata)) {
+		row.Metadata = append(row.Metadata, keyValue{k, d.Metadata[k]})
 	}
 	if id, err := uuid.Parse(d.Metadata.Get(metadata.SagaID)); err == nil {
 		row.SagaID, row.SagaShort, row.SagaHref = id.String(), id.String()[:8]+"…", "/sagas/"+id.String()
@@ -486,11 +509,37 @@ func (u *webUI) deadLetterRow(d transport.DeadLetter, now time.Time) deadLetterR
 	return row
 }
 
+// wholeRunes is b without the start of a character its cut left at its
+// end.
+func wholeRunes(b []byte) []byte {
+	for i := 1; i <= utf8.UTFMax && i <= len(b); i++ {
+		if utf8.RuneStart(b[len(b)-i]) {
+			if !utf8.FullRune(b[len(b)-i:]) {
+				return b[:len(b)-i]
+			}
+			break
+		}
+	}
+	return b
+}
+
+// thousands is n with its thousands set apart: 5,242,880.
+func thousands(n int) string {
+	s := strconv.Itoa(n)
+	if n < 0 {
+		return "-" + thousands(-n)
+	}
+	for i := len(s) - 3; i > 0; i -= 3 {
+		s = s[:i] + "," + s[i:]
+	}
+	return s
+}
+
 func (u *webUI) deadLetters(w http.ResponseWriter, r *http.Request) error {
 	ctx, cancel := context.WithTimeout(r.Context(), pageTimeout)
 	defer cancel()
 	q := r.URL.Query()
-	v := deadLettersView{Topic: strings.TrimSpace(q.Get("topic")), Limit: 100, Return: r.URL.RequestURI()}
+	v := deadLettersView{Topic: strings.TrimSpace(q.Get("topic")), Limit: 100}
 	if s := strings.TrimSpace(q.Get("limit")); s != "" {
 		n, err := strconv.Atoi(s)
 		if err != nil {
@@ -523,7 +572,7 @@ func (u *webUI) deadLetters(w http.ResponseWriter, r *http.Request) error {
 	}
 	now := u.cfg.Now()
 	for _, d := range list {
-		v.Rows = append(v.Rows, u.deadLetterRow(d, now))
+		v.Rows = append(v.Rows, deadLetterRowOf(d, d.PayloadPreview, now, r.URL.RequestURI()))
 	}
 	if len(list) == v.Limit {
 		next := url.Values{"after": {strconv.FormatInt(list[len(list)-1].ID, 10)}, "limit": {strconv.Itoa(v.Limit)}}
@@ -536,15 +585,70 @@ func (u *webUI) deadLetters(w http.ResponseWriter, r *http.Request) error {
 	return nil
 }
 
-// replay is `pgsaga dead-letters replay <id>` for one dead letter.
-func (u *webUI) replay(w http.ResponseWriter, r *http.Request) error {
+// deadLetterID is the dead letter id in the request's path, or a 400.
+func deadLetterID(r *http.Request) (int64, error) {
 	raw := r.PathValue("id")
 	id, err := strconv.ParseInt(raw, 10, 64)
 	if err != nil || id < 1 {
-		return badRequest("%q is not a dead letter id: the ids are positive whole numbers, as the Dead letters page lists them.", raw)
+		return 0, badRequest("%q is not a dead letter id: the ids are positive whole numbers, as the Dead letters page lists them.", raw)
 	}
-	if err := r.ParseForm(); err != nil {
-		return badRequest("The form could not be read: %v.", err)
+	return id, nil
+}
+
+// wholeDeadLetter reads the dead letter the request's path names, whole:
+// the only page that reads a whole payload.
+func (u *webUI) wholeDeadLetter(r *http.Request) (transport.DeadLetter, error) {
+	id, err := deadLetterID(r)
+	if err != nil {
+		return transport.DeadLetter{}, err
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), pageTimeout)
+	defer cancel()
+	d, err := u.cfg.Transport.DeadLetter(ctx, id)
+	if errors.Is(err, transport.ErrDeadLetterNotFound) {
+		return d, notFound("No dead letter has the id %d in this database.", id)
+	}
+	return d, err
+}
+
+// deadLetterView is one dead letter's page.
+type deadLetterView struct{ deadLetterRow }
+
+func (v deadLetterView) title() string { return fmt.Sprintf("Dead letter %d", v.ID) }
+
+// deadLetter is a dead letter's page: all of it, the payload's first
+// pageShowBytes, its Replay button.
+func (u *webUI) deadLetter(w http.ResponseWriter, r *http.Request) error {
+	d, err := u.wholeDeadLetter(r)
+	if err != nil {
+		return err
+	}
+	row := deadLetterRowOf(d, d.Payload[:min(len(d.Payload), pageShowBytes)], u.cfg.Now(), r.URL.Path)
+	u.render(w, r, http.StatusOK, pageDeadLetter, "dead-letters", deadLetterView{row})
+	return nil
+}
+
+// deadLetterPayload is a dead letter's payload, byte for byte, as a file
+// to save, never a page to show.
+func (u *webUI) deadLetterPayload(w http.ResponseWriter, r *http.Request) error {
+	d, err := u.wholeDeadLetter(r)
+	if err != nil {
+		return err
+	}
+	h := w.Header()
+	h.Set("Content-Type", "application/octet-stream")
+	h.Set("Content-Disposition", fmt.Sprintf(`attachment; filename="dead-letter-%d.bin"`, d.ID))
+	h.Set("X-Content-Type-Options", "nosniff")
+	h.Set("Content-Length", strconv.Itoa(len(d.Payload)))
+	_, _ = w.Write(d.Payload)
+	return nil
+}
+
+// replay is `pgsaga dead-letters replay <id>` for one dead letter.
+func (u *webUI) replay(w http.ResponseWriter, r *http.Request) error {
+	id, err := deadLetterID(r)
+	if err != nil {
+		return err
 	}
 	back := localPath(r.PostFormValue("return"), "/dead-letters")
 	back = strings.SplitN(back, "#", 2)[0] + fmt.Sprintf("#dl-%d", id)

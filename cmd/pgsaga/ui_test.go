@@ -1,8 +1,11 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
+	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -12,6 +15,8 @@ import (
 	"os"
 	"os/exec"
 	"regexp"
+	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -35,7 +40,7 @@ import (
 // uiWorld is a database filled by real runs, and the web view serving it
 // on a real listener.
 type uiWorld struct {
-	base       string // http://127.0.0.1:port
+	uiServer
 	db         *sql.DB
 	tr         *transport.Transport
 	jobs       *saga.Client
@@ -49,17 +54,16 @@ type uiWorld struct {
 	// Dead letters: one of the parked saga, full of markup and bytes that
 	// are not text; one published to a topic nobody reads.
 	hostile, lost int64
-	log           *testout.Buffer
 }
 
 const hostileMarkup = "<script>alert(1)</script>"
 
-func newUIWorld(t *testing.T, cfg uiConfig) *uiWorld {
+func newUIWorld(t *testing.T, cfg uiConfig, opts ...uiServing) *uiWorld {
 	t.Helper()
 	ctx := context.Background()
 	db := testdb.Fresh(t)
 	t.Setenv("DATABASE_URL", db.URL)
-	w := &uiWorld{db: db.SQL, refuseUndo: &atomic.Bool{}, log: &testout.Buffer{}}
+	w := &uiWorld{db: db.SQL, refuseUndo: &atomic.Bool{}}
 	w.paid, w.unpaid = sampleRunOn(t, db)
 	w.refuseUndo.Store(true)
 	w.jobs, w.start = jobSagaOn(t, db, w.refuseUndo)
@@ -89,17 +93,63 @@ func newUIWorld(t *testing.T, cfg uiConfig) *uiWorld {
 	require.Len(t, dl, 1)
 	w.lost = dl[0].ID
 
-	// The view, on a pool of its own as the command opens one.
+	var o uiServing
+	if len(opts) > 0 {
+		o = opts[0]
+	}
+	w.uiServer = serveTestUI(t, db.URL, cfg, o)
+	return w
+}
+
+// uiServer is the web view served on a real listener of 127.0.0.1.
+type uiServer struct {
+	// base is where its pages are asked for: http://127.0.0.1:port, or,
+	// served as exposed, http://NAME:port (the tests' clients dial the
+	// listener whatever name they ask for).
+	base string
+	addr string // where it listens
+	port string
+	log  *testout.Buffer
+}
+
+// testWhere is where the tests' views say the database is.
+const testWhere = "the test database"
+
+// uiServing is how a test serves the web view.
+type uiServing struct {
+	// Allow, if any, serves it as exposed to other machines, as `pgsaga ui
+	// --addr 0.0.0.0:port --allow-host NAME...` does, though it listens on
+	// 127.0.0.1; without, as on loopback.
+	Allow []string
+	// Wrap, if set, wraps the view's handler (a test's own pages beside it).
+	Wrap func(http.Handler) http.Handler
+}
+
+// serveTestUI serves the web view with cfg over the database at dbURL, on
+// a pool of its own as the command opens one, until the test ends.
+func serveTestUI(t *testing.T, dbURL string, cfg uiConfig, o uiServing) uiServer {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	cfg.DB = testdb.Open(t, db.URL, 4).SQL
+	s := uiServer{addr: ln.Addr().String(), port: strconv.Itoa(ln.Addr().(*net.TCPAddr).Port), log: &testout.Buffer{}}
+	cfg.DB = testdb.Open(t, dbURL, 4).SQL
 	cfg.Transport, err = transport.New(transport.Config{DB: cfg.DB})
 	require.NoError(t, err)
-	cfg.Logger = slog.New(slog.NewTextHandler(w.log, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	cfg.Where = "test database " + db.Name
-	cfg.Hosts = allowedHosts(ln.Addr().String(), ln.Addr())
-	h, err := newUI(cfg)
+	cfg.Logger = slog.New(slog.NewTextHandler(s.log, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	cfg.Where = testWhere
+	if len(o.Allow) == 0 {
+		cfg.Hosts = allowedHosts(true, s.addr, ln.Addr(), nil)
+		s.base = "http://" + s.addr
+	} else {
+		cfg.Hosts = allowedHosts(false, "0.0.0.0:"+s.port, ln.Addr(), o.Allow)
+		s.base = "http://" + o.Allow[0] + ":" + s.port
+	}
+	ui, err := newUI(cfg)
 	require.NoError(t, err)
+	var h http.Handler = ui
+	if o.Wrap != nil {
+		h = o.Wrap(h)
+	}
 	serveCtx, stop := context.WithCancel(context.Background())
 	served := make(chan error, 1)
 	go func() { served <- serveUI(serveCtx, ln, h, io.Discard, cfg.Logger) }()
@@ -107,8 +157,7 @@ func newUIWorld(t *testing.T, cfg uiConfig) *uiWorld {
 		stop()
 		require.NoError(t, <-served)
 	})
-	w.base = "http://" + ln.Addr().String()
-	return w
+	return s
 }
 
 // eventually waits until cond holds, checking every 20ms, for 30s at most.
@@ -122,17 +171,25 @@ func eventually(t *testing.T, what string, cond func() bool) {
 }
 
 // browser is an HTTP client that keeps cookies and does not follow
-// redirects, so that a test sees each.
+// redirects, so that a test sees each. It dials the view whatever host
+// name it asks for, as if every name pointed at it.
 type browser struct {
 	t    *testing.T
 	c    *http.Client
 	base string
+	// authorization, if set, is the Authorization header of every request
+	// that does not give its own.
+	authorization string
 }
 
-func (w *uiWorld) browser(t *testing.T) *browser {
+func (s uiServer) browser(t *testing.T) *browser {
 	jar, err := cookiejar.New(nil)
 	require.NoError(t, err)
-	return &browser{t: t, base: w.base, c: &http.Client{Jar: jar, Timeout: 30 * time.Second,
+	dial := func(ctx context.Context, network, _ string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, network, s.addr)
+	}
+	return &browser{t: t, base: s.base, c: &http.Client{Jar: jar, Timeout: 30 * time.Second, Transport: &http.Transport{DialContext: dial},
 		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}}
 }
 
@@ -153,6 +210,9 @@ func (b *browser) do(method, path string, form url.Values, header map[string]str
 	require.NoError(b.t, err)
 	if form != nil {
 		req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	}
+	if b.authorization != "" {
+		req.Header.Set("Authorization", b.authorization)
 	}
 	for k, v := range header {
 		if k == "Host" {
@@ -349,6 +409,7 @@ func TestUIPagesOnARealRun(t *testing.T) {
 		"/consumers?stale=x":                                         {400, "stale &#34;x&#34; is not a positive duration"},
 		"/consumers?stale=0s":                                        {400, "is not a positive duration"},
 		"/sagas/%3Cscript%3Ealert(1)%3C":                             {400, "&#34;&lt;script&gt;alert(1)&lt;&#34; is not a saga id"},
+		"/dead-letters/" + strconv.FormatInt(w.lost+1000, 10):        {404, "No dead letter has the id"},
 	} {
 		a := b.get(path)
 		assert.Equal(t, want.status, a.status, path)
@@ -429,7 +490,7 @@ func TestUIButtons(t *testing.T) {
 	port := w.base[strings.LastIndex(w.base, ":")+1:]
 	rebinding := b.do(http.MethodPost, replayPath, url.Values{}, map[string]string{"Origin": "http://evil.example:" + port, "Host": "evil.example:" + port})
 	assert.Equal(t, http.StatusForbidden, rebinding.status, "a page of a site whose name points at this machine")
-	assert.Contains(t, rebinding.body, "not to the host name")
+	assert.Contains(t, rebinding.body, "does not answer to the host name")
 	for _, path := range []string{"/sagas/" + w.running.String() + "/cancel", "/sagas/" + w.parked.String() + "/retry"} {
 		a := b.do(http.MethodPost, path, url.Values{}, map[string]string{"Origin": "http://evil.example"})
 		assert.Equal(t, http.StatusForbidden, a.status, path)
@@ -545,13 +606,16 @@ func TestUIButtons(t *testing.T) {
 // opened; a port in use fails (exit 1); it says where it serves, logs one
 // line per request with -v, and stops when its context ends (exit 0).
 func TestUICommand(t *testing.T) {
-	for _, addr := range []string{"nonsense", "127.0.0.1:99999", "127.0.0.1:http", "bad host!:8080", ":", "127.0.0.1"} {
-		code, _, errOut := pgsaga(t, "ui", "--addr", addr)
+	t.Setenv(envUIToken, testToken) // what an address off loopback needs besides
+	for _, addr := range []string{"nonsense", "127.0.0.1:99999", "127.0.0.1:http", "bad host!:8080", ":", "127.0.0.1",
+		"999.1.1.1:80", "256.0.0.1:8080", "1.2.3:80", "1.2.3.4.5:80", "[::1:8080"} {
+		code, _, errOut := pgsaga(t, "ui", "--addr", addr, "--allow-host", "ui.example")
 		assert.Equal(t, exitUsage, code, "%s: %s", addr, errOut)
-		assert.Contains(t, errOut, "--addr", addr)
+		assert.Contains(t, errOut, fmt.Sprintf("--addr %q: ", addr))
 	}
 	code, _, _ := pgsaga(t, "ui", "extra")
 	assert.Equal(t, exitUsage, code)
+	t.Setenv(envUIToken, "")
 
 	db := testdb.Fresh(t)
 	t.Setenv("DATABASE_URL", db.URL)
@@ -649,4 +713,275 @@ func TestUIStopsGracefullyOnSIGTERM(t *testing.T) {
 	assert.Equal(t, http.StatusSeeOther, r.resp.StatusCode)
 	assert.NoError(t, <-exited, "exit status 0:\n%s", out.String())
 	assert.Contains(t, out.String(), "pgsaga ui: stopped")
+}
+
+// sqlSaga is a saga instance a test writes with SQL: a timeline of one
+// command sent, and for a failed one its failure.
+type sqlSaga struct {
+	Type, Step, MessageID, Detail, Reason, Correlation string
+	Status                                             saga.Status
+}
+
+func insertSaga(t *testing.T, db *sql.DB, s sqlSaga) uuid.UUID {
+	t.Helper()
+	id := uuid.New()
+	var finished *time.Time
+	if s.Status.Terminal() {
+		now := time.Now()
+		finished = &now
+	}
+	_, err := db.Exec(`INSERT INTO saga_instances (id, saga_type, definition_version, status, data, current_step, correlation_id, failure_reason, finished_at)
+VALUES ($1, $2, 1, $3, '{"note": "written by a test"}', 0, NULLIF($4, ''), NULLIF($5, ''), $6)`,
+		id, s.Type, string(s.Status), s.Correlation, s.Reason, finished)
+	require.NoError(t, err)
+	_, err = db.Exec(`INSERT INTO saga_history (saga_id, seq, kind, step, phase, attempt, message_id, detail) VALUES
+($1, 1, 'started', NULL, NULL, NULL, NULL, 'trigger'),
+($1, 2, 'sent', $2, 'action', 1, $3, $4)`, id, s.Step, s.MessageID, s.Detail)
+	require.NoError(t, err)
+	if s.Status == saga.StatusFailed {
+		_, err = db.Exec(`INSERT INTO saga_history (saga_id, seq, kind, step, phase, attempt, message_id, detail) VALUES
+($1, 3, 'reply_failed', $2, 'action', 1, $3, $4), ($1, 4, 'failed', $2, 'action', 1, NULL, $4)`, id, s.Step, s.MessageID, s.Reason)
+		require.NoError(t, err)
+	}
+	return id
+}
+
+// sqlDeadLetter is a dead letter a test writes with SQL.
+type sqlDeadLetter struct {
+	UUID, Topic, Group, Reason string
+	Payload                    []byte
+	Metadata                   map[string]string
+}
+
+func insertDeadLetter(t *testing.T, db *sql.DB, d sqlDeadLetter) int64 {
+	t.Helper()
+	if d.UUID == "" {
+		d.UUID = uuid.NewString()
+	}
+	md, err := json.Marshal(d.Metadata)
+	require.NoError(t, err)
+	var id int64
+	require.NoError(t, db.QueryRow(`INSERT INTO pgsaga_dead_letters (uuid, topic, consumer_group, handler, payload, metadata, reason, attempts, created_at)
+VALUES ($1, $2, $3, $3, $4, $5, $6, 3, clock_timestamp()) RETURNING id`, d.UUID, d.Topic, d.Group, d.Payload, string(md), d.Reason).Scan(&id))
+	return id
+}
+
+// subscribe records group as a reader of topic, as a worker does.
+func subscribe(t *testing.T, db *sql.DB, topic, group string) {
+	t.Helper()
+	_, err := db.Exec(`INSERT INTO pgsaga_subscriptions (topic, consumer_group) VALUES ($1, $2)`, topic, group)
+	require.NoError(t, err)
+}
+
+func replayed(t *testing.T, db *sql.DB, id int64) bool {
+	t.Helper()
+	var at *time.Time
+	require.NoError(t, db.QueryRow(`SELECT replayed_at FROM pgsaga_dead_letters WHERE id = $1`, id).Scan(&at))
+	return at != nil
+}
+
+// requestsOf counts the retries and cancels asked for saga id.
+func requestsOf(t *testing.T, db *sql.DB, id uuid.UUID) int {
+	t.Helper()
+	var n int
+	require.NoError(t, db.QueryRow(`SELECT count(*) FROM saga_requests WHERE saga_id = $1`, id).Scan(&n))
+	return n
+}
+
+// Dead letters of 5 MB each: a listing, of the dead letters or of a
+// saga's, reads and shows a bounded part of each (its size and a preview)
+// however large they are; a dead letter's own page shows more of it, and
+// its download gives the payload byte for byte.
+func TestUIDeadLetterPayloads(t *testing.T) {
+	db := testdb.Fresh(t)
+	owner := insertSaga(t, db.SQL, sqlSaga{Type: "job", Step: "work", Status: saga.StatusFailed, Reason: "it broke"})
+	const n, size = 10, 5 << 20
+	fill := bytes.Repeat([]byte("0123456789abcdef"), size/16)
+	payloads := make([][]byte, n)
+	ids := make([]int64, n)
+	for i := range payloads {
+		p := slices.Clone(fill)
+		copy(p, fmt.Sprintf(`{"dead": %d, "fill": "`, i))
+		copy(p[size/8:], fmt.Sprintf("MIDDLE-%d", i))
+		copy(p[size-16:], fmt.Sprintf("\xff\x00TAIL-%d", i))
+		payloads[i] = p
+		ids[i] = insertDeadLetter(t, db.SQL, sqlDeadLetter{Topic: "big.topic", Group: "big.group", Reason: "too big to handle",
+			Payload: p, Metadata: map[string]string{metadata.SagaID: owner.String()}})
+	}
+	// One whose metadata is too large for a listing to read.
+	wide := insertDeadLetter(t, db.SQL, sqlDeadLetter{Topic: "wide.topic", Group: "wide.group", Reason: "too wide",
+		Metadata: map[string]string{metadata.SagaID: owner.String(), "wide": strings.Repeat("w", transport.DeadLetterListText)}})
+	s := serveTestUI(t, db.URL, uiConfig{}, uiServing{})
+	b := s.browser(t)
+
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	list := b.get("/dead-letters?topic=big.topic")
+	runtime.ReadMemStats(&after)
+	require.Equal(t, http.StatusOK, list.status, list.body)
+	assert.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(size), "the listing took less memory than one payload")
+	sagaPage := b.get("/sagas/" + owner.String())
+	require.Equal(t, http.StatusOK, sagaPage.status)
+	for _, page := range []answer{list, sagaPage} {
+		assert.Less(t, len(page.body), 256<<10, "a page of 10 dead letters of 5 MB")
+		for i, id := range ids {
+			dl := strconv.FormatInt(id, 10)
+			assert.Contains(t, page.body, `id="dl-`+dl+`"`)
+			assert.Contains(t, page.body, `href="/dead-letters/`+dl+`"`, "a link to the dead letter's page")
+			assert.Contains(t, page.body, `href="/dead-letters/`+dl+`/payload"`, "a link to its payload")
+			assert.Contains(t, page.body, "first 256 of 5,242,880 bytes")
+			assert.Contains(t, page.body, fmt.Sprintf(`{&#34;dead&#34;: %d, &#34;fill&#34;: &#34;56789abcdef`, i), "a preview")
+			assert.NotContains(t, page.body, fmt.Sprintf("MIDDLE-%d", i))
+			assert.NotContains(t, page.body, fmt.Sprintf("TAIL-%d", i))
+		}
+	}
+
+	assert.Contains(t, sagaPage.body, "1 dead letter searched had metadata too large to list (over 4,096 bytes), so whether they name this saga is not known")
+	wideList := b.get("/dead-letters?topic=wide.topic")
+	assert.Regexp(t, `<p class="hint">4,\d{3} bytes, too many to list: the dead letter&#39;s page shows them.</p>`, wideList.body)
+	assert.NotContains(t, wideList.body, strings.Repeat("w", 100))
+	widePage := b.get("/dead-letters/" + strconv.FormatInt(wide, 10))
+	assert.Contains(t, widePage.body, strings.Repeat("w", transport.DeadLetterListText), "its page shows all of its metadata")
+	assert.Contains(t, widePage.body, `href="/sagas/`+owner.String()+`"`)
+
+	// One dead letter: its page shows the first MiB; its download, all.
+	dl := strconv.FormatInt(ids[3], 10)
+	one := b.get("/dead-letters/" + dl)
+	require.Equal(t, http.StatusOK, one.status, one.body)
+	assert.Contains(t, one.body, "MIDDLE-3")
+	assert.NotContains(t, one.body, "TAIL-3")
+	assert.Contains(t, one.body, "first 1,048,576 of 5,242,880 bytes")
+	assert.Contains(t, one.body, `href="/dead-letters/`+dl+`/payload"`)
+	assert.Contains(t, one.body, `action="/dead-letters/`+dl+`/replay"`, "its Replay button")
+	assert.Contains(t, one.body, "too big to handle")
+	assert.Less(t, len(one.body), 2<<20)
+	got := b.get("/dead-letters/" + dl + "/payload")
+	require.Equal(t, http.StatusOK, got.status)
+	assert.Equal(t, "application/octet-stream", got.header.Get("Content-Type"))
+	assert.Equal(t, `attachment; filename="dead-letter-`+dl+`.bin"`, got.header.Get("Content-Disposition"))
+	assert.Equal(t, "nosniff", got.header.Get("X-Content-Type-Options"))
+	assert.Equal(t, strconv.Itoa(size), got.header.Get("Content-Length"))
+	assert.True(t, got.body == string(payloads[3]), "the payload byte for byte (%d bytes, want %d)", len(got.body), size)
+
+	// A preview cut within a character leaves it out; a reason cut says so.
+	accents := insertDeadLetter(t, db.SQL, sqlDeadLetter{Topic: "cut.topic", Group: "cut.group", Reason: strings.Repeat("r", 5000),
+		Payload: []byte(strings.Repeat("a", transport.DeadLetterPreviewBytes-1) + "é and more")})
+	cut := b.get("/dead-letters?topic=cut.topic")
+	assert.Contains(t, cut.body, `id="dl-`+strconv.FormatInt(accents, 10)+`"`)
+	assert.Contains(t, cut.body, strings.Repeat("a", transport.DeadLetterPreviewBytes-1)+"</pre>")
+	assert.NotContains(t, cut.body, "not valid UTF-8")
+	assert.NotContains(t, cut.body, "\uFFFD")
+	assert.Contains(t, cut.body, "The first 4,096 of 5,000 characters: the dead letter&#39;s page has all of it.")
+	assert.NotContains(t, cut.body, strings.Repeat("r", 4097))
+	assert.Contains(t, b.get("/dead-letters/"+strconv.FormatInt(accents, 10)).body, strings.Repeat("r", 5000))
+
+	// A small one is shown whole, as JSON.
+	small := insertDeadLetter(t, db.SQL, sqlDeadLetter{Topic: "small.topic", Group: "small.group", Reason: "refused",
+		Payload: []byte(`{"order":"o-1","cents":500}`)})
+	page := b.get("/dead-letters/" + strconv.FormatInt(small, 10))
+	require.Equal(t, http.StatusOK, page.status)
+	assert.Contains(t, page.body, "{\n  &#34;order&#34;: &#34;o-1&#34;,\n  &#34;cents&#34;: 500\n}")
+	assert.Contains(t, page.body, "27 bytes")
+
+	for path, want := range map[string]struct {
+		status int
+		text   string
+	}{
+		"/dead-letters/999999999":         {404, "No dead letter has the id 999999999"},
+		"/dead-letters/999999999/payload": {404, "No dead letter has the id 999999999"},
+		"/dead-letters/x":                 {400, "&#34;x&#34; is not a dead letter id"},
+		"/dead-letters/0/payload":         {400, "&#34;0&#34; is not a dead letter id"},
+		"/dead-letters/-1":                {400, "&#34;-1&#34; is not a dead letter id"},
+	} {
+		a := b.get(path)
+		assert.Equal(t, want.status, a.status, path)
+		assert.Contains(t, a.body, want.text, path)
+	}
+}
+
+// unsafeText finds what a page must not hold: invalid UTF-8, and control
+// and bidi characters (besides tab and line ends).
+var unsafeText = regexp.MustCompile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\u0080-\u009f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+// Text from the database reaches the pages without its control and bidi
+// characters, shown as \x1b, \x07, \u202e...: in tables, headings, the
+// timeline picture, a dead letter's page, a message after a button, an
+// error page.
+func TestUIEscapesControlCharacters(t *testing.T) {
+	db := testdb.Fresh(t)
+	hostile := func(s string) string { return s + "\x1b[31m red\a \u202etxt.exe\u009b2J \u2066x\u2069\u200f\x7f" }
+	const shown = `\x1b[31m red\x07 \u202etxt.exe\u009b2J \u2066x\u2069\u200f\x7f`
+	id := insertSaga(t, db.SQL, sqlSaga{Type: hostile("job"), Step: hostile("work"), MessageID: hostile("msg"), Detail: hostile("detail"),
+		Reason: hostile("reason"), Correlation: hostile("corr"), Status: saga.StatusFailed})
+	dl := insertDeadLetter(t, db.SQL, sqlDeadLetter{UUID: hostile("uuid"), Topic: hostile("topic"), Group: hostile("group"), Reason: hostile("why"),
+		Payload: []byte(hostile("payload")), Metadata: map[string]string{metadata.SagaID: id.String(), hostile("key"): hostile("value")}})
+	subscribe(t, db.SQL, hostile("topic"), hostile("other"))
+	s := serveTestUI(t, db.URL, uiConfig{}, uiServing{})
+	b := s.browser(t)
+	dlPath := "/dead-letters/" + strconv.FormatInt(dl, 10)
+
+	pages := map[string]answer{}
+	for _, path := range []string{"/sagas", "/sagas?saga=" + url.QueryEscape(hostile("job")), "/sagas/" + id.String(), "/dead-letters", dlPath, "/consumers"} {
+		pages[path] = b.get(path)
+		assert.Equal(t, http.StatusOK, pages[path].status, path)
+	}
+	pages["a message after a button"] = b.follow(b.press(dlPath+"/replay", url.Values{"return": {dlPath}}))
+	_, msg := flashOf(t, pages["a message after a button"].body)
+	assert.Contains(t, msg, "group"+shown)
+	pages["an error page"] = b.get("/no-page-" + url.PathEscape(hostile("here")))
+	assert.Equal(t, http.StatusNotFound, pages["an error page"].status)
+	for name, page := range pages {
+		assert.True(t, utf8.ValidString(page.body), name)
+		assert.Empty(t, unsafeText.FindAllString(page.body, -1), name)
+		assert.Contains(t, page.body, shown, name)
+	}
+	sagaPage := pages["/sagas/"+id.String()].body
+	for _, what := range []string{"job", "work", "msg", "detail", "reason", "corr"} {
+		assert.Contains(t, sagaPage, what+shown, what)
+	}
+	assert.Regexp(t, `<text class="lane-label" [^>]*>work\\x1b`, sagaPage, "the timeline picture's lane")
+	assert.Contains(t, sagaPage, "<title>Saga "+id.String()+" · pgsaga</title>")
+	for _, what := range []string{"uuid", "topic", "group", "why", "payload", "key", "value"} {
+		assert.Contains(t, pages[dlPath].body, what+shown, what)
+	}
+	assert.Contains(t, pages["/dead-letters"].body, "payload"+shown)
+	assert.Contains(t, pages["/consumers"].body, "other"+shown)
+	assert.Contains(t, pages["/sagas?saga="+url.QueryEscape(hostile("job"))].body, "<h1>Sagas <span class=\"muted\">· job"+shown)
+}
+
+// Input that is not text (bytes that are not UTF-8, a NUL), or not what a
+// filter or an id takes, is a 400 with a sentence that does not repeat the
+// bytes, and changes nothing.
+func TestUIBadInput(t *testing.T) {
+	db := testdb.Fresh(t)
+	id := insertSaga(t, db.SQL, sqlSaga{Type: "job", Step: "work", Status: saga.StatusRunning})
+	dl := insertDeadLetter(t, db.SQL, sqlDeadLetter{Topic: "t", Group: "g", Reason: "r"})
+	subscribe(t, db.SQL, "t", "g")
+	s := serveTestUI(t, db.URL, uiConfig{}, uiServing{})
+	b := s.browser(t)
+	for _, path := range []string{
+		"/sagas?saga=%ff", "/sagas?saga=a%00b", "/sagas?status=%ff", "/sagas?status=running,%ff", "/sagas?older-than=%ff", "/sagas?%ff=1",
+		"/sagas?saga=%zz", "/sagas?limit=99999999999999999999", "/sagas?limit=-1", "/sagas?older-than=99999999999999h",
+		"/dead-letters?topic=%ff", "/dead-letters?topic=%00", "/dead-letters?after=-1", "/dead-letters?after=99999999999999999999",
+		"/dead-letters?limit=%ff", "/dead-letters/%ff", "/dead-letters/99999999999999999999", "/dead-letters/1%ff/payload",
+		"/consumers?stale=%ff", "/consumers?stale=99999999999999h", "/sagas/" + id.String() + "?request=%ff", "/sagas/%ff",
+	} {
+		a := b.get(path)
+		assert.Equal(t, http.StatusBadRequest, a.status, path)
+		assert.True(t, utf8.ValidString(a.body), path)
+		assert.NotContains(t, a.body, "\x00", path)
+		assert.Contains(t, a.body, `id="error-message"`, path)
+	}
+	for _, form := range []url.Values{{"reason": {"\xff"}}, {"reason": {"a\x00b"}}, {"\xff": {"x"}}} {
+		for _, path := range []string{"/sagas/" + id.String() + "/cancel", "/sagas/" + id.String() + "/retry"} {
+			a := b.press(path, form)
+			assert.Equal(t, http.StatusBadRequest, a.status, "%s %q", path, form)
+			assert.True(t, utf8.ValidString(a.body))
+		}
+	}
+	a := b.press("/dead-letters/"+strconv.FormatInt(dl, 10)+"/replay", url.Values{"return": {"/dead-letters?topic=\xff"}})
+	assert.Equal(t, http.StatusBadRequest, a.status)
+	assert.Zero(t, requestsOf(t, db.SQL, id), "nothing was asked")
+	assert.False(t, replayed(t, db.SQL, dl), "nothing was replayed")
 }

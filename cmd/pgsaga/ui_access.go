@@ -1,0 +1,480 @@
+package main
+
+// Who may use the web view, and from where: the listening address, the
+// host names it answers to, the login, the origin of a button press, and
+// what a request may hold.
+
+import (
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/base64"
+	"fmt"
+	"io"
+	"maps"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"unicode/utf8"
+
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// The environment variables that give the web view its login. A secret is
+// never a flag: every user of the machine can read a command line.
+const (
+	envUIToken        = "PGSAGA_UI_TOKEN"
+	envUITokenFile    = "PGSAGA_UI_TOKEN_FILE"
+	envUIUser         = "PGSAGA_UI_USER"
+	envUIPassword     = "PGSAGA_UI_PASSWORD"
+	envUIPasswordFile = "PGSAGA_UI_PASSWORD_FILE"
+)
+
+const (
+	// minSecret is the fewest characters a password or token may have:
+	// nothing slows down guessing.
+	minSecret = 16
+	// maxSecretFile bounds what a secret file may hold.
+	maxSecretFile = 4096
+	// uiRealm names the protection space in a challenge.
+	uiRealm = "pgsaga ui"
+)
+
+// uiAuth is the web view's login: a user and password (HTTP basic
+// authentication), a bearer token, or both, either of which lets a request
+// in. It keeps their SHA-256 digests, which it compares in constant time.
+type uiAuth struct {
+	basic          bool
+	user, password [sha256.Size]byte
+	bearer         bool
+	token          [sha256.Size]byte
+}
+
+// uiAuthFromEnv reads the login from the environment (getenv): nil if none
+// is configured; an error, which never holds a secret, if one cannot be
+// used.
+func uiAuthFromEnv(getenv func(string) string) (*uiAuth, error) {
+	token, tokenFrom, err := secretFrom(getenv, envUIToken, envUITokenFile)
+	if err != nil {
+		return nil, err
+	}
+	password, passwordFrom, err := secretFrom(getenv, envUIPassword, envUIPasswordFile)
+	if err != nil {
+		return nil, err
+	}
+	user := getenv(envUIUser)
+	var a uiAuth
+	switch {
+	case user != "" && password == "":
+		return nil, fmt.Errorf("%s needs %s or %s", envUIUser, envUIPassword, envUIPasswordFile)
+	case user == "" && password != "":
+		return nil, fmt.Errorf("%s needs %s, the user to log in as", passwordFrom, envUIUser)
+	case user != "":
+		if strings.Contains(user, ":") {
+			return nil, fmt.Errorf("%s must not hold a colon", envUIUser)
+		}
+		if err := checkSecret(envUIUser, user, 1); err != nil {
+			return nil, err
+		}
+		if err := checkSecret(passwordFrom, password, minSecret); err != nil {
+			return nil, err
+		}
+		a.basic, a.user, a.password = true, sha256.Sum256([]byte(user)), sha256.Sum256([]byte(password))
+	}
+	if token != "" {
+		if err := checkSecret(tokenFrom, token, minSecret); err != nil {
+			return nil, err
+		}
+		for _, c := range []byte(token) {
+			if c <= ' ' || c >= 0x7f {
+				return nil, fmt.Errorf("%s may hold only visible ASCII characters (no spaces)", tokenFrom)
+			}
+		}
+		a.bearer, a.token = true, sha256.Sum256([]byte(token))
+	}
+	if !a.basic && !a.bearer {
+		return nil, nil
+	}
+	return &a, nil
+}
+
+// secretFrom is the secret the variable name gives, or the file fileName
+// names ("" if neither is set), and which of the two gave it.
+func secretFrom(getenv func(string) string, name, fileName string) (secret, from string, err error) {
+	value, path := getenv(name), getenv(fileName)
+	switch {
+	case value != "" && path != "":
+		return "", "", fmt.Errorf("set %s or %s, not both", name, fileName)
+	case path != "":
+		secret, err := readSecretFile(fileName, path)
+		return secret, fileName, err
+	}
+	return value, name, nil
+}
+
+// readSecretFile reads the secret in the file at path (named by the
+// variable name), without the line end it may have. It refuses a file that
+// every user of the machine may read or write (as ssh refuses a private key,
+// and libpq a password file): whoever can read it has the login, and
+// whoever can write it can choose it.
+func readSecretFile(name, path string) (string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", name, err)
+	}
+	defer f.Close()
+	info, err := f.Stat()
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", name, err)
+	}
+	if !info.Mode().IsRegular() {
+		return "", fmt.Errorf("%s %s is not a regular file", name, path)
+	}
+	if perm := info.Mode().Perm(); perm&0o007 != 0 {
+		return "", fmt.Errorf("%s %s may be read or written by every user of this machine (mode %04o): chmod o-rwx it", name, path, perm)
+	}
+	raw, err := io.ReadAll(io.LimitReader(f, maxSecretFile+1))
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", name, err)
+	}
+	if len(raw) > maxSecretFile {
+		return "", fmt.Errorf("%s %s is longer than %d bytes: it must hold the secret alone", name, path, maxSecretFile)
+	}
+	s := strings.TrimSuffix(strings.TrimSuffix(string(raw), "\n"), "\r")
+	if s == "" {
+		return "", fmt.Errorf("%s %s is empty", name, path)
+	}
+	return s, nil
+}
+
+// checkSecret says what is wrong with the value of the variable name, if
+// anything, without saying the value.
+func checkSecret(name, value string, minLen int) error {
+	switch {
+	case !utf8.ValidString(value):
+		return fmt.Errorf("%s is not UTF-8 text", name)
+	case strings.IndexFunc(value, unsafeRune) >= 0:
+		return fmt.Errorf("%s holds a control character", name)
+	case utf8.RuneCountInString(value) < minLen:
+		return fmt.Errorf("%s is too short: at least %d characters", name, minLen)
+	}
+	return nil
+}
+
+// allows reports whether r carries the login.
+func (a *uiAuth) allows(r *http.Request) bool {
+	scheme, cred, _ := strings.Cut(r.Header.Get("Authorization"), " ")
+	switch {
+	case a.basic && strings.EqualFold(scheme, "Basic"):
+		raw, err := base64.StdEncoding.DecodeString(strings.TrimSpace(cred))
+		if err != nil {
+			return false
+		}
+		user, password, ok := strings.Cut(string(raw), ":")
+		u, p := sha256.Sum256([]byte(user)), sha256.Sum256([]byte(password))
+		return ok && subtle.ConstantTimeCompare(u[:], a.user[:])&subtle.ConstantTimeCompare(p[:], a.password[:]) == 1
+	case a.bearer && strings.EqualFold(scheme, "Bearer"):
+		t := sha256.Sum256([]byte(strings.TrimSpace(cred)))
+		return subtle.ConstantTimeCompare(t[:], a.token[:]) == 1
+	}
+	return false
+}
+
+// checkAuth answers 401, with a challenge for each way to log in, a
+// request without the login, if one is configured.
+func (u *webUI) checkAuth(next http.Handler) http.Handler {
+	a := u.cfg.Auth
+	if a == nil {
+		return next
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if a.allows(r) {
+			next.ServeHTTP(w, r)
+			return
+		}
+		if a.basic {
+			w.Header().Add("WWW-Authenticate", `Basic realm="`+uiRealm+`", charset="UTF-8"`)
+		}
+		if a.bearer {
+			w.Header().Add("WWW-Authenticate", `Bearer realm="`+uiRealm+`"`)
+		}
+		u.log.Info("ui: login refused", "method", r.Method, "path", r.URL.Path, "credential", credentialKind(r), "remote", r.RemoteAddr)
+		plainError(w, http.StatusUnauthorized, "pgsaga ui: log in first.")
+	})
+}
+
+// credentialKind is the kind of credential r carries, for the log: none,
+// basic, bearer or other (never any of the header itself, which may be a
+// secret sent without its scheme).
+func credentialKind(r *http.Request) string {
+	h := r.Header.Get("Authorization")
+	scheme, _, _ := strings.Cut(h, " ")
+	switch {
+	case h == "":
+		return "none"
+	case strings.EqualFold(scheme, "Basic"):
+		return "basic"
+	case strings.EqualFold(scheme, "Bearer"):
+		return "bearer"
+	}
+	return "other"
+}
+
+// plainError answers a request refused before it may see anything of the
+// database: a line of text, not a page (which says where the database is).
+func plainError(w http.ResponseWriter, status int, msg string) {
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	w.WriteHeader(status)
+	_, _ = io.WriteString(w, printable(msg)+"\n")
+}
+
+// --- the address and the host names -----------------------------------------
+
+// checkAddr says what is wrong with a listening address, if anything.
+func checkAddr(addr string) error {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("--addr %q: want host:port, like 127.0.0.1:8080", addr)
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
+		return fmt.Errorf("--addr %q: the port must be a number from 0 to 65535", addr)
+	}
+	if host != "" && net.ParseIP(host) == nil && !hostName(host) {
+		return fmt.Errorf("--addr %q: %q is neither an IP address nor a host name", addr, host)
+	}
+	return nil
+}
+
+// hostName reports whether s is a syntactically valid DNS name: not an IP
+// address, so its last label is not a number (999.1.1.1 is neither).
+func hostName(s string) bool {
+	if len(s) > 253 {
+		return false
+	}
+	labels := strings.Split(s, ".")
+	if _, err := strconv.Atoi(labels[len(labels)-1]); err == nil {
+		return false
+	}
+	for _, label := range labels {
+		if label == "" || len(label) > 63 || label[0] == '-' || label[len(label)-1] == '-' {
+			return false
+		}
+		for _, c := range label {
+			if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-') {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// checkAllowHost is an --allow-host value as Host headers and origins
+// write it (lower case, an IPv6 address in brackets), or what is wrong
+// with it.
+func checkAllowHost(s string) (string, error) {
+	bad := func(why string) (string, error) {
+		return "", fmt.Errorf("--allow-host %q: %s; want a host name or IP address, optionally with :port, like ui.example.com or ui.example.com:8443", s, why)
+	}
+	host, port, err := net.SplitHostPort(s)
+	if err != nil {
+		host, port = strings.TrimSuffix(strings.TrimPrefix(s, "["), "]"), ""
+	} else if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
+		return bad("the port must be a number from 1 to 65535")
+	}
+	host = strings.ToLower(host)
+	switch ip := net.ParseIP(host); {
+	case ip != nil && strings.Contains(host, ":"):
+		host = "[" + host + "]"
+	case ip == nil && !hostName(host):
+		return bad("not a host name")
+	}
+	if port != "" {
+		return host + ":" + port, nil
+	}
+	return host, nil
+}
+
+// loopbackAddr reports whether the listening address addr is on the
+// loopback interface only: 127.0.0.0/8, ::1 or localhost. Anything else
+// (0.0.0.0, ::, another address, another host name) can be reached from
+// other machines.
+func loopbackAddr(addr string) bool {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	if strings.EqualFold(host, "localhost") {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
+
+// exposedWithout says what a server on addr lacks to be reached from other
+// machines, if anything: a login and the host names it serves.
+func exposedWithout(addr string, auth *uiAuth, allow []string) error {
+	if loopbackAddr(addr) {
+		return nil
+	}
+	var missing []string
+	if auth == nil {
+		missing = append(missing, fmt.Sprintf("a login (set %s or %s, or %s with %s or %s)", envUIToken, envUITokenFile, envUIUser, envUIPassword, envUIPasswordFile))
+	}
+	if len(allow) == 0 {
+		missing = append(missing, "the host names it is reached by (--allow-host NAME, once for each)")
+	}
+	if missing == nil {
+		return nil
+	}
+	return fmt.Errorf("--addr %s can be reached from other machines, so the web view needs %s; or listen on 127.0.0.1", addr, strings.Join(missing, " and "))
+}
+
+// allowedHosts is the Host headers (and origins' hosts) a server
+// listening on bound answers to, lower case. On loopback, the machine's
+// own names for it with its port (a page of another site whose name was
+// pointed at 127.0.0.1, DNS rebinding, gets nothing), and without one on
+// port 80. Then the names allow gives (checkAllowHost): one with a port on
+// that port; one without on the port it listens on, and with none (behind
+// a proxy on the default port).
+func allowedHosts(loopback bool, flagAddr string, bound net.Addr, allow []string) []string {
+	port := "0"
+	var names []string
+	if loopback {
+		names = []string{"localhost", "127.0.0.1", "::1"}
+	}
+	if tcp, ok := bound.(*net.TCPAddr); ok {
+		port = strconv.Itoa(tcp.Port)
+		if loopback {
+			names = append(names, tcp.IP.String())
+		}
+	}
+	if h, _, err := net.SplitHostPort(flagAddr); err == nil && h != "" && loopback {
+		names = append(names, h)
+	}
+	var out []string
+	add := func(hosts ...string) {
+		for _, h := range hosts {
+			if !slices.Contains(out, h) {
+				out = append(out, h)
+			}
+		}
+	}
+	for _, n := range names {
+		h := strings.ToLower(net.JoinHostPort(n, port))
+		add(h)
+		if port == "80" {
+			add(strings.TrimSuffix(h, ":80"))
+		}
+	}
+	for _, a := range allow {
+		if _, _, err := net.SplitHostPort(a); err == nil {
+			add(a)
+		} else {
+			add(a+":"+port, a)
+		}
+	}
+	return out
+}
+
+// answersTo reports whether host (a Host header, or an origin's host) is
+// one of the server's names.
+func (u *webUI) answersTo(host string) bool {
+	return slices.Contains(u.cfg.Hosts, strings.ToLower(host))
+}
+
+// checkHost refuses a request for a host name the server does not answer
+// to (see allowedHosts), saying nothing of the database: a page of a site
+// whose name was pointed at this machine can read the answer.
+func (u *webUI) checkHost(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if u.answersTo(r.Host) {
+			next.ServeHTTP(w, r)
+			return
+		}
+		u.logRefusal(r)
+		plainError(w, http.StatusForbidden, fmt.Sprintf("pgsaga ui: this server does not answer to the host name %q (see --allow-host).", r.Host))
+	})
+}
+
+// checkOrigin refuses a request that changes something (anything but GET
+// and HEAD) unless it comes from a page of one of the server's names: the
+// Origin the browser sends, never the Host the request names (a page whose
+// name was pointed at this machine names its own).
+func (u *webUI) checkOrigin(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodGet || r.Method == http.MethodHead {
+			next.ServeHTTP(w, r)
+			return
+		}
+		if err := u.sameOrigin(r); err != nil {
+			u.logRefusal(r)
+			u.render(w, r, http.StatusForbidden, pageError, "", errorView{Status: http.StatusForbidden, StatusText: http.StatusText(http.StatusForbidden),
+				Message: "Refused: " + err.Error() + ". Use the buttons of these pages; nothing was changed."})
+			return
+		}
+		r.Body = http.MaxBytesReader(w, r.Body, 64<<10)
+		next.ServeHTTP(w, r)
+	})
+}
+
+func (u *webUI) sameOrigin(r *http.Request) error {
+	switch site := r.Header.Get("Sec-Fetch-Site"); site {
+	case "", "same-origin":
+	default:
+		return fmt.Errorf("the request came from another site (Sec-Fetch-Site: %q)", site)
+	}
+	origin := r.Header.Get("Origin")
+	if origin == "" {
+		return fmt.Errorf("the request does not say where it comes from (no Origin header; a script must send the origin of a page of this server, like http://%s)", u.cfg.Hosts[0])
+	}
+	o, err := url.Parse(origin)
+	if err != nil || o.Scheme != "http" && o.Scheme != "https" || o.Host == "" || o.User != nil || o.Path != "" || o.RawQuery != "" || o.Fragment != "" ||
+		!u.answersTo(o.Host) {
+		return fmt.Errorf("the request came from %q, not from a page of this server", origin)
+	}
+	return nil
+}
+
+func (u *webUI) logRefusal(r *http.Request) {
+	u.log.Warn("ui: request refused", "method", r.Method, "path", r.URL.Path, "host", r.Host, "origin", r.Header.Get("Origin"),
+		"sec_fetch_site", r.Header.Get("Sec-Fetch-Site"), "remote", r.RemoteAddr)
+}
+
+// --- what a request may hold ------------------------------------------------
+
+// checkInput answers 400 a request whose query or form cannot be read, or
+// holds a name or value that is not text PostgreSQL can keep (bytes that
+// are not UTF-8, a NUL): no filter or button takes one, and the database
+// would refuse it. The page names the parameter, escaped, not its value.
+func (u *webUI) checkInput(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var err error
+		if perr := r.ParseForm(); perr != nil {
+			err = badRequest("Bad request: the query or form could not be read (%v); nothing was done.", perr)
+		} else {
+			err = unreadableForm(r.Form)
+		}
+		if err != nil {
+			u.page(func(http.ResponseWriter, *http.Request) error { return err }).ServeHTTP(w, r)
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+func unreadableForm(form url.Values) error {
+	for _, name := range slices.Sorted(maps.Keys(form)) {
+		if why := transport.Unstorable(name); why != "" {
+			return badRequest("Bad request: the name of a parameter holds %s; nothing was done.", why)
+		}
+		for _, v := range form[name] {
+			if why := transport.Unstorable(v); why != "" {
+				return badRequest("Bad request: %q holds %s; nothing was done.", name, why)
+			}
+		}
+	}
+	return nil
+}
