@@ -161,9 +161,15 @@ func buildTimeline(in saga.Instance, now time.Time) *svgTimeline {
 			closeBar(k, h.At, outcome)
 		case "deadline":
 			points = append(points, pointMark{"deadline", h.At, lane, k.phase, label + "\ndeadline passed " + sinceStart(h.At, t0) + withDetail(h.Detail)})
-		case "gave_up":
+		case "waiting":
+			points = append(points, pointMark{"deadline", h.At, lane, k.phase, label + "\nnot left this database yet " + sinceStart(h.At, t0) + withDetail(h.Detail)})
+		case "gave_up", "timed_out":
+			what := "gave up "
+			if h.Kind == "timed_out" {
+				what = "the saga timed out "
+			}
 			if i, ok := open[k]; ok {
-				bars[i].Title += "\ngave up " + sinceStart(h.At, t0) + withDetail(h.Detail)
+				bars[i].Title += "\n" + what + sinceStart(h.At, t0) + withDetail(h.Detail)
 			}
 			closeBar(k, h.At, "gave_up")
 		case "cancelled":

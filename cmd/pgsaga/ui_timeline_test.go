@@ -144,3 +144,23 @@ func TestNiceStep(t *testing.T) {
 		assert.InDelta(t, want, niceStep(rough), want*1e-9, "%v", rough)
 	}
 }
+
+// A command found waiting in this database is marked where it was found;
+// a saga that timed out closes its action's bar as given up on.
+func TestTimelinePictureOfAWaitAndATimeout(t *testing.T) {
+	finished := at(900)
+	in := saga.Instance{ID: uuid.New(), Status: saga.StatusCompensated, CreatedAt: t0, FinishedAt: &finished, History: []saga.HistoryEntry{
+		entry(1, "started", "", "", 0),
+		entry(2, "sent", "ship", saga.PhaseAction, 1),
+		entry(300, "waiting", "ship", saga.PhaseAction, 1),
+		entry(600, "timed_out", "ship", saga.PhaseAction, 1),
+		entry(600, "compensated", "", "", 0),
+	}}
+	tl := buildTimeline(in, at(5000))
+	require.NotNil(t, tl)
+	require.Len(t, tl.Bars, 1)
+	assert.Equal(t, "gave_up", tl.Bars[0].Outcome)
+	assert.Contains(t, tl.Bars[0].Title, "the saga timed out")
+	require.Len(t, tl.Marks, 1)
+	assert.Contains(t, tl.Marks[0].Title, "not left this database yet")
+}
