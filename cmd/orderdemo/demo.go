@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pgsaga/pgsaga/internal/brokers"
@@ -314,7 +313,7 @@ func (d *demo) forgetOtherMode(ctx context.Context) error {
 // its URL.
 func (d *demo) openPaymentsDB(ctx context.Context, opts options) (string, error) {
 	url := os.Getenv(paymentsDatabaseEnv)
-	where := "database from " + paymentsDatabaseEnv + ": " + pgdb.Redact(url)
+	where := pgdb.Describe(url) + " from " + paymentsDatabaseEnv
 	if url == "" {
 		var err error
 		if url, err = d.found.Sibling(ctx, "payments"); err != nil {
@@ -344,11 +343,11 @@ const paymentsDatabaseEnv = "PAYMENTS_DATABASE_URL"
 
 // databaseName is the database a URL names.
 func databaseName(url string) string {
-	cfg, err := pgx.ParseConfig(url)
+	cfg, err := pgdb.ParseConfig(url)
 	if err != nil {
 		return "?"
 	}
-	return cfg.Database
+	return cfg.ConnConfig.Database
 }
 
 // openBroker connects to the -payments-service broker (each service has

@@ -139,7 +139,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 		return nil, err
 	}
 	b.url = url
-	fmt.Fprintf(b.status, "using a fresh database %s on %s\n", b.dbName, found.Describe())
+	fmt.Fprintf(b.status, "using a fresh database %s next to %s\n", b.dbName, found.Describe())
 
 	maxConns, need := opts.connections()
 	if err := b.checkConnections(ctx, need); err != nil {

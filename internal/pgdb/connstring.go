@@ -2,78 +2,165 @@ package pgdb
 
 import (
 	"errors"
-	"net/url"
+	"fmt"
+	"net"
+	"path"
+	"regexp"
+	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// mask replaces every password Redact finds.
-const mask = "xxxxx"
+// ErrUnparseable is returned for a connection string pgdb will not use:
+// pgx cannot parse it, or it can but a password may have spilled out of
+// its place into a part that is shown (see ParseConfig). The error's
+// message holds no part of the string, only its length and, where that
+// gives nothing of the string away, pgx's reason.
+var ErrUnparseable = errors.New("unparseable connection string")
 
-// Unreadable is what Redact returns for a connection string pgx cannot
-// split into its parts: where a password ends in it is anybody's guess, so
-// none of it is shown.
-const Unreadable = "[connection string hidden: it does not parse]"
+type unparseableError struct {
+	size   int
+	reason string
+}
+
+func (e *unparseableError) Error() string {
+	if e.reason == "" {
+		return "pgdb: " + unparseable(e.size)
+	}
+	return "pgdb: " + unparseable(e.size) + ": " + e.reason
+}
+
+func (e *unparseableError) Is(target error) bool { return target == ErrUnparseable }
+
+func unparseable(size int) string {
+	return fmt.Sprintf("an unparseable connection string (%d bytes)", size)
+}
+
+// ParseConfig parses connString, a libpq URL or keyword/value string, as
+// Open does (pgxpool.ParseConfig). Its errors are ErrUnparseable: pgx's
+// quote the string, with the passwords they recognise masked, which a
+// malformed string defeats. It also refuses strings pgx reads whose
+// password may have landed in the host list, the user or the database
+// name, which Describe and pgx's connection errors show:
+//   - a URL with an '@' other than the one that ends its user and
+//     password: pgx ends the userinfo at the first '@' before any '/', so
+//     an unencoded '/' or '@' in the password puts the rest of it among the
+//     hosts, the database or the query (write them %2F and %40);
+//   - a keyword/value string with a quote in a host, user or database
+//     name: a quoted password holding an unescaped quote ends there, and
+//     the rest of it is read as other settings;
+//   - a password or sslpassword setting spelt with capitals (PASSWORD=):
+//     pgx takes it for a server setting and would send it to the server
+//     as one.
+func ParseConfig(connString string) (*pgxpool.Config, error) {
+	cfg, err := pgxpool.ParseConfig(connString)
+	if err != nil {
+		return nil, &unparseableError{size: len(connString), reason: pgxReason(err)}
+	}
+	if reason := doubt(connString, &cfg.ConnConfig.Config); reason != "" {
+		return nil, &unparseableError{size: len(connString), reason: reason}
+	}
+	return cfg, nil
+}
+
+// Describe says which database connString connects to, for people: the
+// database, the user and the servers (host:port, or a Unix socket's path),
+// as in "database pgsaga as postgres on 127.0.0.1:5432". It never shows a
+// password or the string itself: one ParseConfig refuses is described as
+// an unparseable connection string of its length.
+func Describe(connString string) string {
+	cfg, err := ParseConfig(connString)
+	if err != nil {
+		return unparseable(len(connString))
+	}
+	return describe(&cfg.ConnConfig.Config)
+}
+
+func describe(c *pgconn.Config) string {
+	db := c.Database
+	if db == "" {
+		db = c.User // the server's default
+	}
+	return fmt.Sprintf("database %s as %s on %s", db, c.User, strings.Join(servers(c), ", "))
+}
+
+// servers lists the servers c tries, in order, each once (pgx lists a
+// server twice when it tries it with TLS, then without).
+func servers(c *pgconn.Config) []string {
+	var list []string
+	add := func(host string, port uint16) {
+		s := net.JoinHostPort(host, strconv.Itoa(int(port)))
+		if strings.HasPrefix(host, "/") {
+			s = "socket " + path.Join(host, ".s.PGSQL."+strconv.Itoa(int(port)))
+		}
+		if !slices.Contains(list, s) {
+			list = append(list, s)
+		}
+	}
+	add(c.Host, c.Port)
+	for _, f := range c.Fallbacks {
+		add(f.Host, f.Port)
+	}
+	return list
+}
+
+// pgxReasons are the reasons pgx gives for refusing a connection string
+// that hold no part of it (others quote a setting's value).
+var pgxReasons = regexp.MustCompile(`^(failed to parse as (URL|keyword/value)|invalid (port|connect_timeout|sslcertmode|require_auth)|` +
+	`failed to configure TLS|failed to read service|could not match \d+ port numbers to \d+ hosts|` +
+	`min_protocol_version cannot be greater than max_protocol_version|cannot parse pool_[a-z_]+|pool_max_conns too small)$`)
+
+// pgxReason is pgx's reason for refusing a connection string, if it is
+// one of pgxReasons, else "".
+func pgxReason(err error) string {
+	var pce *pgconn.ParseConfigError
+	if !errors.As(err, &pce) {
+		return ""
+	}
+	bare := *pce
+	bare.ConnString = "" // its message: "cannot parse ``: reason (cause)"
+	reason := strings.TrimPrefix(bare.Error(), "cannot parse ``: ")
+	if cause := errors.Unwrap(pce); cause != nil {
+		reason = strings.TrimSuffix(reason, " ("+cause.Error()+")")
+	}
+	if !pgxReasons.MatchString(reason) {
+		return ""
+	}
+	return reason
+}
 
 // passwordKeys are the settings whose values are secrets.
 var passwordKeys = map[string]bool{"password": true, "sslpassword": true}
 
-// Redact returns connString, a libpq URL or keyword/value string, with every
-// password in it masked, so it can be printed or logged: the URL's userinfo
-// password, password= and sslpassword= query parameters, and password= and
-// sslpassword= keyword values, quoted or not. The rest of the string is
-// left as written.
-//
-// It splits the string the way pgx (and libpq) does, masks, then has pgx
-// itself read the result: if pgx still finds a password other than the
-// mask there, or the string cannot be split, it returns Unreadable.
-func Redact(connString string) string {
-	var (
-		out string
-		err error
-	)
+// doubt says why connString, which pgx parsed as c, may hold a password
+// elsewhere than in its password settings (see ParseConfig), or "".
+func doubt(connString string, c *pgconn.Config) string {
 	if isURI(connString) {
-		out, err = redactURI(connString)
+		p := connString[strings.Index(connString, "://")+3:]
+		n := strings.Count(p, "@")
+		if n > 1 || n == 1 && p[strings.IndexAny(p, "@/")] == '/' {
+			return "an '@' outside its user and password (write a '/' or '@' in a password as %2F or %40, and any other '@' as %40)"
+		}
 	} else {
-		out, err = redactKeywordValue(connString)
+		for _, name := range append(servers(c), c.User, c.Database) {
+			if strings.Contains(name, "'") {
+				return "a quote in a host, user or database name (quote a value that holds a quote, and escape the quote: password='it\\'s')"
+			}
+		}
 	}
-	if err != nil || missedPassword(out) {
-		return Unreadable
+	for k := range c.RuntimeParams {
+		if passwordKeys[strings.ToLower(k)] && !passwordKeys[k] {
+			return "a password setting spelt with capitals (write password= or sslpassword=)"
+		}
 	}
-	return out
+	return ""
 }
 
 func isURI(s string) bool {
 	return strings.HasPrefix(s, "postgres://") || strings.HasPrefix(s, "postgresql://")
-}
-
-// decoy is a password that missedPassword gives a masked string where it
-// holds none, so that pgx does not fill one in from PGPASSWORD or the
-// password file.
-const decoy = "pgdb-redact-decoy"
-
-// missedPassword reports whether pgx reads from masked a password other
-// than the mask (or the decoy): a position the masking missed. Strings pgx
-// rejects for another reason (a bad port, say) cannot be checked; the
-// split, which mirrors pgx's, stands alone for them.
-func missedPassword(masked string) bool {
-	probe := "password=" + decoy + " " + masked // a later setting wins
-	if isURI(masked) {
-		u, err := splitURI(masked)
-		if err != nil {
-			return true
-		}
-		if u.password == "" { // else a masked one, which the query may override
-			u.userinfo, u.hasPassword, u.password = true, true, decoy
-		}
-		probe = u.String()
-	}
-	cfg, err := pgconn.ParseConfig(probe)
-	if err != nil {
-		return false
-	}
-	return cfg.Password != mask && cfg.Password != decoy
 }
 
 // uri is a connection URI split as pgx splits it, every part as written.
@@ -165,146 +252,9 @@ func (u uri) String() string {
 	return b.String()
 }
 
-func redactURI(s string) (string, error) {
-	u, err := splitURI(s)
-	if err != nil {
-		return "", err
-	}
-	if u.password != "" { // pgx ignores an empty one
-		u.password = mask
-	}
-	if u.hasQuery {
-		pairs := strings.Split(u.query, "&")
-		for i, pair := range pairs {
-			key, _, hasValue := strings.Cut(pair, "=")
-			if hasValue && passwordKeys[decodeQueryKey(key)] {
-				pairs[i] = key + "=" + mask
-			}
-		}
-		u.query = strings.Join(pairs, "&")
-	}
-	return u.String(), nil
-}
-
-// decodeQueryKey decodes a query key as pgx does: spaces trimmed, %XX
-// decoded, anything else as is.
-func decodeQueryKey(raw string) string {
-	raw = strings.Trim(raw, " ")
-	if k, err := url.PathUnescape(raw); err == nil {
-		return k
-	}
-	return raw
-}
-
-// kvToken is one keyword=value setting of a keyword/value string: the
-// keyword, and where its value, quotes included, starts and ends.
-type kvToken struct {
-	key        string
-	start, end int
-}
-
-var errKeywordValue = errors.New("not a keyword/value connection string")
-
-// splitKeywordValue splits s like pgx's keyword/value parser (libpq's
-// rules): keyword, optional spaces, '=', optional spaces, then a value that
-// is either a run of non-spaces or a single-quoted string, a backslash
-// escaping the next character in both.
-func splitKeywordValue(s string) ([]kvToken, error) {
-	var toks []kvToken
-	i := skipSpace(s, 0)
-	for i < len(s) {
-		eq := strings.IndexByte(s[i:], '=')
-		if eq < 0 {
-			return nil, errKeywordValue
-		}
-		key := strings.TrimRight(s[i:i+eq], " \t\n\r\v\f")
-		if key == "" || strings.ContainsAny(key, " \t\n\r\v\f") {
-			return nil, errKeywordValue
-		}
-		i = skipSpace(s, i+eq+1)
-		start := i
-		if i < len(s) && s[i] == '\'' {
-			end, ok := quotedEnd(s, i+1)
-			if !ok {
-				return nil, errKeywordValue
-			}
-			i = end + 1
-		} else {
-			for i < len(s) && !isSpace(s[i]) {
-				if s[i] == '\\' {
-					i++
-				}
-				i++
-			}
-			i = min(i, len(s))
-		}
-		toks = append(toks, kvToken{key: key, start: start, end: i})
-		i = skipSpace(s, i)
-	}
-	return toks, nil
-}
-
-// quotedEnd returns the index of the quote that closes the quoted value
-// whose text starts at i.
-func quotedEnd(s string, i int) (int, bool) {
-	for ; i < len(s); i++ {
-		switch s[i] {
-		case '\\':
-			i++
-		case '\'':
-			return i, true
-		}
-	}
-	return 0, false
-}
-
-func skipSpace(s string, i int) int {
-	for i < len(s) && isSpace(s[i]) {
-		i++
-	}
-	return i
-}
-
-func isSpace(c byte) bool {
-	return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'
-}
-
-func redactKeywordValue(s string) (string, error) {
-	toks, err := splitKeywordValue(s)
-	if err != nil {
-		return "", err
-	}
-	var b strings.Builder
-	last := 0
-	for _, t := range toks {
-		if !passwordKeys[t.key] {
-			continue
-		}
-		b.WriteString(s[last:t.start])
-		b.WriteString(mask)
-		last = t.end
-	}
-	b.WriteString(s[last:])
-	return b.String(), nil
-}
-
 // kvEscape quotes v as a keyword/value string value.
 func kvEscape(v string) string {
 	v = strings.ReplaceAll(v, `\`, `\\`)
 	v = strings.ReplaceAll(v, `'`, `\'`)
 	return "'" + v + "'"
-}
-
-// redactParseError makes pgx's error about a connection string it could
-// not parse quote the string as Redact does: pgx masks passwords on a
-// best-effort basis only (it shows the end of a quoted password holding an
-// escaped quote, for one). It stays a *pgconn.ParseConfigError.
-func redactParseError(err error, connString string) error {
-	var pce *pgconn.ParseConfigError
-	if !errors.As(err, &pce) {
-		return err
-	}
-	redacted := *pce
-	redacted.ConnString = Redact(connString)
-	return &redacted
 }
