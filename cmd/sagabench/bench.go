@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pgsaga/pgsaga/internal/brokers"
+	"github.com/pgsaga/pgsaga/internal/brokers/brokerurl"
 	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/obs"
@@ -317,7 +318,7 @@ func (b *bench) openPaymentsDB(ctx context.Context, maxConns int32) (string, err
 	if b.payClients, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: paySeedConns, ApplicationName: "sagabench-payments-clients"}); err != nil {
 		return "", err
 	}
-	fmt.Fprintf(b.status, "payment service: a fresh database %s, reached through %s\n", b.payDBName, brokers.Redact(b.opts.paymentsService))
+	fmt.Fprintf(b.status, "payment service: a fresh database %s, reached through %s\n", b.payDBName, brokerurl.Describe(b.opts.paymentsService))
 	return url, nil
 }
 
