@@ -166,7 +166,10 @@ func (b *Broker) connect(role string) (*nats.Conn, error) {
 				b.log.Warn("disconnected from NATS; reconnecting", "role", role, "err", err)
 			}
 		}),
-		nats.ReconnectHandler(func(nc *nats.Conn) { b.log.Info("reconnected to NATS", "role", role, "url", nc.ConnectedUrlRedacted()) }),
+		nats.ReconnectHandler(func(nc *nats.Conn) {
+			// Not ConnectedUrlRedacted: it shows a token (a user alone).
+			b.log.Info("reconnected to NATS", "role", role, "url", brokerurl.Describe(nc.ConnectedUrl()))
+		}),
 	}, b.cfg.Options...)
 	nc, err := nats.Connect(b.cfg.URL, opts...)
 	if uerr := (*url.Error)(nil); errors.As(err, &uerr) { // it quotes the URL

@@ -1,12 +1,18 @@
 package natsjs_test
 
 import (
+	"context"
+	"log/slog"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/brokers/brokerurl"
+	"github.com/pgsaga/pgsaga/internal/testnats"
+	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/broker/natsjs"
 )
@@ -32,4 +38,23 @@ func TestErrorsHideThePassword(t *testing.T) {
 	_, err = natsjs.New(natsjs.Config{URL: "kafka://u:s3cr3t,x@127.0.0.1:1"})
 	require.Error(t, err)
 	assert.NotContains(t, err.Error(), "s3cr3t")
+}
+
+// The reconnection log names the server without a NATS token (a user
+// alone in the URL), which the URL's own redaction leaves in.
+func TestReconnectionLogHidesTheToken(t *testing.T) {
+	t.Parallel()
+	srv := testnats.Private(t)
+	var logs testout.Buffer
+	b, err := natsjs.New(natsjs.Config{URL: strings.Replace(srv.URL(), "://", "://s3cr3tt0ken@", 1),
+		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = b.Close() })
+	srv.Stop()
+	srv.Start()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	logs.WaitFor(ctx, t, "reconnected to NATS")
+	assert.Contains(t, logs.String(), strings.TrimPrefix(srv.URL(), "nats://"))
+	testout.Hides(t, []string{"s3cr3tt0ken"}, logs.String())
 }
