@@ -16,10 +16,10 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pgsaga/pgsaga/internal/brokers"
+	"github.com/pgsaga/pgsaga/internal/brokers/brokerurl"
 	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/obs"
@@ -314,7 +314,7 @@ func (d *demo) forgetOtherMode(ctx context.Context) error {
 // its URL.
 func (d *demo) openPaymentsDB(ctx context.Context, opts options) (string, error) {
 	url := os.Getenv(paymentsDatabaseEnv)
-	where := "database from " + paymentsDatabaseEnv + ": " + pgdb.Redact(url)
+	where := pgdb.Describe(url) + " from " + paymentsDatabaseEnv
 	if url == "" {
 		var err error
 		if url, err = d.found.Sibling(ctx, "payments"); err != nil {
@@ -332,7 +332,7 @@ func (d *demo) openPaymentsDB(ctx context.Context, opts options) (string, error)
 	if err != nil {
 		return "", fmt.Errorf("the payment service's database: %w", err)
 	}
-	fmt.Fprintf(d.status, "payment service: %s, reached through %s\n", where, brokers.Redact(opts.paymentsService))
+	fmt.Fprintf(d.status, "payment service: %s, reached through %s\n", where, brokerurl.Describe(opts.paymentsService))
 	if len(applied) > 0 {
 		fmt.Fprintf(d.status, "payment service: migrations applied %v\n", applied)
 	}
@@ -344,11 +344,11 @@ const paymentsDatabaseEnv = "PAYMENTS_DATABASE_URL"
 
 // databaseName is the database a URL names.
 func databaseName(url string) string {
-	cfg, err := pgx.ParseConfig(url)
+	cfg, err := pgdb.ParseConfig(url)
 	if err != nil {
 		return "?"
 	}
-	return cfg.Database
+	return cfg.ConnConfig.Database
 }
 
 // openBroker connects to the -payments-service broker (each service has
@@ -870,7 +870,7 @@ func (d *demo) report(ids []uuid.UUID, r orderpayment.Report, took time.Duration
 		s.Chaos = c
 	}
 	if d.split() {
-		s.PaymentsService = &paymentsService{Broker: brokers.Redact(d.opts.paymentsService), Database: d.payDBName}
+		s.PaymentsService = &paymentsService{Broker: brokerurl.Describe(d.opts.paymentsService), Database: d.payDBName}
 		for _, b := range []*broker.Bridge{d.app.Client.Bridge(), d.pay.Client.Bridge()} {
 			st := b.Stats()
 			s.PaymentsService.Relayed += st.Relayed

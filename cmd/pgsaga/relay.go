@@ -9,6 +9,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/pgsaga/pgsaga/internal/brokers"
+	"github.com/pgsaga/pgsaga/internal/brokers/brokerurl"
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/steps/broker"
@@ -81,7 +82,7 @@ func relayCmd() *cobra.Command {
 				if err != nil {
 					return err
 				}
-				fmt.Fprintf(cmd.OutOrStdout(), "pgsaga relay: relaying %v from %s to %s; stop with Ctrl-C (SIGINT) or SIGTERM\n", topics, found.Describe(), brokers.Redact(brokerURL))
+				fmt.Fprintf(cmd.OutOrStdout(), "pgsaga relay: relaying %v from %s to %s; stop with Ctrl-C (SIGINT) or SIGTERM\n", topics, found.Describe(), brokerurl.Describe(brokerURL))
 				var tick <-chan time.Time
 				if every > 0 {
 					t := time.NewTicker(every)

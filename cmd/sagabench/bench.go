@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pgsaga/pgsaga/internal/brokers"
+	"github.com/pgsaga/pgsaga/internal/brokers/brokerurl"
 	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/obs"
@@ -139,7 +140,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 		return nil, err
 	}
 	b.url = url
-	fmt.Fprintf(b.status, "using a fresh database %s on %s\n", b.dbName, found.Describe())
+	fmt.Fprintf(b.status, "using a fresh database %s next to %s\n", b.dbName, found.Describe())
 
 	maxConns, need := opts.connections()
 	if err := b.checkConnections(ctx, need); err != nil {
@@ -317,7 +318,7 @@ func (b *bench) openPaymentsDB(ctx context.Context, maxConns int32) (string, err
 	if b.payClients, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: paySeedConns, ApplicationName: "sagabench-payments-clients"}); err != nil {
 		return "", err
 	}
-	fmt.Fprintf(b.status, "payment service: a fresh database %s, reached through %s\n", b.payDBName, brokers.Redact(b.opts.paymentsService))
+	fmt.Fprintf(b.status, "payment service: a fresh database %s, reached through %s\n", b.payDBName, brokerurl.Describe(b.opts.paymentsService))
 	return url, nil
 }
 

@@ -6,15 +6,21 @@ import (
 	"github.com/stretchr/testify/assert"
 
 	"github.com/pgsaga/pgsaga/internal/brokers"
+	"github.com/pgsaga/pgsaga/internal/brokers/brokerurl"
 )
 
 func TestCheck(t *testing.T) {
 	t.Parallel()
-	for _, ok := range []string{"nats://127.0.0.1:4222", "tls://nats.example.com:4222", "kafka://127.0.0.1:9092", "kafka://a:9092,b:9092"} {
+	for _, ok := range []string{"nats://127.0.0.1:4222", "tls://nats.example.com:4222", "kafka://127.0.0.1:9092", "kafka://a:9092,b:9092",
+		"nats://u:p@a:4222,nats://u:p@b:4222"} {
 		assert.NoError(t, brokers.Check(ok), ok)
 	}
 	for _, bad := range []string{"", "127.0.0.1:4222", "http://x:1", "nats://", "kafka:9092"} {
 		assert.ErrorIs(t, brokers.Check(bad), brokers.ErrUnknownScheme, bad)
 	}
-	assert.Equal(t, "nats://user:xxxxx@h:4222", brokers.Redact("nats://user:secret@h:4222"))
+	for _, bad := range []string{"nats://u:s3cr/3t@h:4222", "kafka://u:s3cr#3t@h:9092", "nats://u:12?s3cr3t@h:4222"} {
+		err := brokers.Check(bad)
+		assert.ErrorIs(t, err, brokerurl.ErrUnparseable, bad)
+		assert.NotContains(t, err.Error(), "s3cr", bad)
+	}
 }

@@ -125,7 +125,8 @@ type Found struct {
 	URL string
 	// Source says where it came from.
 	Source Source
-	// Detail says more, for the user: the server address or the data directory.
+	// Detail says more, for the user: the database as pgdb.Describe
+	// describes it, or the embedded server's data directory.
 	Detail string
 
 	stop func() error
@@ -145,7 +146,7 @@ func (f *Found) Close() error {
 func Find(ctx context.Context, cfg Config) (*Found, error) {
 	cfg.setDefaults()
 	if url := cfg.Getenv(pgdb.EnvURL); url != "" {
-		return &Found{URL: url, Source: FromEnv, Detail: pgdb.Redact(url)}, nil
+		return &Found{URL: url, Source: FromEnv, Detail: pgdb.Describe(url)}, nil
 	}
 	probeErr := probe(ctx, cfg.ProbeURL, cfg.Timeout)
 	if probeErr == nil {
@@ -153,17 +154,17 @@ func Find(ctx context.Context, cfg Config) (*Found, error) {
 		if err != nil {
 			return nil, err
 		}
-		return &Found{URL: url, Source: FromLocalhost, Detail: fmt.Sprintf("database %s on the PostgreSQL at %s", cfg.Database, hostOf(cfg.ProbeURL))}, nil
+		return &Found{URL: url, Source: FromLocalhost, Detail: pgdb.Describe(url)}, nil
 	}
 	var pgErr *pgconn.PgError
 	if errors.As(probeErr, &pgErr) {
 		// A server answered and refused (no such role, a password it
 		// wants): the user may have meant to use it, so say why not.
-		cfg.skipped = fmt.Sprintf("the PostgreSQL at %s answered but refused the connection (%s); set DATABASE_URL to use it",
-			hostOf(cfg.ProbeURL), oneLine(pgErr))
-		cfg.Logger.Warn("not using the local PostgreSQL: "+cfg.skipped, "url", pgdb.Redact(cfg.ProbeURL))
+		cfg.skipped = fmt.Sprintf("the local PostgreSQL answered but refused %s (%s); set DATABASE_URL to use it",
+			pgdb.Describe(cfg.ProbeURL), oneLine(pgErr))
+		cfg.Logger.Warn("not using the local PostgreSQL: " + cfg.skipped)
 	} else {
-		cfg.Logger.Debug("no local PostgreSQL answered", "url", pgdb.Redact(cfg.ProbeURL), "err", probeErr)
+		cfg.Logger.Debug("no local PostgreSQL answered", "err", probeErr)
 	}
 	if cfg.Existing {
 		return runningEmbedded(ctx, cfg)
@@ -181,7 +182,7 @@ func runningEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 	if probe(ctx, url, cfg.Timeout) == nil {
 		return &Found{URL: url, Source: FromEmbedded, Detail: filepath.Join(cfg.EmbeddedDir, "data")}, nil
 	}
-	local := "nothing answered at " + pgdb.Redact(cfg.ProbeURL)
+	local := "nothing answered for " + pgdb.Describe(cfg.ProbeURL)
 	if cfg.skipped != "" {
 		local = cfg.skipped
 	}
@@ -209,7 +210,7 @@ func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 		return found, nil
 	}
 	if cfg.IsRoot() {
-		local := "nothing answered at " + pgdb.Redact(cfg.ProbeURL)
+		local := "nothing answered for " + pgdb.Describe(cfg.ProbeURL)
 		if cfg.skipped != "" {
 			local = cfg.skipped
 		}
@@ -339,7 +340,7 @@ func serverVersion(bin string) (embeddedpostgres.PostgresVersion, error) {
 func probe(ctx context.Context, url string, timeout time.Duration) error {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	conn, err := pgx.Connect(ctx, url)
+	conn, err := pgdb.Connect(ctx, url)
 	if err != nil {
 		return err
 	}
@@ -351,9 +352,9 @@ func probe(ctx context.Context, url string, timeout time.Duration) error {
 func ensureDatabase(ctx context.Context, adminURL, name string, timeout time.Duration) (string, error) {
 	cctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	conn, err := pgx.Connect(cctx, adminURL)
+	conn, err := pgdb.Connect(cctx, adminURL)
 	if err != nil {
-		return "", fmt.Errorf("connecting to %s: %w", pgdb.Redact(adminURL), err)
+		return "", err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
 	var exists bool
@@ -364,25 +365,17 @@ func ensureDatabase(ctx context.Context, adminURL, name string, timeout time.Dur
 		_, err := conn.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize())
 		var pgErr *pgconn.PgError
 		if err != nil && !(errors.As(err, &pgErr) && pgErr.Code == pgerrcode.DuplicateDatabase) { // created meanwhile
-			return "", fmt.Errorf("creating database %s on %s: %w", name, pgdb.Redact(adminURL), err)
+			return "", fmt.Errorf("creating database %s next to %s: %w", name, pgdb.Describe(adminURL), err)
 		}
 	}
 	return pgdb.WithDatabase(adminURL, name)
-}
-
-func hostOf(connURL string) string {
-	cfg, err := pgx.ParseConfig(connURL)
-	if err != nil {
-		return pgdb.Redact(connURL)
-	}
-	return fmt.Sprintf("%s:%d", cfg.Host, cfg.Port)
 }
 
 // Describe is a one-line account of where the database is, for the user.
 func (f *Found) Describe() string {
 	switch f.Source {
 	case FromEnv:
-		return "database from DATABASE_URL: " + f.Detail
+		return f.Detail + " from DATABASE_URL"
 	case FromLocalhost:
 		return f.Detail
 	default:
@@ -397,11 +390,11 @@ var _ io.Closer = (*Found)(nil)
 // with the same credentials, creating it if it does not exist: a second
 // service's database next to the first.
 func (f *Found) Sibling(ctx context.Context, suffix string) (string, error) {
-	cfg, err := pgx.ParseConfig(f.URL)
+	cfg, err := pgdb.ParseConfig(f.URL)
 	if err != nil {
-		return "", fmt.Errorf("reading the database URL: %w", err)
+		return "", err
 	}
-	name := cfg.Database + "_" + suffix
+	name := cfg.ConnConfig.Database + "_" + suffix
 	if len(name) > 63 {
 		return "", fmt.Errorf("the database name %q is longer than PostgreSQL's 63 bytes", name)
 	}

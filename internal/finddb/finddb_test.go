@@ -23,6 +23,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgbin"
+	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/pgserver"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 )
@@ -50,6 +51,23 @@ func TestDatabaseURLWins(t *testing.T) {
 	assert.Equal(t, "postgres://u:secret@db:5432/app", f.URL)
 	assert.NotContains(t, f.Describe(), "secret", "the password is not shown")
 	require.NoError(t, f.Close())
+}
+
+// A DATABASE_URL that does not parse is described as such, and neither
+// the description nor Sibling's error shows any of it.
+func TestUnparseableDatabaseURLIsNotShown(t *testing.T) {
+	t.Parallel()
+	for _, url := range []string{"postgres://u:s3cr/3t@db:5432/app", "host=db PASSWORD=s3cr3t port=notaport"} {
+		f, err := finddb.Find(context.Background(), finddb.Config{
+			Getenv: func(k string) string { return map[string]string{"DATABASE_URL": url}[k] },
+			Logger: quiet,
+		})
+		require.NoError(t, err)
+		assert.Equal(t, fmt.Sprintf("an unparseable connection string (%d bytes) from DATABASE_URL", len(url)), f.Describe())
+		_, err = f.Sibling(context.Background(), "payments")
+		require.ErrorIs(t, err, pgdb.ErrUnparseable)
+		assert.NotContains(t, err.Error(), "s3cr")
+	}
 }
 
 func TestLocalServerGetsItsDatabase(t *testing.T) {

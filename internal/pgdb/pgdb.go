@@ -79,16 +79,19 @@ type DB struct {
 	SQL *sql.DB
 }
 
-// Open connects to the database and checks that it answers.
+// Open connects to the database and checks that it answers. A URL
+// ParseConfig refuses is ErrUnparseable; its errors name the database as
+// Describe does, never by the URL.
 func Open(ctx context.Context, cfg Config) (*DB, error) {
 	cfg.setDefaults()
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	pcfg, err := pgxpool.ParseConfig(cfg.URL)
+	pcfg, err := ParseConfig(cfg.URL)
 	if err != nil {
-		return nil, fmt.Errorf("pgdb: parsing database URL %s: %w", Redact(cfg.URL), redactParseError(err, cfg.URL))
+		return nil, err
 	}
+	where := describe(&pcfg.ConnConfig.Config)
 	pcfg.MaxConns = cfg.MaxConns
 	if cfg.Tracer != nil {
 		pcfg.ConnConfig.Tracer = cfg.Tracer
@@ -98,15 +101,29 @@ func Open(ctx context.Context, cfg Config) (*DB, error) {
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
-		return nil, fmt.Errorf("pgdb: creating pool for %s: %w", Redact(cfg.URL), err)
+		return nil, fmt.Errorf("pgdb: creating pool for %s: %w", where, err)
 	}
 	pingCtx, cancel := context.WithTimeout(ctx, cfg.ConnectTimeout)
 	defer cancel()
 	if err := pool.Ping(pingCtx); err != nil {
 		pool.Close()
-		return nil, fmt.Errorf("pgdb: connecting to %s: %w", Redact(cfg.URL), err)
+		return nil, fmt.Errorf("pgdb: connecting to %s: %w", where, err)
 	}
 	return &DB{Pool: pool, SQL: stdlib.OpenDBFromPool(pool)}, nil
+}
+
+// Connect opens one connection, not a pool, to the database connString
+// names, for a short task. Its errors are Open's.
+func Connect(ctx context.Context, connString string) (*pgx.Conn, error) {
+	cfg, err := ParseConfig(connString)
+	if err != nil {
+		return nil, err
+	}
+	conn, err := pgx.ConnectConfig(ctx, cfg.ConnConfig)
+	if err != nil {
+		return nil, fmt.Errorf("pgdb: connecting to %s: %w", describe(&cfg.ConnConfig.Config), err)
+	}
+	return conn, nil
 }
 
 // Close closes the database/sql handle, then the pool.
@@ -125,7 +142,7 @@ func WithDatabase(connURL, name string) (string, error) {
 	}
 	u, err := splitURI(connURL)
 	if err != nil {
-		return "", fmt.Errorf("pgdb: parsing database URL %s: %w", Redact(connURL), err)
+		return "", &unparseableError{size: len(connURL)}
 	}
 	u.hasPath, u.path = true, url.PathEscape(name)
 	return u.String(), nil

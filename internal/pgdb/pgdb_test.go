@@ -28,12 +28,6 @@ func TestWithDatabase(t *testing.T) {
 	}
 }
 
-func TestRedact(t *testing.T) {
-	t.Parallel()
-	assert.Equal(t, "postgres://u:xxxxx@h/db", pgdb.Redact("postgres://u:secret@h/db"))
-	assert.Equal(t, "postgres://u@h/db", pgdb.Redact("postgres://u@h/db"))
-}
-
 func TestOpenSharesOnePool(t *testing.T) {
 	t.Parallel()
 	db := testdb.Shared(t)
@@ -65,6 +59,14 @@ func TestOpenErrors(t *testing.T) {
 	_, err = pgdb.Open(context.Background(), pgdb.Config{URL: "postgres://x:secret@127.0.0.1:1/db", MaxConns: 4})
 	require.Error(t, err)
 	assert.NotContains(t, err.Error(), "secret")
+	assert.Contains(t, err.Error(), "connecting to database db as x on 127.0.0.1:1")
+	_, err = pgdb.Connect(context.Background(), "postgres://x:secret@127.0.0.1:1/db")
+	require.Error(t, err)
+	assert.NotContains(t, err.Error(), "secret")
+	assert.Contains(t, err.Error(), "connecting to database db as x on 127.0.0.1:1")
+	_, err = pgdb.Connect(context.Background(), "postgres://x:sec/ret@127.0.0.1:1/db")
+	require.ErrorIs(t, err, pgdb.ErrUnparseable)
+	assert.NotContains(t, err.Error(), "sec")
 	_, err = pgdb.Open(context.Background(), pgdb.Config{URL: "postgres://h/db", MaxConns: 1})
 	require.ErrorContains(t, err, "MaxConns")
 }

@@ -163,7 +163,7 @@ const (
 func findServer(ctx context.Context) (string, error) {
 	if v := envURL(); v != "" {
 		if err := ping(ctx, v); err != nil {
-			return "", fmt.Errorf("no PostgreSQL answered at %s (%s), the server TEST_DATABASE_URL or DATABASE_URL names; start it or unset the variable", pgdb.Redact(v), oneLine(err))
+			return "", fmt.Errorf("no PostgreSQL answered for %s (%s), the server TEST_DATABASE_URL or DATABASE_URL names; start it or unset the variable", pgdb.Describe(v), oneLine(err))
 		}
 		return v, nil
 	}
@@ -194,7 +194,7 @@ func findServer(ctx context.Context) (string, error) {
 		Logger:       slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
 	})
 	if err != nil {
-		return "", fmt.Errorf("%w (the tests look for TEST_DATABASE_URL, then DATABASE_URL, then %s, then start an embedded PostgreSQL)", err, pgdb.Redact(DefaultURL))
+		return "", fmt.Errorf("%w (the tests look for TEST_DATABASE_URL, then DATABASE_URL, then %s, then start an embedded PostgreSQL)", err, pgdb.Describe(DefaultURL))
 	}
 	// Never closed: the server outlives this process for the other test
 	// packages of the run and for later runs.
@@ -359,7 +359,7 @@ func serverConn(t testing.TB) *pgx.Conn {
 	mu.Unlock()
 	conn, err := pgx.Connect(context.Background(), srv)
 	if err != nil {
-		t.Fatalf("testdb: connecting to %s: %v", pgdb.Redact(srv), err)
+		t.Fatalf("testdb: connecting to %s: %v", pgdb.Describe(srv), err)
 	}
 	return conn
 }
@@ -439,7 +439,7 @@ func Role(t testing.TB, limit int, password string) string {
 	srv := ServerURL()
 	admin, err := pgx.Connect(ctx, srv)
 	if err != nil {
-		t.Fatalf("testdb: connecting to %s: %v", pgdb.Redact(srv), err)
+		t.Fatalf("testdb: connecting to %s: %v", pgdb.Describe(srv), err)
 	}
 	t.Cleanup(func() { _ = admin.Close(context.Background()) })
 	role := "pgsaga_test_role_" + randomHex(4)
@@ -515,7 +515,7 @@ func create(ctx context.Context, migrated bool, options ...string) (*DB, error) 
 	name := testPrefix + strconv.FormatInt(time.Now().Unix(), 10) + "_" + randomHex(4)
 	admin, err := pgx.Connect(ctx, server)
 	if err != nil {
-		return nil, fmt.Errorf("connecting to %s: %w", pgdb.Redact(server), err)
+		return nil, fmt.Errorf("connecting to %s: %w", pgdb.Describe(server), err)
 	}
 	defer admin.Close(ctx)
 
@@ -736,7 +736,7 @@ func dropStale(ctx context.Context, srv string) {
 func ping(ctx context.Context, url string) error {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	conn, err := pgx.Connect(ctx, url)
+	conn, err := pgdb.Connect(ctx, url)
 	if err != nil {
 		return err
 	}

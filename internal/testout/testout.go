@@ -5,8 +5,10 @@ package testout
 import (
 	"bytes"
 	"context"
+	"errors"
 	"log/slog"
 	"os"
+	"os/exec"
 	"strings"
 	"sync"
 	"testing"
@@ -62,4 +64,48 @@ func Logger() *slog.Logger {
 		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	}
 	return slog.New(slog.DiscardHandler)
+}
+
+// Program runs a copy of the test binary, with env added to the
+// environment, as the program under test (the package's TestMain runs the
+// program when env says so: ORDERDEMO_ARGS=…, say), and returns its exit
+// status and all it wrote to stdout and stderr. It gives the program a
+// minute.
+func Program(t testing.TB, env ...string) (code int, output string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), env...)
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	if err != nil && !errors.As(err, &exit) {
+		t.Fatalf("running the program: %v\n%s", err, out)
+	}
+	return cmd.ProcessState.ExitCode(), string(out)
+}
+
+// Hides fails the test for each of secrets that something shown holds:
+// a string (output, a description) or an error's message (a nil error
+// shows nothing).
+func Hides(t testing.TB, secrets []string, shown ...any) {
+	t.Helper()
+	for _, v := range shown {
+		var text string
+		switch v := v.(type) {
+		case string:
+			text = v
+		case error:
+			text = v.Error()
+		case nil:
+			continue
+		default:
+			t.Fatalf("testout.Hides: a %T is no string or error", v)
+		}
+		for _, s := range secrets {
+			if strings.Contains(text, s) {
+				t.Errorf("%q shows %q", text, s)
+			}
+		}
+	}
 }

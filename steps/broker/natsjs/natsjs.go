@@ -28,6 +28,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"log/slog"
+	"net/url"
 	"strings"
 	"sync"
 	"time"
@@ -39,6 +40,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pgsaga/pgsaga/internal/brokers/brokerurl"
 	"github.com/pgsaga/pgsaga/steps/broker"
 )
 
@@ -56,7 +58,8 @@ const (
 // Config configures a Broker. Zero values take the defaults.
 type Config struct {
 	// URL of the NATS servers (nats://127.0.0.1:4222, comma-separated for
-	// several). Required.
+	// several). Required. A '/', '#', '?', '%' or ',' in a password must be
+	// percent-encoded; errors name the servers, never the password.
 	URL string
 	// Options for the connections the broker opens, after its own: it
 	// names them "pgsaga", reconnects for ever and bounds each connect
@@ -104,6 +107,10 @@ var ErrUnsupportedTopic = errors.New("natsjs: the topic cannot be a NATS subject
 func New(cfg Config) (*Broker, error) {
 	if cfg.URL == "" {
 		return nil, fmt.Errorf("%w: natsjs: URL is required", broker.ErrInvalidConfig)
+	}
+	// nats.go's errors about a URL it cannot parse quote it, password and all.
+	if _, err := brokerurl.Parse(cfg.URL); err != nil {
+		return nil, fmt.Errorf("%w: natsjs: %w", broker.ErrInvalidConfig, err)
 	}
 	if cfg.DuplicateWindow == 0 {
 		cfg.DuplicateWindow = DuplicateWindowDefault
@@ -159,11 +166,17 @@ func (b *Broker) connect(role string) (*nats.Conn, error) {
 				b.log.Warn("disconnected from NATS; reconnecting", "role", role, "err", err)
 			}
 		}),
-		nats.ReconnectHandler(func(nc *nats.Conn) { b.log.Info("reconnected to NATS", "role", role, "url", nc.ConnectedUrlRedacted()) }),
+		nats.ReconnectHandler(func(nc *nats.Conn) {
+			// Not ConnectedUrlRedacted: it shows a token (a user alone).
+			b.log.Info("reconnected to NATS", "role", role, "url", brokerurl.Describe(nc.ConnectedUrl()))
+		}),
 	}, b.cfg.Options...)
 	nc, err := nats.Connect(b.cfg.URL, opts...)
+	if uerr := (*url.Error)(nil); errors.As(err, &uerr) { // it quotes the URL
+		err = errors.New("nats.go cannot parse the URL")
+	}
 	if err != nil {
-		return nil, fmt.Errorf("natsjs: connecting to %s: %w", redact(b.cfg.URL), err)
+		return nil, fmt.Errorf("natsjs: connecting to %s: %w", brokerurl.Describe(b.cfg.URL), err)
 	}
 	return nc, nil
 }
@@ -469,14 +482,4 @@ func (nakDelay) WaitTime(delivered uint64) time.Duration {
 		d *= 2
 	}
 	return min(d, MaxNakDelay)
-}
-
-// redact drops a password from a NATS URL for messages.
-func redact(url string) string {
-	if at := strings.LastIndex(url, "@"); at >= 0 {
-		if scheme := strings.Index(url, "://"); scheme >= 0 && scheme < at {
-			return url[:scheme+3] + "…@" + url[at+1:]
-		}
-	}
-	return url
 }
