@@ -47,7 +47,17 @@ type Request struct {
 	DoneAt  *time.Time
 	Outcome string // RequestDone or RequestRefused, once done
 	Detail  string
+	// Queued reports, until a worker carried it out, whether its message
+	// waits for one; false if it was dead-lettered (no worker that knew the
+	// saga carried it out in its attempts): asking again publishes it
+	// again.
+	Queued bool
 }
+
+// Lost reports whether r can no longer be carried out as it is: not
+// carried out, and its message no longer queued. Asking again publishes
+// it again.
+func (r Request) Lost() bool { return r.DoneAt == nil && !r.Queued }
 
 // ErrInvalidRequest: a request kind Ask does not know.
 var ErrInvalidRequest = errors.New("saga: invalid request")
@@ -88,7 +98,7 @@ func Ask(ctx context.Context, tr *transport.Transport, db *sql.DB, id uuid.UUID,
 	if !publish {
 		// Asked before: locked (its worker waits), published again if it was
 		// neither carried out nor is still queued.
-		if err := tx.QueryRowContext(ctx, lostRequestSQL, reqID, RequestTopic(name), requestHandler(name), reqID.String()).Scan(&publish); err != nil {
+		if err := tx.QueryRowContext(ctx, lostRequestSQL, reqID).Scan(&publish); err != nil {
 			return Request{}, fmt.Errorf("saga %s: asking for a %s: %w", id, kind, err)
 		}
 	}
@@ -141,7 +151,7 @@ func RequestStatuses(ctx context.Context, db *sql.DB, ids []uuid.UUID) (map[uuid
 			r    Request
 			kind string
 		)
-		if err := rows.Scan(&r.ID, &r.SagaID, &kind, &r.Reason, &r.RequestedAt, &r.DoneAt, &r.Outcome, &r.Detail); err != nil {
+		if err := rows.Scan(&r.ID, &r.SagaID, &kind, &r.Reason, &r.RequestedAt, &r.DoneAt, &r.Outcome, &r.Detail, &r.Queued); err != nil {
 			return nil, fmt.Errorf("saga: reading requests: %w", err)
 		}
 		r.Kind = RequestKind(kind)
@@ -259,15 +269,20 @@ const (
     ON CONFLICT (id) DO NOTHING RETURNING 1
 )
 SELECT EXISTS (SELECT FROM ins)`
+	// requestQueuedSQL: the message of request r waits in the queue of
+	// its saga's requests (the topic and group RequestTopic and
+	// requestHandler name).
+	requestQueuedSQL = `EXISTS (SELECT FROM saga_instances i
+    JOIN pgsaga_queue q ON q.topic = 'saga.' || i.saga_type || '.requests' AND q.consumer_group = q.topic
+    WHERE i.id = r.saga_id AND q.uuid = r.id::text)`
 	// lostRequestSQL locks request $1 and reports whether it must be
-	// published again: not carried out, and its message (uuid $4) no longer
-	// queued for the requests' group ($3) of topic $2.
-	lostRequestSQL = `SELECT r.done_at IS NULL AND NOT EXISTS (
-    SELECT FROM pgsaga_queue q WHERE q.topic = $2 AND q.consumer_group = $3 AND q.uuid = $4)
+	// published again: not carried out, and its message no longer queued.
+	lostRequestSQL = `SELECT r.done_at IS NULL AND NOT ` + requestQueuedSQL + `
 FROM saga_requests r WHERE r.id = $1
 FOR UPDATE OF r`
-	requestsSQL = `SELECT id, saga_id, kind, reason, requested_at, done_at, coalesce(outcome, ''), detail
-FROM saga_requests WHERE id = ANY ($1::uuid[])`
+	requestsSQL = `SELECT r.id, r.saga_id, r.kind, r.reason, r.requested_at, r.done_at, coalesce(r.outcome, ''), r.detail,
+    r.done_at IS NULL AND ` + requestQueuedSQL + `
+FROM saga_requests r WHERE r.id = ANY ($1::uuid[])`
 	lockRequestSQL   = `SELECT saga_id, kind, reason, done_at IS NOT NULL FROM saga_requests WHERE id = $1 FOR UPDATE`
 	finishRequestSQL = `UPDATE saga_requests SET done_at = clock_timestamp(), outcome = $2, detail = $3 WHERE id = $1`
 

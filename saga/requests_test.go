@@ -142,6 +142,8 @@ func TestAskAgainPublishesOnlyALostRequest(t *testing.T) {
 	first, err := saga.Ask(ctx, tr, db.SQL, id, saga.RequestCancel, "")
 	require.NoError(t, err)
 	assert.Equal(t, 1, queued())
+	assert.True(t, first.Queued)
+	assert.False(t, first.Lost())
 	again, err := saga.Ask(ctx, tr, db.SQL, id, saga.RequestCancel, "")
 	require.NoError(t, err)
 	assert.Equal(t, first.ID, again.ID)
@@ -149,10 +151,14 @@ func TestAskAgainPublishesOnlyALostRequest(t *testing.T) {
 
 	_, err = db.SQL.Exec(`DELETE FROM pgsaga_queue WHERE topic = $1`, topic) // as dead-lettering does
 	require.NoError(t, err)
+	lost, err := saga.RequestStatus(ctx, db.SQL, first.ID)
+	require.NoError(t, err)
+	assert.True(t, lost.Lost(), "neither carried out nor queued")
 	again, err = saga.Ask(ctx, tr, db.SQL, id, saga.RequestCancel, "")
 	require.NoError(t, err)
 	assert.Equal(t, first.ID, again.ID, "the same request")
 	assert.Equal(t, 1, queued(), "lost: published again")
+	assert.True(t, again.Queued)
 
 	_, err = db.SQL.Exec(`WITH handled AS (DELETE FROM pgsaga_queue WHERE topic = $1)
 		UPDATE saga_requests SET done_at = now(), outcome = 'refused', detail = 'no' WHERE id = $2`, topic, first.ID)
@@ -161,5 +167,6 @@ func TestAskAgainPublishesOnlyALostRequest(t *testing.T) {
 	require.NoError(t, err)
 	require.NotNil(t, again.DoneAt)
 	assert.Equal(t, saga.RequestRefused, again.Outcome)
+	assert.False(t, again.Lost(), "carried out")
 	assert.Zero(t, queued(), "carried out: not published again")
 }

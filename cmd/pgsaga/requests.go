@@ -27,6 +27,18 @@ type requestJSON struct {
 	Detail    string     `json:"detail"`
 	DoneAt    *time.Time `json:"done_at"`
 	Status    string     `json:"saga_status,omitempty"`
+	// Queued is false for a request not carried out whose message is no
+	// longer queued: it was dead-lettered (asking again publishes it again).
+	Queued bool `json:"queued"`
+}
+
+func toRequestJSON(r saga.Request) requestJSON {
+	out := requestJSON{RequestID: r.ID.String(), SagaID: r.SagaID.String(), Kind: string(r.Kind), Outcome: r.Outcome, Detail: r.Detail,
+		DoneAt: r.DoneAt, Queued: r.Queued}
+	if r.DoneAt == nil {
+		out.Outcome = "pending"
+	}
+	return out
 }
 
 func retryCmd() *cobra.Command {
@@ -139,12 +151,10 @@ func awaitRequest(ctx context.Context, db *sql.DB, req saga.Request, timeout tim
 }
 
 func report(cmd *cobra.Command, db *sql.DB, req saga.Request, noWait bool, timeout time.Duration, asJSON bool) error {
-	out := requestJSON{RequestID: req.ID.String(), SagaID: req.SagaID.String(), Kind: string(req.Kind), Outcome: req.Outcome, Detail: req.Detail, DoneAt: req.DoneAt}
-	if req.DoneAt == nil {
-		out.Outcome = "pending"
-	}
+	out := toRequestJSON(req)
+	name := ""
 	if in, err := saga.NewInspector(db).Get(cmd.Context(), req.SagaID); err == nil {
-		out.Status = string(in.Status)
+		out.Status, name = string(in.Status), in.Type
 	}
 	if asJSON {
 		if err := writeJSON(cmd.OutOrStdout(), out); err != nil {
@@ -157,6 +167,9 @@ func report(cmd *cobra.Command, db *sql.DB, req saga.Request, noWait bool, timeo
 			fmt.Fprintf(cmd.OutOrStdout(), "%s of %s requested (request %s); a worker carries it out\n", req.Kind, req.SagaID, req.ID)
 		}
 		return nil
+	case req.Lost():
+		return fmt.Errorf("the %s of %s was dead-lettered: no worker that knows saga %s carried it out in its attempts (pgsaga dead-letters --topic %s says why); "+
+			"once one runs, ask again: the request is published again", req.Kind, req.SagaID, name, saga.RequestTopic(name))
 	case req.DoneAt == nil:
 		return fmt.Errorf("no worker carried out the %s of %s within %s: is a worker of this saga running? (the request stays, and is carried out when one runs)", req.Kind, req.SagaID, timeout)
 	case req.Outcome == saga.RequestRefused:
@@ -189,13 +202,14 @@ type bulkRequest struct {
 // field names are a contract.
 type bulkJSON struct {
 	Kind     string        `json:"kind"`
-	Selected int           `json:"selected"`  // sagas the flags selected, counted before asking
-	Asked    int           `json:"asked"`     // requests asked
-	Done     int           `json:"done"`      // carried out: done
-	Refused  int           `json:"refused"`   // carried out: refused, the saga was in no state for it
-	Pending  int           `json:"pending"`   // not carried out (within --timeout, or --no-wait)
-	NotFound int           `json:"not_found"` // selected, but gone before they were asked
-	Refusals []refusalJSON `json:"refusals"`  // the refusals, grouped by reason
+	Selected int           `json:"selected"`      // sagas the flags selected, counted before asking
+	Asked    int           `json:"asked"`         // requests asked
+	Done     int           `json:"done"`          // carried out: done
+	Refused  int           `json:"refused"`       // carried out: refused, the saga was in no state for it
+	Pending  int           `json:"pending"`       // not carried out (within --timeout, or --no-wait), still queued
+	Lost     int           `json:"dead_lettered"` // not carried out: dead-lettered (ask again once a worker that knows the saga runs)
+	NotFound int           `json:"not_found"`     // selected, but gone before they were asked
+	Refusals []refusalJSON `json:"refusals"`      // the refusals, grouped by reason
 	Requests []requestJSON `json:"requests"`
 }
 
@@ -259,9 +273,10 @@ func interrupted(err error, kind saga.RequestKind, n int) error {
 	return fmt.Errorf("%w (after asking for the %s of %d sagas: those requests stand, and are carried out)", err, kind, n)
 }
 
-// awaitRequests waits until a worker carried out each of reqs, or timeout;
-// it returns them as last read, saying how far it got on progress (if not
-// nil). A tool's wait for rows: a short poll, not a worker's.
+// awaitRequests waits until each of reqs was carried out by a worker or
+// dead-lettered (saga.Request.Lost), or timeout; it returns them as last
+// read, saying how far it got on progress (if not nil). A tool's wait for
+// rows: a short poll, not a worker's.
 func awaitRequests(ctx context.Context, db *sql.DB, reqs []saga.Request, timeout time.Duration, progress *progress) ([]saga.Request, error) {
 	wait, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
@@ -271,7 +286,7 @@ func awaitRequests(ctx context.Context, db *sql.DB, reqs []saga.Request, timeout
 		var pending []uuid.UUID
 		index := map[uuid.UUID]int{}
 		for i, r := range reqs {
-			if r.DoneAt == nil {
+			if r.DoneAt == nil && !r.Lost() {
 				pending = append(pending, r.ID)
 				index[r.ID] = i
 			}
@@ -297,7 +312,7 @@ func awaitRequests(ctx context.Context, db *sql.DB, reqs []saga.Request, timeout
 				done++
 			}
 		}
-		progress.say("%s: %d of %d carried out, %d waiting for a worker", reqs[0].Kind, done, len(reqs), len(reqs)-done)
+		progress.say("%s: %d of %d carried out, %d waiting for a worker", reqs[0].Kind, done, len(reqs), len(pending))
 		select {
 		case <-wait.Done():
 			if ctx.Err() != nil {
@@ -315,12 +330,14 @@ func awaitRequests(ctx context.Context, db *sql.DB, reqs []saga.Request, timeout
 func reportBulk(cmd *cobra.Command, b bulkRequest, out bulkJSON, reqs []saga.Request) error {
 	out.Asked = len(reqs)
 	groups := map[string]int{}
-	var pending []string
+	var pending, lost []string
 	for _, r := range reqs {
-		j := requestJSON{RequestID: r.ID.String(), SagaID: r.SagaID.String(), Kind: string(r.Kind), Outcome: r.Outcome, Detail: r.Detail, DoneAt: r.DoneAt}
+		j := toRequestJSON(r)
 		switch {
+		case r.Lost():
+			out.Lost++
+			lost = append(lost, j.SagaID)
 		case r.DoneAt == nil:
-			j.Outcome = "pending"
 			out.Pending++
 			pending = append(pending, j.SagaID)
 		case r.Outcome == saga.RequestRefused:
@@ -351,6 +368,9 @@ func reportBulk(cmd *cobra.Command, b bulkRequest, out bulkJSON, reqs []saga.Req
 		} else {
 			fmt.Fprintf(w, "%d not carried out within %s", out.Pending, b.timeout)
 		}
+		if out.Lost > 0 {
+			fmt.Fprintf(w, ", %d dead-lettered", out.Lost)
+		}
 		if out.NotFound > 0 {
 			fmt.Fprintf(w, "; %d selected were gone before they were asked", out.NotFound)
 		}
@@ -358,15 +378,19 @@ func reportBulk(cmd *cobra.Command, b bulkRequest, out bulkJSON, reqs []saga.Req
 		for _, g := range out.Refusals {
 			fmt.Fprintf(w, "  refused %d: %s\n    %s\n", g.Count, cell(g.Reason), someIDs(g.SagaIDs))
 		}
+		if out.Lost > 0 {
+			fmt.Fprintf(w, "  dead-lettered %d: no worker that knows %s carried them out in their attempts; once one runs, ask again\n    %s\n",
+				out.Lost, cell(sagaNamed(b.filter.Type)), someIDs(lost))
+		}
 		if out.Pending > 0 && !b.noWait {
 			fmt.Fprintf(w, "  not carried out within %s %d: is a worker of %s running? (the requests stay, and are carried out when one runs)\n    %s\n",
 				b.timeout, out.Pending, cell(sagaNamed(b.filter.Type)), someIDs(pending))
 		}
 	}
 	switch {
-	case out.Refused > 0 || out.NotFound > 0 || out.Pending > 0 && !b.noWait:
-		return fmt.Errorf("%s: %d of the %d sagas selected did not get it done (%d refused, %d not carried out, %d gone)",
-			b.kind, out.Refused+out.NotFound+out.Pending, out.Selected, out.Refused, out.Pending, out.NotFound)
+	case out.Refused > 0 || out.Lost > 0 || out.NotFound > 0 || out.Pending > 0 && !b.noWait:
+		return fmt.Errorf("%s: %d of the %d sagas selected did not get it done (%d refused, %d not carried out, %d dead-lettered, %d gone)",
+			b.kind, out.Refused+out.Pending+out.Lost+out.NotFound, out.Selected, out.Refused, out.Pending, out.Lost, out.NotFound)
 	}
 	return nil
 }
