@@ -47,7 +47,17 @@ type Request struct {
 	DoneAt  *time.Time
 	Outcome string // RequestDone or RequestRefused, once done
 	Detail  string
+	// Queued reports, until a worker carried it out, whether its message
+	// waits for one; false if it was dead-lettered (no worker that knew the
+	// saga carried it out in its attempts): asking again publishes it
+	// again.
+	Queued bool
 }
+
+// Lost reports whether r can no longer be carried out as it is: not
+// carried out, and its message no longer queued. Asking again publishes
+// it again.
+func (r Request) Lost() bool { return r.DoneAt == nil && !r.Queued }
 
 // ErrInvalidRequest: a request kind Ask does not know.
 var ErrInvalidRequest = errors.New("saga: invalid request")
@@ -57,8 +67,10 @@ var ErrInvalidRequest = errors.New("saga: invalid request")
 // definition carries it out at once (it is woken, not polled), in the
 // delivery's transaction, and records the outcome (RequestStatus). A tool
 // that runs no saga can ask. Asking again before the saga changed is the
-// same request: it is carried out once. A saga that does not exist is
-// ErrNotFound.
+// same request: it is carried out once. While its message is queued,
+// asking again publishes nothing; once it is not (it was dead-lettered:
+// no worker that knew the saga carried it out in its attempts), asking
+// again publishes it again. A saga that does not exist is ErrNotFound.
 func Ask(ctx context.Context, tr *transport.Transport, db *sql.DB, id uuid.UUID, kind RequestKind, reason string) (Request, error) {
 	if kind != RequestRetry && kind != RequestCancel {
 		return Request{}, fmt.Errorf("%w: kind %q (retry or cancel)", ErrInvalidRequest, kind)
@@ -79,11 +91,18 @@ func Ask(ctx context.Context, tr *transport.Transport, db *sql.DB, id uuid.UUID,
 	}
 	// The same request for the saga as it is now: one id.
 	reqID := uuid.NewSHA1(requestSpace, fmt.Appendf(nil, "%s\x00%s\x00%d", id, kind, version))
-	var inserted bool
-	if err := tx.QueryRowContext(ctx, askSQL, reqID, id, string(kind), reason).Scan(&inserted); err != nil {
+	var publish bool
+	if err := tx.QueryRowContext(ctx, askSQL, reqID, id, string(kind), reason).Scan(&publish); err != nil {
 		return Request{}, fmt.Errorf("saga %s: asking for a %s: %w", id, kind, err)
 	}
-	if inserted {
+	if !publish {
+		// Asked before: locked (its worker waits), published again if it was
+		// neither carried out nor is still queued.
+		if err := tx.QueryRowContext(ctx, lostRequestSQL, reqID).Scan(&publish); err != nil {
+			return Request{}, fmt.Errorf("saga %s: asking for a %s: %w", id, kind, err)
+		}
+	}
+	if publish {
 		payload, _ := json.Marshal(requestMessage{RequestID: reqID})
 		if err := tr.Publisher(tx).Publish(RequestTopic(name), message.NewMessage(reqID.String(), payload)); err != nil {
 			return Request{}, fmt.Errorf("saga %s: asking for a %s: %w", id, kind, err)
@@ -103,17 +122,91 @@ type requestMessage struct {
 
 // RequestStatus reads a request and its outcome.
 func RequestStatus(ctx context.Context, db *sql.DB, id uuid.UUID) (Request, error) {
-	r := Request{ID: id}
-	var kind string
-	err := db.QueryRowContext(ctx, requestSQL, id).Scan(&r.SagaID, &kind, &r.Reason, &r.RequestedAt, &r.DoneAt, &r.Outcome, &r.Detail)
-	if errors.Is(err, sql.ErrNoRows) {
+	got, err := RequestStatuses(ctx, db, []uuid.UUID{id})
+	if err != nil {
+		return Request{}, err
+	}
+	r, ok := got[id]
+	if !ok {
 		return Request{}, fmt.Errorf("%w: request %s", ErrNotFound, id)
 	}
-	if err != nil {
-		return Request{}, fmt.Errorf("saga: reading request %s: %w", id, err)
-	}
-	r.Kind = RequestKind(kind)
 	return r, nil
+}
+
+// RequestStatuses reads requests and their outcomes, by id, in one query;
+// an id with no request is left out.
+func RequestStatuses(ctx context.Context, db *sql.DB, ids []uuid.UUID) (map[uuid.UUID]Request, error) {
+	s := make([]string, len(ids))
+	for i, id := range ids {
+		s[i] = id.String()
+	}
+	rows, err := db.QueryContext(ctx, requestsSQL, s)
+	if err != nil {
+		return nil, fmt.Errorf("saga: reading %d requests: %w", len(ids), err)
+	}
+	defer rows.Close()
+	out := make(map[uuid.UUID]Request, len(ids))
+	for rows.Next() {
+		var (
+			r    Request
+			kind string
+		)
+		if err := rows.Scan(&r.ID, &r.SagaID, &kind, &r.Reason, &r.RequestedAt, &r.DoneAt, &r.Outcome, &r.Detail, &r.Queued); err != nil {
+			return nil, fmt.Errorf("saga: reading requests: %w", err)
+		}
+		r.Kind = RequestKind(kind)
+		out[r.ID] = r
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("saga: reading requests: %w", err)
+	}
+	return out, nil
+}
+
+// CountSelected counts the instances f selects, its Limit aside: those a
+// request of each (Ask) would be asked of.
+func CountSelected(ctx context.Context, db *sql.DB, f Filter) (int, error) {
+	var n int
+	if err := db.QueryRowContext(ctx, countSelectedSQL, selectArgs(f)...).Scan(&n); err != nil {
+		return 0, fmt.Errorf("saga: counting instances: %w", err)
+	}
+	return n, nil
+}
+
+// SelectedIDs lists the ids of the instances f selects that sort after
+// after (uuid.Nil: from the first), in order, at most f.Limit (100 by
+// default): the next batch of those to ask a request of.
+func SelectedIDs(ctx context.Context, db *sql.DB, f Filter, after uuid.UUID) ([]uuid.UUID, error) {
+	if f.Limit <= 0 {
+		f.Limit = 100
+	}
+	rows, err := db.QueryContext(ctx, selectedIDsSQL, append(selectArgs(f), after, f.Limit)...)
+	if err != nil {
+		return nil, fmt.Errorf("saga: selecting instances: %w", err)
+	}
+	defer rows.Close()
+	var out []uuid.UUID
+	for rows.Next() {
+		var id uuid.UUID
+		if err := rows.Scan(&id); err != nil {
+			return nil, fmt.Errorf("saga: selecting instances: %w", err)
+		}
+		out = append(out, id)
+	}
+	return out, rows.Err()
+}
+
+// selectArgs are the arguments of selectedSQL for f.
+func selectArgs(f Filter) []any {
+	var statuses any // NULL: every status
+	if len(f.Statuses) > 0 {
+		s := make([]string, len(f.Statuses))
+		for i, st := range f.Statuses {
+			s[i] = string(st)
+		}
+		statuses = s
+	}
+	return []any{statuses, f.Type, time.Now().Add(-f.OlderThan)}
 }
 
 // HandleRequest carries out an operator's request (see Ask) in the
@@ -176,8 +269,30 @@ const (
     ON CONFLICT (id) DO NOTHING RETURNING 1
 )
 SELECT EXISTS (SELECT FROM ins)`
-	requestSQL = `SELECT saga_id, kind, reason, requested_at, done_at, coalesce(outcome, ''), detail
-FROM saga_requests WHERE id = $1`
+	// requestQueuedSQL: the message of request r waits in the queue of
+	// its saga's requests (the topic and group RequestTopic and
+	// requestHandler name).
+	requestQueuedSQL = `EXISTS (SELECT FROM saga_instances i
+    JOIN pgsaga_queue q ON q.topic = 'saga.' || i.saga_type || '.requests' AND q.consumer_group = q.topic
+    WHERE i.id = r.saga_id AND q.uuid = r.id::text)`
+	// lostRequestSQL locks request $1 and reports whether it must be
+	// published again: not carried out, and its message no longer queued.
+	lostRequestSQL = `SELECT r.done_at IS NULL AND NOT ` + requestQueuedSQL + `
+FROM saga_requests r WHERE r.id = $1
+FOR UPDATE OF r`
+	requestsSQL = `SELECT r.id, r.saga_id, r.kind, r.reason, r.requested_at, r.done_at, coalesce(r.outcome, ''), r.detail,
+    r.done_at IS NULL AND ` + requestQueuedSQL + `
+FROM saga_requests r WHERE r.id = ANY ($1::uuid[])`
 	lockRequestSQL   = `SELECT saga_id, kind, reason, done_at IS NOT NULL FROM saga_requests WHERE id = $1 FOR UPDATE`
 	finishRequestSQL = `UPDATE saga_requests SET done_at = clock_timestamp(), outcome = $2, detail = $3 WHERE id = $1`
+
+	// selectedSQL selects instances as List does ($1 statuses, NULL for
+	// all; $2 saga type, '' for all; $3 updated at or before).
+	selectedSQL = `FROM saga_instances
+WHERE ($1::text[] IS NULL OR status = ANY ($1::text[]))
+  AND ($2::text = '' OR saga_type = $2)
+  AND updated_at <= $3`
+	countSelectedSQL = `SELECT count(*) ` + selectedSQL
+	// selectedIDsSQL: the next $5 of them by id, after $4.
+	selectedIDsSQL = `SELECT id ` + selectedSQL + ` AND id > $4 ORDER BY id LIMIT $5`
 )

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
@@ -115,4 +116,57 @@ func waitRequest(t *testing.T, e *env, id uuid.UUID) saga.Request {
 		require.True(t, time.Now().Before(deadline), "request %x not carried out", id)
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// Asking again publishes the request again only when it is lost: neither
+// carried out nor still queued (its message was dead-lettered). While it is
+// queued, or once it was carried out, asking again publishes nothing.
+func TestAskAgainPublishesOnlyALostRequest(t *testing.T) {
+	t.Parallel()
+	db := testdb.Shared(t)
+	ctx := context.Background()
+	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: logger()})
+	require.NoError(t, err)
+	name := "lost-" + uuid.NewString()[:8]
+	topic := saga.RequestTopic(name)
+	require.NoError(t, tr.Subscribe(ctx, transport.Subscription{Topic: topic, ConsumerGroup: topic}))
+	id := uuid.New()
+	_, err = db.SQL.Exec(`INSERT INTO saga_instances (id, saga_type, definition_version, status, data, current_step) VALUES ($1, $2, 1, 'running', '{}', 0)`, id, name)
+	require.NoError(t, err)
+	queued := func() int {
+		var n int
+		require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1`, topic).Scan(&n))
+		return n
+	}
+
+	first, err := saga.Ask(ctx, tr, db.SQL, id, saga.RequestCancel, "")
+	require.NoError(t, err)
+	assert.Equal(t, 1, queued())
+	assert.True(t, first.Queued)
+	assert.False(t, first.Lost())
+	again, err := saga.Ask(ctx, tr, db.SQL, id, saga.RequestCancel, "")
+	require.NoError(t, err)
+	assert.Equal(t, first.ID, again.ID)
+	assert.Equal(t, 1, queued(), "still queued: not published again")
+
+	_, err = db.SQL.Exec(`DELETE FROM pgsaga_queue WHERE topic = $1`, topic) // as dead-lettering does
+	require.NoError(t, err)
+	lost, err := saga.RequestStatus(ctx, db.SQL, first.ID)
+	require.NoError(t, err)
+	assert.True(t, lost.Lost(), "neither carried out nor queued")
+	again, err = saga.Ask(ctx, tr, db.SQL, id, saga.RequestCancel, "")
+	require.NoError(t, err)
+	assert.Equal(t, first.ID, again.ID, "the same request")
+	assert.Equal(t, 1, queued(), "lost: published again")
+	assert.True(t, again.Queued)
+
+	_, err = db.SQL.Exec(`WITH handled AS (DELETE FROM pgsaga_queue WHERE topic = $1)
+		UPDATE saga_requests SET done_at = now(), outcome = 'refused', detail = 'no' WHERE id = $2`, topic, first.ID)
+	require.NoError(t, err)
+	again, err = saga.Ask(ctx, tr, db.SQL, id, saga.RequestCancel, "")
+	require.NoError(t, err)
+	require.NotNil(t, again.DoneAt)
+	assert.Equal(t, saga.RequestRefused, again.Outcome)
+	assert.False(t, again.Lost(), "carried out")
+	assert.Zero(t, queued(), "carried out: not published again")
 }

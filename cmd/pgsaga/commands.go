@@ -1,12 +1,12 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"runtime/debug"
-	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -15,6 +15,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/steps/transport"
@@ -65,10 +66,17 @@ func toJSON(in saga.Instance, now time.Time) sagaJSON {
 
 func round(f float64) float64 { return float64(int64(f*1000+0.5)) / 1000 }
 
+// writeJSON writes v as indented JSON: the values exactly, the characters
+// a terminal would act on escaped (termsafe.JSON).
 func writeJSON(w io.Writer, v any) error {
-	enc := json.NewEncoder(w)
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
 	enc.SetIndent("", "  ")
-	return enc.Encode(v)
+	if err := enc.Encode(v); err != nil {
+		return err
+	}
+	_, err := w.Write(termsafe.JSON(b.Bytes()))
+	return err
 }
 
 var statuses = []saga.Status{saga.StatusRunning, saga.StatusCompensating, saga.StatusCompleted, saga.StatusCompensated, saga.StatusFailed}
@@ -106,8 +114,8 @@ func sagasCmd() *cobra.Command {
 				tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 				fmt.Fprintln(tw, "ID\tSAGA\tSTATUS\tSTEP\tPHASE\tATTEMPT\tAGE\tUPDATED")
 				for _, in := range list {
-					fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s ago\n", in.ID, in.Type, in.Status, dash(in.Step), dash(string(in.Phase)),
-						in.Attempt, age(now.Sub(in.CreatedAt)), age(now.Sub(in.UpdatedAt)))
+					fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s ago\n", in.ID, cell(in.Type), cell(string(in.Status)), cell(dash(in.Step)),
+						cell(dash(string(in.Phase))), in.Attempt, age(now.Sub(in.CreatedAt)), age(now.Sub(in.UpdatedAt)))
 				}
 				if err := tw.Flush(); err != nil {
 					return err
@@ -131,6 +139,9 @@ func sagasCmd() *cobra.Command {
 // web view's), or what is wrong with it, named as the flag or form field.
 func sagaFilter(status []string, name string, olderThan time.Duration, limit int) (saga.Filter, error) {
 	f := saga.Filter{Type: name, OlderThan: olderThan, Limit: limit}
+	if bad := transport.Unstorable(name); bad != "" {
+		return saga.Filter{}, fmt.Errorf("saga: a saga's name cannot hold %s", bad)
+	}
 	for _, s := range status {
 		st := saga.Status(s)
 		if !validStatus(st) {
@@ -182,6 +193,10 @@ func statusList() string {
 	return strings.Join(s, ", ")
 }
 
+// cell is s as a cell of a table: one line, safe on a terminal
+// (termsafe.Line).
+func cell(s string) string { return termsafe.Line(s) }
+
 func dash(s string) string {
 	if s == "" {
 		return "-"
@@ -232,28 +247,28 @@ func showCmd() *cobra.Command {
 }
 
 func printSaga(w io.Writer, in saga.Instance) error {
-	fmt.Fprintf(w, "saga      %s (%s v%d)\n", in.ID, in.Type, in.DefinitionVersion)
-	fmt.Fprintf(w, "status    %s", in.Status)
+	fmt.Fprintf(w, "saga      %s (%s v%d)\n", in.ID, cell(in.Type), in.DefinitionVersion)
+	fmt.Fprintf(w, "status    %s", cell(string(in.Status)))
 	if in.Step != "" {
-		fmt.Fprintf(w, " at %s (%s, attempt %d)", in.Step, in.Phase, in.Attempt)
+		fmt.Fprintf(w, " at %s (%s, attempt %d)", cell(in.Step), cell(string(in.Phase)), in.Attempt)
 	}
 	fmt.Fprintln(w)
 	if in.FailureReason != "" {
-		fmt.Fprintf(w, "reason    %s\n", in.FailureReason)
+		fmt.Fprintf(w, "reason    %s\n", cell(in.FailureReason))
 	}
 	fmt.Fprintf(w, "started   %s\n", in.CreatedAt.Format(time.RFC3339Nano))
 	if in.FinishedAt != nil {
 		fmt.Fprintf(w, "finished  %s (after %s)\n", in.FinishedAt.Format(time.RFC3339Nano), in.FinishedAt.Sub(in.CreatedAt).Round(time.Microsecond))
 	}
 	if in.CorrelationID != "" {
-		fmt.Fprintf(w, "order     %s\n", in.CorrelationID)
+		fmt.Fprintf(w, "order     %s\n", cell(in.CorrelationID))
 	}
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "SEQ\t+MS\tKIND\tSTEP\tPHASE\tATTEMPT\tDETAIL")
 	for _, h := range in.History {
-		fmt.Fprintf(tw, "%d\t%.1f\t%s\t%s\t%s\t%s\t%s\n", h.Seq, float64(h.At.Sub(in.CreatedAt).Microseconds())/1000, h.Kind, dash(h.Step),
-			dash(string(h.Phase)), attempt(h.Attempt), oneLine(h.Detail))
+		fmt.Fprintf(tw, "%d\t%.1f\t%s\t%s\t%s\t%s\t%s\n", h.Seq, float64(h.At.Sub(in.CreatedAt).Microseconds())/1000, cell(h.Kind), cell(dash(h.Step)),
+			cell(dash(string(h.Phase))), attempt(h.Attempt), cell(oneLine(h.Detail)))
 	}
 	return tw.Flush()
 }
@@ -267,26 +282,6 @@ func attempt(n int) string {
 
 // oneLine keeps a table row on one line, whatever a detail holds.
 func oneLine(s string) string { return strings.Join(strings.Fields(s), " ") }
-
-// deadLetterJSON is a dead letter in --json listings. Its field names are a
-// contract.
-type deadLetterJSON struct {
-	ID            int64      `json:"id"`
-	UUID          string     `json:"uuid"`
-	Topic         string     `json:"topic"`
-	ConsumerGroup string     `json:"consumer_group"`
-	Handler       string     `json:"handler"`
-	Reason        string     `json:"reason"`
-	Attempts      int        `json:"attempts"`
-	CreatedAt     time.Time  `json:"created_at"`
-	DeadAt        time.Time  `json:"dead_at"`
-	ReplayedAt    *time.Time `json:"replayed_at"`
-	// Replayable is false for what a broker bridge received but could not
-	// queue: replay refuses it, the sender must send it again.
-	Replayable bool              `json:"replayable"`
-	Metadata   map[string]string `json:"metadata"`
-	Payload    string            `json:"payload"`
-}
 
 func deadLettersCmd() *cobra.Command {
 	var (
@@ -302,6 +297,9 @@ func deadLettersCmd() *cobra.Command {
 			if err := checkLimit(limit); err != nil {
 				return err
 			}
+			if err := checkText("--topic", topic); err != nil {
+				return err
+			}
 			return withTransport(cmd.Context(), func(tr *transport.Transport) error {
 				dl, err := tr.DeadLetters(cmd.Context(), transport.DeadLetterFilter{Topic: topic, Limit: limit})
 				if err != nil {
@@ -310,25 +308,16 @@ func deadLettersCmd() *cobra.Command {
 				if asJSON {
 					out := make([]deadLetterJSON, len(dl))
 					for i, d := range dl {
-						out[i] = deadLetterJSON{ID: d.ID, UUID: d.UUID, Topic: d.Topic, ConsumerGroup: d.ConsumerGroup, Handler: d.Handler,
-							Reason: d.Reason, Attempts: d.Attempts, CreatedAt: d.CreatedAt, DeadAt: d.DeadAt, ReplayedAt: d.ReplayedAt, Replayable: d.Replayable(), Metadata: d.Metadata,
-							Payload: strings.ToValidUTF8(string(d.PayloadPreview), "\uFFFD")}
+						out[i] = toDeadLetterJSON(d)
 					}
 					return writeJSON(cmd.OutOrStdout(), out)
 				}
 				tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
-				fmt.Fprintln(tw, "ID\tTOPIC\tGROUP\tATTEMPTS\tDEAD\tREPLAYED\tREASON")
+				fmt.Fprintln(tw, "ID\tTOPIC\tGROUP\tATTEMPTS\tSIZE\tDEAD\tREPLAYED\tREASON")
 				now := time.Now()
 				for _, d := range dl {
-					replayed := "-"
-					if !d.Replayable() {
-						replayed = "cannot"
-					}
-					if d.ReplayedAt != nil {
-						replayed = age(now.Sub(*d.ReplayedAt)) + " ago"
-					}
-					fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s ago\t%s\t%s\n", d.ID, d.Topic, dash(d.ConsumerGroup), d.Attempts, age(now.Sub(d.DeadAt)),
-						replayed, clip(oneLine(d.Reason), 100))
+					fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\t%s ago\t%s\t%s\n", d.ID, cell(d.Topic), cell(dash(d.ConsumerGroup)), d.Attempts, byteSize(d.PayloadSize),
+						age(now.Sub(d.DeadAt)), replayedCell(d, now), cell(clip(oneLine(d.Reason), 100)))
 				}
 				return tw.Flush()
 			})
@@ -337,7 +326,7 @@ func deadLettersCmd() *cobra.Command {
 	cmd.Flags().StringVar(&topic, "topic", "", "only dead letters of this topic")
 	cmd.Flags().IntVar(&limit, "limit", 100, "at most this many, oldest first")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print a JSON array")
-	cmd.AddCommand(replayCmd())
+	cmd.AddCommand(replayCmd(), showDeadLetterCmd(), deleteDeadLettersCmd())
 	return cmd
 }
 
@@ -347,13 +336,9 @@ func replayCmd() *cobra.Command {
 		Short: "Send dead letters back to their topic's queue, once each; the dead letter keeps a record that it was replayed",
 		Args:  cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			ids := make([]int64, len(args))
-			for i, a := range args {
-				id, err := strconv.ParseInt(a, 10, 64)
-				if err != nil || id < 1 {
-					return usagef("%q is not a dead letter id (a positive number, as dead-letters lists)", a)
-				}
-				ids[i] = id
+			ids, err := deadLetterIDs(args)
+			if err != nil {
+				return err
 			}
 			return withTransport(cmd.Context(), func(tr *transport.Transport) error {
 				var errs []error
@@ -361,7 +346,7 @@ func replayCmd() *cobra.Command {
 					done, err := replayDeadLetter(cmd.Context(), tr, id)
 					if err != nil {
 						errs = append(errs, err)
-						fmt.Fprintf(cmd.ErrOrStderr(), "dead letter %d: %v\n", id, err)
+						fmt.Fprintf(cmd.ErrOrStderr(), "dead letter %d: %s\n", id, cell(err.Error()))
 						continue
 					}
 					fmt.Fprintln(cmd.OutOrStdout(), done)

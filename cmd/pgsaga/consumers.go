@@ -1,7 +1,9 @@
 package main
 
 import (
+	"errors"
 	"fmt"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -33,8 +35,8 @@ func consumersCmd() *cobra.Command {
 		Short: "Every consumer group of every topic: messages waiting, age of the oldest, whether a worker runs it",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if stale <= 0 {
-				return usagef("--stale must be positive, got %s", stale)
+			if err := checkStale(stale); err != nil {
+				return err
 			}
 			return withTransport(cmd.Context(), func(tr *transport.Transport) error {
 				groups, err := tr.ConsumerGroups(cmd.Context())
@@ -64,17 +66,24 @@ func consumersCmd() *cobra.Command {
 					if g.LastSeen != nil {
 						seen = age(now.Sub(*g.LastSeen)) + " ago"
 					}
-					fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%s\t%s\t%s\n", g.Topic, g.ConsumerGroup, g.Waiting, g.Retrying, g.NotYetAvailable,
+					fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%s\t%s\t%s\n", cell(g.Topic), cell(g.ConsumerGroup), g.Waiting, g.Retrying, g.NotYetAvailable,
 						oldest, seen, yesNo(g.Running(now, stale)))
 				}
 				return tw.Flush()
 			})
 		},
 	}
-	cmd.Flags().DurationVar(&stale, "stale", 2*time.Minute, "a group no worker showed alive for this long is not running (workers show theirs every 30s by default)")
+	cmd.PersistentFlags().DurationVar(&stale, "stale", 2*time.Minute, "a group no worker showed alive for this long is not running (workers show theirs every 30s by default)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print a JSON array")
-	cmd.AddCommand(dropGroupCmd())
+	cmd.AddCommand(dropGroupCmd(&stale))
 	return cmd
+}
+
+func checkStale(stale time.Duration) error {
+	if stale <= 0 {
+		return usagef("--stale must be positive, got %s", stale)
+	}
+	return nil
 }
 
 func yesNo(b bool) string {
@@ -84,47 +93,76 @@ func yesNo(b bool) string {
 	return "NO"
 }
 
-func dropGroupCmd() *cobra.Command {
+func dropGroupCmd(stale *time.Duration) *cobra.Command {
 	var (
 		topic string
 		yes   bool
+		force bool
 	)
 	cmd := &cobra.Command{
 		Use:   "drop <group>",
 		Short: "Forget a consumer group that no longer runs, and delete the messages waiting for it",
-		Args:  cobra.ExactArgs(1),
+		Long: "Forget a consumer group that no longer runs, and delete the messages waiting for it. A group a worker showed alive " +
+			"within --stale is refused (exit 1), unless --force: its workers would lose what waits for them. Without --yes it says " +
+			"how many messages it would delete, and deletes none.",
+		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			group := args[0]
 			if err := transport.ValidateConsumerGroup(group); err != nil {
 				return usageError{err}
+			}
+			if topic != "" {
+				if err := transport.ValidateTopic(topic); err != nil {
+					return usageError{err}
+				}
+			}
+			if err := checkStale(*stale); err != nil {
+				return err
 			}
 			return withTransport(cmd.Context(), func(tr *transport.Transport) error {
 				groups, err := tr.ConsumerGroups(cmd.Context())
 				if err != nil {
 					return err
 				}
-				var targets []transport.GroupStats
+				now := time.Now()
+				waiting, alive := 0, &transport.ConsumerGroupAliveError{ConsumerGroup: group}
+				found := false
 				for _, g := range groups {
-					if g.ConsumerGroup == group && (topic == "" || g.Topic == topic) {
-						targets = append(targets, g)
+					if g.ConsumerGroup != group || topic != "" && g.Topic != topic {
+						continue
+					}
+					found = true
+					waiting += g.Waiting
+					if g.Running(now, *stale) {
+						alive.Topics = append(alive.Topics, g.Topic)
+						if g.LastSeen.After(alive.LastSeen) {
+							alive.LastSeen, alive.Ago = *g.LastSeen, now.Sub(*g.LastSeen)
+						}
 					}
 				}
-				if len(targets) == 0 {
-					return fmt.Errorf("no consumer group %q%s", group, onTopic(topic))
+				// With --yes, DropConsumerGroups checks again, locked against
+				// a heartbeat in flight.
+				switch {
+				case !found:
+					return fmt.Errorf("no consumer group %s%s", group, onTopic(topic))
+				case !yes && len(alive.Topics) > 0 && !force:
+					return refuseRunning(alive, *stale)
+				case !yes:
+					return usagef("dropping %s%s deletes the %d messages waiting for it; repeat with --yes to do it", group, onTopic(topic), waiting)
 				}
-				if !yes {
-					waiting := 0
-					for _, g := range targets {
-						waiting += g.Waiting
-					}
-					return usagef("dropping %q%s deletes the %d messages waiting for it; repeat with --yes to do it", group, onTopic(topic), waiting)
+				window := *stale
+				if force {
+					window = 0
 				}
-				for _, g := range targets {
-					n, err := tr.DropConsumerGroup(cmd.Context(), g.Topic, g.ConsumerGroup)
-					if err != nil {
-						return err
-					}
-					fmt.Fprintf(cmd.OutOrStdout(), "dropped %s of %s (%d messages deleted)\n", g.ConsumerGroup, g.Topic, n)
+				dropped, err := tr.DropConsumerGroups(cmd.Context(), transport.GroupDrop{ConsumerGroup: group, Topic: topic, UnlessSeenWithin: window})
+				if errors.As(err, &alive) {
+					return refuseRunning(alive, *stale)
+				}
+				if err != nil {
+					return err
+				}
+				for _, d := range dropped {
+					fmt.Fprintf(cmd.OutOrStdout(), "dropped %s of %s (%d messages deleted)\n", group, d.Topic, d.Messages)
 				}
 				return nil
 			})
@@ -132,7 +170,16 @@ func dropGroupCmd() *cobra.Command {
 	}
 	cmd.Flags().StringVar(&topic, "topic", "", "only of this topic (default: every topic the group reads)")
 	cmd.Flags().BoolVar(&yes, "yes", false, "confirm: the messages waiting for the group are deleted")
+	cmd.Flags().BoolVar(&force, "force", false, "drop the group even if a worker showed it alive within --stale")
 	return cmd
+}
+
+// refuseRunning is the refusal to drop a group a worker showed alive
+// within stale.
+func refuseRunning(alive *transport.ConsumerGroupAliveError, stale time.Duration) error {
+	return fmt.Errorf("consumer group %s of %s runs: a worker showed it alive %s ago (%s), within --stale %s; dropping it would delete "+
+		"what waits for its workers. Stop them first, or repeat with --force", alive.ConsumerGroup, strings.Join(alive.Topics, ", "),
+		age(alive.Ago), alive.LastSeen.Format(time.RFC3339), stale)
 }
 
 func onTopic(topic string) string {

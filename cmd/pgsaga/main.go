@@ -6,11 +6,15 @@
 //	pgsaga sagas [--status S]... [--saga NAME] [--older-than D] [--limit N] [--json]
 //	pgsaga show <saga-id> [--json]
 //	pgsaga retry <saga-id> [--no-wait] [--timeout D] [--json]
+//	pgsaga retry (--status S... | --saga NAME | --older-than D)... --yes [--no-wait] [--timeout D] [--json]
 //	pgsaga cancel <saga-id> [--reason R] [--no-wait] [--timeout D] [--json]
+//	pgsaga cancel (--status S... | --saga NAME | --older-than D)... --yes [--reason R] [--no-wait] [--timeout D] [--json]
 //	pgsaga dead-letters [--topic T] [--limit N] [--json]
+//	pgsaga dead-letters show <id> [--json] [--payload-out FILE|-]
 //	pgsaga dead-letters replay <id>...
+//	pgsaga dead-letters delete (<id>... | --topic T --older-than D) --yes
 //	pgsaga consumers [--stale D] [--json]
-//	pgsaga consumers drop <group> [--topic T] --yes
+//	pgsaga consumers drop <group> [--topic T] [--stale D] [--force] --yes
 //	pgsaga relay --broker URL --topic T [--topic T]... [--batch N] [--report-every D] [--verbose]
 //	pgsaga ui [--addr 127.0.0.1:8080] [--allow-host NAME]... [--verbose]
 //	pgsaga migrate
@@ -26,8 +30,12 @@
 // JetStream, nats://; Kafka, kafka://) until SIGINT or SIGTERM, as a
 // process of its own (workers can run it themselves: saga.ClientConfig.Broker).
 //
-// Exit status: 0 done, 1 the operation failed (no database, no such saga),
-// 2 usage (a bad flag or argument).
+// Exit status: 0 done, 1 the operation failed (no database, no such saga,
+// a request refused or not carried out), 2 usage (a bad flag or argument;
+// a destructive command without --yes, after saying what it would do).
+//
+// Human-readable output escapes what a terminal would act on (see
+// internal/termsafe); --json output holds every value as stored.
 package main
 
 import (
@@ -44,6 +52,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
@@ -81,7 +90,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err == nil {
 		return exitOK
 	}
-	fmt.Fprintln(stderr, "pgsaga:", err)
+	fmt.Fprintln(stderr, "pgsaga:", termsafe.Line(err.Error()))
 	var u usageError
 	if errors.As(err, &u) || cmd == nil || isCobraUsage(err) {
 		if cmd != nil {

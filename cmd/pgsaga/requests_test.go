@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"io"
 	"log/slog"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -50,8 +51,16 @@ func jobSaga(t *testing.T, refuseUndo *atomic.Bool) (client *saga.Client, start 
 // jobSagaOn is jobSaga on db.
 func jobSagaOn(t *testing.T, db *testdb.DB, refuseUndo *atomic.Bool) (client *saga.Client, start func(job string) uuid.UUID) {
 	t.Helper()
+	return jobSagaVersion(t, db, refuseUndo, 1, nil)
+}
+
+// jobSagaVersion is jobSagaOn with version of the saga's definition, the
+// only one the client knows, and the engine's retry policy (nil: the
+// default).
+func jobSagaVersion(t *testing.T, db *testdb.DB, refuseUndo *atomic.Bool, version int, retry *transport.RetryPolicy) (client *saga.Client, start func(job string) uuid.UUID) {
+	t.Helper()
 	client, err := saga.NewClientFromDB(db.SQL, saga.ClientConfig{Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
-		Transport: transport.Config{IdlePollInterval: testdb.NoSafetyPoll}})
+		Transport: transport.Config{IdlePollInterval: testdb.NoSafetyPoll}, Retry: retry})
 	require.NoError(t, err)
 	undo := steps.Define("jobs.undo", "jobs.undo", func(ctx context.Context, tx *steps.Tx, cmd jobCmd) (steps.Message, error) {
 		if refuseUndo.Load() {
@@ -60,7 +69,8 @@ func jobSagaOn(t *testing.T, db *testdb.DB, refuseUndo *atomic.Bool) (client *sa
 		return jobDone{}, nil
 	})
 	def := saga.MustDefine(saga.Spec[jobStarted]{
-		Name: "job",
+		Name:    "job",
+		Version: version,
 		Trigger: saga.Trigger[jobStarted]{Topic: "jobs.start", Start: func(msg *message.Message) (string, jobStarted, error) {
 			j, err := steps.Decode[jobStarted](msg)
 			return j.Job, j, err
@@ -148,4 +158,123 @@ func TestCancelAndRetryCarriedOutByTheWorkers(t *testing.T) {
 	var pending int
 	require.NoError(t, sqlDB(t).QueryRow(`SELECT count(*) FROM saga_requests WHERE saga_id = $1 AND done_at IS NULL`, running).Scan(&pending))
 	assert.Equal(t, 1, pending, "asking twice for the saga as it is is one request")
+	var queued int
+	require.NoError(t, sqlDB(t).QueryRow(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1`, saga.RequestTopic("job")).Scan(&queued))
+	assert.Equal(t, 1, queued, "a request still queued is not published again")
+}
+
+// A request whose message was dead-lettered (the only worker running knew
+// another version of the saga's definition, and its one attempt failed) is
+// reported so, and published again when asked again: a worker that knows
+// the saga then carries it out.
+func TestARequestDeadLetteredIsCarriedOutWhenAskedAgain(t *testing.T) {
+	var refuseUndo atomic.Bool
+	db := testdb.Fresh(t)
+	t.Setenv("DATABASE_URL", db.URL)
+	v1, start := jobSagaOn(t, db, &refuseUndo)
+	id := start("j1")
+	require.NoError(t, v1.Stop())
+
+	v2, _ := jobSagaVersion(t, db, &refuseUndo, 2, &transport.RetryPolicy{MaxAttempts: 1})
+	code, _, errOut := pgsaga(t, "cancel", id.String(), "--reason", "first", "--timeout", "30s")
+	require.Equal(t, exitFailed, code, errOut)
+	assert.Contains(t, errOut, "was dead-lettered", "said as soon as it is, not after --timeout")
+	assert.Contains(t, errOut, "ask again")
+	code, out, errOut := pgsaga(t, "cancel", "--saga", "job", "--status", "running", "--yes", "--timeout", "30s")
+	require.Equal(t, exitFailed, code, errOut)
+	assert.Contains(t, out, "1 dead-lettered", "asked again, published again, dead-lettered again")
+	var dead int
+	require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_dead_letters WHERE topic = $1`, saga.RequestTopic("job")).Scan(&dead))
+	assert.Equal(t, 2, dead)
+	require.NoError(t, v2.Stop())
+
+	v1, _ = jobSagaOn(t, db, &refuseUndo)
+	code, out, errOut = pgsaga(t, "cancel", id.String(), "--timeout", "20s")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "cancel of "+id.String()+" done")
+	waitStatus(t, v1, id, saga.StatusCompensated)
+	var requests int
+	require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM saga_requests WHERE saga_id = $1`, id).Scan(&requests))
+	assert.Equal(t, 1, requests, "asked twice, one request, carried out once")
+}
+
+// retry and cancel of every saga --status, --saga and --older-than select:
+// without --yes they say how many they would ask (exit 2); with it they ask
+// each, wait, and report how each ended: done, refused (the reasons
+// grouped; exit 1), or not carried out in time (exit 1). Sagas the flags
+// do not select are left alone.
+func TestBulkRetryAndCancel(t *testing.T) {
+	var refuseUndo atomic.Bool
+	refuseUndo.Store(true)
+	client, start := jobSaga(t, &refuseUndo)
+	ids := []uuid.UUID{start("b1"), start("b2"), start("b3")}
+	requestsOf := func(id uuid.UUID) int {
+		var n int
+		require.NoError(t, sqlDB(t).QueryRow(`SELECT count(*) FROM saga_requests WHERE saga_id = $1`, id).Scan(&n))
+		return n
+	}
+
+	code, _, errOut := pgsaga(t, "cancel", "--status", "running", "--saga", "job")
+	require.Equal(t, exitUsage, code, errOut)
+	assert.Contains(t, errOut, "3 sagas")
+	assert.Contains(t, errOut, "--yes")
+	assert.Zero(t, requestsOf(ids[0]), "nothing asked without --yes")
+
+	code, out, errOut := pgsaga(t, "cancel", "--status", "running", "--saga", "other", "--yes")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "no saga matches", "the name selects")
+
+	progressEvery, askBatch = 0, 2 // every line of progress; two batches
+	t.Cleanup(func() { progressEvery, askBatch = time.Second, 100 })
+	code, out, errOut = pgsaga(t, "cancel", "--status", "running", "--saga", "job", "--reason", "bulk", "--yes", "--json")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, errOut, "asked 3 of 3", "progress on stderr")
+	var bulk map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &bulk))
+	assert.EqualValues(t, 3, bulk["asked"])
+	assert.EqualValues(t, 3, bulk["done"])
+	assert.EqualValues(t, 0, bulk["refused"])
+	assert.EqualValues(t, 0, bulk["pending"])
+	assert.Len(t, bulk["requests"], 3)
+	for _, id := range ids {
+		waitStatus(t, client, id, saga.StatusFailed) // the undo was refused: parked
+	}
+	progressEvery, askBatch = time.Second, 100
+
+	other := start("b4")
+	refuseUndo.Store(false)
+	code, out, errOut = pgsaga(t, "retry", "--status", "failed", "--yes")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "retry asked of 3 sagas: 3 done")
+	for _, id := range ids {
+		waitStatus(t, client, id, saga.StatusCompensated)
+	}
+	assert.Zero(t, requestsOf(other), "a running saga is not asked for with --status failed")
+
+	code, out, errOut = pgsaga(t, "retry", "--status", "compensated", "--older-than", "0s", "--yes")
+	assert.Equal(t, exitFailed, code, errOut)
+	assert.Contains(t, out, "3 refused")
+	assert.Equal(t, 1, strings.Count(out, "cannot be retried"), "one group of refusals: %s", out)
+
+	code, out, errOut = pgsaga(t, "retry", "--status", "compensated", "--older-than", "1h", "--yes")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "no saga matches")
+
+	last := start("b5")
+	require.NoError(t, client.Stop())
+	code, out, errOut = pgsaga(t, "cancel", "--status", "running", "--yes", "--no-wait")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "cancel asked of 2 sagas")
+	code, out, errOut = pgsaga(t, "cancel", "--status", "running", "--yes", "--timeout", "200ms")
+	assert.Equal(t, exitFailed, code, errOut)
+	assert.Contains(t, out, "2 not carried out within 200ms")
+	assert.Equal(t, 1, requestsOf(last), "asking again while the request waits is the same request")
+
+	for _, args := range [][]string{
+		{"retry"}, {"cancel", "--yes"}, {"retry", last.String(), "--status", "failed"}, {"retry", "--status", "bogus", "--yes"},
+		{"cancel", "--older-than", "-1s", "--yes"},
+	} {
+		code, _, errOut = pgsaga(t, args...)
+		assert.Equal(t, exitUsage, code, "%v: %s", args, errOut)
+	}
 }

@@ -29,12 +29,12 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/spf13/cobra"
 
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
@@ -329,50 +329,18 @@ func (u *webUI) render(w http.ResponseWriter, r *http.Request, status int, page,
 	_, _ = w.Write(out)
 }
 
-// printable is s as text a page can show: bytes that are not UTF-8 become
-// U+FFFD, and control characters (but tab and line ends) and the
-// characters that reorder text (bidi embeddings, overrides, isolates and
-// marks, which can make one string look like another) are written out as
-// \x1b or \u202e.
-func printable(s string) string {
-	if utf8.ValidString(s) && strings.IndexFunc(s, unsafeRune) < 0 {
-		return s
-	}
-	var b strings.Builder
-	for _, r := range strings.ToValidUTF8(s, "\uFFFD") {
-		switch {
-		case !unsafeRune(r):
-			b.WriteRune(r)
-		case r < 0x80:
-			fmt.Fprintf(&b, `\x%02x`, r)
-		default:
-			fmt.Fprintf(&b, `\u%04x`, r)
-		}
-	}
-	return b.String()
-}
+// printable is s as text a page can show (termsafe.Text): control
+// characters but tab and newline, the characters that reorder text (which
+// can make one string look like another) and bytes that are not UTF-8 are
+// written out as \x1b, \u202e or \xff.
+func printable(s string) string { return termsafe.Text(s) }
 
 // printableBytes is printable for b, b itself if it is printable already.
 func printableBytes(b []byte) []byte {
-	if utf8.Valid(b) && bytes.IndexFunc(b, unsafeRune) < 0 {
+	if termsafe.Clean(string(b)) {
 		return b
 	}
-	return []byte(printable(string(b)))
-}
-
-// unsafeRune reports whether r is a character a page must not show as it
-// is: a control character but tab and line ends (C0, DEL, C1), or one
-// that reorders text.
-func unsafeRune(r rune) bool {
-	switch {
-	case r == '\t' || r == '\n' || r == '\r':
-		return false
-	case r < 0x20, r >= 0x7f && r <= 0x9f:
-		return true
-	case r == '\u061c', r == '\u200e', r == '\u200f', r >= '\u202a' && r <= '\u202e', r >= '\u2066' && r <= '\u2069':
-		return true
-	}
-	return false
+	return []byte(termsafe.Text(string(b)))
 }
 
 var titles = map[string]string{pageSagas: "Sagas", pageSaga: "Saga", pageDeadLetters: "Dead letters", pageDeadLetter: "Dead letter", pageConsumers: "Consumers"}

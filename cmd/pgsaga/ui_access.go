@@ -20,6 +20,7 @@ import (
 	"strings"
 	"unicode/utf8"
 
+	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -156,7 +157,7 @@ func checkSecret(name, value string, minLen int) error {
 	switch {
 	case !utf8.ValidString(value):
 		return fmt.Errorf("%s is not UTF-8 text", name)
-	case strings.IndexFunc(value, unsafeRune) >= 0:
+	case !termsafe.Clean(value):
 		return fmt.Errorf("%s holds a control character", name)
 	case utf8.RuneCountInString(value) < minLen:
 		return fmt.Errorf("%s is too short: at least %d characters", name, minLen)

@@ -21,6 +21,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/steps/metadata"
 	"github.com/pgsaga/pgsaga/steps/transport"
@@ -476,11 +477,8 @@ func deadLetterRowOf(d transport.DeadLetter, shown []byte, now time.Time, ret st
 	// make a NUL U+FFFD first.
 	row.Payload = printable(row.Payload)
 	var notes []string
-	if !utf8.Valid(shown) {
-		notes = append(notes, "not valid UTF-8 text: the bytes that are not are shown as \uFFFD")
-	}
-	if bytes.IndexFunc(shown, unsafeRune) >= 0 {
-		notes = append(notes, `control characters are shown as \x00, \x1b and the like`)
+	if !termsafe.Clean(string(shown)) {
+		notes = append(notes, `control characters and bytes that are not UTF-8 text are shown as \x00, \x1b, \xff and the like`)
 	}
 	row.PayloadNote = strings.Join(notes, "; ")
 	if d.ReplayedAt != nil {

@@ -390,8 +390,8 @@ func TestUIPagesOnARealRun(t *testing.T) {
 		assert.Contains(t, page.body, "&lt;/td&gt;&lt;/table&gt;&lt;script&gt;alert(&#39;metadata&#39;)&lt;/script&gt;")
 		assert.True(t, utf8.ValidString(page.body), "the page is UTF-8 whatever the payload holds")
 		assert.NotContains(t, page.body, "\x00")
-		assert.Contains(t, page.body, "\uFFFD&lt;script&gt;", "bytes that are not text are shown as U+FFFD")
-		assert.Contains(t, page.body, "not valid UTF-8 text")
+		assert.Contains(t, page.body, `\xff\xfe&lt;script&gt;`, "bytes that are not text are shown as escapes")
+		assert.Contains(t, page.body, "bytes that are not UTF-8 text are shown as")
 	}
 
 	// Bad ids: a sentence, not a 500.
@@ -870,8 +870,8 @@ func TestUIDeadLetterPayloads(t *testing.T) {
 	cut := b.get("/dead-letters?topic=cut.topic")
 	assert.Contains(t, cut.body, `id="dl-`+strconv.FormatInt(accents, 10)+`"`)
 	assert.Contains(t, cut.body, strings.Repeat("a", transport.DeadLetterPreviewBytes-1)+"</pre>")
-	assert.NotContains(t, cut.body, "not valid UTF-8")
-	assert.NotContains(t, cut.body, "\uFFFD")
+	assert.NotContains(t, cut.body, "not UTF-8")
+	assert.NotContains(t, cut.body, `\x`)
 	assert.Contains(t, cut.body, "The first 4,096 of 5,000 characters: the dead letter&#39;s page has all of it.")
 	assert.NotContains(t, cut.body, strings.Repeat("r", 4097))
 	assert.Contains(t, b.get("/dead-letters/"+strconv.FormatInt(accents, 10)).body, strings.Repeat("r", 5000))

@@ -289,3 +289,67 @@ func Unstorable(s string) string {
 	}
 	return ""
 }
+
+// DeadLetterDeletion selects the dead letters DeleteDeadLetters deletes:
+// those IDs, or those of Topic dead-lettered longer than OlderThan ago (by
+// the database's clock), one way or the other: never all of them.
+type DeadLetterDeletion struct {
+	IDs       []int64
+	Topic     string
+	OlderThan time.Duration
+}
+
+// ErrInvalidDeletion: a DeadLetterDeletion that selects neither by IDs nor
+// by Topic and OlderThan, or both ways.
+var ErrInvalidDeletion = errors.New("transport: invalid dead letter deletion")
+
+func (d DeadLetterDeletion) validate() error {
+	byAge := d.Topic != "" || d.OlderThan != 0
+	switch {
+	case len(d.IDs) > 0 && byAge:
+		return fmt.Errorf("%w: IDs, or Topic and OlderThan, not both", ErrInvalidDeletion)
+	case len(d.IDs) > 0:
+		return nil
+	case d.Topic == "" || d.OlderThan <= 0:
+		return fmt.Errorf("%w: IDs, or Topic and a positive OlderThan (got %q, %s)", ErrInvalidDeletion, d.Topic, d.OlderThan)
+	}
+	return nil
+}
+
+// CountDeadLetters counts the dead letters DeleteDeadLetters would delete
+// now.
+func (t *Transport) CountDeadLetters(ctx context.Context, d DeadLetterDeletion) (int64, error) {
+	if err := d.validate(); err != nil {
+		return 0, err
+	}
+	var n int64
+	if err := t.db.QueryRowContext(ctx, countDeadLettersSQL, d.IDs, d.Topic, d.OlderThan.Seconds()).Scan(&n); err != nil {
+		return 0, fmt.Errorf("transport: counting dead letters: %w", migrationHint(err))
+	}
+	return n, nil
+}
+
+// DeleteDeadLetters deletes the dead letters d selects, replayed or not,
+// and returns how many it deleted (an ID with no dead letter is not
+// counted).
+func (t *Transport) DeleteDeadLetters(ctx context.Context, d DeadLetterDeletion) (int64, error) {
+	if err := d.validate(); err != nil {
+		return 0, err
+	}
+	res, err := t.db.ExecContext(ctx, deleteDeadLettersSQL, d.IDs, d.Topic, d.OlderThan.Seconds())
+	if err != nil {
+		return 0, fmt.Errorf("transport: deleting dead letters: %w", migrationHint(err))
+	}
+	n, _ := res.RowsAffected()
+	return n, nil
+}
+
+// selectDeadLettersSQL selects dead letters by id ($1, if any), else by
+// topic ($2) and age ($3 seconds since they were dead-lettered).
+const (
+	selectDeadLettersSQL = `FROM pgsaga_dead_letters
+WHERE CASE WHEN cardinality($1::bigint[]) > 0 THEN id = ANY ($1::bigint[])
+    ELSE topic = $2 AND dead_at < clock_timestamp() - make_interval(secs => $3) END`
+	countDeadLettersSQL  = `SELECT count(*) ` + selectDeadLettersSQL
+	deleteDeadLettersSQL = `DELETE ` + selectDeadLettersSQL
+)

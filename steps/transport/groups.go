@@ -2,7 +2,10 @@ package transport
 
 import (
 	"context"
+	"database/sql"
+	"errors"
 	"fmt"
+	"strings"
 	"time"
 )
 
@@ -126,3 +129,154 @@ func (t *Transport) Departed(ctx context.Context, q Tx, topic, uuid string) (boo
 	}
 	return !waiting, nil
 }
+
+// Errors of DropConsumerGroups.
+var (
+	// ErrConsumerGroupAlive: a router showed the group alive within
+	// GroupDrop.UnlessSeenWithin; the error is a *ConsumerGroupAliveError.
+	ErrConsumerGroupAlive  = errors.New("transport: the consumer group runs")
+	ErrNoSuchConsumerGroup = errors.New("transport: no such consumer group")
+)
+
+// ConsumerGroupAliveError is DropConsumerGroups' refusal to drop a group a
+// router showed alive within GroupDrop.UnlessSeenWithin. It matches
+// ErrConsumerGroupAlive.
+type ConsumerGroupAliveError struct {
+	ConsumerGroup string
+	// Topics are those of the group's topics a router showed it alive on
+	// within the window, by name.
+	Topics []string
+	// LastSeen is when a router last showed it alive, and Ago how long
+	// before the refusal that was, by the database's clock.
+	LastSeen time.Time
+	Ago      time.Duration
+}
+
+func (e *ConsumerGroupAliveError) Error() string {
+	return fmt.Sprintf("transport: consumer group %s of %s runs: a worker showed it alive %s ago",
+		e.ConsumerGroup, strings.Join(e.Topics, ", "), e.Ago.Round(time.Millisecond))
+}
+
+// Is makes the error match ErrConsumerGroupAlive.
+func (e *ConsumerGroupAliveError) Is(target error) bool { return target == ErrConsumerGroupAlive }
+
+// GroupDrop says which consumer group DropConsumerGroups drops, and when it
+// refuses to.
+type GroupDrop struct {
+	ConsumerGroup string
+	// Topic drops the group of this topic only; "" of every topic it reads.
+	Topic string
+	// UnlessSeenWithin refuses to drop a group a router showed alive
+	// within this long on any of those topics (a few of its heartbeats,
+	// Config.HeartbeatInterval): nothing is dropped then. 0 drops it even
+	// if it runs.
+	UnlessSeenWithin time.Duration
+}
+
+// DroppedGroup is a consumer group of a topic DropConsumerGroups dropped,
+// with how many of its queued messages it deleted.
+type DroppedGroup struct {
+	Topic    string
+	Messages int64
+}
+
+// DropConsumerGroups forgets d.ConsumerGroup of d.Topic (of every topic it
+// reads, if none), as DropConsumerGroup does, in one transaction; it
+// returns what it dropped, by topic. With d.UnlessSeenWithin, a group a
+// router showed alive that recently is not dropped
+// (ErrConsumerGroupAlive): the check locks the group's rows first, so a
+// heartbeat in flight is waited for and counts, and one that comes later
+// waits for the drop (and records the group again). A group not recorded
+// is ErrNoSuchConsumerGroup.
+func (t *Transport) DropConsumerGroups(ctx context.Context, d GroupDrop) ([]DroppedGroup, error) {
+	if err := ValidateConsumerGroup(d.ConsumerGroup); err != nil {
+		return nil, err
+	}
+	if d.Topic != "" {
+		if err := ValidateTopic(d.Topic); err != nil {
+			return nil, err
+		}
+	}
+	if d.UnlessSeenWithin < 0 {
+		return nil, fmt.Errorf("transport: dropping consumer group %s: UnlessSeenWithin must not be negative, got %s", d.ConsumerGroup, d.UnlessSeenWithin)
+	}
+	dropped, err := t.dropGroups(ctx, d)
+	if err != nil && !errors.Is(err, ErrConsumerGroupAlive) && !errors.Is(err, ErrNoSuchConsumerGroup) {
+		return nil, fmt.Errorf("transport: dropping consumer group %s: %w", d.ConsumerGroup, migrationHint(err))
+	}
+	return dropped, err
+}
+
+func (t *Transport) dropGroups(ctx context.Context, d GroupDrop) ([]DroppedGroup, error) {
+	tx, err := t.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return nil, err
+	}
+	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+	type sub struct {
+		topic    string
+		lastSeen *time.Time
+	}
+	var subs []sub
+	rows, err := tx.QueryContext(ctx, lockGroupSQL, d.ConsumerGroup, d.Topic)
+	if err != nil {
+		return nil, err
+	}
+	for rows.Next() {
+		var s sub
+		if err := rows.Scan(&s.topic, &s.lastSeen); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		subs = append(subs, s)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	if len(subs) == 0 {
+		where := ""
+		if d.Topic != "" {
+			where = " of topic " + d.Topic
+		}
+		return nil, fmt.Errorf("%w: %s%s", ErrNoSuchConsumerGroup, d.ConsumerGroup, where)
+	}
+	if d.UnlessSeenWithin > 0 {
+		// The time now, once the rows are locked: a heartbeat that held one
+		// has committed, and the next one waits.
+		var now time.Time
+		if err := tx.QueryRowContext(ctx, `SELECT clock_timestamp()`).Scan(&now); err != nil {
+			return nil, err
+		}
+		alive := &ConsumerGroupAliveError{ConsumerGroup: d.ConsumerGroup}
+		for _, s := range subs {
+			if s.lastSeen != nil && now.Sub(*s.lastSeen) <= d.UnlessSeenWithin {
+				alive.Topics = append(alive.Topics, s.topic)
+				if s.lastSeen.After(alive.LastSeen) {
+					alive.LastSeen, alive.Ago = *s.lastSeen, now.Sub(*s.lastSeen)
+				}
+			}
+		}
+		if len(alive.Topics) > 0 {
+			return nil, alive
+		}
+	}
+	out := make([]DroppedGroup, len(subs))
+	for i, s := range subs {
+		res, err := tx.ExecContext(ctx, dropGroupSQL, s.topic, d.ConsumerGroup)
+		if err != nil {
+			return nil, err
+		}
+		n, _ := res.RowsAffected()
+		out[i] = DroppedGroup{Topic: s.topic, Messages: n}
+	}
+	return out, tx.Commit()
+}
+
+// lockGroupSQL locks the subscriptions of consumer group $1 (of topic $2,
+// or of every topic if $2 = ”), for a drop that checks when the group was
+// last seen: a heartbeat (seenSQL) updating one of them is waited for, and
+// its time read.
+const lockGroupSQL = `SELECT topic, last_seen_at FROM pgsaga_subscriptions
+WHERE consumer_group = $1 AND ($2 = '' OR topic = $2)
+ORDER BY topic
+FOR UPDATE`

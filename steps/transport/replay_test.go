@@ -157,3 +157,60 @@ func TestDeadLettersListsABoundedPartOfEach(t *testing.T) {
 	_, err = e.tr.DeadLetter(ctx, -1)
 	assert.ErrorIs(t, err, transport.ErrDeadLetterNotFound)
 }
+
+// DeleteDeadLetters deletes the dead letters it names, or those of a topic
+// dead for longer than OlderThan, and nothing else; CountDeadLetters counts
+// what it would delete. A deletion that selects neither way (or both) is
+// refused: it must never mean "all of them".
+func TestDeleteDeadLetters(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := context.Background()
+	other := "other_" + e.id
+	insert := func(topic string, deadDaysAgo int) int64 {
+		var id int64
+		require.NoError(t, e.db.SQL.QueryRowContext(ctx, `INSERT INTO pgsaga_dead_letters
+            (uuid, topic, consumer_group, handler, payload, metadata, reason, attempts, created_at, dead_at)
+            VALUES ('d', $1, 'g', 'h', 'p', '{}', 'r', 1, now(), now() - make_interval(days => $2)) RETURNING id`, topic, deadDaysAgo).Scan(&id))
+		return id
+	}
+	a, b, old, otherOld := insert(e.in, 0), insert(e.in, 0), insert(e.in, 2), insert(other, 2)
+	left := func() []int64 {
+		var ids []int64
+		for _, topic := range []string{e.in, other} {
+			for _, d := range e.deadLetters(topic) {
+				ids = append(ids, d.ID)
+			}
+		}
+		return ids
+	}
+
+	byAge := transport.DeadLetterDeletion{Topic: e.in, OlderThan: 24 * time.Hour}
+	n, err := e.tr.CountDeadLetters(ctx, byAge)
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, n)
+	assert.Equal(t, []int64{a, b, old, otherOld}, left(), "counting deletes nothing")
+	n, err = e.tr.DeleteDeadLetters(ctx, byAge)
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, n)
+	assert.Equal(t, []int64{a, b, otherOld}, left(), "of that topic, dead for longer")
+
+	byID := transport.DeadLetterDeletion{IDs: []int64{a, -1}}
+	n, err = e.tr.CountDeadLetters(ctx, byID)
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, n)
+	n, err = e.tr.DeleteDeadLetters(ctx, byID)
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, n)
+	assert.Equal(t, []int64{b, otherOld}, left())
+
+	for _, d := range []transport.DeadLetterDeletion{
+		{}, {Topic: e.in}, {OlderThan: time.Hour}, {IDs: []int64{b}, Topic: e.in, OlderThan: time.Hour}, {Topic: e.in, OlderThan: -time.Hour},
+	} {
+		_, err := e.tr.DeleteDeadLetters(ctx, d)
+		assert.ErrorIs(t, err, transport.ErrInvalidDeletion, "%+v", d)
+		_, err = e.tr.CountDeadLetters(ctx, d)
+		assert.ErrorIs(t, err, transport.ErrInvalidDeletion, "%+v", d)
+	}
+	assert.Equal(t, []int64{b, otherOld}, left())
+}
