@@ -16,7 +16,6 @@ import (
 	"github.com/pgsaga/pgsaga/internal/testdb"
 )
 
-
 // The dead letters listing reads a bounded part of each (ten of 2 MiB make
 // a listing of a few kB): sizes, a preview, the reason's length; payload
 // holds the whole payload only when the preview is all of it. show reads
