@@ -299,3 +299,18 @@ func TestAPanicValueWithANulParksItsInstanceAlone(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 2, inst.Attempt, "the other saga's command was sent again")
 }
+
+// The saga's own deadline by default never cuts short what its steps
+// allow: a step whose reply may take longer than DefaultTimeout (an
+// approval given in days) keeps its whole deadline, attempts included.
+// (The 24 h default capped it: such sagas, which waited for their reply
+// before, compensated at 24 h, "took longer than its timeout".)
+func TestTheDefaultTimeoutLeavesLongStepsTheirDeadlines(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{deadline: 2 * saga.DefaultTimeout, absent: []string{"book"}})
+	assert.Equal(t, 2*(3*2*saga.DefaultTimeout), e.def.Timeout, "both actions' deadlines, all their attempts")
+	id := e.start("quito")
+	inst := e.wait(id, "book in flight", func(i saga.Instance) bool { return i.Step == "book" })
+	require.NotNil(t, inst.DeadlineAt)
+	assert.Greater(t, time.Until(*inst.DeadlineAt), saga.DefaultTimeout+time.Hour, "the step's own deadline")
+}
