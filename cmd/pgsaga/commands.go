@@ -283,9 +283,18 @@ type deadLetterJSON struct {
 	ReplayedAt    *time.Time `json:"replayed_at"`
 	// Replayable is false for what a broker bridge received but could not
 	// queue: replay refuses it, the sender must send it again.
-	Replayable bool              `json:"replayable"`
-	Metadata   map[string]string `json:"metadata"`
-	Payload    string            `json:"payload"`
+	Replayable bool `json:"replayable"`
+	// A listing holds a bounded part of each dead letter (see
+	// transport.DeadLetters): Reason is cut at 4096 characters
+	// (ReasonLength is its length), Metadata is null above 4 KiB
+	// (MetadataSize), Payload is the first 256 bytes (PayloadSize,
+	// PayloadComplete).
+	ReasonLength    int               `json:"reason_length"`
+	Metadata        map[string]string `json:"metadata"`
+	MetadataSize    int               `json:"metadata_size"`
+	Payload         string            `json:"payload"`
+	PayloadSize     int               `json:"payload_size"`
+	PayloadComplete bool              `json:"payload_complete"`
 }
 
 func deadLettersCmd() *cobra.Command {
@@ -312,7 +321,8 @@ func deadLettersCmd() *cobra.Command {
 					for i, d := range dl {
 						out[i] = deadLetterJSON{ID: d.ID, UUID: d.UUID, Topic: d.Topic, ConsumerGroup: d.ConsumerGroup, Handler: d.Handler,
 							Reason: d.Reason, Attempts: d.Attempts, CreatedAt: d.CreatedAt, DeadAt: d.DeadAt, ReplayedAt: d.ReplayedAt, Replayable: d.Replayable(), Metadata: d.Metadata,
-							Payload: strings.ToValidUTF8(string(d.PayloadPreview), "\uFFFD")}
+							Payload: strings.ToValidUTF8(string(d.PayloadPreview), "\uFFFD"), ReasonLength: d.ReasonLength, MetadataSize: d.MetadataSize,
+							PayloadSize: d.PayloadSize, PayloadComplete: d.PayloadComplete()}
 					}
 					return writeJSON(cmd.OutOrStdout(), out)
 				}

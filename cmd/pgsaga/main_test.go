@@ -295,3 +295,31 @@ func sqlDB(t *testing.T) *sql.DB {
 	t.Helper()
 	return testdb.Open(t, os.Getenv("DATABASE_URL"), 2).SQL
 }
+
+// dead-letters --json lists a bounded part of each dead letter, and says
+// so: the payload's size and whether "payload" is all of it, the reason's
+// length, the metadata's size (null above the bound). (A script reading
+// "payload" got the first 256 bytes of a larger one with nothing to tell
+// it, where it had the whole payload before.)
+func TestDeadLettersJSONSaysWhatIsCut(t *testing.T) {
+	db := testdb.Shared(t)
+	t.Setenv("DATABASE_URL", db.URL)
+	topic := "big_" + uuid.NewString()[:8]
+	payload := strings.Repeat("p", 1000)
+	_, err := db.SQL.Exec(`INSERT INTO pgsaga_dead_letters (uuid, topic, consumer_group, handler, payload, metadata, reason, attempts, created_at)
+		VALUES ($1, $2, 'g', 'h', $3, $4::jsonb, $5, 1, now())`, uuid.NewString(), topic, []byte(payload),
+		`{"k":"`+strings.Repeat("m", 5000)+`"}`, strings.Repeat("r", 5000))
+	require.NoError(t, err)
+	code, out, errOut := pgsaga(t, "dead-letters", "--json", "--topic", topic)
+	require.Equal(t, exitOK, code, errOut)
+	var dead []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &dead))
+	require.Len(t, dead, 1)
+	d := dead[0]
+	assert.Equal(t, payload[:transport.DeadLetterPreviewBytes], d["payload"])
+	assert.EqualValues(t, 1000, d["payload_size"])
+	assert.Equal(t, false, d["payload_complete"])
+	assert.EqualValues(t, 5000, d["reason_length"])
+	assert.Nil(t, d["metadata"])
+	assert.Greater(t, d["metadata_size"], float64(5000))
+}
