@@ -27,6 +27,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -58,11 +59,14 @@ type Spec[D any] struct {
 	// Step.Deadline), so an outage of the broker or of every participant
 	// delays a saga without costing it an attempt. Compensations are not
 	// bounded by it. An operator's retry of a running instance starts it
-	// afresh. Default: DefaultTimeout.
+	// afresh. Default: DefaultTimeout, or, if longer, what the actions
+	// allow themselves (the sum of their Deadline × MaxAttempts), so that
+	// the default never gives up on a reply sooner than the steps would.
 	Timeout time.Duration
 }
 
-// DefaultTimeout is Spec.Timeout's default.
+// DefaultTimeout is Spec.Timeout's default, unless the actions allow
+// themselves longer.
 const DefaultTimeout = 24 * time.Hour
 
 // Trigger starts an instance from a message, at most once per key.
@@ -167,9 +171,6 @@ func Define[D any](spec Spec[D]) (*Definition, error) {
 	if spec.ReplyTopic == "" {
 		spec.ReplyTopic = "saga." + spec.Name + ".replies"
 	}
-	if spec.Timeout == 0 {
-		spec.Timeout = DefaultTimeout
-	}
 	if spec.Timeout < 0 {
 		return nil, fmt.Errorf("saga %s: Timeout must be positive", spec.Name)
 	}
@@ -239,6 +240,9 @@ func Define[D any](spec Spec[D]) (*Definition, error) {
 	if actions == 0 {
 		return nil, fmt.Errorf("saga %s: no step has an action", spec.Name)
 	}
+	if d.Timeout == 0 {
+		d.Timeout = max(DefaultTimeout, d.actionsAllow())
+	}
 	return d, nil
 }
 
@@ -249,6 +253,22 @@ func MustDefine[D any](spec Spec[D]) *Definition {
 		panic(err)
 	}
 	return d
+}
+
+// actionsAllow is how long the actions' replies may take at most by their
+// own deadlines and attempts (saturating, never overflowing).
+func (d *Definition) actionsAllow() time.Duration {
+	var total time.Duration
+	for _, s := range d.steps {
+		if s.action == nil {
+			continue
+		}
+		if s.deadline > (math.MaxInt64-total)/time.Duration(s.maxAttempts) {
+			return math.MaxInt64
+		}
+		total += s.deadline * time.Duration(s.maxAttempts)
+	}
+	return total
 }
 
 func compileCommand[D any](c *Command[D]) (*commandDef, error) {

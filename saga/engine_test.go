@@ -87,6 +87,7 @@ type options struct {
 	finished      string   // the engine's FinishedChannel
 	timeout       time.Duration
 	panicFor      string // a trip whose commands' Build panics
+	panicWith     string // what it panics with; default "a bug in Build for <trip>"
 }
 
 func (o options) compDeadlineOf(step string) time.Duration {
@@ -127,6 +128,9 @@ func newEnv(t *testing.T, o options) *env {
 	cmd := func(op string) *saga.Command[tripData] {
 		return &saga.Command[tripData]{Topic: e.topics[op], Build: func(d tripData) steps.Message {
 			if o.panicFor != "" && d.Trip == o.panicFor {
+				if o.panicWith != "" {
+					panic(o.panicWith)
+				}
 				panic("a bug in Build for " + d.Trip)
 			}
 			return tripCmd{Trip: d.Trip, Op: op}

@@ -204,16 +204,24 @@ func TestRepliesAndRequestsForAnUnreadableInstance(t *testing.T) {
 	assert.Zero(t, dead)
 }
 
+// insertDoomed writes an instance of the env's saga for the trip "doomed"
+// at its pay action, overdue an hour.
+func (e *env) insertDoomed() uuid.UUID {
+	e.t.Helper()
+	id := uuid.New()
+	_, err := e.db.SQL.Exec(`INSERT INTO saga_instances (id, saga_type, definition_version, status, data, current_step, phase, attempt, deadline_at)
+		VALUES ($1, $2, 1, 'running', '{"trip": "doomed"}', 1, 'action', 1, clock_timestamp() - interval '1 hour')`, id, e.def.Name)
+	require.NoError(e.t, err)
+	return id
+}
+
 // A decision that panics (a command's Build, say) is the failure of that
 // one instance: parked with the panic's value, never the stack; the
 // sweeper goes on with the others.
 func TestAPanicDecidingOneInstanceParksItAlone(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, options{deadline: 200 * time.Millisecond, panicFor: "doomed", absent: []string{"pay"}})
-	id := uuid.New()
-	_, err := e.db.SQL.Exec(`INSERT INTO saga_instances (id, saga_type, definition_version, status, data, current_step, phase, attempt, deadline_at)
-		VALUES ($1, $2, 1, 'running', '{"trip": "doomed"}', 1, 'action', 1, clock_timestamp() - interval '1 hour')`, id, e.def.Name)
-	require.NoError(t, err)
+	id := e.insertDoomed()
 	others := e.start("rome")
 	e.wait(others, "pay in flight", func(i saga.Instance) bool { return i.Step == "pay" })
 	res := e.sweep()
@@ -264,4 +272,45 @@ func TestAChangedDefinitionIsRefusedAtStart(t *testing.T) {
 	started := e.start("riga")
 	e.wait(started, "pay in flight", func(i saga.Instance) bool { return i.Step == "pay" })
 	assert.ErrorIs(t, e.engine.RecordDefinitions(ctx), saga.ErrDefinitionChanged)
+}
+
+// A decision that panics with a value PostgreSQL cannot keep as text (a
+// NUL) still parks that instance alone, the value made storable, and the
+// other overdue instances are swept. (Parking failed, "invalid byte
+// sequence for encoding UTF8: 0x00", left the instance overdue, and the
+// sweeper took it again first, SweepBatch times a sweep, every sweep: no
+// other saga's deadline was ever handled.)
+func TestAPanicValueWithANulParksItsInstanceAlone(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{deadline: time.Hour, panicFor: "doomed", panicWith: "bad\x00value", silent: []string{"pay"}})
+	id := e.insertDoomed()
+	other := e.start("rome")
+	e.wait(other, "pay in flight", func(i saga.Instance) bool { return i.Step == "pay" })
+	e.waitConsumed(e.topics["pay"], "participant-pay-"+e.id)
+	e.overdue(other)
+
+	res := e.sweep()
+	assert.Equal(t, saga.SweepResult{Resent: 1, SetAside: 1}, res, "the doomed one set aside once, the other one swept")
+	parked, err := e.engine.Get(context.Background(), id)
+	require.NoError(t, err)
+	assert.Equal(t, saga.StatusFailed, parked.Status)
+	assert.Equal(t, "deciding on the action of pay panicked: bad\uFFFDvalue", parked.FailureReason)
+	inst, err := e.engine.Get(context.Background(), other)
+	require.NoError(t, err)
+	assert.Equal(t, 2, inst.Attempt, "the other saga's command was sent again")
+}
+
+// The saga's own deadline by default never cuts short what its steps
+// allow: a step whose reply may take longer than DefaultTimeout (an
+// approval given in days) keeps its whole deadline, attempts included.
+// (The 24 h default capped it: such sagas, which waited for their reply
+// before, compensated at 24 h, "took longer than its timeout".)
+func TestTheDefaultTimeoutLeavesLongStepsTheirDeadlines(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{deadline: 2 * saga.DefaultTimeout, absent: []string{"book"}})
+	assert.Equal(t, 2*(3*2*saga.DefaultTimeout), e.def.Timeout, "both actions' deadlines, all their attempts")
+	id := e.start("quito")
+	inst := e.wait(id, "book in flight", func(i saga.Instance) bool { return i.Step == "book" })
+	require.NotNil(t, inst.DeadlineAt)
+	assert.Greater(t, time.Until(*inst.DeadlineAt), saga.DefaultTimeout+time.Hour, "the step's own deadline")
 }

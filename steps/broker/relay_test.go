@@ -3,6 +3,7 @@ package broker_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/assert"
@@ -375,4 +377,30 @@ func TestReceiveDeadLettersAMessageWhoseReceivingPanics(t *testing.T) {
 		return f.db.SQL.QueryRow(`SELECT reason FROM pgsaga_dead_letters WHERE topic = $1 AND handler = $2`, f.topic, transport.ReceiveHandler).Scan(&reason) == nil
 	}, time.Minute, 10*time.Millisecond)
 	assert.Contains(t, reason, "panicked: receiving bug")
+}
+
+// A broker's refusal whose text PostgreSQL cannot keep (a NUL, bytes that
+// are not UTF-8) still dead-letters that message alone, the reason made
+// storable, and the relay goes on. (The batch's commit failed, invalid
+// byte sequence 0x00, and was tried again for ever: nothing of the topic
+// was relayed again.)
+func TestRelayDeadLettersWhateverTheBrokersErrorSays(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
+	br := failing{Broker: f.br, fail: func(msg *message.Message) error {
+		if msg.Metadata.Get("poison") == "yes" {
+			return fmt.Errorf("refused \x00\xff: %w", nats.ErrMaxPayload)
+		}
+		return nil
+	}}
+	f.bridge(broker.Config{Relay: []string{f.topic}, Broker: br})
+	before := f.publish(f.topic, 2, nil)
+	f.publish(f.topic, 1, message.Metadata{"poison": "yes"})
+	after := f.publish(f.topic, 2, nil)
+	var reason string
+	require.Eventually(t, func() bool {
+		return f.db.SQL.QueryRow(`SELECT reason FROM pgsaga_dead_letters WHERE topic = $1 AND handler = $2`, f.topic, transport.RelayHandler).Scan(&reason) == nil
+	}, 20*time.Second, 10*time.Millisecond, "the refused message was never dead-lettered")
+	assert.Contains(t, reason, "refused \uFFFD\uFFFD: ")
+	assert.Equal(t, append(before, after...), f.stored(f.topic, 4))
 }

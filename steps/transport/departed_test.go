@@ -77,3 +77,31 @@ func TestDepartedTellsWaitingFromTaken(t *testing.T) {
 	assert.True(t, departed("nobody_"+e.id, publish("nobody_"+e.id)))
 	assert.True(t, departed(local, uuid.NewString()))
 }
+
+// A message of a relayed topic has left once the relay published it, even
+// if a local group of the topic (an archive, a projection nobody runs)
+// has not taken its copy: the participant is beyond the broker. (It was
+// still waiting: a saga whose participant took the command and never
+// answered waited for its own deadline, 24 hours, not for its step's.)
+func TestDepartedOnceRelayedWhateverTheLocalGroups(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := context.Background()
+	topic := "relayed_" + e.id
+	require.NoError(t, e.tr.Subscribe(ctx, transport.Subscription{Topic: topic, ConsumerGroup: transport.RelayGroup},
+		transport.Subscription{Topic: topic, ConsumerGroup: "archive"}))
+	m := message.NewMessage(uuid.NewString(), []byte(`{}`))
+	require.NoError(t, e.tr.Publisher(e.db.SQL).Publish(topic, m))
+	departed, err := e.tr.Departed(ctx, e.db.SQL, topic, m.UUID)
+	require.NoError(t, err)
+	assert.False(t, departed, "the relay has not published it")
+
+	batch, err := e.tr.ClaimRelay(ctx, topic, 10)
+	require.NoError(t, err)
+	require.Len(t, batch.Messages, 1)
+	batch.Relayed(0)
+	require.NoError(t, batch.Commit())
+	departed, err = e.tr.Departed(ctx, e.db.SQL, topic, m.UUID)
+	require.NoError(t, err)
+	assert.True(t, departed, "published to the broker; the archive's copy says nothing of the participant")
+}

@@ -223,10 +223,11 @@ func (e *PanicError) Unwrap() error { return ErrHandlerPanicked }
 // maxPanicValue bounds PanicValue.
 const maxPanicValue = 300
 
-// PanicValue renders a panic's value on one line of at most 300 bytes, for
-// a reason: a panic value can be anything, of any size.
+// PanicValue renders a panic's value on one line of at most 300 bytes, as
+// text PostgreSQL can keep (Storable), for a reason: a panic value can be
+// anything, of any size.
 func PanicValue(p any) string {
-	s := strings.Join(strings.Fields(strings.ToValidUTF8(fmt.Sprint(p), "\uFFFD")), " ")
+	s := strings.Join(strings.Fields(Storable(fmt.Sprint(p))), " ")
 	if len(s) > maxPanicValue {
 		cut := maxPanicValue
 		for cut > 0 && !utf8.RuneStart(s[cut]) {

@@ -112,8 +112,10 @@ func (t *Transport) SubscribedGroups(ctx context.Context, topic string) ([]strin
 
 // Departed reports whether message uuid, published to topic, has left
 // this database: it waits neither in the queue of the relay to a message
-// broker (RelayGroup) nor in the queue of every local consumer group of
-// topic untouched. A group's copy that is being handled, was handled,
+// broker (RelayGroup) nor, on a topic the relay does not read, in the
+// queue of every local consumer group of topic untouched (once relayed,
+// a local group's copy says nothing of the participant beyond the
+// broker). A group's copy that is being handled, was handled,
 // failed an attempt or is parked while its handler's call runs has been
 // taken; so has a copy handled in process (no row). A message queued for
 // a group that nobody runs, beside groups that took it, has left too. It

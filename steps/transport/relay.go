@@ -161,10 +161,12 @@ func (b *RelayBatch) Relayed(i int) { b.relayed = append(b.relayed, b.ids[i]) }
 
 // DeadLetter records that Messages[i] can never be relayed (the broker
 // refuses it for good: too large, say): it moves to pgsaga_dead_letters
-// with reason when the batch commits, and the relay goes on without it.
+// with reason (made Storable: a reason the database refused would fail
+// the batch's commit every time) when the batch commits, and the relay
+// goes on without it.
 func (b *RelayBatch) DeadLetter(i int, reason string) {
 	b.deadIDs = append(b.deadIDs, b.ids[i])
-	b.deadReasons = append(b.deadReasons, reason)
+	b.deadReasons = append(b.deadReasons, Storable(reason))
 }
 
 // DeadLettered counts the messages the batch dead-letters when it commits,

@@ -258,13 +258,14 @@ WHERE id = $1`
 )
 
 // waitingHereSQL says whether message $2 of topic $1 still waits in this
-// database: queued for the relay to a broker, or queued untouched (no
-// attempt recorded, not parked by an awaited call) for every local group
-// that reads the topic (at least one). Each probe is an index lookup by
-// UUID (pgsaga_queue_uuid_idx).
+// database: queued for the relay to a broker; or, on a topic the relay
+// does not read, queued untouched (no attempt recorded, not parked by an
+// awaited call) for every local group that reads the topic (at least
+// one). Each probe is an index lookup by UUID (pgsaga_queue_uuid_idx).
 const waitingHereSQL = `SELECT EXISTS (
         SELECT FROM pgsaga_queue WHERE uuid = $2 AND topic = $1 AND consumer_group = '` + RelayGroup + `')
-    OR (EXISTS (SELECT FROM pgsaga_subscriptions WHERE topic = $1 AND consumer_group <> '` + RelayGroup + `')
+    OR (NOT EXISTS (SELECT FROM pgsaga_subscriptions WHERE topic = $1 AND consumer_group = '` + RelayGroup + `')
+        AND EXISTS (SELECT FROM pgsaga_subscriptions WHERE topic = $1 AND consumer_group <> '` + RelayGroup + `')
         AND NOT EXISTS (
             SELECT FROM pgsaga_subscriptions s
             WHERE s.topic = $1 AND s.consumer_group <> '` + RelayGroup + `'
