@@ -18,7 +18,12 @@ ALTER TABLE saga_instances
     ADD COLUMN command_waiting boolean NOT NULL DEFAULT false,
     -- The saga's own deadline: a running saga still running then gives up
     -- on the action in flight and compensates. NULL: none.
-    ADD COLUMN expires_at      timestamptz;
+    ADD COLUMN expires_at      timestamptz,
+    -- The fingerprint of the step list the instance was started with
+    -- (saga_definitions.fingerprint): a process whose definition of its
+    -- version has other steps leaves it alone. NULL for instances of
+    -- earlier releases.
+    ADD COLUMN definition_fingerprint text;
 
 -- The sweeper looks a command up by its UUID in the queues.
 CREATE INDEX pgsaga_queue_uuid_idx ON pgsaga_queue (uuid);
@@ -46,4 +51,5 @@ ALTER TABLE saga_instances
     DROP COLUMN command_topic,
     DROP COLUMN command_id,
     DROP COLUMN command_waiting,
-    DROP COLUMN expires_at;
+    DROP COLUMN expires_at,
+    DROP COLUMN definition_fingerprint;

@@ -129,7 +129,8 @@ type Definition struct {
 	Trigger    string // the trigger's topic
 	Timeout    time.Duration
 
-	start func(msg *message.Message) (key string, data json.RawMessage, err error)
+	fingerprint string // of the step list (Fingerprint)
+	start       func(msg *message.Message) (key string, data json.RawMessage, err error)
 	steps []stepDef
 }
 
@@ -243,6 +244,7 @@ func Define[D any](spec Spec[D]) (*Definition, error) {
 	if d.Timeout == 0 {
 		d.Timeout = max(DefaultTimeout, d.actionsAllow())
 	}
+	d.fingerprint = d.computeFingerprint()
 	return d, nil
 }
 
@@ -377,8 +379,12 @@ func (d *Definition) shape() []stepShape {
 }
 
 // Fingerprint identifies the definition's step list (see shape): two
-// definitions with the same fingerprint read every instance alike.
-func (d *Definition) Fingerprint() string {
+// definitions with the same fingerprint read every instance alike. An
+// instance records the fingerprint it started with, and a process whose
+// definition of its version has another leaves it alone.
+func (d *Definition) Fingerprint() string { return d.fingerprint }
+
+func (d *Definition) computeFingerprint() string {
 	raw, _ := json.Marshal(d.shape())
 	sum := sha256.Sum256(raw)
 	return hex.EncodeToString(sum[:])

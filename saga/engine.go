@@ -160,6 +160,26 @@ func (e *Engine) definition(name string, version int) (*Definition, bool) {
 	return d, ok
 }
 
+// unknown is ErrUnknownDefinition for inst, saying which.
+func (e *Engine) unknown(inst *instance) error {
+	if _, ok := e.definition(inst.Type, inst.DefVersion); ok {
+		return fmt.Errorf("%w: %s version %d with the steps the instance started with (this process has other steps under that version)",
+			ErrUnknownDefinition, inst.Type, inst.DefVersion)
+	}
+	return fmt.Errorf("%w: %s version %d", ErrUnknownDefinition, inst.Type, inst.DefVersion)
+}
+
+// definitionOf is inst's definition, if this process knows it: its
+// version, with the step list inst started with (a process whose
+// definition of the version has other steps would misread it).
+func (e *Engine) definitionOf(inst *instance) (*Definition, bool) {
+	d, ok := e.definition(inst.Type, inst.DefVersion)
+	if !ok || inst.Fingerprint != "" && inst.Fingerprint != d.fingerprint {
+		return nil, false
+	}
+	return d, true
+}
+
 // Subscriptions lists what the engine consumes, for Transport.Subscribe:
 // the trigger and reply topics of every registered saga, each under the
 // consumer group of its handler.
@@ -253,6 +273,9 @@ type instance struct {
 	CommandWaiting bool
 	// ExpiresAt is the saga's own deadline (Spec.Timeout); nil: none.
 	ExpiresAt *time.Time
+	// Fingerprint of the step list it started with ("" for an instance
+	// of an earlier release).
+	Fingerprint string
 
 	history  []historyEntry   // to write
 	outbox   []pendingCommand // to publish
@@ -307,7 +330,7 @@ func (e *Engine) HandleTrigger(name string, msg *message.Message) (err error) {
 	defer func() { e.decided(span, inst, err) }()
 	inst.TraceParent = e.trace.TraceParent(ctx)
 	expires := time.Now().Add(def.Timeout)
-	inst.ExpiresAt = &expires
+	inst.ExpiresAt, inst.Fingerprint = &expires, def.fingerprint
 	inst.note("started", -1, def, msg.UUID, "trigger "+key)
 	if err := e.advance(inst, def, msg.UUID); err != nil {
 		return transport.Permanent(err)
@@ -444,9 +467,9 @@ func (e *Engine) replyInstance(ctx context.Context, tx transport.Tx, id uuid.UUI
 	if err != nil {
 		return nil, nil, err
 	}
-	def, ok := e.definition(inst.Type, inst.DefVersion)
+	def, ok := e.definitionOf(inst)
 	if !ok {
-		return nil, nil, transport.Permanent(fmt.Errorf("%w: reply %s for saga %s of %s version %d", ErrUnknownDefinition, msg.UUID, id, inst.Type, inst.DefVersion))
+		return nil, nil, transport.Permanent(fmt.Errorf("reply %s for saga %s: %w", msg.UUID, id, e.unknown(inst)))
 	}
 	return inst, def, nil
 }
@@ -692,7 +715,7 @@ func (e *Engine) tell(inst *instance) func() {
 	}
 	inst.told = to
 	step := ""
-	if def, ok := e.definition(inst.Type, inst.DefVersion); ok && inst.Step >= 0 && inst.Step < len(def.steps) {
+	if def, ok := e.definitionOf(inst); ok && inst.Step >= 0 && inst.Step < len(def.steps) {
 		step = def.steps[inst.Step].name
 	}
 	name, id, phase, reason := inst.Type, inst.ID, inst.Phase, inst.FailureReason
@@ -786,7 +809,7 @@ func (e *Engine) decide(ctx context.Context, decision string, inst *instance) (c
 func (e *Engine) decided(span trace.Span, inst *instance, err error) {
 	attrs := []attribute.KeyValue{telemetry.AttrStatus.String(string(inst.Status))}
 	if inst.Step >= 0 {
-		if def, ok := e.definition(inst.Type, inst.DefVersion); ok && inst.Step < len(def.steps) {
+		if def, ok := e.definitionOf(inst); ok && inst.Step < len(def.steps) {
 			attrs = append(attrs, telemetry.AttrStep.String(def.steps[inst.Step].name), attribute.String("pgsaga.phase", string(inst.Phase)))
 		}
 	}

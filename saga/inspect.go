@@ -52,7 +52,7 @@ type HistoryEntry struct {
 
 func (e *Engine) public(inst *instance) Instance {
 	return publicInstance(inst, func(step int) (string, bool) {
-		def, ok := e.definition(inst.Type, inst.DefVersion)
+		def, ok := e.definitionOf(inst)
 		if !ok || step >= len(def.steps) {
 			return inst.lastStep, inst.lastStep != ""
 		}
@@ -221,16 +221,20 @@ func (e *Engine) Counts(ctx context.Context) (map[string]map[Status]int, error) 
 }
 
 // UnknownDefinition counts running instances of a definition version this
-// process does not know.
+// process does not know, or knows with other steps than they started
+// with (OtherSteps: a definition changed without a new version, in
+// another process).
 type UnknownDefinition struct {
-	Name      string
-	Version   int
-	Instances int
+	Name       string
+	Version    int
+	Instances  int
+	OtherSteps bool
 }
 
 // UnknownDefinitions reports running instances whose definition version
-// this process does not know: they are not driven (a reply for them is
-// dead-lettered with the reason) until a process that knows it runs.
+// this process does not know, or knows with other steps: they are not
+// driven (a reply for them is dead-lettered with the reason) until a
+// process that knows it runs.
 func (e *Engine) UnknownDefinitions(ctx context.Context) ([]UnknownDefinition, error) {
 	rows, err := e.cfg.DB.QueryContext(ctx, activeDefinitionsSQL)
 	if err != nil {
@@ -239,11 +243,18 @@ func (e *Engine) UnknownDefinitions(ctx context.Context) ([]UnknownDefinition, e
 	defer rows.Close()
 	var out []UnknownDefinition
 	for rows.Next() {
-		var u UnknownDefinition
-		if err := rows.Scan(&u.Name, &u.Version, &u.Instances); err != nil {
+		var (
+			u  UnknownDefinition
+			fp string
+		)
+		if err := rows.Scan(&u.Name, &u.Version, &fp, &u.Instances); err != nil {
 			return nil, err
 		}
-		if _, ok := e.definition(u.Name, u.Version); !ok {
+		d, ok := e.definition(u.Name, u.Version)
+		if ok && fp != "" && fp != d.fingerprint {
+			ok, u.OtherSteps = false, true
+		}
+		if !ok {
 			out = append(out, u)
 		}
 	}
@@ -289,9 +300,9 @@ func (e *Engine) RetryTx(ctx context.Context, tx transport.Tx, id uuid.UUID) (er
 	if err != nil {
 		return err
 	}
-	def, ok := e.definition(inst.Type, inst.DefVersion)
+	def, ok := e.definitionOf(inst)
 	if !ok {
-		return fmt.Errorf("%w: %s version %d", ErrUnknownDefinition, inst.Type, inst.DefVersion)
+		return e.unknown(inst)
 	}
 	if m := inst.mismatch(def); m != nil {
 		return fmt.Errorf("%w: %s: %w", ErrNotRetryable, id, m)
@@ -340,9 +351,9 @@ func (e *Engine) CancelTx(ctx context.Context, tx transport.Tx, id uuid.UUID, re
 	if err != nil {
 		return err
 	}
-	def, ok := e.definition(inst.Type, inst.DefVersion)
+	def, ok := e.definitionOf(inst)
 	if !ok {
-		return fmt.Errorf("%w: %s version %d", ErrUnknownDefinition, inst.Type, inst.DefVersion)
+		return e.unknown(inst)
 	}
 	if m := inst.mismatch(def); m != nil {
 		return fmt.Errorf("%w: %s: %w", ErrNotCancellable, id, m)

@@ -14,15 +14,15 @@ import (
 const instanceColumns = `id, saga_type, definition_version, status, data, current_step, phase, attempt,
 generation, version, coalesce(correlation_id, ''), coalesce(failure_reason, ''), deadline_at,
 created_at, updated_at, finished_at, coalesce(trace_parent, ''),
-coalesce(command_topic, ''), coalesce(command_id, ''), command_waiting, expires_at`
+coalesce(command_topic, ''), coalesce(command_id, ''), command_waiting, expires_at, coalesce(definition_fingerprint, '')`
 
 const (
 	// insertInstanceSQL starts an instance unless one with its id exists.
 	insertInstanceSQL = `INSERT INTO saga_instances (id, saga_type, definition_version, status, data,
     current_step, phase, attempt, generation, version, correlation_id, failure_reason, deadline_at, finished_at, trace_parent,
-    command_topic, command_id, expires_at)
+    command_topic, command_id, expires_at, definition_fingerprint)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, nullif($12, ''), $13, $14, nullif($15, ''),
-    nullif($16, ''), nullif($17, ''), $18)
+    nullif($16, ''), nullif($17, ''), $18, nullif($19, ''))
 ON CONFLICT (id) DO NOTHING`
 
 	// updateInstanceSQL writes an instance's new state if nobody changed it
@@ -50,6 +50,7 @@ FROM (SELECT coalesce(max(seq), 0) AS seq FROM saga_history WHERE saga_id = $1::
 	overdueSQL = `SELECT ` + instanceColumns + ` FROM saga_instances
 WHERE status IN ('running', 'compensating') AND deadline_at < clock_timestamp()
   AND saga_type || ':' || definition_version::text = ANY ($1::text[])
+  AND (definition_fingerprint IS NULL OR saga_type || ':' || definition_version::text || ':' || definition_fingerprint = ANY ($2::text[]))
 ORDER BY deadline_at
 LIMIT 1
 FOR UPDATE SKIP LOCKED`
@@ -111,14 +112,14 @@ LIMIT $4`
 
 	countsSQL = `SELECT saga_type, status, count(*) FROM saga_instances GROUP BY saga_type, status`
 
-	activeDefinitionsSQL = `SELECT saga_type, definition_version, count(*) FROM saga_instances
-WHERE status IN ('running', 'compensating') GROUP BY saga_type, definition_version`
+	activeDefinitionsSQL = `SELECT saga_type, definition_version, coalesce(definition_fingerprint, ''), count(*) FROM saga_instances
+WHERE status IN ('running', 'compensating') GROUP BY 1, 2, 3`
 )
 
 func insertInstance(ctx context.Context, tx transport.Tx, inst *instance) (bool, error) {
 	res, err := tx.ExecContext(ctx, insertInstanceSQL, inst.ID, inst.Type, inst.DefVersion, string(inst.Status), []byte(inst.Data),
 		inst.Step, string(inst.Phase), inst.Attempt, inst.Generation, inst.Version, inst.CorrelationID, inst.FailureReason,
-		inst.DeadlineAt, inst.FinishedAt, inst.TraceParent, inst.CommandTopic, inst.CommandID, inst.ExpiresAt)
+		inst.DeadlineAt, inst.FinishedAt, inst.TraceParent, inst.CommandTopic, inst.CommandID, inst.ExpiresAt, inst.Fingerprint)
 	if err != nil {
 		return false, fmt.Errorf("saga %s: starting: %w", inst.ID, err)
 	}
@@ -165,7 +166,7 @@ func scanInstance(row scanner, more ...any) (*instance, error) {
 	err := row.Scan(append([]any{&inst.ID, &inst.Type, &inst.DefVersion, &status, &data, &inst.Step, &phase, &inst.Attempt,
 		&inst.Generation, &inst.Version, &inst.CorrelationID, &inst.FailureReason, &inst.DeadlineAt,
 		&inst.CreatedAt, &inst.UpdatedAt, &inst.FinishedAt, &inst.TraceParent,
-		&inst.CommandTopic, &inst.CommandID, &inst.CommandWaiting, &inst.ExpiresAt}, more...)...)
+		&inst.CommandTopic, &inst.CommandID, &inst.CommandWaiting, &inst.ExpiresAt, &inst.Fingerprint}, more...)...)
 	if err != nil {
 		return nil, err
 	}

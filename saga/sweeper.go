@@ -64,13 +64,19 @@ func (e *Engine) Sweep(ctx context.Context) (SweepResult, error) {
 	return res, nil
 }
 
-func (e *Engine) knownDefinitions() []string {
+// knownDefinitions lists the definitions this process drives, for
+// overdueSQL: "name:version", and "name:version:fingerprint" (instances
+// started with another step list are left alone).
+type knownDefinitions struct{ versions, fingerprints []string }
+
+func (e *Engine) knownDefinitions() knownDefinitions {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
-	var out []string
+	var out knownDefinitions
 	for name, vs := range e.defs {
-		for v := range vs {
-			out = append(out, name+":"+strconv.Itoa(v))
+		for v, d := range vs {
+			out.versions = append(out.versions, name+":"+strconv.Itoa(v))
+			out.fingerprints = append(out.fingerprints, name+":"+strconv.Itoa(v)+":"+d.fingerprint)
 		}
 	}
 	return out
@@ -80,7 +86,7 @@ func (e *Engine) knownDefinitions() []string {
 // panicked (a command's Build, say); the stack is logged.
 var errDecisionPanicked = errors.New("saga: deciding panicked")
 
-func (e *Engine) sweepOne(ctx context.Context, known []string, res *SweepResult) (bool, error) {
+func (e *Engine) sweepOne(ctx context.Context, known knownDefinitions, res *SweepResult) (bool, error) {
 	tx, err := e.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return false, fmt.Errorf("saga: sweeping: %w", err)
@@ -88,14 +94,14 @@ func (e *Engine) sweepOne(ctx context.Context, known []string, res *SweepResult)
 	defer tx.Rollback() //nolint:errcheck // no-op after Commit
 	// Only instances of known definitions: the rest are reported, never
 	// driven by a process that cannot read them.
-	inst, err := scanInstance(tx.QueryRowContext(ctx, overdueSQL, known))
+	inst, err := scanInstance(tx.QueryRowContext(ctx, overdueSQL, known.versions, known.fingerprints))
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, nil
 	}
 	if err != nil {
 		return false, fmt.Errorf("saga: sweeping: %w", err)
 	}
-	def, _ := e.definition(inst.Type, inst.DefVersion)
+	def, _ := e.definitionOf(inst)
 	held := &heldTx{Tx: tx}
 	outcome, what, err := e.overdue(ctx, held, inst, def, res)
 	if err == nil {
@@ -242,8 +248,11 @@ func (e *Engine) RunSweeper(ctx context.Context) error {
 			lastReport = time.Now()
 			if unknown, err := e.UnknownDefinitions(ctx); err == nil && len(unknown) > 0 {
 				for _, u := range unknown {
-					e.log.Warn("sagas of a definition version this process does not know; deploy it or they will not move",
-						"saga", u.Name, "version", u.Version, "instances", u.Instances)
+					what := "sagas of a definition version this process does not know; deploy it or they will not move"
+					if u.OtherSteps {
+						what = "sagas started with other steps under a definition version this process knows; deploy the definition they started with or they will not move"
+					}
+					e.log.Warn(what, "saga", u.Name, "version", u.Version, "instances", u.Instances)
 				}
 			}
 		}
