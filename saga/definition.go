@@ -131,7 +131,7 @@ type Definition struct {
 
 	fingerprint string // of the step list (Fingerprint)
 	start       func(msg *message.Message) (key string, data json.RawMessage, err error)
-	steps []stepDef
+	steps       []stepDef
 }
 
 type stepDef struct {
