@@ -569,18 +569,20 @@ func TestCheckSplitLooksAcrossTheDatabases(t *testing.T) {
 // compensated 271 of 300 sagas, 188 of them charged and refunded.)
 func TestSplitOutageLongerThanTheReplyDeadlines(t *testing.T) {
 	t.Parallel()
-	const deadline = time.Second
+	// Long enough that a busy machine answers within it before the outage
+	// (the test is about the outage, not about the machine's speed).
+	const deadline = 2 * time.Second
 	var failed atomic.Int64
 	count := func(b broker.Broker) broker.Broker { return countingBroker{Broker: b, failed: &failed} }
 	s := newSplit(t, splitOptions{timeouts: orderpayment.StepTimeouts{Deadline: deadline, MaxAttempts: 3,
 		CompensationDeadline: deadline, CompensationAttempts: 3}, ordersBroker: count, paymentBroker: count})
 	s.start()
 	customers := s.customers(20, 10_000_000)
-	ids := s.place(150, customers, 0)
-	waitFinished(t, s, 20) // messages flow
+	ids := s.place(100, customers, 0)
+	waitFinished(t, s, 5) // messages flow, most sagas in flight
 	s.nats.Stop()
 	down := time.Now()
-	ids = append(ids, s.place(150, customers, 0)...)
+	ids = append(ids, s.place(200, customers, 0)...)
 	historyOf := func(kind string) int {
 		var n int
 		require.NoError(t, s.ordersDB.SQL.QueryRow(`SELECT count(*) FROM saga_history WHERE kind = $1`, kind).Scan(&n))
@@ -591,7 +593,12 @@ func TestSplitOutageLongerThanTheReplyDeadlines(t *testing.T) {
 	time.Sleep(4*deadline + time.Second - time.Since(down))
 	var ended int
 	require.NoError(t, s.ordersDB.SQL.QueryRow(`SELECT count(*) FROM saga_instances WHERE status IN ('compensating', 'compensated', 'failed')`).Scan(&ended))
-	assert.Zero(t, ended, "no saga gave up while the broker was down")
+	if !assert.Zero(t, ended, "no saga gave up while the broker was down") {
+		timeline, err := sagatest.Rows(context.Background(), s.ordersDB.SQL, `SELECT h.kind || ' ' || coalesce(h.step, '') || ' ' || coalesce(h.detail, '') || ' +' ||
+			round(extract(epoch FROM h.at - $1::timestamptz)::numeric, 2) FROM saga_history h
+			WHERE h.saga_id = (SELECT id FROM saga_instances WHERE status <> 'running' AND status <> 'completed' LIMIT 1) ORDER BY h.seq`, down)
+		t.Logf("a saga that gave up (seconds since the broker stopped): %v %v", timeline, err)
+	}
 	assert.Positive(t, historyOf("waiting"), "the sweeper found commands waiting at the relay")
 	outage := time.Since(down)
 	s.nats.Start()
