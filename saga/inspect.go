@@ -131,15 +131,7 @@ func list(ctx context.Context, db *sql.DB, f Filter, public func(*instance) Inst
 	if f.Limit <= 0 {
 		f.Limit = 100
 	}
-	var statuses any
-	if len(f.Statuses) > 0 {
-		s := make([]string, len(f.Statuses))
-		for i, st := range f.Statuses {
-			s[i] = string(st)
-		}
-		statuses = s
-	}
-	rows, err := db.QueryContext(ctx, listSQL, statuses, f.Type, time.Now().Add(-f.OlderThan), f.Limit)
+	rows, err := db.QueryContext(ctx, listSQL, append(selectArgs(f), f.Limit)...)
 	if err != nil {
 		return nil, fmt.Errorf("saga: listing instances: %w", err)
 	}

@@ -196,7 +196,7 @@ func SelectedIDs(ctx context.Context, db *sql.DB, f Filter, after uuid.UUID) ([]
 	return out, rows.Err()
 }
 
-// selectArgs are the arguments of selectedSQL for f.
+// selectArgs are the arguments of selectedSQL for f (List's too).
 func selectArgs(f Filter) []any {
 	var statuses any // NULL: every status
 	if len(f.Statuses) > 0 {

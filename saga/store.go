@@ -103,10 +103,7 @@ FROM saga_history WHERE saga_id = $1 ORDER BY seq`
 	// last (for readers without the definitions).
 	listSQL = `SELECT ` + instanceColumns + `,
     coalesce((SELECT h.step FROM saga_history h WHERE h.saga_id = saga_instances.id AND h.step IS NOT NULL ORDER BY h.seq DESC LIMIT 1), '')
-FROM saga_instances
-WHERE ($1::text[] IS NULL OR status = ANY ($1::text[]))
-  AND ($2::text = '' OR saga_type = $2)
-  AND updated_at <= $3
+` + selectedSQL + `
 ORDER BY updated_at, id
 LIMIT $4`
 
