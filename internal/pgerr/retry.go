@@ -27,7 +27,10 @@ var retryWaits = struct{ first, most time.Duration }{100 * time.Millisecond, 2 *
 // whose outcome is unknown (the connection died during its COMMIT, which
 // the server may have carried out), changes nothing more. A claimed
 // idempotency key, INSERT … ON CONFLICT DO NOTHING, a change that is a
-// no-op on the state it leaves are; an INSERT of a fresh row is not.
+// no-op on the state it leaves are; an INSERT of a fresh row is not. Nor
+// is pgconn.SafeToRetry the way to retry one that is not: pgx answers
+// "conn closed", which it accepts, for a COMMIT it sent and the server
+// carried out (orders' TestWritesRetryALostConnection cuts one off).
 func RetryLost(ctx context.Context, fn func(ctx context.Context) error) error {
 	_, err := RetryLostValue(ctx, func(ctx context.Context) (struct{}, error) { return struct{}{}, fn(ctx) })
 	return err
