@@ -96,7 +96,8 @@ ended. Exit status:
   1  otherwise: sagas left unfinished (-timeout, or SIGINT or SIGTERM, which
      stop the wait: the workers stop and the report follows), an invariant
      broken, or a worker that stopped during the run or while serving (its
-     cause is printed);
+     cause is printed); it then says how many sagas of the database are
+     unfinished and the command that finishes them (-resume);
   2  bad flags;
   3  it cannot start: no database, a worker that cannot run, or a database
      whose unfinished sagas ran in the other mode (with or without
