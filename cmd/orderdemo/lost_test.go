@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"regexp"
 	"strconv"
-	"strings"
-	"sync"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -17,23 +15,6 @@ import (
 	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
 )
-
-// doOn runs do, once, the moment a run's output holds a line with want,
-// before the run writes anything more.
-type doOn struct {
-	testout.Buffer
-	want string
-	do   func()
-	once sync.Once
-}
-
-func (d *doOn) Write(p []byte) (int, error) {
-	n, err := d.Buffer.Write(p)
-	if strings.Contains(string(p), d.want) {
-		d.once.Do(d.do)
-	}
-	return n, err
-}
 
 // terminateAll ends every session on database name but the caller's, as
 // an operator's pg_terminate_backend does (or a server's fast shutdown,
@@ -57,7 +38,7 @@ func TestRidesOutTerminatedSessions(t *testing.T) {
 	db := testdb.Fresh(t)
 	t.Setenv("DATABASE_URL", db.URL)
 	var stdout testout.Buffer
-	stderr := &doOn{want: "placing 200 orders", do: func() { terminateAll(t, db.Name) }} // progress, with -json
+	stderr := &testout.DoOn{Want: "placing 200 orders", Do: func() { terminateAll(t, db.Name) }} // progress, with -json
 	code := run(context.Background(), []string{"-orders", "200", "-json", "-timeout", "2m"}, &stdout, stderr)
 	require.Equal(t, exitOK, code, "stdout:\n%s\nstderr:\n%s", stdout.String(), testout.Tail(stderr.String(), 20))
 	s := lastJSON(t, stdout.String())
@@ -97,7 +78,7 @@ func TestStopSaysHowToFinish(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
 		var stdout testout.Buffer
-		stderr := &doOn{want: "sagas 300:", do: cancel} // progress, with -json
+		stderr := &testout.DoOn{Want: "sagas 300:", Do: cancel} // progress, with -json
 		code := run(ctx, []string{"-orders", "300", "-json"}, &stdout, stderr)
 		assert.Equal(t, exitFailed, code)
 		m := said.FindStringSubmatch(stderr.String())
@@ -114,7 +95,7 @@ func TestStopSaysHowToFinish(t *testing.T) {
 		t.Setenv("DATABASE_URL", url)
 		cfg, err := pgx.ParseConfig(url)
 		require.NoError(t, err)
-		stdout := &doOn{want: "placing 200 orders", do: func() {
+		stdout := &testout.DoOn{Want: "placing 200 orders", Do: func() {
 			conn, err := pgx.Connect(context.Background(), testdb.ServerURL())
 			require.NoError(t, err)
 			defer conn.Close(context.Background())
