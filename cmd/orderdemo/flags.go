@@ -96,13 +96,17 @@ ended. Exit status:
   1  otherwise: sagas left unfinished (-timeout, or SIGINT or SIGTERM, which
      stop the wait: the workers stop and the report follows), an invariant
      broken, or a worker that stopped during the run or while serving (its
-     cause is printed); it then says how many sagas of the database are
-     unfinished and the command that finishes them (-resume);
+     cause is printed);
   2  bad flags;
   3  it cannot start: no database, a worker that cannot run, or a database
      whose unfinished sagas ran in the other mode (with or without
      -payments-service: finish them in that mode first); the cause is
      printed.
+
+A run that fails once started (1, or 3 when a worker cannot run) then says
+how many sagas of the database are unfinished and the exact command that
+finishes them (-resume, in the run's mode), or that none is. A connection
+lost on the way (sessions terminated, a server restart) is ridden out.
 
 With -serve, SIGINT or SIGTERM after the report ends the serving, which is
 no failure: the exit status is the run's (0 for -orders 0).
