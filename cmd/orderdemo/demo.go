@@ -478,22 +478,23 @@ func (d *demo) runAndServe(ctx context.Context) int {
 // sayHowToFinish says how many sagas of the database are unfinished (what
 // -resume would drive on, this run's and any other's) and the command
 // that finishes them, or that none is; when they cannot be counted (the
-// database is gone), it says why and gives the command. It asks for five
-// seconds at most (a connection lost meanwhile is retried), even after
-// SIGINT or SIGTERM.
+// database is gone), it says why and gives the command. Its lines follow
+// the cause of the failure, which stays the last that names the program.
+// It asks for five seconds at most (a connection lost meanwhile is
+// retried), even after SIGINT or SIGTERM.
 func (d *demo) sayHowToFinish(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
 	ids, err := pgerr.RetryLostValue(ctx, d.unfinished)
 	switch {
 	case err != nil:
-		fmt.Fprintf(d.errs, "orderdemo: could not count the unfinished sagas (%v); once the database takes connections again, finish them with: %s\n",
+		fmt.Fprintf(d.errs, "could not count the unfinished sagas (%v); once the database takes connections again, finish them with: %s\n",
 			err, d.resumeCommand())
 	case len(ids) > 0:
-		fmt.Fprintf(d.errs, "orderdemo: %s unfinished in this database; to finish, run: %s\n",
+		fmt.Fprintf(d.errs, "%s unfinished in this database; to finish, run: %s\n",
 			plural(len(ids), "saga is", "sagas are"), d.resumeCommand())
 	default:
-		fmt.Fprintln(d.errs, "orderdemo: no saga of this database is unfinished (-resume has nothing to do)")
+		fmt.Fprintln(d.errs, "no saga of this database is unfinished (-resume has nothing to do)")
 	}
 }
 

@@ -58,7 +58,7 @@ func TestStopSaysHowToFinish(t *testing.T) {
 		require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM (`+unfinishedSQL+`) u`, orderpayment.Name).Scan(&n))
 		return n
 	}
-	said := regexp.MustCompile(`(?m)^orderdemo: (\d+) sagas? (?:is|are) unfinished in this database; to finish, run: (.*)$`)
+	said := regexp.MustCompile(`(?m)^(\d+) sagas? (?:is|are) unfinished in this database; to finish, run: (.*)$`)
 
 	t.Run("gives up waiting", func(t *testing.T) {
 		db := testdb.Fresh(t)
@@ -106,7 +106,7 @@ func TestStopSaysHowToFinish(t *testing.T) {
 		var stderr testout.Buffer
 		code := run(context.Background(), []string{"-orders", "200", "-timeout", "1m"}, stdout, &stderr)
 		assert.Equal(t, exitFailed, code)
-		assert.Regexp(t, `(?m)^orderdemo: could not count the unfinished sagas \(.*\); once the database takes connections again, finish them with: `+regexp.QuoteMeta(resume)+`$`,
+		assert.Regexp(t, `(?m)^could not count the unfinished sagas \(.*\); once the database takes connections again, finish them with: `+regexp.QuoteMeta(resume)+`$`,
 			stderr.String(), "stdout:\n%s", stdout.String())
 	})
 }
