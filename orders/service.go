@@ -18,6 +18,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 	"github.com/pgsaga/pgsaga/steps/transport"
@@ -177,12 +178,16 @@ func (s *Service) Subscriptions() []transport.Subscription {
 }
 
 // AddCustomer registers a customer who may place orders; adding one twice is
-// a no-op.
+// a no-op, so a connection lost under it is retried (see Place).
 func (s *Service) AddCustomer(ctx context.Context, id, name string) error {
 	if !customerIDPattern.MatchString(id) {
 		return fmt.Errorf("%w: %q", ErrInvalidCustomerID, truncate(id, 80))
 	}
-	if _, err := s.cfg.DB.ExecContext(ctx, addCustomerSQL, id, name); err != nil {
+	err := pgerr.RetryLost(ctx, func(ctx context.Context) error {
+		_, err := s.cfg.DB.ExecContext(ctx, addCustomerSQL, id, name)
+		return err
+	})
+	if err != nil {
 		return fmt.Errorf("orders: adding customer %s: %w", id, err)
 	}
 	return nil
@@ -199,6 +204,14 @@ type PlaceResult struct {
 // transaction it claims the key, appends Placed to the new order's stream and
 // publishes OrderCreated through the outbox. Invalid input is refused before
 // anything is written, an unknown customer before anything is kept.
+//
+// A connection lost under it is retried (pgerr.RetryLost: about eleven
+// seconds, enough for a server to restart). That is safe because the key's
+// claim commits with everything Place writes, in one transaction, and
+// nothing in it acts outside the database (the payment steps' commands
+// are only queued): a transaction that died left nothing, and one whose
+// COMMIT went through unanswered left the key, so the retry answers with
+// its order (Replayed) instead of placing another.
 func (s *Service) Place(ctx context.Context, req PlaceRequest) (PlaceResult, error) {
 	if err := req.Validate(); err != nil {
 		return PlaceResult{}, err
@@ -208,31 +221,10 @@ func (s *Service) Place(ctx context.Context, req PlaceRequest) (PlaceResult, err
 		Key:   req.Key,
 		Hash:  idempotency.Fingerprint([]byte(req.CustomerID), []byte(strconv.FormatInt(req.AmountCents, 10)), []byte(req.Note)),
 	}
-	res, err := s.cfg.Idempotency.Do(ctx, claim, func(ctx context.Context, tx idempotency.DBTX) (idempotency.Response, error) {
-		var known bool
-		if err := tx.QueryRowContext(ctx, customerExistsSQL, req.CustomerID).Scan(&known); err != nil {
-			return idempotency.Response{}, fmt.Errorf("orders: looking up customer: %w", err)
-		}
-		if !known {
-			return idempotency.Response{}, fmt.Errorf("%w: %s", ErrUnknownCustomer, req.CustomerID)
-		}
-		id := uuid.New()
-		placed := Placed{OrderID: id, CustomerID: req.CustomerID, AmountCents: req.AmountCents, Note: req.Note}
-		if _, err := s.cfg.Events.AppendTx(ctx, tx, Stream(id), 0, events.Metadata{CorrelationID: id.String(), IdempotencyKey: req.Key}, placed); err != nil {
-			return idempotency.Response{}, err
-		}
-		msg, err := steps.NewMessage(OrderCreated{OrderID: id, CustomerID: req.CustomerID, AmountCents: req.AmountCents}, steps.Envelope{
-			ID:            uuid.NewSHA1(uuid.NameSpaceOID, []byte("order-created:"+id.String())).String(),
-			CorrelationID: id.String(),
-			Key:           "order-created:" + id.String(),
+	res, err := pgerr.RetryLostValue(ctx, func(ctx context.Context) (idempotency.Result, error) {
+		return s.cfg.Idempotency.Do(ctx, claim, func(ctx context.Context, tx idempotency.DBTX) (idempotency.Response, error) {
+			return s.place(ctx, tx, req)
 		})
-		if err != nil {
-			return idempotency.Response{}, err
-		}
-		if err := s.trigger(ctx, tx, msg); err != nil {
-			return idempotency.Response{}, err
-		}
-		return idempotency.Response{Code: 201, Body: []byte(id.String())}, nil
 	})
 	if err != nil {
 		return PlaceResult{}, err
@@ -242,6 +234,34 @@ func (s *Service) Place(ctx context.Context, req PlaceRequest) (PlaceResult, err
 		return PlaceResult{}, fmt.Errorf("orders: stored order id %q: %w", res.Response.Body, err)
 	}
 	return PlaceResult{OrderID: id, Replayed: res.Replayed}, nil
+}
+
+// place writes a new order in tx, the transaction of Place's claim.
+func (s *Service) place(ctx context.Context, tx idempotency.DBTX, req PlaceRequest) (idempotency.Response, error) {
+	var known bool
+	if err := tx.QueryRowContext(ctx, customerExistsSQL, req.CustomerID).Scan(&known); err != nil {
+		return idempotency.Response{}, fmt.Errorf("orders: looking up customer: %w", err)
+	}
+	if !known {
+		return idempotency.Response{}, fmt.Errorf("%w: %s", ErrUnknownCustomer, req.CustomerID)
+	}
+	id := uuid.New()
+	placed := Placed{OrderID: id, CustomerID: req.CustomerID, AmountCents: req.AmountCents, Note: req.Note}
+	if _, err := s.cfg.Events.AppendTx(ctx, tx, Stream(id), 0, events.Metadata{CorrelationID: id.String(), IdempotencyKey: req.Key}, placed); err != nil {
+		return idempotency.Response{}, err
+	}
+	msg, err := steps.NewMessage(OrderCreated{OrderID: id, CustomerID: req.CustomerID, AmountCents: req.AmountCents}, steps.Envelope{
+		ID:            uuid.NewSHA1(uuid.NameSpaceOID, []byte("order-created:"+id.String())).String(),
+		CorrelationID: id.String(),
+		Key:           "order-created:" + id.String(),
+	})
+	if err != nil {
+		return idempotency.Response{}, err
+	}
+	if err := s.trigger(ctx, tx, msg); err != nil {
+		return idempotency.Response{}, err
+	}
+	return idempotency.Response{Code: 201, Body: []byte(id.String())}, nil
 }
 
 // Order returns an order's current state, folded from its stream.
@@ -260,10 +280,11 @@ func (s *Service) Order(ctx context.Context, id uuid.UUID) (Order, error) {
 // CancelByCustomer cancels an order on the customer's behalf. It may race the
 // saga: whoever appends first wins and the other sees the outcome.
 // Cancelling a placed order succeeds, a cancelled one is a no-op, and a
-// confirmed one is refused with ErrAlreadyConfirmed.
+// confirmed one is refused with ErrAlreadyConfirmed. Being a no-op the
+// second time, it is retried over a lost connection (see Place).
 func (s *Service) CancelByCustomer(ctx context.Context, id uuid.UUID, reason string) error {
 	for attempt := 1; ; attempt++ {
-		err := s.cancelByCustomer(ctx, id, reason)
+		err := pgerr.RetryLost(ctx, func(ctx context.Context) error { return s.cancelByCustomer(ctx, id, reason) })
 		if !errors.Is(err, events.ErrVersionConflict) || attempt == 10 {
 			return err
 		}

@@ -38,6 +38,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
@@ -259,36 +260,46 @@ func (s *Service) RefundStep() steps.Step {
 	return steps.Define(RefundStepName, RefundTopic, s.refund)
 }
 
-// OpenAccount creates an account; opening it twice is a no-op.
+// OpenAccount creates an account; opening it twice is a no-op, so a
+// connection lost under it is retried (pgerr.RetryLost).
 func (s *Service) OpenAccount(ctx context.Context, id string) error {
 	if !accountIDPattern.MatchString(id) {
 		return fmt.Errorf("%w: %q", ErrInvalidAccountID, id)
 	}
-	if _, err := s.cfg.DB.ExecContext(ctx, openAccountSQL, id); err != nil {
+	err := pgerr.RetryLost(ctx, func(ctx context.Context) error {
+		_, err := s.cfg.DB.ExecContext(ctx, openAccountSQL, id)
+		return err
+	})
+	if err != nil {
 		return fmt.Errorf("payments: opening account %s: %w", id, err)
 	}
 	return nil
 }
 
-// Deposit adds amountCents to an account, once per key.
+// Deposit adds amountCents to an account, once per key. A connection lost
+// under it is retried (pgerr.RetryLost): the key's claim commits with the
+// posting, so a retry after a COMMIT that went through unanswered finds
+// the key and deposits nothing more.
 func (s *Service) Deposit(ctx context.Context, account string, amountCents int64, key string) error {
 	if amountCents <= 0 {
 		return fmt.Errorf("%w, got %d", ErrInvalidAmount, amountCents)
 	}
 	req := idempotency.Request{Scope: "payments.deposit:" + account, Key: key, Hash: idempotency.Fingerprint([]byte(fmt.Sprint(amountCents)))}
-	_, err := s.cfg.Idempotency.Do(ctx, req, func(ctx context.Context, tx idempotency.DBTX) (idempotency.Response, error) {
-		v, err := lockAccount(ctx, tx, s.cfg.Events, account)
-		if err != nil {
-			return idempotency.Response{}, err
-		}
-		recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(account), v, events.Metadata{IdempotencyKey: key}, Deposited{AmountCents: amountCents})
-		if err != nil {
-			return idempotency.Response{}, err
-		}
-		_, err = tx.ExecContext(ctx, insertPostingSQL, account, recs[0].ID, amountCents, nil, "deposit", nil, key)
-		return idempotency.Response{Code: 200}, err
+	return pgerr.RetryLost(ctx, func(ctx context.Context) error {
+		_, err := s.cfg.Idempotency.Do(ctx, req, func(ctx context.Context, tx idempotency.DBTX) (idempotency.Response, error) {
+			v, err := lockAccount(ctx, tx, s.cfg.Events, account)
+			if err != nil {
+				return idempotency.Response{}, err
+			}
+			recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(account), v, events.Metadata{IdempotencyKey: key}, Deposited{AmountCents: amountCents})
+			if err != nil {
+				return idempotency.Response{}, err
+			}
+			_, err = tx.ExecContext(ctx, insertPostingSQL, account, recs[0].ID, amountCents, nil, "deposit", nil, key)
+			return idempotency.Response{Code: 200}, err
+		})
+		return err
 	})
-	return err
 }
 
 // Balance returns an account's balance: the sum of its postings.

@@ -24,6 +24,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/obs"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/internal/workerwatch"
 	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/orders"
@@ -452,8 +453,18 @@ func (d *demo) close() {
 
 // run runs the orders (or the resume) and reports; with -serve it then
 // serves operators' requests until ctx ends (SIGINT, SIGTERM), and with
-// -orders 0 -serve it serves only.
+// -orders 0 -serve it serves only. Whatever stopped a run that failed, it
+// then says how to finish the sagas it left (sayHowToFinish).
 func (d *demo) run(ctx context.Context) int {
+	code := d.runAndServe(ctx)
+	if code != exitOK {
+		d.stopWorkers() // so that the count holds
+		d.sayHowToFinish(ctx)
+	}
+	return code
+}
+
+func (d *demo) runAndServe(ctx context.Context) int {
 	if d.opts.serve && d.opts.orders == 0 && !d.opts.resume {
 		return d.serve(ctx, exitOK)
 	}
@@ -462,6 +473,49 @@ func (d *demo) run(ctx context.Context) int {
 		return code
 	}
 	return d.serve(ctx, code)
+}
+
+// sayHowToFinish says how many sagas of the database are unfinished (what
+// -resume would drive on, this run's and any other's) and the command
+// that finishes them, or that none is; when they cannot be counted (the
+// database is gone), it says why and gives the command. Its lines follow
+// the cause of the failure, which stays the last that names the program.
+// It asks for five seconds at most (a connection lost meanwhile is
+// retried), even after SIGINT or SIGTERM.
+func (d *demo) sayHowToFinish(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	ids, err := pgerr.RetryLostValue(ctx, d.unfinished)
+	switch {
+	case err != nil:
+		fmt.Fprintf(d.errs, "could not count the unfinished sagas (%v); once the database takes connections again, finish them with: %s\n",
+			err, d.resumeCommand())
+	case len(ids) > 0:
+		fmt.Fprintf(d.errs, "%s unfinished in this database; to finish, run: %s\n",
+			plural(len(ids), "saga is", "sagas are"), d.resumeCommand())
+	default:
+		fmt.Fprintln(d.errs, "no saga of this database is unfinished (-resume has nothing to do)")
+	}
+}
+
+// resumeCommand is the command that finishes this run's sagas: -resume in
+// this run's mode, with the environment that names its databases.
+func (d *demo) resumeCommand() string {
+	cmd := "go run ./cmd/orderdemo -resume"
+	if d.split() {
+		cmd += " -payments-service " + brokers.Redact(d.opts.paymentsService)
+	}
+	var env []string
+	if os.Getenv(pgdb.EnvURL) != "" {
+		env = append(env, pgdb.EnvURL)
+	}
+	if d.split() && os.Getenv(paymentsDatabaseEnv) != "" {
+		env = append(env, paymentsDatabaseEnv)
+	}
+	if len(env) > 0 {
+		cmd += " (with " + strings.Join(env, " and ") + " as for this run)"
+	}
+	return cmd
 }
 
 // serve runs the workers until ctx ends, so that operators' requests
@@ -527,7 +581,7 @@ func (d *demo) runOrders(ctx context.Context) (code int, reported bool) {
 	finished := d.wait(ctx, ids, start)
 	stopWatching() // the workers' own stop below is no failure
 	if err := workerwatch.Stopped(ctx); err != nil {
-		fmt.Fprintf(d.errs, "orderdemo: %v (run again with -resume to finish)\n", err)
+		fmt.Fprintln(d.errs, "orderdemo:", err)
 		return exitFailed, false
 	}
 	// Stop the workers before checking, so nothing moves under the check.
@@ -551,9 +605,9 @@ func (d *demo) runOrders(ctx context.Context) (code int, reported bool) {
 func (d *demo) placingFailed(ctx context.Context, err error) {
 	switch {
 	case workerwatch.Stopped(ctx) != nil:
-		fmt.Fprintf(d.errs, "orderdemo: %v (run again with -resume to finish the sagas placed)\n", workerwatch.Stopped(ctx))
+		fmt.Fprintln(d.errs, "orderdemo:", workerwatch.Stopped(ctx))
 	case ctx.Err() != nil:
-		fmt.Fprintln(d.errs, "orderdemo: interrupted while placing the orders (run again with -resume to finish the sagas placed)")
+		fmt.Fprintln(d.errs, "orderdemo: interrupted while placing the orders")
 	default:
 		fmt.Fprintln(d.errs, "orderdemo:", err)
 	}
@@ -713,11 +767,11 @@ func (d *demo) wait(ctx context.Context, ids []uuid.UUID, start time.Time) bool 
 		select {
 		case <-ctx.Done():
 			if workerwatch.Stopped(ctx) == nil { // else run says why
-				fmt.Fprintln(d.status, "interrupted; stopping the workers (run again with -resume to finish)")
+				fmt.Fprintln(d.status, "interrupted; stopping the workers")
 			}
 			return false
 		case <-deadline.C:
-			fmt.Fprintf(d.status, "gave up waiting after %s (run again with -resume to finish)\n", d.opts.timeout)
+			fmt.Fprintf(d.status, "gave up waiting after %s\n", d.opts.timeout)
 			return false
 		case <-tick.C:
 		}

@@ -103,6 +103,11 @@ ended. Exit status:
      -payments-service: finish them in that mode first); the cause is
      printed.
 
+A run that fails once started (1, or 3 when a worker cannot run) then says
+how many sagas of the database are unfinished and the exact command that
+finishes them (-resume, in the run's mode), or that none is. A connection
+lost on the way (sessions terminated, a server restart) is ridden out.
+
 With -serve, SIGINT or SIGTERM after the report ends the serving, which is
 no failure: the exit status is the run's (0 for -orders 0).
 

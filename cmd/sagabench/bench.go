@@ -9,11 +9,13 @@ import (
 	"io"
 	"log/slog"
 	mrand "math/rand/v2"
+	"os"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -23,6 +25,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/obs"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/internal/pglisten"
 	"github.com/pgsaga/pgsaga/internal/workerwatch"
 	"github.com/pgsaga/pgsaga/migrations"
@@ -54,24 +57,32 @@ const (
 	finishedChannel = "pgsaga_bench_finished"
 )
 
+// The names of a run's databases: the prefix, 8 hex digits, and the
+// suffix for the payment service's (-payments-service).
+const (
+	benchDatabasePrefix    = "pgsaga_bench_"
+	paymentsDatabaseSuffix = "_payments"
+)
+
 type bench struct {
 	opts   options
 	out    io.Writer
 	status io.Writer
 	log    *slog.Logger
 
-	found   *finddb.Found
-	admin   *pgdb.DB // the found database, to create and drop the bench's
-	dbName  string
-	db      *pgdb.DB // the workers'
-	clients *pgdb.DB // the clients placing orders
-	gwDB    *pgdb.DB // the gateway's
-	gateway *fakegateway.Gateway
-	app     *orderpayment.App
-	front   *orderpayment.App  // the clients' view: places orders
-	fleet   *workerwatch.Fleet // running: the workers, then the bridges
-	procs   []*workerProcess   // -worker-processes
-	url     string             // the run's database
+	found    *finddb.Found
+	admin    *pgdb.DB // the found database, to create and drop the bench's
+	dbName   string
+	dropOnce sync.Once
+	db       *pgdb.DB // the workers'
+	clients  *pgdb.DB // the clients placing orders
+	gwDB     *pgdb.DB // the gateway's
+	gateway  *fakegateway.Gateway
+	app      *orderpayment.App
+	front    *orderpayment.App  // the clients' view: places orders
+	fleet    *workerwatch.Fleet // running: the workers, then the bridges
+	procs    []*workerProcess   // -worker-processes
+	url      string             // the run's database
 
 	stopRetention context.CancelFunc
 	retentionDone chan error
@@ -130,10 +141,13 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	}
 	suffix := make([]byte, 4)
 	_, _ = rand.Read(suffix)
-	b.dbName = "pgsaga_bench_" + hex.EncodeToString(suffix)
-	if _, err := b.admin.SQL.ExecContext(ctx, "CREATE DATABASE "+pgx.Identifier{b.dbName}.Sanitize()); err != nil {
-		b.dbName = ""
-		return nil, fmt.Errorf("creating the benchmark database: %w", err)
+	b.dbName = benchDatabasePrefix + hex.EncodeToString(suffix)
+	if err := createDatabase(ctx, b.admin, b.dbName); err != nil {
+		name := b.dbName
+		if !pgerr.ConnectionLost(err) { // else it may exist: close drops it
+			b.dbName = ""
+		}
+		return nil, fmt.Errorf("creating the benchmark database %s: %w", name, err)
 	}
 	url, err := pgdb.WithDatabase(found.URL, b.dbName)
 	if err != nil {
@@ -232,6 +246,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	rctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	b.stopRetention, b.retentionDone = cancel, make(chan error, 1)
 	go func() {
+		defer b.dropOnPanic()
 		b.retentionDone <- b.app.RunRetention(rctx)
 	}()
 	ok = true
@@ -300,10 +315,13 @@ func (b *bench) startWorkers(ctx context.Context) (_ context.Context, stopWatchi
 // openPaymentsDB creates, migrates and opens the payment service's fresh
 // database, next to the run's; it returns its URL.
 func (b *bench) openPaymentsDB(ctx context.Context, maxConns int32) (string, error) {
-	b.payDBName = b.dbName + "_payments"
-	if _, err := b.admin.SQL.ExecContext(ctx, "CREATE DATABASE "+pgx.Identifier{b.payDBName}.Sanitize()); err != nil {
-		b.payDBName = ""
-		return "", fmt.Errorf("creating the payment service's database: %w", err)
+	b.payDBName = b.dbName + paymentsDatabaseSuffix
+	if err := createDatabase(ctx, b.admin, b.payDBName); err != nil {
+		name := b.payDBName
+		if !pgerr.ConnectionLost(err) {
+			b.payDBName = ""
+		}
+		return "", fmt.Errorf("creating the payment service's database %s: %w", name, err)
 	}
 	url, err := pgdb.WithDatabase(b.found.URL, b.payDBName)
 	if err != nil {
@@ -419,7 +437,10 @@ func (b *bench) startListener(ctx context.Context) error {
 			if !first {
 				// Notifications sent while the connection was down are
 				// lost: look for sagas that finished meanwhile.
-				go b.recheck(ctx)
+				go func() {
+					defer b.dropOnPanic()
+					b.recheck(ctx)
+				}()
 			}
 		},
 		Logger: b.log,
@@ -431,6 +452,7 @@ func (b *bench) startListener(ctx context.Context) error {
 	b.stopListener = cancel
 	b.listenerDone = make(chan struct{})
 	go func() {
+		defer b.dropOnPanic()
 		defer close(b.listenerDone)
 		_ = l.Run(lctx)
 	}()
@@ -475,6 +497,7 @@ func (b *bench) seed(ctx context.Context) error {
 	)
 	for range 8 {
 		wg.Go(func() {
+			defer b.dropOnPanic()
 			for {
 				i := int(next.Add(1)) - 1
 				if i >= customers {
@@ -532,6 +555,7 @@ func (b *bench) stopWorkers() {
 	var wg sync.WaitGroup
 	for _, p := range b.procs {
 		wg.Go(func() {
+			defer b.dropOnPanic()
 			if err := p.stop(); err != nil {
 				b.log.Error("stopping a worker process", "err", err)
 			}
@@ -570,16 +594,7 @@ func (b *bench) close() {
 		}
 	}
 	if b.admin != nil {
-		for _, name := range []string{b.dbName, b.payDBName} {
-			if name != "" && !b.opts.keep {
-				_, err := b.admin.SQL.Exec("DROP DATABASE IF EXISTS " + pgx.Identifier{name}.Sanitize() + " WITH (FORCE)")
-				if err != nil {
-					b.log.Error("dropping the benchmark database", "database", name, "err", err)
-				}
-			} else if name != "" {
-				fmt.Fprintf(b.status, "kept database %s\n", name)
-			}
-		}
+		b.dropDatabases()
 		b.admin.Close()
 	}
 	if b.found != nil {
@@ -587,4 +602,124 @@ func (b *bench) close() {
 			b.log.Error("stopping the embedded PostgreSQL", "err", err)
 		}
 	}
+}
+
+// dropDatabases drops the run's databases, unless -keep, once: from close,
+// or from a goroutine of the run's that panics (dropOnPanic). A lost
+// connection is retried (pgerr.RetryLost: about eleven seconds, so a
+// server that restarts is waited for); a database it cannot drop it names,
+// with the command that drops it.
+func (b *bench) dropDatabases() {
+	b.dropOnce.Do(func() {
+		for _, name := range []string{b.dbName, b.payDBName} {
+			switch {
+			case name == "":
+			case b.opts.keep:
+				fmt.Fprintf(b.status, "kept database %s\n", name)
+			default:
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				if err := dropDatabase(ctx, b.admin, name); err != nil {
+					fmt.Fprintf(b.status, "sagabench: could not drop the benchmark database %s (%v); drop it with: %s\n", name, err, dropCommand(name))
+				}
+				cancel()
+			}
+		}
+	})
+}
+
+// dropOnPanic, deferred first in each goroutine the run starts, drops the
+// run's databases when a panic there is about to end the process, then
+// lets the panic go on. (A panic in run's own goroutine unwinds through
+// close, which drops them.)
+func (b *bench) dropOnPanic() {
+	if p := recover(); p != nil {
+		b.dropDatabases()
+		panic(p)
+	}
+}
+
+// createDatabase creates database name, which must not exist yet (another
+// run's). A lost connection is retried (pgerr.RetryLost), as database/sql
+// itself may send CREATE DATABASE again when its answer was lost: so the
+// database existing by then is this run's own.
+func createDatabase(ctx context.Context, admin *pgdb.DB, name string) error {
+	var exists bool
+	err := pgerr.RetryLost(ctx, func(ctx context.Context) error {
+		return admin.SQL.QueryRowContext(ctx, databaseExistsSQL, name).Scan(&exists)
+	})
+	switch {
+	case err != nil:
+		return err
+	case exists:
+		return fmt.Errorf("database %s exists already", name)
+	}
+	return pgerr.RetryLost(ctx, func(ctx context.Context) error {
+		_, err := admin.SQL.ExecContext(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize())
+		if pgerr.Is(err, pgerrcode.DuplicateDatabase) {
+			return nil
+		}
+		return err
+	})
+}
+
+const databaseExistsSQL = `SELECT EXISTS (SELECT FROM pg_database WHERE datname = $1)`
+
+// dropDatabase drops database name, retrying over a lost connection (it is
+// a no-op the second time).
+func dropDatabase(ctx context.Context, admin *pgdb.DB, name string) error {
+	return pgerr.RetryLost(ctx, func(ctx context.Context) error {
+		_, err := admin.SQL.ExecContext(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)")
+		return err
+	})
+}
+
+// dropCommand is the command that drops database name on the server this
+// run used.
+func dropCommand(name string) string {
+	cmd := "go run ./cmd/sagabench -drop " + name
+	if os.Getenv(pgdb.EnvURL) != "" {
+		cmd += " (with " + pgdb.EnvURL + " as for this run)"
+	}
+	return cmd
+}
+
+// dropNamed is -drop: it drops the databases named (benchmark databases
+// only, as validate checks) on the server a run would use, and says which
+// it dropped.
+func dropNamed(ctx context.Context, opts options, stdout, stderr io.Writer) int {
+	log := opts.log.New(stderr, opts.log.LevelOr(slog.LevelWarn))
+	found, err := finddb.Find(ctx, finddb.Config{Logger: log})
+	if err != nil {
+		fmt.Fprintln(stderr, "sagabench:", err)
+		return exitNoService
+	}
+	defer func() {
+		if err := found.Close(); err != nil {
+			log.Error("stopping the embedded PostgreSQL", "err", err)
+		}
+	}()
+	admin, err := pgdb.Open(ctx, pgdb.Config{URL: found.URL, MaxConns: 2, ApplicationName: "sagabench-admin"})
+	if err != nil {
+		fmt.Fprintln(stderr, "sagabench:", err)
+		return exitNoService
+	}
+	defer admin.Close()
+	code := exitOK
+	for _, name := range opts.drop {
+		var exists bool
+		err := admin.SQL.QueryRowContext(ctx, databaseExistsSQL, name).Scan(&exists)
+		if err == nil && exists {
+			err = dropDatabase(ctx, admin, name)
+		}
+		switch {
+		case err != nil:
+			fmt.Fprintf(stderr, "sagabench: dropping database %s: %v\n", name, err)
+			code = exitNoService
+		case exists:
+			fmt.Fprintf(stdout, "dropped database %s\n", name)
+		default:
+			fmt.Fprintf(stdout, "no database %s (dropped already)\n", name)
+		}
+	}
+	return code
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"regexp"
 	"time"
 
 	"github.com/pgsaga/pgsaga/internal/brokers"
@@ -49,6 +50,9 @@ type options struct {
 	// second fresh database, reached through that broker ("": one
 	// database).
 	paymentsService string
+	// drop names benchmark databases to drop (-drop, repeated): the run
+	// does only that.
+	drop []string
 }
 
 // placers is how many clients place orders, each on a connection of its
@@ -82,6 +86,10 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve Prometheus metrics at http://ADDR/metrics during the run, e.g. 127.0.0.1:9090 (port 0 picks one; printed); each -worker-processes process serves its own on a free port, printed too")
 	fs.StringVar(&o.paymentsService, "payments-service", "", "run the payment step as a service of its own, on a second fresh database, reached through this broker ("+brokers.Schemes+"); the sample's topics there are deleted first (the run starts fresh), so the broker must be the run's own")
 	fs.DurationVar(&o.gatewayDelay, "gateway-delay", 0, "the fake payment gateway answers every call after this long (a real gateway takes 100ms to seconds); at most 1s")
+	fs.Func("drop", "drop this benchmark database (pgsaga_bench_…, as a run that could not drop its own names it) on the server the run used, and do nothing else; repeat it for several", func(name string) error {
+		o.drop = append(o.drop, name)
+		return nil
+	})
 	o.log.Register(fs, "warn")
 	fs.Usage = func() {}
 	if err := fs.Parse(args); err != nil {
@@ -113,6 +121,13 @@ phase under way, the figures so far are printed; a worker that stops during
 the run ends it with its cause); 2 for bad flags; 3 when it cannot start
 (no database, too few connections, a worker that cannot run: the cause is
 printed).
+
+A lost connection (sessions terminated, a server restart) is ridden out:
+placing an order, seeding, creating and dropping the database are retried
+for about eleven seconds. The database is dropped whatever ends the run
+(an error, SIGINT or SIGTERM, a panic); when the server cannot be reached
+to drop it, the run says so with the command that does, once it can:
+sagabench -drop NAME (exit 0 once dropped, 3 if it cannot be).
 
 The JSON line (its field names are a contract; a skipped phase's figures
 are 0):
@@ -178,8 +193,18 @@ are 0):
 Flags:
 `
 
+// benchDatabase matches the names of the databases runs create, the only
+// ones -drop drops.
+var benchDatabase = regexp.MustCompile(`^` + benchDatabasePrefix + `[0-9a-f]{8}(` + paymentsDatabaseSuffix + `)?$`)
+
 // validate checks the parsed flags together.
 func validate(fs *flag.FlagSet, o *options) error {
+	for _, name := range o.drop {
+		if !benchDatabase.MatchString(name) {
+			return fmt.Errorf("-drop takes the benchmark's databases only (%s and 8 hex digits, %s after them for the payment service's), got %q",
+				benchDatabasePrefix, paymentsDatabaseSuffix, name)
+		}
+	}
 	switch {
 	case fs.NArg() > 0:
 		return fmt.Errorf("unexpected arguments %q: it takes flags only", fs.Args())

@@ -21,6 +21,9 @@
 //	go run ./cmd/sagabench [-sagas 20000] [-rate 100] [-duration 30s] [-consumers 2] [-workers 1] [-batch 50]
 //		[-metrics-addr A]
 //
+// Its database is dropped whatever ends the run; when the server cannot be
+// reached to drop it, the run prints the command that does (-drop NAME).
+//
 // With -metrics-addr it serves Prometheus metrics during the run; the
 // standard OpenTelemetry variables (OTEL_TRACES_EXPORTER,
 // OTEL_EXPORTER_OTLP_ENDPOINT, ...) turn tracing on.
@@ -73,6 +76,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitUsage
 	}
 	stderr = cmdlog.Synced(stderr) // progress, logs and spans share it
+	if len(opts.drop) > 0 {
+		return dropNamed(ctx, opts, stdout, stderr)
+	}
 	stopTracing, err := obs.Tracing(ctx, "sagabench", stderr)
 	if err != nil {
 		fmt.Fprintln(stderr, "sagabench:", err)

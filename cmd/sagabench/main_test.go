@@ -23,6 +23,9 @@ func TestMain(m *testing.M) {
 	if spec, ok := os.LookupEnv(workerEnv); ok {
 		os.Exit(runWorkerProcess(spec, os.Stdout, os.Stderr))
 	}
+	if name, ok := os.LookupEnv(panicEnv); ok {
+		panicInGoroutine(name)
+	}
 	if args, ok := os.LookupEnv("SAGABENCH_ARGS"); ok {
 		os.Exit(runWithSignals(strings.Fields(args), os.Stdout, os.Stderr))
 	}

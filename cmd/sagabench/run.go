@@ -231,6 +231,7 @@ func (b *bench) commitBaseline(ctx context.Context) (float64, error) {
 	errs := make(chan error, 16)
 	for w := range 16 {
 		wg.Go(func() {
+			defer b.dropOnPanic()
 			for i := 0; time.Now().Before(deadline); i++ {
 				if _, err := pool.Pool.Exec(ctx, `INSERT INTO bench_commits (v) VALUES ($1)`, w*1_000_000+i); err != nil {
 					errs <- err
@@ -273,10 +274,15 @@ func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 	stmtStart := b.countStatements(ctx)
 	next := make(chan int)
 	errs := make(chan error, b.opts.placers())
+	// The phase ends once waitPhase returns: no more placements. (A failed
+	// placement used to leave the loop below waiting for a slot that sagas
+	// which could no longer end would never free, and the run hung.)
+	over := make(chan struct{})
 	var wg sync.WaitGroup
 	for p := range b.opts.placers() {
 		rng := mrand.New(mrand.NewPCG(uint64(p), 1))
 		wg.Go(func() {
+			defer b.dropOnPanic()
 			for i := range next {
 				start := time.Now()
 				if err := b.place(ctx, phase, i, rng, start); err != nil {
@@ -288,21 +294,27 @@ func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 		})
 	}
 	go func() {
+		defer b.dropOnPanic()
 		defer close(next)
 		for i := range n {
 			select {
 			case slots <- struct{}{}:
 			case <-ctx.Done():
 				return
+			case <-over:
+				return
 			}
 			select {
 			case next <- i:
 			case <-ctx.Done():
 				return
+			case <-over:
+				return
 			}
 		}
 	}()
 	ok := b.waitPhase(ctx, phase, n, errs)
+	close(over)
 	wg.Wait()
 	close(errs)
 	if err := firstError(ctx, errs); err != nil {
@@ -367,7 +379,11 @@ func (b *bench) latency(ctx context.Context, r *result) (bool, error) {
 	fmt.Fprintf(b.status, "latency      %.0f sagas/s offered for %s (%s)\n", b.opts.rate, b.opts.duration, plural(n, "saga", "sagas"))
 	errs := make(chan error, n)
 	var wg sync.WaitGroup
+	over := make(chan struct{}) // no more placements once waitPhase returns
+	scheduled := make(chan struct{})
 	go func() {
+		defer b.dropOnPanic()
+		defer close(scheduled)
 		start := time.Now()
 		interval := time.Duration(float64(time.Second) / b.opts.rate)
 		for i := range n {
@@ -377,10 +393,13 @@ func (b *bench) latency(ctx context.Context, r *result) (bool, error) {
 				case <-time.After(d):
 				case <-ctx.Done():
 					return
+				case <-over:
+					return
 				}
 			}
 			rng := mrand.New(mrand.NewPCG(uint64(i), 2))
 			wg.Go(func() {
+				defer b.dropOnPanic()
 				if err := b.place(ctx, phase, i, rng, at); err != nil {
 					errs <- err
 				}
@@ -388,6 +407,8 @@ func (b *bench) latency(ctx context.Context, r *result) (bool, error) {
 		}
 	}()
 	ok := b.waitPhase(ctx, phase, n, errs)
+	close(over)
+	<-scheduled // before Wait: the scheduler adds to wg
 	wg.Wait()
 	close(errs)
 	if err := firstError(ctx, errs); err != nil {

@@ -4,6 +4,7 @@
 package pgerr
 
 import (
+	"cmp"
 	"database/sql"
 	"database/sql/driver"
 	"errors"
@@ -63,26 +64,55 @@ func BadInput(err error) bool {
 }
 
 // ConnectionLost reports whether err means the connection to the server is
-// gone: the transaction it ran cannot commit, and the connection must not be
-// reused.
+// gone, or could not be made for a while: the statement's transaction cannot
+// commit, the connection must not be reused, and a new one may work. It is
+// pgsaga's one test of a lost connection (the transport's, RetryLost's).
+//
+// It counts what the driver says of the socket (database/sql's
+// driver.ErrBadConn; pgx's "conn closed" once it saw its connection die; a
+// stream that ended mid-message; a socket that is closed, reset or refused,
+// as while a server restarts; a deadline that cut a statement off, as pgx
+// closes that connection), and what the server says by SQLSTATE: class 08 (connection
+// exception), class 57 (operator intervention: 57P01 admin_shutdown, which
+// pg_terminate_backend and a fast shutdown send, 57P02 crash_shutdown,
+// 57P03 cannot_connect_now while a server starts or stops, 57P05
+// idle_session_timeout), and any other FATAL or PANIC that ends an
+// established session (25P03 idle_in_transaction_session_timeout, say).
+//
+// It does not count:
+//   - 57014 query_canceled: statement_timeout or pg_cancel_backend cancelled
+//     the statement and the session is up; the same statement would time
+//     out again, and a cancel is someone's decision to stop it;
+//   - 57P04 database_dropped: no new connection can succeed;
+//   - a refusal to connect that waiting does not cure: a FATAL of another
+//     class while connecting (a database that does not exist, a wrong
+//     password, a role over its connection limit);
+//   - the rest of what pgconn.SafeToRetry accepts, which says that a request
+//     was not sent, not that the connection is gone: a context already done,
+//     a connection busy with another statement;
+//   - a cancelled context: the caller stopped.
 func ConnectionLost(err error) bool {
 	if err == nil {
 		return false
 	}
-	if errors.Is(err, driver.ErrBadConn) || errors.Is(err, io.EOF) ||
-		errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) {
-		return true
-	}
 	var netErr net.Error
-	if errors.As(err, &netErr) {
+	if errors.Is(err, driver.ErrBadConn) || errors.Is(err, pgconn.ErrConnClosed) ||
+		errors.Is(err, io.ErrUnexpectedEOF) || errors.As(err, &netErr) {
 		return true
 	}
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		return pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC" ||
-			pgerrcode.IsConnectionException(pgErr.Code) || pgErr.Code == pgerrcode.AdminShutdown
+	if !errors.As(err, &pgErr) {
+		return false
 	}
-	return false
+	switch c := pgErr.Code; {
+	case c == pgerrcode.QueryCanceled || c == pgerrcode.DatabaseDropped:
+		return false
+	case pgerrcode.IsConnectionException(c) || pgerrcode.IsOperatorIntervention(c):
+		return true
+	}
+	var connecting *pgconn.ConnectError
+	severity := cmp.Or(pgErr.SeverityUnlocalized, pgErr.Severity)
+	return (severity == "FATAL" || severity == "PANIC") && !errors.As(err, &connecting)
 }
 
 // Dooms reports whether a statement that failed with err leaves its

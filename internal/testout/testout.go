@@ -51,6 +51,25 @@ func (l *Buffer) WaitFor(ctx context.Context, t testing.TB, want string) {
 	}
 }
 
+// DoOn is a Buffer that runs Do, once, the moment a write holds Want,
+// before the run that writes goes on: a test acts at a stage of a run it
+// reads.
+type DoOn struct {
+	Buffer
+	Want string
+	Do   func()
+	once sync.Once
+}
+
+// Write appends p, then runs Do if p holds Want for the first time.
+func (d *DoOn) Write(p []byte) (int, error) {
+	n, err := d.Buffer.Write(p)
+	if strings.Contains(string(p), d.Want) {
+		d.once.Do(d.Do)
+	}
+	return n, err
+}
+
 // Tail is the last n lines of s.
 func Tail(s string, n int) string {
 	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")

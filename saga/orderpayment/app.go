@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/saga"
@@ -200,7 +201,13 @@ func (a *App) StepNames() []string {
 
 // Setup records the App's subscriptions, so that nothing published before
 // the first worker starts goes unrouted; safe to run from several processes.
-func (a *App) Setup(ctx context.Context) error { return a.Client.Setup(ctx) }
+// Being a no-op the second time, it is retried over a lost connection.
+func (a *App) Setup(ctx context.Context) error { return setup(ctx, a.Client) }
+
+// setup runs c's Setup, again over a lost connection (pgerr.RetryLost):
+// what it records is recorded once (ON CONFLICT DO NOTHING), what it
+// provisions at a broker is there already the second time.
+func setup(ctx context.Context, c *saga.Client) error { return pgerr.RetryLost(ctx, c.Setup) }
 
 // Worker is a saga.Worker with every handler of the App.
 type Worker = saga.Worker

@@ -101,8 +101,9 @@ func NewPaymentService(cfg PaymentServiceConfig) (*PaymentService, error) {
 }
 
 // Setup records the service's subscriptions and the relay's, and
-// provisions its topics at the broker; safe from several processes.
-func (s *PaymentService) Setup(ctx context.Context) error { return s.Client.Setup(ctx) }
+// provisions its topics at the broker; safe from several processes, and
+// retried over a lost connection.
+func (s *PaymentService) Setup(ctx context.Context) error { return setup(ctx, s.Client) }
 
 // NewWorker builds a worker with the service's steps (see
 // saga.Client.NewWorker); the bridge runs apart (Client.Bridge).
