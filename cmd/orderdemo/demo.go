@@ -503,7 +503,13 @@ func (d *demo) sayHowToFinish(ctx context.Context) {
 func (d *demo) resumeCommand() string {
 	cmd := "go run ./cmd/orderdemo -resume"
 	if d.split() {
-		cmd += " -payments-service " + brokers.Redact(d.opts.paymentsService)
+		// The broker as this run named it, unless that would print a
+		// secret: then it is to be given as for this run.
+		broker := d.opts.paymentsService
+		if brokerurl.Describe(broker) != broker {
+			broker = "<the broker URL of this run>"
+		}
+		cmd += " -payments-service " + broker
 	}
 	var env []string
 	if os.Getenv(pgdb.EnvURL) != "" {
