@@ -60,8 +60,9 @@ type Spec[D any] struct {
 	// delays a saga without costing it an attempt. Compensations are not
 	// bounded by it. An operator's retry of a running instance starts it
 	// afresh. Default: DefaultTimeout, or, if longer, what the actions
-	// allow themselves (the sum of their Deadline × MaxAttempts), so that
-	// the default never gives up on a reply sooner than the steps would.
+	// allow themselves (the sum of their attempts' waits, see
+	// Step.Deadline), so that the default never gives up on a reply
+	// sooner than the steps would.
 	Timeout time.Duration
 }
 
@@ -97,10 +98,15 @@ type Step[D any] struct {
 	// topic. A command still waiting here (the broker or every participant
 	// down, a backlog) is not overdue; once it leaves, it gets its whole
 	// deadline (give or take one deadline: the sweeper looks again a
-	// deadline after it found it waiting). Default: 30s.
+	// deadline after it found it waiting). Each re-send waits twice as long
+	// as the one before, up to 8 deadlines (30s, 60s, 120s, 240s, 240s…),
+	// so that a participant catching up on a backlog is not sent a copy of
+	// everything it has not answered every deadline. Default: 30s.
 	Deadline time.Duration
 	// MaxAttempts is how many times a command is sent without an answer
-	// before the engine gives up on it: an action is then treated as failed
+	// (each after it left, see Deadline: with the defaults, no reply
+	// 30+60+120s after its sends left) before the engine gives up on it:
+	// an action is then treated as failed
 	// and the saga compensates, this step included, since the action may
 	// have happened; a compensation parks the saga as failed. Default: 3.
 	MaxAttempts int
@@ -150,6 +156,23 @@ func (s stepDef) limits(phase Phase) (time.Duration, int) {
 		return s.compDeadline, s.compAttempts
 	}
 	return s.deadline, s.maxAttempts
+}
+
+// maxBackoff bounds how many deadlines a re-send waits for its reply.
+const maxBackoff = 8
+
+// wait is how long send attempt (1: the first) of the step's command in
+// phase waits for a reply once it left: the deadline, doubled for each
+// re-send (at most maxBackoff deadlines), so that a participant catching
+// up on a backlog, after an outage say, is not sent a copy of everything
+// it has not answered yet every deadline, and given up on as soon.
+func (s stepDef) wait(phase Phase, attempt int) time.Duration {
+	deadline, _ := s.limits(phase)
+	factor := time.Duration(1) << min(max(attempt-1, 0), 3)
+	if deadline > math.MaxInt64/factor {
+		return math.MaxInt64
+	}
+	return deadline * min(factor, maxBackoff)
 }
 
 type commandDef struct {
@@ -265,10 +288,13 @@ func (d *Definition) actionsAllow() time.Duration {
 		if s.action == nil {
 			continue
 		}
-		if s.deadline > (math.MaxInt64-total)/time.Duration(s.maxAttempts) {
-			return math.MaxInt64
+		for attempt := 1; attempt <= s.maxAttempts; attempt++ {
+			w := s.wait(PhaseAction, attempt)
+			if w > math.MaxInt64-total {
+				return math.MaxInt64
+			}
+			total += w
 		}
-		total += s.deadline * time.Duration(s.maxAttempts)
 	}
 	return total
 }

@@ -580,8 +580,7 @@ func (e *Engine) send(inst *instance, def *Definition, cause string) error {
 	}
 	inst.outbox = append(inst.outbox, pendingCommand{topic: cmd.topic, msg: msg})
 	inst.CommandTopic, inst.CommandID, inst.CommandWaiting = cmd.topic, msg.UUID, false
-	wait, _ := step.limits(inst.Phase)
-	inst.DeadlineAt = inst.deadline(wait)
+	inst.DeadlineAt = inst.deadline(step.wait(inst.Phase, inst.Attempt))
 	kind := "sent"
 	if inst.Attempt > 1 {
 		kind = "resent"

@@ -93,6 +93,9 @@ func TestACommandWaitingHereIsNotOverdue(t *testing.T) {
 
 	e.overdue(id)
 	assert.Equal(t, saga.SweepResult{Resent: 1}, e.sweep(), "no reply a deadline after it left: sent again")
+	inst, err = e.engine.Get(ctx, id)
+	require.NoError(t, err)
+	assert.Greater(t, time.Until(*inst.DeadlineAt), 110*time.Minute, "a re-send waits twice as long")
 	<-taken
 	e.waitConsumed(e.topics["pay"], group)
 	e.overdue(id)
@@ -308,7 +311,7 @@ func TestAPanicValueWithANulParksItsInstanceAlone(t *testing.T) {
 func TestTheDefaultTimeoutLeavesLongStepsTheirDeadlines(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, options{deadline: 2 * saga.DefaultTimeout, absent: []string{"book"}})
-	assert.Equal(t, 2*(3*2*saga.DefaultTimeout), e.def.Timeout, "both actions' deadlines, all their attempts")
+	assert.Equal(t, 2*((1+2+4)*2*saga.DefaultTimeout), e.def.Timeout, "both actions' attempts, each waiting twice as long as the one before")
 	id := e.start("quito")
 	inst := e.wait(id, "book in flight", func(i saga.Instance) bool { return i.Step == "book" })
 	require.NotNil(t, inst.DeadlineAt)

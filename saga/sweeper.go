@@ -146,7 +146,8 @@ func (e *Engine) overdue(ctx context.Context, tx transport.Tx, inst *instance, d
 		return nil, "", m
 	}
 	step := def.steps[inst.Step]
-	wait, attempts := step.limits(inst.Phase)
+	_, attempts := step.limits(inst.Phase)
+	wait := step.wait(inst.Phase, inst.Attempt)
 	if inst.Status == StatusRunning && inst.ExpiresAt != nil && !time.Now().Before(*inst.ExpiresAt) {
 		// The action may or may not have happened: compensate this step too.
 		reason := fmt.Sprintf("%s: the saga took longer than its timeout (%s)", step.name, def.Timeout)
