@@ -54,6 +54,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/migrations"
 )
 
@@ -357,7 +358,7 @@ func serverConn(t testing.TB) *pgx.Conn {
 	requireMain(t)
 	srv := server
 	mu.Unlock()
-	conn, err := pgx.Connect(context.Background(), srv)
+	conn, err := connect(context.Background(), srv)
 	if err != nil {
 		t.Fatalf("testdb: connecting to %s: %v", pgdb.Redact(srv), err)
 	}
@@ -437,7 +438,7 @@ func Role(t testing.TB, limit int, password string) string {
 	t.Helper()
 	ctx := context.Background()
 	srv := ServerURL()
-	admin, err := pgx.Connect(ctx, srv)
+	admin, err := connect(ctx, srv)
 	if err != nil {
 		t.Fatalf("testdb: connecting to %s: %v", pgdb.Redact(srv), err)
 	}
@@ -503,7 +504,7 @@ func WithoutPassword(t testing.TB, connURL string) string {
 // Tests use it to simulate a second process.
 func Open(t testing.TB, url string, maxConns int32) *pgdb.DB {
 	t.Helper()
-	db, err := pgdb.Open(context.Background(), pgdb.Config{URL: url, MaxConns: maxConns, ApplicationName: "pgsaga-test"})
+	db, err := open(context.Background(), pgdb.Config{URL: url, MaxConns: maxConns, ApplicationName: "pgsaga-test"})
 	if err != nil {
 		t.Fatalf("testdb: %v", err)
 	}
@@ -513,7 +514,7 @@ func Open(t testing.TB, url string, maxConns int32) *pgdb.DB {
 
 func create(ctx context.Context, migrated bool, options ...string) (*DB, error) {
 	name := testPrefix + strconv.FormatInt(time.Now().Unix(), 10) + "_" + randomHex(4)
-	admin, err := pgx.Connect(ctx, server)
+	admin, err := connect(ctx, server)
 	if err != nil {
 		return nil, fmt.Errorf("connecting to %s: %w", pgdb.Redact(server), err)
 	}
@@ -554,7 +555,7 @@ func create(ctx context.Context, migrated bool, options ...string) (*DB, error) 
 	if err != nil {
 		return nil, err
 	}
-	db, err := pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: 20, ApplicationName: "pgsaga-test"})
+	db, err := open(ctx, pgdb.Config{URL: url, MaxConns: 20, ApplicationName: "pgsaga-test"})
 	if err != nil {
 		return nil, err
 	}
@@ -662,7 +663,7 @@ func buildTemplate(ctx context.Context, admin *pgx.Conn, hash string) (string, e
 	if err != nil {
 		return "", err
 	}
-	db, err := pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: 2, ApplicationName: "pgsaga-test-template"})
+	db, err := open(ctx, pgdb.Config{URL: url, MaxConns: 2, ApplicationName: "pgsaga-test-template"})
 	if err != nil {
 		return "", err
 	}
@@ -698,7 +699,7 @@ func migrationsHash() (string, error) {
 }
 
 func dropDatabase(ctx context.Context, srv, name string) error {
-	admin, err := pgx.Connect(ctx, srv)
+	admin, err := connect(ctx, srv)
 	if err != nil {
 		return err
 	}
@@ -730,6 +731,35 @@ func dropStale(ctx context.Context, srv string) {
 		}
 		// Without FORCE: a database someone is still connected to stays.
 		_, _ = admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{n}.Sanitize())
+	}
+}
+
+// fullServerWait is how long the tests' own connections wait for a free
+// slot on a full server: the server is shared with the other packages'
+// tests (and other checkouts' runs), some of which take most of its
+// connections for a while (sagabench's runs).
+const fullServerWait = 3 * time.Minute
+
+// connect connects to url, waiting while the server is full.
+func connect(ctx context.Context, url string) (*pgx.Conn, error) {
+	return whenFree(func() (*pgx.Conn, error) { return pgx.Connect(ctx, url) })
+}
+
+// open opens a pool as pgdb.Open does, waiting while the server is full.
+func open(ctx context.Context, cfg pgdb.Config) (*pgdb.DB, error) {
+	return whenFree(func() (*pgdb.DB, error) { return pgdb.Open(ctx, cfg) })
+}
+
+// whenFree runs connect until it does not fail for want of a connection
+// slot (too_many_connections), or until fullServerWait has passed.
+func whenFree[T any](connect func() (T, error)) (T, error) {
+	deadline := time.Now().Add(fullServerWait)
+	for {
+		c, err := connect()
+		if !pgerr.Is(err, pgerrcode.TooManyConnections) || time.Now().After(deadline) {
+			return c, err
+		}
+		time.Sleep(100 * time.Millisecond) // other tests' connections, not this test's work
 	}
 }
 
