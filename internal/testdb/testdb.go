@@ -116,6 +116,7 @@ func run(m *testing.M) int {
 	dropStale(ctx, srv)
 
 	code := m.Run()
+	closeShare()
 
 	mu.Lock()
 	db := shared
@@ -255,6 +256,7 @@ func sayOnce(err error) {
 // Tests that share it must keep their rows apart (unique keys, topics, ids).
 func Shared(t testing.TB) *DB {
 	t.Helper()
+	shareServer(t)
 	db, err := sharedDB()
 	if err != nil {
 		t.Fatalf("testdb: %v", err)
@@ -312,6 +314,7 @@ func own(t testing.TB, migrated bool, options ...string) *DB {
 	mu.Lock()
 	requireMain(t)
 	mu.Unlock()
+	shareServer(t)
 	db, err := create(context.Background(), migrated, options...)
 	if err != nil {
 		t.Fatalf("testdb: %v", err)
@@ -338,16 +341,12 @@ const serverWideLockID int64 = 0x7067736167610004
 // ServerWide makes the test wait its turn among tests, in every package of
 // the run, that do something the whole server feels (hold a long
 // transaction, restart a server, saturate it), and holds the turn until the
-// test ends.
+// test ends. The turn begins once the other packages' tests under way have
+// ended, and none of theirs starts until it ends (see share.go); the
+// package's own tests go on beside it.
 func ServerWide(t testing.TB) {
 	t.Helper()
-	ctx := context.Background()
-	conn := serverConn(t)
-	if _, err := conn.Exec(ctx, "SELECT pg_advisory_lock($1)", serverWideLockID); err != nil {
-		_ = conn.Close(ctx)
-		t.Fatalf("testdb: waiting for a server-wide turn: %v", err)
-	}
-	t.Cleanup(func() { _ = conn.Close(context.Background()) }) // releases the lock
+	holdTurn(t, serverConn(t))
 }
 
 // serverConn is a connection of its own to the run's server; the caller
@@ -504,6 +503,7 @@ func WithoutPassword(t testing.TB, connURL string) string {
 // Tests use it to simulate a second process.
 func Open(t testing.TB, url string, maxConns int32) *pgdb.DB {
 	t.Helper()
+	shareServer(t)
 	db, err := open(context.Background(), pgdb.Config{URL: url, MaxConns: maxConns, ApplicationName: "pgsaga-test"})
 	if err != nil {
 		t.Fatalf("testdb: %v", err)
