@@ -97,7 +97,8 @@ func coveredLocked(name string) bool {
 	}
 }
 
-// passGate waits while a turn holds the gate.
+// passGate waits while a turn holds the gate, having closed the idle
+// connections of the process for it.
 func passGate(t testing.TB) {
 	t.Helper()
 	share.gateMu.Lock()
@@ -106,6 +107,10 @@ func passGate(t testing.TB) {
 		share.gate = serverConn(t)
 	}
 	ctx := context.Background()
+	if !turnAsked(share.gate, share.gateID) {
+		return
+	}
+	closeIdle()
 	if _, err := share.gate.Exec(ctx, "SELECT pg_advisory_lock_shared($1)", share.gateID); err != nil {
 		t.Fatalf("testdb: waiting at the gate for a server-wide turn to end: %v", err)
 	}
@@ -114,7 +119,8 @@ func passGate(t testing.TB) {
 	}
 }
 
-// releaseShareLocked gives up the process's share, if it holds it.
+// releaseShareLocked gives up the process's share, if it holds it, and,
+// if a turn is asked for, the idle connections the turn may need.
 func releaseShareLocked() {
 	if !share.held {
 		return
@@ -124,6 +130,36 @@ func releaseShareLocked() {
 		// Closing the connection releases it too.
 		_ = share.conn.Close(context.Background())
 		share.conn = nil
+		return
+	}
+	if share.turns == 0 && turnAsked(share.conn, share.gateID) {
+		closeIdle()
+	}
+}
+
+// turnAsked reports whether a turn holds the gate (gateID), passing it on
+// conn if not: tests that see it taken close their process's idle
+// connections, which a turn counts as used (FreeConnections).
+func turnAsked(conn *pgx.Conn, gateID int64) bool {
+	ctx := context.Background()
+	var passed bool
+	if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock_shared($1)", gateID).Scan(&passed); err != nil {
+		return true // the blocking wait says what is wrong
+	}
+	if passed {
+		_, _ = conn.Exec(ctx, "SELECT pg_advisory_unlock_shared($1)", gateID)
+	}
+	return !passed
+}
+
+// closeIdle closes the idle connections of the package's database (those
+// in use close when given back); the next test opens new ones.
+func closeIdle() {
+	mu.Lock()
+	db := shared
+	mu.Unlock()
+	if db != nil {
+		db.Pool.Reset()
 	}
 }
 

@@ -241,3 +241,32 @@ func TestSubtestsShareTheirParentsShare(t *testing.T) {
 	})
 	turnBegins(t, granted)
 }
+
+// The package database's idle connections close for a turn another
+// process asks for (it waits for free connections, and counts them as
+// used): when the last test under way ends, and when a test waits at the
+// gate.
+func TestIdleConnectionsCloseForATurn(t *testing.T) {
+	turn, gate := privateLocks(t)
+	other := otherProcess(t)
+	db, err := sharedDB()
+	require.NoError(t, err)
+	release, done := underWay(t)
+	granted := askForTurn(t, other, turn, gate)
+	_, err = db.SQL.Exec("SELECT 1")
+	require.NoError(t, err)
+	require.Positive(t, db.Pool.Stat().TotalConns())
+	release()
+	within(t, done, "the test under way")
+	assert.Zero(t, db.Pool.Stat().TotalConns(), "idle connections once the last test under way ended")
+
+	turnBegins(t, granted)
+	_, err = db.SQL.Exec("SELECT 1")
+	require.NoError(t, err)
+	require.Positive(t, db.Pool.Stat().TotalConns())
+	waiting := startTest(t, "waiting", func(t *testing.T) { Shared(t) })
+	waitForLockWait(t, otherProcess(t), gate)
+	assert.Zero(t, db.Pool.Stat().TotalConns(), "idle connections while a test waits at the gate")
+	require.NoError(t, other.Close(context.Background()))
+	within(t, waiting, "the test after the turn")
+}
