@@ -31,26 +31,46 @@ func TestTooFewConnectionsEndTheRun(t *testing.T) {
 			// the role's limit is what stops it: with other packages'
 			// tests holding connections, the server's own shortage was
 			// named instead (one clean CI run).
-			takeTurn(t, args)
+			need := takeTurn(t, args)
 			t.Setenv("DATABASE_URL", testdb.LimitedRole(t, limit))
-			var stdout, stderr testout.Buffer
-			done := make(chan int, 1)
-			start := time.Now()
-			go func() {
-				done <- run(context.Background(), args, &stdout, &stderr)
-			}()
-			bound, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			select {
-			case code := <-done:
-				t.Logf("exit %d after %s: %s", code, time.Since(start).Round(time.Millisecond), testout.Tail(stderr.String(), 1))
+			// Tests of other packages (and checkouts) may still take the
+			// spare connections between the turn's count and the run's
+			// own: the run then names the server's shortage, not the
+			// role's, and runs again once they are free (a -count=3 run of
+			// ./..., 56 free of the 68 needed).
+			for attempt := 1; ; attempt++ {
+				code, last := runBounded(t, args, 30*time.Second)
+				if strings.Contains(last, "connections but the server has") && attempt < 5 {
+					testdb.FreeConnections(t, need+4)
+					continue
+				}
 				assert.Equal(t, exitNoService, code)
-				assert.Regexp(t, `CONNECTION LIMIT|too many connections for role`, testout.Tail(stderr.String(), 1), "the cause is named")
-			case <-bound.Done():
-				t.Fatalf("run did not return within 30s:\nstderr:\n%s", testout.Tail(stderr.String(), 5))
+				assert.Regexp(t, `CONNECTION LIMIT|too many connections for role`, last, "the cause is named")
+				break
 			}
 		})
 	}
+}
+
+// runBounded runs the program with args, failing the test if it has not
+// returned within bound, and returns its exit status and the last line of
+// its stderr.
+func runBounded(t *testing.T, args []string, bound time.Duration) (code int, last string) {
+	t.Helper()
+	var stdout, stderr testout.Buffer
+	done := make(chan int, 1)
+	start := time.Now()
+	go func() {
+		done <- run(context.Background(), args, &stdout, &stderr)
+	}()
+	select {
+	case code = <-done:
+	case <-time.After(bound):
+		t.Fatalf("run did not return within %s:\nstderr:\n%s", bound, testout.Tail(stderr.String(), 5))
+	}
+	last = testout.Tail(stderr.String(), 1)
+	t.Logf("exit %d after %s: %s", code, time.Since(start).Round(time.Millisecond), last)
+	return code, last
 }
 
 // SIGTERM stops a run as SIGINT does: the phase stops, the workers stop,

@@ -67,6 +67,7 @@ func TestListenerReconnects(t *testing.T) {
 	})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel() // a failed require: else the pool's close waits for the listening connection forever
 	done := make(chan error, 1)
 	go func() { done <- l.Run(ctx) }()
 	waitSignal(t, listened)

@@ -54,6 +54,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/migrations"
 )
 
@@ -115,6 +116,7 @@ func run(m *testing.M) int {
 	dropStale(ctx, srv)
 
 	code := m.Run()
+	closeShare()
 
 	mu.Lock()
 	db := shared
@@ -254,6 +256,7 @@ func sayOnce(err error) {
 // Tests that share it must keep their rows apart (unique keys, topics, ids).
 func Shared(t testing.TB) *DB {
 	t.Helper()
+	shareServer(t)
 	db, err := sharedDB()
 	if err != nil {
 		t.Fatalf("testdb: %v", err)
@@ -311,6 +314,7 @@ func own(t testing.TB, migrated bool, options ...string) *DB {
 	mu.Lock()
 	requireMain(t)
 	mu.Unlock()
+	shareServer(t)
 	db, err := create(context.Background(), migrated, options...)
 	if err != nil {
 		t.Fatalf("testdb: %v", err)
@@ -337,16 +341,12 @@ const serverWideLockID int64 = 0x7067736167610004
 // ServerWide makes the test wait its turn among tests, in every package of
 // the run, that do something the whole server feels (hold a long
 // transaction, restart a server, saturate it), and holds the turn until the
-// test ends.
+// test ends. The turn begins once the other packages' tests under way have
+// ended, and none of theirs starts until it ends (see share.go); the
+// package's own tests go on beside it.
 func ServerWide(t testing.TB) {
 	t.Helper()
-	ctx := context.Background()
-	conn := serverConn(t)
-	if _, err := conn.Exec(ctx, "SELECT pg_advisory_lock($1)", serverWideLockID); err != nil {
-		_ = conn.Close(ctx)
-		t.Fatalf("testdb: waiting for a server-wide turn: %v", err)
-	}
-	t.Cleanup(func() { _ = conn.Close(context.Background()) }) // releases the lock
+	holdTurn(t, serverConn(t))
 }
 
 // serverConn is a connection of its own to the run's server; the caller
@@ -357,7 +357,7 @@ func serverConn(t testing.TB) *pgx.Conn {
 	requireMain(t)
 	srv := server
 	mu.Unlock()
-	conn, err := pgx.Connect(context.Background(), srv)
+	conn, err := connect(context.Background(), srv)
 	if err != nil {
 		t.Fatalf("testdb: connecting to %s: %v", pgdb.Describe(srv), err)
 	}
@@ -437,7 +437,7 @@ func Role(t testing.TB, limit int, password string) string {
 	t.Helper()
 	ctx := context.Background()
 	srv := ServerURL()
-	admin, err := pgx.Connect(ctx, srv)
+	admin, err := connect(ctx, srv)
 	if err != nil {
 		t.Fatalf("testdb: connecting to %s: %v", pgdb.Describe(srv), err)
 	}
@@ -503,7 +503,8 @@ func WithoutPassword(t testing.TB, connURL string) string {
 // Tests use it to simulate a second process.
 func Open(t testing.TB, url string, maxConns int32) *pgdb.DB {
 	t.Helper()
-	db, err := pgdb.Open(context.Background(), pgdb.Config{URL: url, MaxConns: maxConns, ApplicationName: "pgsaga-test"})
+	shareServer(t)
+	db, err := open(context.Background(), pgdb.Config{URL: url, MaxConns: maxConns, ApplicationName: "pgsaga-test"})
 	if err != nil {
 		t.Fatalf("testdb: %v", err)
 	}
@@ -513,7 +514,7 @@ func Open(t testing.TB, url string, maxConns int32) *pgdb.DB {
 
 func create(ctx context.Context, migrated bool, options ...string) (*DB, error) {
 	name := testPrefix + strconv.FormatInt(time.Now().Unix(), 10) + "_" + randomHex(4)
-	admin, err := pgx.Connect(ctx, server)
+	admin, err := connect(ctx, server)
 	if err != nil {
 		return nil, fmt.Errorf("connecting to %s: %w", pgdb.Describe(server), err)
 	}
@@ -554,7 +555,7 @@ func create(ctx context.Context, migrated bool, options ...string) (*DB, error) 
 	if err != nil {
 		return nil, err
 	}
-	db, err := pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: 20, ApplicationName: "pgsaga-test"})
+	db, err := open(ctx, pgdb.Config{URL: url, MaxConns: 20, ApplicationName: "pgsaga-test"})
 	if err != nil {
 		return nil, err
 	}
@@ -662,7 +663,7 @@ func buildTemplate(ctx context.Context, admin *pgx.Conn, hash string) (string, e
 	if err != nil {
 		return "", err
 	}
-	db, err := pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: 2, ApplicationName: "pgsaga-test-template"})
+	db, err := open(ctx, pgdb.Config{URL: url, MaxConns: 2, ApplicationName: "pgsaga-test-template"})
 	if err != nil {
 		return "", err
 	}
@@ -698,7 +699,7 @@ func migrationsHash() (string, error) {
 }
 
 func dropDatabase(ctx context.Context, srv, name string) error {
-	admin, err := pgx.Connect(ctx, srv)
+	admin, err := connect(ctx, srv)
 	if err != nil {
 		return err
 	}
@@ -730,6 +731,35 @@ func dropStale(ctx context.Context, srv string) {
 		}
 		// Without FORCE: a database someone is still connected to stays.
 		_, _ = admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{n}.Sanitize())
+	}
+}
+
+// fullServerWait is how long the tests' own connections wait for a free
+// slot on a full server: the server is shared with the other packages'
+// tests (and other checkouts' runs), some of which take most of its
+// connections for a while (sagabench's runs).
+const fullServerWait = 3 * time.Minute
+
+// connect connects to url, waiting while the server is full.
+func connect(ctx context.Context, url string) (*pgx.Conn, error) {
+	return whenFree(func() (*pgx.Conn, error) { return pgx.Connect(ctx, url) })
+}
+
+// open opens a pool as pgdb.Open does, waiting while the server is full.
+func open(ctx context.Context, cfg pgdb.Config) (*pgdb.DB, error) {
+	return whenFree(func() (*pgdb.DB, error) { return pgdb.Open(ctx, cfg) })
+}
+
+// whenFree runs connect until it does not fail for want of a connection
+// slot (too_many_connections), or until fullServerWait has passed.
+func whenFree[T any](connect func() (T, error)) (T, error) {
+	deadline := time.Now().Add(fullServerWait)
+	for {
+		c, err := connect()
+		if !pgerr.Is(err, pgerrcode.TooManyConnections) || time.Now().After(deadline) {
+			return c, err
+		}
+		time.Sleep(100 * time.Millisecond) // other tests' connections, not this test's work
 	}
 }
 

@@ -64,3 +64,29 @@ func TestVanishedTemplateIsFoundAgain(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, hash, h)
 }
+
+// The tests' own connections wait for a slot on a full server instead of
+// failing the test: sagabench's runs take most of the shared server's
+// connections for a while, and other packages' tests failed in
+// Fresh with "sorry, too many clients already". A role's connection limit
+// makes the same error (too_many_connections) on demand.
+func TestConnectionsWaitForAFreeSlot(t *testing.T) {
+	ctx := context.Background()
+	url := LimitedRole(t, 1)
+	holder, err := pgx.Connect(ctx, url) // the role's one connection
+	require.NoError(t, err)
+	defer holder.Close(ctx)
+	attempts := 0
+	conn, err := whenFree(func() (*pgx.Conn, error) {
+		attempts++
+		c, err := pgx.Connect(ctx, url)
+		if attempts == 1 {
+			require.Error(t, err, "the role's slot is taken")
+			require.NoError(t, holder.Close(ctx)) // freed once the first attempt found none
+		}
+		return c, err
+	})
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	assert.Greater(t, attempts, 1)
+}
