@@ -109,8 +109,11 @@ func TestCreateRidesOutALostAnswer(t *testing.T) {
 // may no longer log in: as for a server that stays down), so the run
 // fails and cannot drop its database: it says so, with the command that
 // drops it, and that command does once connections are taken again.
+// The run waits out its -timeout for sagas that cannot end, so that is
+// short: at 2m it held the server-wide turn, and every other package's
+// tests at the gate, for two minutes.
 func TestServerGoneMidRunSaysHowToDrop(t *testing.T) {
-	args := strings.Fields("-sagas 100000 -inflight 16 -consumers 1 -rate 0 -baseline 0 -idle 0 -timeout 2m")
+	args := strings.Fields("-sagas 100000 -inflight 16 -consumers 1 -rate 0 -baseline 0 -idle 0 -timeout 10s")
 	takeTurn(t, args)
 	url := testdb.Role(t, -1, "s3cr3t")
 	cfg, err := pgx.ParseConfig(url)
