@@ -29,7 +29,7 @@ func TestMain(m *testing.M) {
 	if args, ok := os.LookupEnv("SAGABENCH_ARGS"); ok {
 		os.Exit(runWithSignals(strings.Fields(args), os.Stdout, os.Stderr))
 	}
-	testdb.Main(m)
+	testdb.MainOwnServer(m) // its runs take most of a server
 }
 
 // A small run reports every figure of the JSON contract, with every

@@ -21,3 +21,17 @@ func lockFile(path string) (unlock func(), err error) {
 	}
 	return func() { _ = f.Close() }, nil // closing releases the lock
 }
+
+// tryLockFile takes an exclusive lock on an existing path if no process
+// holds one; ok is false if one does, or path cannot be opened.
+func tryLockFile(path string) (unlock func(), ok bool) {
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		return nil, false
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		_ = f.Close()
+		return nil, false
+	}
+	return func() { _ = f.Close() }, true
+}

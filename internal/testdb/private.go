@@ -29,11 +29,11 @@ type PrivateServer struct {
 	// URL connects to its postgres database.
 	URL string
 
-	t    testing.TB
-	bin  string
-	dir  string
-	port int
-	cred *syscall.Credential
+	bin    string
+	dir    string
+	port   int
+	cred   *syscall.Credential
+	unlock func() // releases the process's lock on dir
 }
 
 // StartPrivate starts a private server. It needs PGSAGA_TEST_PRIVATE_PG=1
@@ -49,35 +49,99 @@ func StartPrivate(t testing.TB) *PrivateServer {
 	if bin == "" {
 		t.Fatalf("testdb: %s is set but no PostgreSQL server binaries were found (pg_config --bindir, /usr/lib/postgresql/*/bin)", PrivateEnv)
 	}
-	dir, err := os.MkdirTemp("", "pgsaga-private-")
+	s, err := startPrivate(bin)
 	if err != nil {
 		t.Fatalf("testdb: %v", err)
 	}
-	s := &PrivateServer{t: t, bin: bin, dir: dir, port: freePort(t)}
-	t.Cleanup(func() {
-		_ = s.pgctl("stop", "-m", "immediate", "-w")
+	t.Cleanup(s.remove)
+	return s
+}
+
+// privatePrefix names the directories of private servers, in the
+// system's temporary directory.
+const privatePrefix = "pgsaga-private-"
+
+// startPrivate creates and starts a private server from the binaries in
+// bin; remove stops it and deletes its data. The process holds a lock on
+// the server's directory until it exits, so that a later start can tell a
+// server whose process was killed (a test timeout) and remove it.
+func startPrivate(bin string) (*PrivateServer, error) {
+	removeOrphans()
+	dir, err := os.MkdirTemp("", privatePrefix)
+	if err != nil {
+		return nil, err
+	}
+	port, err := freePort()
+	if err != nil {
 		_ = os.RemoveAll(dir)
-	})
+		return nil, err
+	}
+	s := &PrivateServer{bin: bin, dir: dir, port: port}
+	if s.unlock, err = lockFile(filepath.Join(dir, ownerLock)); err != nil {
+		_ = os.RemoveAll(dir)
+		return nil, err
+	}
 	if os.Geteuid() == 0 {
 		nobody, err := user.Lookup("nobody")
 		if err != nil {
-			t.Fatalf("testdb: a private PostgreSQL cannot run as root and there is no user nobody: %v", err)
+			s.remove()
+			return nil, fmt.Errorf("a private PostgreSQL cannot run as root and there is no user nobody: %w", err)
 		}
 		uid, _ := strconv.Atoi(nobody.Uid)
 		gid, _ := strconv.Atoi(nobody.Gid)
 		s.cred = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
 		if err := os.Chown(dir, uid, gid); err != nil {
-			t.Fatalf("testdb: %v", err)
+			s.remove()
+			return nil, err
 		}
 	}
 	if err := s.run(filepath.Join(bin, "initdb"), "-D", s.data(), "-U", "postgres", "-A", "trust", "--no-sync", "-E", "UTF8"); err != nil {
-		t.Fatalf("testdb: initdb: %v", err)
+		s.remove()
+		return nil, fmt.Errorf("initdb: %w", err)
 	}
 	if err := s.Start(); err != nil {
-		t.Fatalf("testdb: starting a private PostgreSQL: %v", err)
+		s.remove()
+		return nil, fmt.Errorf("starting a private PostgreSQL: %w", err)
 	}
 	s.URL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", s.port)
-	return s
+	return s, nil
+}
+
+// ownerLock is the file in a private server's directory that its process
+// holds locked.
+const ownerLock = "owner.lock"
+
+// remove stops the server, as after a crash, and deletes its data.
+func (s *PrivateServer) remove() {
+	if isFile(filepath.Join(s.data(), "postmaster.pid")) {
+		_ = s.pgctl("stop", "-m", "immediate", "-w")
+	}
+	_ = os.RemoveAll(s.dir)
+	if s.unlock != nil {
+		s.unlock()
+	}
+}
+
+// removeOrphans removes the private servers whose processes have exited
+// without removing them (killed at a test timeout, say).
+func removeOrphans() {
+	bin := pgbin.Find()
+	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), privatePrefix+"*"))
+	for _, dir := range dirs {
+		if st, err := os.Stat(dir); err != nil || time.Since(st.ModTime()) < time.Minute {
+			continue // just created: its process may not hold the lock yet
+		}
+		unlock, ok := tryLockFile(filepath.Join(dir, ownerLock))
+		if !ok {
+			continue // its process is alive, or it is not ours to judge
+		}
+		(&PrivateServer{bin: bin, dir: dir, unlock: unlock}).remove()
+	}
+}
+
+func isFile(path string) bool {
+	st, err := os.Stat(path)
+	return err == nil && st.Mode().IsRegular()
 }
 
 func (s *PrivateServer) data() string { return filepath.Join(s.dir, "data") }
@@ -128,11 +192,11 @@ func (s *PrivateServer) run(name string, args ...string) error {
 	return nil
 }
 
-func freePort(t testing.TB) int {
+func freePort() (int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		t.Fatalf("testdb: %v", err)
+		return 0, err
 	}
 	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	return l.Addr().(*net.TCPAddr).Port, nil
 }

@@ -53,6 +53,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgsaga/pgsaga/internal/finddb"
+	"github.com/pgsaga/pgsaga/internal/pgbin"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/migrations"
@@ -100,15 +101,39 @@ var (
 // Main runs the package's tests with a database server and exits. Call it
 // from TestMain.
 func Main(m *testing.M) {
-	os.Exit(run(m))
+	os.Exit(run(m, false))
 }
 
-func run(m *testing.M) int {
+// MainOwnServer is Main for a package whose tests load a server as much as
+// its other users will let them (benchmark runs that take most of its
+// connections and hold server-wide turns): where the machine's PostgreSQL
+// server binaries are installed, it starts a server of the package's own
+// (see StartPrivate; max_connections 200), tests on it, and removes it when
+// the tests end. The package's turns then stop no other package's tests:
+// with every package on one server, sagabench's turns and the sample's
+// tests took turns, and the two packages together outlasted go test's
+// ten minutes at -count=3. Where no server can be started it says why, in
+// one line, and uses the run's server as Main does.
+func MainOwnServer(m *testing.M) {
+	os.Exit(run(m, true))
+}
+
+func run(m *testing.M, ownServer bool) int {
 	ctx := context.Background()
 	srv, err := findServer(ctx)
 	if err != nil {
 		sayOnce(err)
 		return 1
+	}
+	if ownServer {
+		if bin := pgbin.Find(); bin == "" {
+			fmt.Fprintln(os.Stderr, "testdb: no PostgreSQL server binaries to start a server of the package's own (pg_config --bindir, /usr/lib/postgresql/*/bin); testing on the run's server, taking turns")
+		} else if own, err := startPrivate(bin); err != nil {
+			fmt.Fprintf(os.Stderr, "testdb: could not start a server of the package's own (%s); testing on the run's server, taking turns\n", oneLine(err))
+		} else {
+			defer own.remove()
+			srv = own.URL
+		}
 	}
 	mu.Lock()
 	server, mainRan = srv, true

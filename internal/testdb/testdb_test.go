@@ -3,6 +3,8 @@ package testdb
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -89,4 +91,32 @@ func TestConnectionsWaitForAFreeSlot(t *testing.T) {
 	require.NoError(t, err)
 	defer conn.Close(ctx)
 	assert.Greater(t, attempts, 1)
+}
+
+// A private server whose process exited without removing it (killed at a
+// test timeout) is removed by the next start; one whose process holds its
+// lock, or that was just created, is left alone.
+func TestOrphanedPrivateServersAreRemoved(t *testing.T) {
+	dirAged := func(age time.Duration, held bool) string {
+		dir, err := os.MkdirTemp("", privatePrefix)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = os.RemoveAll(dir) })
+		unlock, err := lockFile(filepath.Join(dir, ownerLock))
+		require.NoError(t, err)
+		if held {
+			t.Cleanup(unlock)
+		} else {
+			unlock()
+		}
+		old := time.Now().Add(-age)
+		require.NoError(t, os.Chtimes(dir, old, old))
+		return dir
+	}
+	orphan := dirAged(time.Hour, false)
+	alive := dirAged(time.Hour, true)
+	fresh := dirAged(0, false)
+	removeOrphans()
+	assert.NoDirExists(t, orphan)
+	assert.DirExists(t, alive)
+	assert.DirExists(t, fresh)
 }
