@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"maps"
 	"math/rand/v2"
-	"os"
 	"slices"
 	"sort"
 	"strings"
@@ -113,7 +112,7 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 		}
 	}()
 
-	found, err := finddb.Find(ctx, finddb.Config{Logger: d.log})
+	found, err := finddb.Find(ctx, finddb.Config{Logger: d.log, Getenv: opts.getenv})
 	if err != nil {
 		return nil, err
 	}
@@ -314,7 +313,7 @@ func (d *demo) forgetOtherMode(ctx context.Context) error {
 // PAYMENTS_DATABASE_URL, else one next to the orders database. It returns
 // its URL.
 func (d *demo) openPaymentsDB(ctx context.Context, opts options) (string, error) {
-	url := os.Getenv(paymentsDatabaseEnv)
+	url := opts.getenv(paymentsDatabaseEnv)
 	where := pgdb.Describe(url) + " from " + paymentsDatabaseEnv
 	if url == "" {
 		var err error
@@ -512,10 +511,10 @@ func (d *demo) resumeCommand() string {
 		cmd += " -payments-service " + broker
 	}
 	var env []string
-	if os.Getenv(pgdb.EnvURL) != "" {
+	if d.opts.getenv(pgdb.EnvURL) != "" {
 		env = append(env, pgdb.EnvURL)
 	}
-	if d.split() && os.Getenv(paymentsDatabaseEnv) != "" {
+	if d.split() && d.opts.getenv(paymentsDatabaseEnv) != "" {
 		env = append(env, paymentsDatabaseEnv)
 	}
 	if len(env) > 0 {

@@ -16,6 +16,9 @@ var errHelp = errors.New("help requested")
 
 // options are the command's flags. Their names are a contract.
 type options struct {
+	// getenv reads DATABASE_URL and PAYMENTS_DATABASE_URL (os.Getenv).
+	getenv func(string) string
+
 	orders  int
 	workers int
 	timeout time.Duration

@@ -35,11 +35,12 @@ func terminateAll(t *testing.T, name string) {
 // out. It used to end with "placing orders: 7 failed … bad connection"
 // and hundreds of sagas left running.
 func TestRidesOutTerminatedSessions(t *testing.T) {
+	t.Parallel() // runs the sample: mostly waiting, beside the other slow tests
 	db := testdb.Fresh(t)
-	t.Setenv("DATABASE_URL", db.URL)
+	getenv := env("DATABASE_URL", db.URL)
 	var stdout testout.Buffer
 	stderr := &testout.DoOn{Want: "placing 200 orders", Do: func() { terminateAll(t, db.Name) }} // progress, with -json
-	code := run(context.Background(), []string{"-orders", "200", "-json", "-timeout", "2m"}, &stdout, stderr)
+	code := runEnv(context.Background(), getenv, []string{"-orders", "200", "-json", "-timeout", "2m"}, &stdout, stderr)
 	require.Equal(t, exitOK, code, "stdout:\n%s\nstderr:\n%s", stdout.String(), testout.Tail(stderr.String(), 20))
 	s := lastJSON(t, stdout.String())
 	assert.Equal(t, 200, s.Sagas)
@@ -52,6 +53,7 @@ func TestRidesOutTerminatedSessions(t *testing.T) {
 // that finishes them: it gives up waiting, it is interrupted, or placing
 // the orders fails because the database stopped taking connections.
 func TestStopSaysHowToFinish(t *testing.T) {
+	t.Parallel() // runs the sample: mostly waiting, beside the other slow tests
 	const resume = "go run ./cmd/orderdemo -resume (with DATABASE_URL as for this run)"
 	unfinished := func(t *testing.T, db *testdb.DB) int {
 		var n int
@@ -62,9 +64,9 @@ func TestStopSaysHowToFinish(t *testing.T) {
 
 	t.Run("gives up waiting", func(t *testing.T) {
 		db := testdb.Fresh(t)
-		t.Setenv("DATABASE_URL", db.URL)
+		getenv := env("DATABASE_URL", db.URL)
 		var stdout, stderr testout.Buffer
-		code := run(context.Background(), []string{"-orders", "300", "-timeout", "200ms"}, &stdout, &stderr)
+		code := runEnv(context.Background(), getenv, []string{"-orders", "300", "-timeout", "200ms"}, &stdout, &stderr)
 		assert.Equal(t, exitFailed, code)
 		m := said.FindStringSubmatch(stderr.String())
 		require.NotNil(t, m, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
@@ -74,12 +76,12 @@ func TestStopSaysHowToFinish(t *testing.T) {
 
 	t.Run("interrupted while waiting", func(t *testing.T) {
 		db := testdb.Fresh(t)
-		t.Setenv("DATABASE_URL", db.URL)
+		getenv := env("DATABASE_URL", db.URL)
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
 		var stdout testout.Buffer
 		stderr := &testout.DoOn{Want: "sagas 300:", Do: cancel} // progress, with -json
-		code := run(ctx, []string{"-orders", "300", "-json"}, &stdout, stderr)
+		code := runEnv(ctx, getenv, []string{"-orders", "300", "-json"}, &stdout, stderr)
 		assert.Equal(t, exitFailed, code)
 		m := said.FindStringSubmatch(stderr.String())
 		require.NotNil(t, m, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
@@ -92,7 +94,7 @@ func TestStopSaysHowToFinish(t *testing.T) {
 	// is let in, so placing fails and nothing can be counted.
 	t.Run("the database stops taking connections while placing", func(t *testing.T) {
 		url := testdb.Role(t, -1, "s3cr3t")
-		t.Setenv("DATABASE_URL", url)
+		getenv := env("DATABASE_URL", url)
 		cfg, err := pgx.ParseConfig(url)
 		require.NoError(t, err)
 		stdout := &testout.DoOn{Want: "placing 200 orders", Do: func() {
@@ -104,7 +106,7 @@ func TestStopSaysHowToFinish(t *testing.T) {
 			terminateAll(t, cfg.Database)
 		}}
 		var stderr testout.Buffer
-		code := run(context.Background(), []string{"-orders", "200", "-timeout", "1m"}, stdout, &stderr)
+		code := runEnv(context.Background(), getenv, []string{"-orders", "200", "-timeout", "1m"}, stdout, &stderr)
 		assert.Equal(t, exitFailed, code)
 		assert.Regexp(t, `(?m)^could not count the unfinished sagas \(.*\); once the database takes connections again, finish them with: `+regexp.QuoteMeta(resume)+`$`,
 			stderr.String(), "stdout:\n%s", stdout.String())

@@ -50,6 +50,13 @@ const (
 )
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	return runEnv(ctx, os.Getenv, args, stdout, stderr)
+}
+
+// runEnv is run with the environment that names the databases
+// (DATABASE_URL, PAYMENTS_DATABASE_URL) read through getenv: tests that run
+// side by side give each run its own.
+func runEnv(ctx context.Context, getenv func(string) string, args []string, stdout, stderr io.Writer) int {
 	opts, err := parseFlags(args, stderr)
 	if err != nil {
 		if errors.Is(err, errHelp) {
@@ -58,6 +65,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "orderdemo: %v (orderdemo -h lists the flags)\n", err)
 		return exitUsage
 	}
+	opts.getenv = getenv
 	stderr = cmdlog.Synced(stderr) // progress, logs and spans share it
 	stopTracing, err := obs.Tracing(ctx, "orderdemo", stderr)
 	if err != nil {

@@ -28,7 +28,10 @@ func TestMain(m *testing.M) {
 	if args, ok := os.LookupEnv("ORDERDEMO_ARGS"); ok {
 		os.Exit(runWithSignals(strings.Fields(args), os.Stdout, os.Stderr))
 	}
-	testdb.Main(m)
+	// Its slow tests run the sample side by side (t.Parallel), on a server
+	// of the package's own: two runs at once take connections the other
+	// packages' tests need.
+	testdb.MainOwnServer(m)
 }
 
 // lastJSON decodes the last line of stdout.
@@ -100,6 +103,7 @@ func TestBadFlags(t *testing.T) {
 // first run, then the resumes), under chaos; a last -resume finishes every
 // saga with every invariant intact.
 func TestKillAndResume(t *testing.T) {
+	t.Parallel() // runs the sample: mostly waiting, beside the other slow tests
 	db := testdb.Fresh(t)
 	seed := uint64(time.Now().UnixNano())
 	t.Logf("seed %d", seed)
@@ -180,5 +184,20 @@ func TestResumeWithNothingToDo(t *testing.T) {
 		s := lastJSON(t, stdout.String())
 		assert.Zero(t, s.Sagas, "%v", args)
 		assert.Zero(t, s.Completed+s.Compensated+s.Unfinished, "%v", args)
+	}
+}
+
+// env is an environment for runEnv: the databases it names (kv: name,
+// value, …; the others unset), and the process's for everything else.
+func env(kv ...string) func(string) string {
+	vars := map[string]string{"DATABASE_URL": "", paymentsDatabaseEnv: ""}
+	for i := 0; i+1 < len(kv); i += 2 {
+		vars[kv[i]] = kv[i+1]
+	}
+	return func(name string) string {
+		if v, ok := vars[name]; ok {
+			return v
+		}
+		return os.Getenv(name)
 	}
 }

@@ -78,11 +78,10 @@ func TestOperatingFlags(t *testing.T) {
 // one of them wins.
 func parkSomeSagas(t *testing.T, db *testdb.DB) summary {
 	t.Helper()
-	t.Setenv("DATABASE_URL", db.URL)
 	for attempt := range 5 {
 		var stdout, stderr bytes.Buffer
 		args := []string{"-orders", "60", "-decline-refunds", "-json", "-seed", fmt.Sprint(1000 + attempt)}
-		code := run(context.Background(), args, &stdout, &stderr)
+		code := runEnv(context.Background(), env("DATABASE_URL", db.URL), args, &stdout, &stderr)
 		require.Equal(t, exitOK, code, "parked sagas explained by a declined refund break no invariant\nstdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
 		assert.Contains(t, stderr.String(), "the gateway declines every refund (-decline-refunds)")
 		s := lastJSON(t, stdout.String())
@@ -157,6 +156,7 @@ func TestDeclinedRefundsParkSagas(t *testing.T) {
 // compensated with its refund recorded exactly once. SIGTERM then ends the
 // serving with exit status 0.
 func TestParkedSagaRetriedAgainstServingDemo(t *testing.T) {
+	t.Parallel() // runs the sample: mostly waiting, beside the other slow tests
 	db := testdb.Fresh(t)
 	s := parkSomeSagas(t, db)
 	id := uuid.MustParse(s.Parked[0].SagaID)

@@ -57,11 +57,12 @@ func TestOneIsSingular(t *testing.T) {
 // after, the sagas the workers finished meanwhile went missing from the
 // count and the report.
 func TestResumeCountsEveryUnfinishedSaga(t *testing.T) {
+	t.Parallel() // runs the sample: mostly waiting, beside the other slow tests
 	db := testdb.Fresh(t)
-	t.Setenv("DATABASE_URL", db.URL)
+	getenv := env("DATABASE_URL", db.URL)
 	var stdout, stderr bytes.Buffer
 	// Give up almost at once, leaving most sagas half-way.
-	code := run(context.Background(), []string{"-orders", "300", "-timeout", "200ms"}, &stdout, &stderr)
+	code := runEnv(context.Background(), getenv, []string{"-orders", "300", "-timeout", "200ms"}, &stdout, &stderr)
 	require.Equal(t, exitFailed, code, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
 	var unfinished int
 	require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM (`+unfinishedSQL+`) u`, orderpayment.Name).Scan(&unfinished))
@@ -69,7 +70,7 @@ func TestResumeCountsEveryUnfinishedSaga(t *testing.T) {
 
 	stdout.Reset()
 	stderr.Reset()
-	require.Equal(t, exitOK, run(context.Background(), []string{"-resume", "-json", "-workers", "8"}, &stdout, &stderr), stderr.String())
+	require.Equal(t, exitOK, runEnv(context.Background(), getenv, []string{"-resume", "-json", "-workers", "8"}, &stdout, &stderr), stderr.String())
 	s := lastJSON(t, stdout.String())
 	assert.Equal(t, unfinished, s.Sagas, "every saga unfinished when the run began")
 	assert.Contains(t, stderr.String(), "resuming "+plural(unfinished, "unfinished saga", "unfinished sagas")+"\n")

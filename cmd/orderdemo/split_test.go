@@ -20,6 +20,7 @@ import (
 // broker. Under chaos the broker's redeliveries and relay crashes are
 // absorbed too.
 func TestPaymentsService(t *testing.T) {
+	t.Parallel() // runs the sample: mostly waiting, beside the other slow tests
 	srv := testnats.Private(t) // the sample's subjects are fixed: a server of the test's own
 	for _, c := range []struct {
 		name string
@@ -29,11 +30,10 @@ func TestPaymentsService(t *testing.T) {
 		{"chaos", []string{"-orders", "40", "-workers", "2", "-duplicate-rate", "0.3", "-crash-rate", "0.2", "-gateway-fault-rate", "0.1", "-seed", "11"}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			t.Setenv("DATABASE_URL", testdb.Fresh(t).URL)
-			t.Setenv(paymentsDatabaseEnv, testdb.Fresh(t).URL)
+			getenv := env("DATABASE_URL", testdb.Fresh(t).URL, paymentsDatabaseEnv, testdb.Fresh(t).URL)
 			var stdout, stderr bytes.Buffer
 			args := append([]string{"-json", "-payments-service", srv.URL()}, c.args...)
-			code := run(context.Background(), args, &stdout, &stderr)
+			code := runEnv(context.Background(), getenv, args, &stdout, &stderr)
 			require.Equal(t, exitOK, code, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
 			s := lastJSON(t, stdout.String())
 			assert.True(t, s.InvariantsOK, "%v", s.Violations)
@@ -64,15 +64,15 @@ func TestPaymentsService(t *testing.T) {
 // database, said every invariant held). With every saga finished, the
 // switch goes ahead and drops the other mode's groups.
 func TestSwitchingModesWaitsForTheUnfinishedSagas(t *testing.T) {
+	t.Parallel() // runs the sample: mostly waiting, beside the other slow tests
 	srv := testnats.Private(t)
 	db := testdb.Fresh(t)
-	t.Setenv("DATABASE_URL", db.URL)
-	t.Setenv(paymentsDatabaseEnv, testdb.Fresh(t).URL)
+	getenv := env("DATABASE_URL", db.URL, paymentsDatabaseEnv, testdb.Fresh(t).URL)
 	one := []string{"-orders", "3"}
 	two := []string{"-orders", "3", "-payments-service", srv.URL()}
 	runOK := func(args []string) string {
 		var stdout, stderr bytes.Buffer
-		code := run(context.Background(), args, &stdout, &stderr)
+		code := runEnv(context.Background(), getenv, args, &stdout, &stderr)
 		require.Equal(t, exitOK, code, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
 		return stdout.String() + stderr.String()
 	}
@@ -112,7 +112,7 @@ func TestSwitchingModesWaitsForTheUnfinishedSagas(t *testing.T) {
 			unfinish()
 			for _, args := range [][]string{c.args, c.resume} {
 				var stdout, stderr bytes.Buffer
-				code := run(context.Background(), args, &stdout, &stderr)
+				code := runEnv(context.Background(), getenv, args, &stdout, &stderr)
 				assert.Equal(t, exitNoService, code, "%v", args)
 				assert.Contains(t, stderr.String(), "1 saga of this database is unfinished and ran "+c.otherMode, "%v", args)
 				assert.Contains(t, stderr.String(), "finish it in that mode first", "%v", args)
@@ -122,7 +122,7 @@ func TestSwitchingModesWaitsForTheUnfinishedSagas(t *testing.T) {
 			// The advice is followed: a run in the other mode starts (and
 			// gives up on the saga made unfinished by hand).
 			var stdout, stderr bytes.Buffer
-			code := run(context.Background(), append(c.advised, "-timeout", "1s"), &stdout, &stderr)
+			code := runEnv(context.Background(), getenv, append(c.advised, "-timeout", "1s"), &stdout, &stderr)
 			assert.Equal(t, exitFailed, code, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
 			assert.Contains(t, stdout.String()+stderr.String(), "gave up waiting")
 			finish()
