@@ -20,7 +20,7 @@ import (
 // broker. Under chaos the broker's redeliveries and relay crashes are
 // absorbed too.
 func TestPaymentsService(t *testing.T) {
-	t.Parallel() // runs the sample: mostly waiting, beside the other slow tests
+	t.Parallel()               // runs the sample: mostly waiting, beside the other slow tests
 	srv := testnats.Private(t) // the sample's subjects are fixed: a server of the test's own
 	for _, c := range []struct {
 		name string
