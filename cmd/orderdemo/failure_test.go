@@ -55,7 +55,7 @@ func lastLine(s, prefix string) string {
 // workers stop, the report says what finished) or while it places the
 // orders; either way the exit status is 1 and the output says to resume.
 func TestSIGTERMStopsTheRun(t *testing.T) {
-	t.Parallel() // runs the sample: mostly waiting, beside the other slow tests
+	t.Parallel() // beside the package's other runs of the sample
 	for name, c := range map[string]struct{ args, when, says string }{
 		"waiting": {"-orders 400 -timeout 2m", "sagas 400:", "invariants"},
 		"placing": {"-orders 5000 -timeout 2m", "placing 5000 orders", "interrupted while placing the orders"},

@@ -35,7 +35,7 @@ func terminateAll(t *testing.T, name string) {
 // out. It used to end with "placing orders: 7 failed … bad connection"
 // and hundreds of sagas left running.
 func TestRidesOutTerminatedSessions(t *testing.T) {
-	t.Parallel() // runs the sample: mostly waiting, beside the other slow tests
+	t.Parallel() // beside the package's other runs of the sample
 	db := testdb.Fresh(t)
 	getenv := env("DATABASE_URL", db.URL)
 	var stdout testout.Buffer
@@ -53,7 +53,7 @@ func TestRidesOutTerminatedSessions(t *testing.T) {
 // that finishes them: it gives up waiting, it is interrupted, or placing
 // the orders fails because the database stopped taking connections.
 func TestStopSaysHowToFinish(t *testing.T) {
-	t.Parallel() // runs the sample: mostly waiting, beside the other slow tests
+	t.Parallel() // beside the package's other runs of the sample
 	const resume = "go run ./cmd/orderdemo -resume (with DATABASE_URL as for this run)"
 	unfinished := func(t *testing.T, db *testdb.DB) int {
 		var n int

@@ -103,7 +103,7 @@ func TestBadFlags(t *testing.T) {
 // first run, then the resumes), under chaos; a last -resume finishes every
 // saga with every invariant intact.
 func TestKillAndResume(t *testing.T) {
-	t.Parallel() // runs the sample: mostly waiting, beside the other slow tests
+	t.Parallel() // beside the package's other runs of the sample
 	db := testdb.Fresh(t)
 	seed := uint64(time.Now().UnixNano())
 	t.Logf("seed %d", seed)

@@ -156,7 +156,7 @@ func TestDeclinedRefundsParkSagas(t *testing.T) {
 // compensated with its refund recorded exactly once. SIGTERM then ends the
 // serving with exit status 0.
 func TestParkedSagaRetriedAgainstServingDemo(t *testing.T) {
-	t.Parallel() // runs the sample: mostly waiting, beside the other slow tests
+	t.Parallel() // beside the package's other runs of the sample
 	db := testdb.Fresh(t)
 	s := parkSomeSagas(t, db)
 	id := uuid.MustParse(s.Parked[0].SagaID)

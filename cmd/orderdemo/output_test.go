@@ -57,7 +57,7 @@ func TestOneIsSingular(t *testing.T) {
 // after, the sagas the workers finished meanwhile went missing from the
 // count and the report.
 func TestResumeCountsEveryUnfinishedSaga(t *testing.T) {
-	t.Parallel() // runs the sample: mostly waiting, beside the other slow tests
+	t.Parallel() // beside the package's other runs of the sample
 	db := testdb.Fresh(t)
 	getenv := env("DATABASE_URL", db.URL)
 	var stdout, stderr bytes.Buffer

@@ -20,7 +20,7 @@ import (
 // broker. Under chaos the broker's redeliveries and relay crashes are
 // absorbed too.
 func TestPaymentsService(t *testing.T) {
-	t.Parallel()               // runs the sample: mostly waiting, beside the other slow tests
+	t.Parallel()               // beside the package's other runs of the sample
 	srv := testnats.Private(t) // the sample's subjects are fixed: a server of the test's own
 	for _, c := range []struct {
 		name string
@@ -64,7 +64,7 @@ func TestPaymentsService(t *testing.T) {
 // database, said every invariant held). With every saga finished, the
 // switch goes ahead and drops the other mode's groups.
 func TestSwitchingModesWaitsForTheUnfinishedSagas(t *testing.T) {
-	t.Parallel() // runs the sample: mostly waiting, beside the other slow tests
+	t.Parallel() // beside the package's other runs of the sample
 	srv := testnats.Private(t)
 	db := testdb.Fresh(t)
 	getenv := env("DATABASE_URL", db.URL, paymentsDatabaseEnv, testdb.Fresh(t).URL)
