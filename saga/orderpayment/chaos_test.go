@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
-	"os"
 	"strconv"
 	"sync"
 	"testing"
@@ -14,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
 	"github.com/pgsaga/pgsaga/saga"
@@ -21,16 +21,6 @@ import (
 	"github.com/pgsaga/pgsaga/saga/sagatest"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
-
-// chaosSeed is PGSAGA_CHAOS_SEED, or a fresh one.
-func chaosSeed(t *testing.T) uint64 {
-	if s := os.Getenv("PGSAGA_CHAOS_SEED"); s != "" {
-		seed, err := strconv.ParseUint(s, 10, 64)
-		require.NoError(t, err, "PGSAGA_CHAOS_SEED")
-		return seed
-	}
-	return uint64(time.Now().UnixNano())
-}
 
 // DomainInvariants adapts the sample's checker to the kit.
 func domainInvariants() []sagatest.Invariant {
@@ -69,8 +59,7 @@ func TestChaos(t *testing.T) {
 }
 
 func runChaos(t *testing.T, queueEveryHop bool) {
-	seed := chaosSeed(t)
-	t.Logf("chaos seed %d (run again with PGSAGA_CHAOS_SEED=%d)", seed, seed)
+	seed := testout.ChaosSeed(t)
 	const orderCount = 300
 	ctx := context.Background()
 	start := time.Now()
