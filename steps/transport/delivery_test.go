@@ -238,15 +238,25 @@ func TestExhaustedRetriesGoToDeadLetters(t *testing.T) {
 }
 
 // Failures no retry can fix are dead-lettered after one attempt: an error
-// marked Permanent, and PostgreSQL refusing the bytes of a message (a NUL in
-// text, a \u0000 in JSON), which would fail the same way every time.
+// marked Permanent, PostgreSQL refusing the bytes of a message (a NUL in
+// text, a \u0000 in JSON), and a message published with no id or one too
+// long (retried 5 times as transient before), which would fail the same
+// way every time.
 func TestPermanentFailuresDeadLetteredAtOnce(t *testing.T) {
 	t.Parallel()
+	publishWithID := func(id string) func(e *env, msg *message.Message) error {
+		return func(e *env, msg *message.Message) error {
+			tx, _ := transport.TxFromContext(msg.Context())
+			return e.tr.Publisher(tx).Publish(e.out, message.NewMessage(id, []byte(`{}`)))
+		}
+	}
 	cases := map[string]struct {
 		handle func(e *env, msg *message.Message) error
 		reason string
 	}{
-		"marked permanent": {func(*env, *message.Message) error { return transport.Permanent(errors.New("cannot decode")) }, "cannot decode"},
+		"published with no id":     {publishWithID(""), "message UUID must be 1 to 255 bytes"},
+		"published with a long id": {publishWithID(strings.Repeat("x", 256)), "message UUID must be 1 to 255 bytes"},
+		"marked permanent":         {func(*env, *message.Message) error { return transport.Permanent(errors.New("cannot decode")) }, "cannot decode"},
 		"NUL in text (22021)": {func(e *env, msg *message.Message) error {
 			tx, _ := transport.TxFromContext(msg.Context())
 			_, err := tx.ExecContext(msg.Context(), `INSERT INTO `+e.eff+` (msg, part) VALUES ($1, $2)`, msg.UUID, "a\x00b")
@@ -672,35 +682,6 @@ func TestPanicReasonIsShortAndTheStackIsLogged(t *testing.T) {
 	assert.Less(t, len(dead[0].Reason), 400)
 	assert.Contains(t, logs.String(), "goroutine", "the stack is logged")
 	assert.Contains(t, logs.String(), "delivery_test.go", "the stack names the handler")
-}
-
-// A handler that publishes a message with no id, or one too long, does so
-// on every attempt: it is dead-lettered after one attempt, not retried as
-// transient.
-func TestPublishingABadMessageIDIsPermanent(t *testing.T) {
-	t.Parallel()
-	for name, id := range map[string]string{"empty": "", "too long": strings.Repeat("x", 256)} {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			e := newEnv(t, nil)
-			r, err := e.tr.NewRouter()
-			require.NoError(t, err)
-			var calls atomic.Int32
-			require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
-				calls.Add(1)
-				tx, _ := transport.TxFromContext(msg.Context())
-				return e.tr.Publisher(tx).Publish(e.out, message.NewMessage(id, []byte(`{}`)))
-			}))
-			startRouter(t, r)
-			e.publish(1)
-			e.drained(e.in, "g", 10*time.Second)
-			assert.EqualValues(t, 1, calls.Load(), "one attempt")
-			dead := e.deadLetters(e.in)
-			require.Len(t, dead, 1)
-			assert.Equal(t, 1, dead[0].Attempts)
-			assert.Contains(t, dead[0].Reason, "message UUID must be 1 to 255 bytes")
-		})
-	}
 }
 
 // Batches whose claim took so long that no attempt fits in their
