@@ -227,7 +227,7 @@ SELECT 'payments.charge', 'payments.charge', uuid, payload, metadata FROM (SELEC
 		fams = scrape(t, srv.URL)
 		return value(fams, "pgsaga_step_attempts") == answered &&
 			value(fams, "pgsaga_sagas_finished_total") == float64(len(ids)) &&
-			value(fams, "pgsaga_delivery_retries_total") == float64(10+dups+1) &&
+			value(fams, "pgsaga_delivery_retries_total") >= float64(10+dups+1) &&
 			value(fams, "pgsaga_dead_letters_total") == 1 &&
 			value(fams, "pgsaga_idempotent_replays_total") == dups
 	}
@@ -263,7 +263,11 @@ SELECT 'payments.charge', 'payments.charge', uuid, payload, metadata FROM (SELEC
 	}
 	charges := count(`SELECT count(*) FROM idempotency_keys WHERE scope = 'payments.charge'`)
 	assert.Equal(t, float64(10), charges, "one charge a saga")
-	assert.Equal(t, 2*charges, histogramSum(fams, "pgsaga_step_attempts", "step", "payments.charge"), "every charge answered on its second attempt")
+	// Every charge fails its first attempt; a loaded machine may add a
+	// retry (a batch whose claim outlasted its transaction hands its
+	// messages back: one charge in a full -count=3 run), counted in both.
+	extra := histogramSum(fams, "pgsaga_step_attempts", "step", "payments.charge") - 2*charges
+	assert.GreaterOrEqual(t, extra, float64(0), "every charge answered on its second attempt, or later")
 	assert.Equal(t, float64(dups), value(fams, "pgsaga_idempotent_replays_total", "step", "payments.charge"))
 	assert.Equal(t, float64(dups), value(fams, "pgsaga_step_duration_seconds", "step", "payments.charge", "outcome", telemetry.StepReplayed))
 	assert.Equal(t, float64(dups), float64(logs.count("step replayed", "step", "payments.charge")))
@@ -272,7 +276,7 @@ SELECT 'payments.charge', 'payments.charge', uuid, payload, metadata FROM (SELEC
 	// malformed one included: they fail their first attempt too), the dead
 	// letter.
 	assert.Equal(t, charges+dups+1, count(`SELECT count(*) FROM charge_log`), "charge messages queued")
-	assert.Equal(t, charges+dups+1, value(fams, "pgsaga_delivery_retries_total", "topic", payments.ChargeTopic, "handler", "payments.charge"))
+	assert.Equal(t, charges+dups+1+extra, value(fams, "pgsaga_delivery_retries_total", "topic", payments.ChargeTopic, "handler", "payments.charge"))
 	dead := count(`SELECT count(*) FROM pgsaga_dead_letters`)
 	assert.Equal(t, float64(1), dead)
 	assert.Equal(t, dead, value(fams, "pgsaga_dead_letters_total", "topic", payments.ChargeTopic, "handler", "payments.charge"))
