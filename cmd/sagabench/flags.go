@@ -43,6 +43,9 @@ type options struct {
 	// gatewayDelay: every gateway call answers after it.
 	gatewayDelay time.Duration
 	profile      string
+	// statementList: write the throughput phase's statements, a saga
+	// each, to this file.
+	statementList string
 	// metricsAddr serves Prometheus metrics at http://metricsAddr/metrics
 	// during the run ("": off); each worker process serves its own.
 	metricsAddr string
@@ -80,6 +83,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.DurationVar(&o.idle, "idle", 10*time.Second, "how long to measure CPU use while idle; 0 skips it")
 	fs.DurationVar(&o.timeout, "timeout", 10*time.Minute, "give up waiting for a phase's sagas after this long")
 	fs.StringVar(&o.profile, "cpuprofile", "", "write a CPU profile of the throughput phase to this file (go tool pprof)")
+	fs.StringVar(&o.statementList, "statement-list", "", "write the throughput phase's statements to this file, one a line: calls a saga, owner, statement (most called first)")
 	fs.BoolVar(&o.keep, "keep", false, "keep the benchmark database instead of dropping it")
 	fs.BoolVar(&o.queueEveryHop, "queue-every-hop", false, "send every trigger, command and reply through the queue, as with one process per participant, instead of starting each saga in Place's transaction and delivering the orders steps and the engine's replies in process")
 	fs.BoolVar(&o.asyncProjection, "async-projection", false, "keep order_views by delivering each order event to the projection's consumer group, instead of inline in the appending transaction")
@@ -157,6 +161,17 @@ are 0):
                             statements this process's pools sent a saga
                             (BEGIN and COMMIT included; not those of
                             -worker-processes)
+    statements_by_owner     statements_per_saga by who sent them, told from
+                            each statement's text: delivery (pgsaga's queue,
+                            publishes, wake-ups, idempotency keys), engine
+                            (saga instances, history, requests), domain (the
+                            sample's orders, payments and event streams),
+                            gateway (the fake gateway's own), transactions
+                            (BEGIN, COMMIT, savepoints, whoever opened them);
+                            null when statements_source is "unavailable"
+    commits_per_saga        commits this process's pools made a saga: each
+                            COMMIT, and each statement or pipeline sent
+                            outside a transaction; 0 with -worker-processes
   Latency phase (open loop, -rate, -duration):
     rate                    sagas offered a second
     latency_sagas           sagas timed, each from its scheduled placement to
@@ -234,6 +249,8 @@ func validate(fs *flag.FlagSet, o *options) error {
 		return errors.New("nothing to measure: -sagas and -rate are both 0")
 	case o.profile != "" && o.sagas == 0:
 		return errors.New("-cpuprofile profiles the throughput phase, which -sagas 0 skips")
+	case o.statementList != "" && o.sagas == 0:
+		return errors.New("-statement-list lists the throughput phase's statements, which -sagas 0 skips")
 	}
 	if err := o.log.Validate(fs); err != nil {
 		return err
@@ -255,6 +272,11 @@ func validate(fs *flag.FlagSet, o *options) error {
 		// Found now, not after minutes of seeding.
 		if err := checkWritable(o.profile); err != nil {
 			return fmt.Errorf("-cpuprofile: %w", err)
+		}
+	}
+	if o.statementList != "" {
+		if err := checkWritable(o.statementList); err != nil {
+			return fmt.Errorf("-statement-list: %w", err)
 		}
 	}
 	return nil

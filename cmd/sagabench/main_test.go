@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"io"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -36,8 +37,9 @@ func TestMain(m *testing.M) {
 // invariant checked, and drops its database.
 func TestSmallRun(t *testing.T) {
 	// It takes most of the server's connections and CPU for a while.
+	list := filepath.Join(t.TempDir(), "statements.tsv")
 	args := []string{"-sagas", "120", "-inflight", "40", "-rate", "40", "-duration", "1s",
-		"-baseline", "300ms", "-idle", "500ms", "-lanes", "2", "-batch", "20"}
+		"-baseline", "300ms", "-idle", "500ms", "-lanes", "2", "-batch", "20", "-statement-list", list}
 	takeTurn(t, args)
 	db := testdb.Shared(t)
 	t.Setenv("DATABASE_URL", db.URL)
@@ -73,6 +75,24 @@ func TestSmallRun(t *testing.T) {
 	assert.Contains(t, []string{"pg_stat_statements", "client"}, r.StatementsSource)
 	assert.Greater(t, r.StatementsPerSaga, 20.0)
 	assert.Greater(t, r.ClientStatementsPerSaga, 20.0)
+	// Each owner sends some, and together they are the count.
+	sum := 0.0
+	for _, o := range owners {
+		assert.Positive(t, r.StatementsByOwner[o], o)
+		sum += r.StatementsByOwner[o]
+	}
+	assert.InDelta(t, r.StatementsPerSaga, sum, 0.05)
+	// Placing the order, the charge's batch, the reservation and the
+	// gateway's record at least; fewer than the statements.
+	assert.GreaterOrEqual(t, r.CommitsPerSaga, 3.0)
+	assert.Less(t, r.CommitsPerSaga, r.StatementsPerSaga)
+	if r.StatementsSource == "client" {
+		assert.Contains(t, stdout.String(), "does not preload pg_stat_statements", "said once")
+		assert.Equal(t, 1, strings.Count(stdout.String(), "does not preload pg_stat_statements"))
+	}
+	listed, err := os.ReadFile(list)
+	require.NoError(t, err)
+	assert.Regexp(t, `(?m)^\d+\.\d\d\tengine\tSELECT .* FROM saga_instances`, string(listed))
 	assert.Equal(t, 20, r.Config.Batch)
 	assert.Equal(t, 2, r.Config.Consumers)
 

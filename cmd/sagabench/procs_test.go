@@ -92,13 +92,15 @@ func TestStatementsPerSagaSource(t *testing.T) {
 	t.Parallel()
 	from := statementCount{server: 100, serverOK: true, client: 10}
 	to := statementCount{server: 700, serverOK: true, client: 40}
-	per, client, source := perSaga(from, to, 10, true)
-	require.Equal(t, []any{60.0, 3.0, "pg_stat_statements"}, []any{per, client, source})
+	f := perSaga(from, to, 10, true)
+	require.Equal(t, []any{60.0, 3.0, "pg_stat_statements"}, []any{f.perSaga, f.clientPerSaga, f.source})
 	from.serverOK = false
-	per, client, source = perSaga(from, to, 10, false)
-	require.Equal(t, []any{3.0, 3.0, "client"}, []any{per, client, source})
-	per, _, source = perSaga(from, to, 10, true)
-	require.Equal(t, []any{0.0, "unavailable"}, []any{per, source})
+	f = perSaga(from, to, 10, false)
+	require.Equal(t, []any{3.0, 3.0, "client"}, []any{f.perSaga, f.clientPerSaga, f.source})
+	f = perSaga(from, to, 10, true)
+	require.Equal(t, []any{0.0, "unavailable"}, []any{f.perSaga, f.source})
+	assert.Nil(t, f.byOwner, "nothing to split")
+	assert.Zero(t, f.commitsPerSaga, "the workers' commits were not seen")
 }
 
 // With Metrics, a worker process serves what it counts on a free port of

@@ -10,6 +10,7 @@ import (
 	"runtime"
 	"runtime/pprof"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -59,10 +60,18 @@ type result struct {
 	// pg_stat_statements in the benchmark's database when it can be used
 	// (StatementsSource "pg_stat_statements"), else by the benchmark's
 	// pools ("client"). ClientStatementsPerSaga is always the pools' count.
-	StatementsPerSaga       float64    `json:"statements_per_saga"`
-	StatementsSource        string     `json:"statements_source"`
-	ClientStatementsPerSaga float64    `json:"client_statements_per_saga"`
-	IdleCPUPct              cpuFigures `json:"idle_cpu_pct"`
+	StatementsPerSaga       float64 `json:"statements_per_saga"`
+	StatementsSource        string  `json:"statements_source"`
+	ClientStatementsPerSaga float64 `json:"client_statements_per_saga"`
+	// StatementsByOwner splits StatementsPerSaga by who sent each
+	// statement (see ownerOf); null when StatementsSource is
+	// "unavailable".
+	StatementsByOwner map[string]float64 `json:"statements_by_owner"`
+	// CommitsPerSaga counts the commits of this process's pools (COMMIT,
+	// and each statement or pipeline outside a transaction); 0 with
+	// -worker-processes.
+	CommitsPerSaga float64    `json:"commits_per_saga"`
+	IdleCPUPct     cpuFigures `json:"idle_cpu_pct"`
 
 	Completed    int      `json:"completed"`
 	Compensated  int      `json:"compensated"`
@@ -325,7 +334,14 @@ func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 	res := b.tracker.result(phase)
 	took := res.last.Sub(res.first)
 	r.Sagas = len(res.latencies)
-	r.StatementsPerSaga, r.ClientStatementsPerSaga, r.StatementsSource = perSaga(stmtStart, stmtEnd, r.Sagas, b.opts.workerProcs > 0)
+	sf := perSaga(stmtStart, stmtEnd, r.Sagas, b.opts.workerProcs > 0)
+	r.StatementsPerSaga, r.ClientStatementsPerSaga, r.StatementsSource = sf.perSaga, sf.clientPerSaga, sf.source
+	r.StatementsByOwner, r.CommitsPerSaga = sf.byOwner, sf.commitsPerSaga
+	if b.opts.statementList != "" {
+		if err := writeListFile(b.opts.statementList, sf.list); err != nil {
+			return false, fmt.Errorf("-statement-list: %w", err)
+		}
+	}
 	r.ThroughputS = round(took.Seconds())
 	if took > 0 {
 		r.SagasPerS = round(float64(r.Sagas) / took.Seconds())
@@ -488,7 +504,11 @@ func (b *bench) print(r result) {
 		fmt.Fprintf(w, "  %-18s %.0f, %.0f, %.0f, %.0f sagas/s by quarter; %s left in the topics (retention on)\n", "steadiness",
 			r.SagasPerSByQuarter[0], r.SagasPerSByQuarter[1], r.SagasPerSByQuarter[2], r.SagasPerSByQuarter[3], plural(r.TopicRowsLeft, "message", "messages"))
 		fmt.Fprintf(w, "  %-18s process %.2f s%s\n", "CPU per 1k sagas", r.CPUPer1kSagas.Process, pgFigure(r.CPUPer1kSagas.Postgres, " s"))
-		fmt.Fprintf(w, "  %-18s %.1f (%s; the pools sent %.1f)\n", "statements/saga", r.StatementsPerSaga, r.StatementsSource, r.ClientStatementsPerSaga)
+		fmt.Fprintf(w, "  %-18s %.1f (%s; the pools sent %.1f)%s\n", "statements/saga", r.StatementsPerSaga, r.StatementsSource, r.ClientStatementsPerSaga, ownerFigures(r.StatementsByOwner))
+		fmt.Fprintf(w, "  %-18s %.2f (this process's pools)\n", "commits/saga", r.CommitsPerSaga)
+		if r.StatementsSource != "pg_stat_statements" {
+			fmt.Fprintf(w, "  %-18s the server does not preload pg_stat_statements (shared_preload_libraries), so statements are counted by this program's pools, which do not see the server's own\n", "note")
+		}
 	}
 	if r.LatencySagas > 0 {
 		fmt.Fprintf(w, "  %-18s p50 %.1f ms, p95 %.1f ms, p99 %.1f ms, max %.1f ms at %.0f sagas/s offered\n", "latency", r.P50Ms, r.P95Ms, r.P99Ms, r.MaxMs, r.Rate)
@@ -507,6 +527,18 @@ func (b *bench) print(r result) {
 	}
 	j, _ := json.Marshal(r)
 	fmt.Fprintln(w, string(j))
+}
+
+// ownerFigures is the statements a saga by owner, for the report.
+func ownerFigures(by map[string]float64) string {
+	if by == nil {
+		return ""
+	}
+	parts := make([]string, 0, len(owners))
+	for _, o := range owners {
+		parts = append(parts, fmt.Sprintf("%s %.1f", o, by[o]))
+	}
+	return ": " + strings.Join(parts, ", ")
 }
 
 func pgFigure(v *float64, unit string) string {
