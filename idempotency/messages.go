@@ -9,6 +9,8 @@ import (
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/pgsaga/pgsaga/internal/dbtx"
 )
 
 // MessageKeys claims and finishes the idempotency keys of messages in one
@@ -120,10 +122,10 @@ func (k *MessageKeys) FinishTx(ctx context.Context, tx DBTX, c *MessageClaim, st
 	if err != nil {
 		return fmt.Errorf("idempotency: encoding outcome of %s: %w", c.msg.UUID, err)
 	}
-	if q, ok := tx.(queuer); ok {
+	if _, ok := tx.(dbtx.BatchQueuer); ok {
 		// The claim was made in this transaction, so the completion cannot
-		// miss: it goes with the attempt's other writes.
-		if err := q.QueueExec("completing idempotency key "+c.req.Scope+"/"+c.req.Key, completeSQL, c.req.Scope, c.req.Key, string(status), 0, body, nil); err != nil {
+		// miss: it is written with the batch's other completions.
+		if err := dbtx.WriteBatched(ctx, tx, completeWrite, []any{c.req.Scope, c.req.Key, string(status), body}); err != nil {
 			return fmt.Errorf("idempotency: completing %s/%s: %w", c.req.Scope, c.req.Key, err)
 		}
 		return nil

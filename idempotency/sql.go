@@ -44,6 +44,14 @@ SET status = $3, response_code = $4, response = $5, response_meta = $6,
     completed_at = now(), updated_at = now()
 WHERE scope = $1 AND key = $2 AND status = 'pending' AND lease_token IS NULL`
 
+	// completeManySQL is completeSQL for many claims at once (see
+	// completeWrite), with no response code or metadata.
+	completeManySQL = `UPDATE idempotency_keys k
+SET status = u.status, response_code = 0, response = u.response, response_meta = NULL,
+    completed_at = now(), updated_at = now()
+FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[]) AS u(scope, key, status, response)
+WHERE k.scope = u.scope AND k.key = u.key AND k.status = 'pending' AND k.lease_token IS NULL`
+
 	// completeLeaseSQL finishes a two-phase claim, fenced on the lease
 	// token: a worker whose lease was taken over updates nothing.
 	completeLeaseSQL = `UPDATE idempotency_keys

@@ -260,6 +260,12 @@ func (s *Store) claimTx(ctx context.Context, tx DBTX, req Request, lockTimeout s
 		return Claim{}, err
 	}
 	if rec.Status == StatusPending {
+		if q, ok := tx.(dbtx.BatchQueuer); ok && rec.LeaseToken == uuid.Nil && q.BatchedPending() {
+			// Locked, pending and without a lease: claimed in this
+			// transaction, by an earlier attempt of its batch whose
+			// completion is queued (see completeWrite).
+			return Claim{}, fmt.Errorf("idempotency: %s/%s: %w", req.Scope, req.Key, dbtx.ErrBatchedPending)
+		}
 		// A committed pending row is a two-phase claim: its lease holds it.
 		return Claim{}, &InProgressError{Scope: req.Scope, Key: req.Key, LockedUntil: rec.LockedUntil}
 	}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/steps/metadata"
 
 	"github.com/pgsaga/pgsaga/steps/outcome"
@@ -134,9 +135,13 @@ func (k *MessageKeys) handle(h message.HandlerFunc, msg *message.Message) error 
 	return k.FinishTx(ctx, tx, claim, StatusCompleted, "", replies...)
 }
 
-// queuer is offered by the transaction of a pgsaga delivery attempt
-// (transport.Queuer): statements whose result is not needed are sent with
-// the attempt's other writes, in one round trip.
-type queuer interface {
-	QueueExec(name, query string, args ...any) error
+// completeWrite completes single-phase claims of message keys, made in
+// the transaction of a pgsaga delivery attempt: their completions are
+// written together when the attempt's batch ends (see dbtx.Batched). A row
+// is scope, key, status and the stored outcome.
+var completeWrite = &dbtx.Batched{
+	Name: "completing idempotency keys",
+	Statement: func(rows [][]any) (string, []any) {
+		return completeManySQL, []any{dbtx.Column[string](rows, 0), dbtx.Column[string](rows, 1), dbtx.Column[string](rows, 2), dbtx.Column[[]byte](rows, 3)}
+	},
 }

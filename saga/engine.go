@@ -18,6 +18,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/telemetry"
 	"github.com/pgsaga/pgsaga/steps/transport"
@@ -684,7 +685,7 @@ func (e *Engine) flush(ctx context.Context, tx transport.Tx, inst *instance) err
 	}
 	inst.outbox = nil
 	if inst.finished && e.cfg.FinishedChannel != "" {
-		if err := transport.Queue(ctx, tx, "announcing the end of saga "+inst.ID.String(), notifyFinishedSQL, e.cfg.FinishedChannel, inst.ID.String()); err != nil {
+		if err := dbtx.WriteBatched(ctx, tx, notifyWrite, []any{e.cfg.FinishedChannel, inst.ID.String()}); err != nil {
 			return fmt.Errorf("saga %s: notifying %s: %w", inst.ID, e.cfg.FinishedChannel, err)
 		}
 		inst.finished = false

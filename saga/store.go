@@ -8,6 +8,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -36,14 +37,16 @@ WHERE id = $1::uuid AND version = $11`
 	loadInstanceSQL       = `SELECT ` + instanceColumns + ` FROM saga_instances WHERE id = $1`
 	loadInstanceLockedSQL = loadInstanceSQL + ` FOR UPDATE`
 
-	// appendHistorySQL appends timeline entries, numbered per instance
-	// after the last one; writers hold the instance's row lock.
+	// appendHistorySQL appends timeline entries, of one instance or
+	// several, numbered per instance after its last one, in the order
+	// given; writers hold the instance's row lock.
 	appendHistorySQL = `INSERT INTO saga_history (saga_id, seq, kind, step, phase, attempt, message_id, detail, command_key)
-SELECT $1::uuid, last.seq + e.ord, e.kind, nullif(e.step, ''), nullif(e.phase, ''), nullif(e.attempt, 0),
+SELECT e.saga_id, coalesce(last.seq, 0) + row_number() OVER (PARTITION BY e.saga_id ORDER BY e.ord),
+    e.kind, nullif(e.step, ''), nullif(e.phase, ''), nullif(e.attempt, 0),
     nullif(e.message_id, ''), nullif(e.detail, ''), nullif(e.command_key, '')
-FROM (SELECT coalesce(max(seq), 0) AS seq FROM saga_history WHERE saga_id = $1::uuid) AS last,
-    unnest($2::text[], $3::text[], $4::text[], $5::int[], $6::text[], $7::text[], $8::text[])
-        WITH ORDINALITY AS e(kind, step, phase, attempt, message_id, detail, command_key, ord)`
+FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::text[], $7::text[], $8::text[])
+        WITH ORDINALITY AS e(saga_id, kind, step, phase, attempt, message_id, detail, command_key, ord)
+    LEFT JOIN LATERAL (SELECT max(seq) AS seq FROM saga_history h WHERE h.saga_id = e.saga_id) AS last ON true`
 
 	// overdueSQL picks one instance whose command is overdue, skipping
 	// instances another sweeper or a reply handler holds.
@@ -71,7 +74,7 @@ SELECT count(*) FROM parked
 
 	// notifyFinishedSQL tells Config.FinishedChannel's listeners that an
 	// instance finished; delivered on commit.
-	notifyFinishedSQL = `SELECT pg_notify($1, $2)`
+	notifyFinishedSQL = `SELECT pg_notify(n.channel, n.payload) FROM unnest($1::text[], $2::text[]) AS n(channel, payload)`
 
 	// pruneHistorySQL deletes up to $2 timeline entries of sagas that
 	// completed or compensated more than $1 seconds ago.
@@ -187,20 +190,36 @@ func loadInstance(ctx context.Context, tx transport.Tx, id uuid.UUID, lock bool)
 	return inst, nil
 }
 
-// appendHistory appends entries to the instance's timeline in one
-// statement, queued inside a delivery attempt.
+// appendHistory appends entries to the instance's timeline: written with
+// the batch's other timelines inside a delivery attempt, in one statement
+// at once otherwise.
 func appendHistory(ctx context.Context, tx transport.Tx, id uuid.UUID, entries []historyEntry) error {
-	if len(entries) == 0 {
-		return nil
-	}
-	n := len(entries)
-	kinds, steps, phases, messages, details, keys := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
-	attempts := make([]int32, n)
+	rows := make([][]any, len(entries))
 	for i, h := range entries {
-		kinds[i], steps[i], phases[i], attempts[i], messages[i], details[i], keys[i] = h.Kind, h.Step, string(h.Phase), int32(h.Attempt), h.MessageID, h.Detail, h.CommandKey
+		rows[i] = []any{id.String(), h.Kind, h.Step, string(h.Phase), int32(h.Attempt), h.MessageID, h.Detail, h.CommandKey}
 	}
-	if err := transport.Queue(ctx, tx, "writing the timeline of saga "+id.String(), appendHistorySQL, id.String(), kinds, steps, phases, attempts, messages, details, keys); err != nil {
+	if err := dbtx.WriteBatched(ctx, tx, historyWrite, rows...); err != nil {
 		return fmt.Errorf("saga %s: writing its timeline: %w", id, err)
 	}
 	return nil
+}
+
+// historyWrite appends timeline entries, of any instances: a row is the
+// instance, kind, step, phase, attempt, message id, detail and command key.
+var historyWrite = &dbtx.Batched{
+	Name: "writing saga timelines",
+	Statement: func(rows [][]any) (string, []any) {
+		return appendHistorySQL, []any{dbtx.Column[string](rows, 0), dbtx.Column[string](rows, 1), dbtx.Column[string](rows, 2),
+			dbtx.Column[string](rows, 3), dbtx.Column[int32](rows, 4), dbtx.Column[string](rows, 5), dbtx.Column[string](rows, 6),
+			dbtx.Column[string](rows, 7)}
+	},
+}
+
+// notifyWrite announces ends of sagas: a row is the channel and the
+// saga's id.
+var notifyWrite = &dbtx.Batched{
+	Name: "announcing the end of sagas",
+	Statement: func(rows [][]any) (string, []any) {
+		return notifyFinishedSQL, []any{dbtx.Column[string](rows, 0), dbtx.Column[string](rows, 1)}
+	},
 }

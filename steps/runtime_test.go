@@ -443,6 +443,50 @@ func TestConcurrentDuplicatesInTwoBatches(t *testing.T) {
 	assert.Empty(t, e.deadLetters())
 }
 
+// Copies of one command in one batch: the first runs the step and queues
+// its key's completion with the batch's other writes; the others find the
+// key claimed in their own transaction and get the stored outcome once
+// the batch has written it, in the same batch, with no failed attempt (one
+// attempt is all they have here).
+func TestDuplicatesInOneBatch(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	tr, err := transport.New(transport.Config{
+		DB: e.db.SQL, Logger: logger(), IdlePollInterval: testdb.NoSafetyPoll, BatchSize: 50, BatchTimeout: time.Minute,
+		Retry: transport.RetryPolicy{MaxAttempts: 1},
+	})
+	require.NoError(t, err)
+	store, err := idempotency.NewStore(idempotency.Config{DB: e.db.SQL})
+	require.NoError(t, err)
+	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Events: e.es, Logger: logger()})
+	require.NoError(t, err)
+	msg := e.command("acct", 100)
+	tx, err := e.db.SQL.Begin()
+	require.NoError(t, err)
+	for range 5 {
+		require.NoError(t, tr.Publisher(tx).Publish(e.cmds, msg))
+	}
+	require.NoError(t, tx.Commit())
+	r, err := tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, rt.Register(r, e.step))
+	require.NoError(t, r.Start(context.Background()))
+	defer func() { require.NoError(t, r.Stop()) }()
+
+	deadline := time.Now().Add(20 * time.Second)
+	for e.waiting() > 0 {
+		require.True(t, time.Now().Before(deadline), "commands not consumed")
+		time.Sleep(10 * time.Millisecond)
+	}
+	assert.Empty(t, e.deadLetters(), "no copy failed")
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.ledger), "one effect")
+	replies := e.messages(e.replies)
+	require.Len(t, replies, 5, "one reply a copy")
+	for _, r := range replies {
+		assert.Equal(t, replies[0].UUID, r.UUID)
+	}
+}
+
 type deposit struct {
 	By     string `json:"by"`
 	Amount int    `json:"amount"`

@@ -7,6 +7,8 @@ package dbtx
 import (
 	"context"
 	"database/sql"
+	"errors"
+	"fmt"
 )
 
 // DBTX runs statements: a transaction, a connection or a pool.
@@ -14,4 +16,71 @@ type DBTX interface {
 	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
 	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}
+
+// Batched is a kind of write whose rows, queued by the attempts of one
+// delivery batch, are written together, in one statement, when the batch
+// ends (right before its commit). It is for writes nothing in the batch
+// reads back: what the rows change is not visible before then.
+type Batched struct {
+	// Name says what the write does, in errors.
+	Name string
+	// Statement returns the one statement that writes rows, each the
+	// values of one QueueBatched call, in the order they were queued.
+	Statement func(rows [][]any) (query string, args []any)
+}
+
+// BatchQueuer is offered by the transaction of a delivery attempt (see
+// QueueBatched).
+type BatchQueuer interface {
+	// QueueBatched queues one row of w. It commits with the attempt or
+	// not at all: a rolled-back attempt or savepoint drops its rows, and a
+	// failure to write them fails the batch, whose messages are then
+	// delivered one a batch.
+	QueueBatched(w *Batched, row ...any) error
+	// BatchedPending reports whether rows kept attempts of the batch
+	// queued are still unwritten: a row of theirs this attempt reads would
+	// look as it did before them (see ErrBatchedPending).
+	BatchedPending() bool
+}
+
+// ErrBatchedPending is returned by a handler that found a row an earlier
+// attempt of its batch changed with a batched write not written yet (an
+// idempotency key claimed but its completion queued): the transport writes
+// the batch's rows and runs the attempt again, once.
+var ErrBatchedPending = errors.New("rows an earlier attempt of the batch queued are not written yet")
+
+// WriteBatched queues rows of w on tx if tx is a BatchQueuer, and writes
+// them at once, in one statement, otherwise.
+func WriteBatched(ctx context.Context, tx DBTX, w *Batched, rows ...[]any) error {
+	if len(rows) == 0 {
+		return nil
+	}
+	if q, ok := tx.(BatchQueuer); ok {
+		for _, row := range rows {
+			if err := q.QueueBatched(w, row...); err != nil {
+				return fmt.Errorf("%s: %w", w.Name, err)
+			}
+		}
+		return nil
+	}
+	query, args := w.Statement(rows)
+	if _, err := tx.ExecContext(ctx, query, args...); err != nil {
+		return fmt.Errorf("%s: %w", w.Name, err)
+	}
+	return nil
+}
+
+// Column returns column i of rows as a []T. A value of another type is a
+// mistake of the write's caller: it panics, saying which.
+func Column[T any](rows [][]any, i int) []T {
+	out := make([]T, len(rows))
+	for r, row := range rows {
+		v, ok := row[i].(T)
+		if !ok {
+			panic(fmt.Sprintf("dbtx: column %d of row %d is a %T, not a %T", i, r, row[i], v))
+		}
+		out[r] = v
+	}
+	return out
 }

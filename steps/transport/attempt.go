@@ -9,6 +9,7 @@ import (
 	"reflect"
 	"runtime/debug"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -85,28 +86,40 @@ func Queue(ctx context.Context, tx Tx, name, query string, args ...any) error {
 // itself, or end its transaction.
 func Savepoint(ctx context.Context, tx Tx, fn func(tx Tx) error) (err error) {
 	name := "pgsaga_sp_" + strconv.FormatUint(savepointSeq.Add(1), 10)
-	if _, err := tx.ExecContext(ctx, "SAVEPOINT "+name); err != nil {
+	a, isAttempt := tx.(*attemptTx)
+	exec := func(query string) error {
+		if isAttempt {
+			return a.execSavepoint(ctx, query)
+		}
+		_, err := tx.ExecContext(ctx, query)
+		return err
+	}
+	if err := exec("SAVEPOINT " + name); err != nil {
 		return fmt.Errorf("transport: opening savepoint: %w", err)
 	}
 	var mark queueMark
-	a, isAttempt := tx.(*attemptTx)
+	var before []batchedRow // the attempt's batched rows queued before it
 	if isAttempt {
 		mark = a.queued()
+		before = a.batchedRows()
 	}
 	defer func() {
 		if p := recover(); p != nil {
 			err = Recovered("savepoint's function", p)
 		}
 		if err == nil {
-			if _, rerr := tx.ExecContext(ctx, "RELEASE SAVEPOINT "+name); rerr != nil {
+			if rerr := exec("RELEASE SAVEPOINT " + name); rerr != nil {
 				err = fmt.Errorf("transport: releasing savepoint: %w", rerr)
 			}
 			return
 		}
 		if isAttempt {
 			a.dropQueued(mark)
+			// A handler's own savepoint statement inside fn may have
+			// written them (see before): the rollback undoes that.
+			a.setBatched(before)
 		}
-		if _, rerr := tx.ExecContext(ctx, "ROLLBACK TO SAVEPOINT "+name+"; RELEASE SAVEPOINT "+name); rerr != nil {
+		if rerr := exec("ROLLBACK TO SAVEPOINT " + name + "; RELEASE SAVEPOINT " + name); rerr != nil {
 			err = errors.Join(err, fmt.Errorf("transport: rolling back to savepoint: %w", rerr))
 		}
 	}()
@@ -242,11 +255,15 @@ type attemptTx struct {
 	rowsCtx    context.Context
 	cancelRows context.CancelFunc
 
-	mu       sync.Mutex // held by each statement and by revoke
-	over     bool
-	ended    bool  // the handler ended the transaction
-	sendErr  error // queued statements could not be sent: the attempt cannot be kept
-	queue    []stmt
+	mu      sync.Mutex // held by each statement and by revoke
+	over    bool
+	ended   bool  // the handler ended the transaction
+	sendErr error // queued statements could not be sent: the attempt cannot be kept
+	queue   []stmt
+	// batched: rows of batched writes (see QueueBatched), handed to d
+	// when the attempt is kept.
+	batched  []batchedRow
+	d        *deliveryTx
 	hooks    []func() // run once the attempt's work commits (OnCommit)
 	traceCtx traceCtx // the span of its handler's attempt
 	rows     []*sql.Rows
@@ -275,7 +292,7 @@ var (
 
 func newAttemptTx(d *deliveryTx) *attemptTx {
 	ctx, cancel := context.WithCancel(context.Background())
-	return &attemptTx{c: d.c, tx: d.tx, expired: d.expired, rowsCtx: ctx, cancelRows: cancel, cut: make(chan struct{}), local: d.local}
+	return &attemptTx{c: d.c, tx: d.tx, d: d, expired: d.expired, rowsCtx: ctx, cancelRows: cancel, cut: make(chan struct{}), local: d.local}
 }
 
 // usable returns why no statement may run now, or nil. The caller holds mu.
@@ -324,21 +341,56 @@ func (a *attemptTx) check() error {
 
 // before gets a handler statement going: the attempt must be usable, and
 // what is queued goes first, so the statement sees it and a rollback to a
-// savepoint the handler set takes it back. The caller holds mu.
-func (a *attemptTx) before(ctx context.Context) error {
+// savepoint the handler set takes it back. Batched rows (see QueueBatched)
+// wait for the batch's end, but not past a statement that may set, roll
+// back to or release a savepoint of the handler's (query names one): they
+// are written first, so that the savepoint means for them what it means
+// for the rest. The caller holds mu.
+func (a *attemptTx) before(ctx context.Context, query string) error {
 	if err := a.usable(); err != nil {
 		return err
 	}
-	if len(a.queue) == 0 {
+	stmts := a.queue
+	if len(a.batched) > 0 && mentionsSavepoint(query) {
+		bs, err := batchedStatements(a.batched)
+		if err != nil {
+			return err
+		}
+		stmts = append(stmts, bs...)
+		a.batched = nil
+	}
+	if len(stmts) == 0 {
 		return nil
 	}
-	stmts := a.queue
 	a.queue = nil
 	if err := a.c.send(ctx, stmts...); err != nil {
 		a.sendErr = fmt.Errorf("transport: sending queued statements: %w", err)
 		return a.sendErr
 	}
 	return nil
+}
+
+// mentionsSavepoint reports whether query may set, roll back to or release
+// a savepoint (ROLLBACK TO and RELEASE need not say SAVEPOINT). A false
+// alarm costs only the early write of the attempt's batched rows.
+func mentionsSavepoint(query string) bool {
+	q := strings.ToUpper(query)
+	return strings.Contains(q, "SAVEPOINT") || strings.Contains(q, "ROLLBACK") || strings.Contains(q, "RELEASE")
+}
+
+// execSavepoint runs one of Savepoint's own commands: like ExecContext,
+// but the attempt's batched rows stay queued (Savepoint keeps count of
+// them itself).
+func (a *attemptTx) execSavepoint(ctx context.Context, query string) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if err := a.before(ctx, ""); err != nil {
+		return err
+	}
+	a.inFlight.Store(true)
+	defer a.after()
+	_, err := a.tx.ExecContext(context.WithoutCancel(ctx), query)
+	return err
 }
 
 // after notes whether the handler's statement ended the transaction (see
@@ -351,7 +403,7 @@ func (a *attemptTx) after() {
 func (a *attemptTx) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if err := a.before(ctx); err != nil {
+	if err := a.before(ctx, query); err != nil {
 		return nil, err
 	}
 	a.inFlight.Store(true)
@@ -362,7 +414,7 @@ func (a *attemptTx) ExecContext(ctx context.Context, query string, args ...any) 
 func (a *attemptTx) QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if err := a.before(ctx); err != nil {
+	if err := a.before(ctx, query); err != nil {
 		return nil, err
 	}
 	a.inFlight.Store(true)
@@ -380,7 +432,7 @@ func (a *attemptTx) QueryContext(ctx context.Context, query string, args ...any)
 func (a *attemptTx) QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if err := a.before(ctx); err != nil {
+	if err := a.before(ctx, query); err != nil {
 		return replayRow(context.Background(), replayed{err: err})
 	}
 	a.inFlight.Store(true)
@@ -440,12 +492,25 @@ func cloneBytes(v any) any {
 
 // queueMark is how much an attempt had queued at a savepoint: what was
 // queued after it is dropped when the savepoint is rolled back.
-type queueMark struct{ stmts, hooks int }
+type queueMark struct{ stmts, hooks, batched int }
 
 func (a *attemptTx) queued() queueMark {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return queueMark{len(a.queue), len(a.hooks)}
+	return queueMark{len(a.queue), len(a.hooks), len(a.batched)}
+}
+
+// batchedRows returns a copy of the attempt's queued batched rows.
+func (a *attemptTx) batchedRows() []batchedRow {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return append([]batchedRow(nil), a.batched...)
+}
+
+func (a *attemptTx) setBatched(rows []batchedRow) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.batched = rows
 }
 
 func (a *attemptTx) dropQueued(mark queueMark) {
@@ -456,6 +521,9 @@ func (a *attemptTx) dropQueued(mark queueMark) {
 	}
 	if mark.hooks < len(a.hooks) {
 		a.hooks = a.hooks[:mark.hooks]
+	}
+	if mark.batched < len(a.batched) {
+		a.batched = a.batched[:mark.batched]
 	}
 }
 
@@ -577,6 +645,9 @@ type deliveryTx struct {
 	// hooks run once the transaction commits: those of its kept attempts
 	// and the transport's own (a recorded retry or dead letter).
 	hooks []func()
+	// batched: rows of batched writes its kept attempts queued, written
+	// when the batch ends (see writeBatched).
+	batched []batchedRow
 	// topic of the message of a transaction of the transport's own (a
 	// consumer's messages carry theirs in their context).
 	topic string
@@ -592,12 +663,15 @@ func (a *attemptTx) open(ctx context.Context, d *deliveryTx) error {
 	return a.c.send(ctx, stmt{"opening the attempt", openAttemptSQL, nil})
 }
 
-// keep sends the queued statements, keeps the attempt's work, deletes the
-// message from its queue (id; none for 0) and opens the next attempt's
-// savepoint if one may follow, in one round trip. It runs after revoke. The
-// deletion runs in the transaction, not in the attempt's savepoint: the row
+// keep sends the queued statements, keeps the attempt's work, and opens
+// the next attempt's savepoint if one may follow, in one round trip. It
+// runs after revoke. The attempt's batched rows, and the deletion of the
+// message from its queue (id; none for 0), go to d, to be written when the
+// batch ends, in the transaction, not in the attempt's savepoint: the row
 // was locked by the transaction's claim, and changing it from a
-// subtransaction would make every claimed row a MultiXact.
+// subtransaction would make every claimed row a MultiXact. A transaction
+// of the transport's own writes them in the same round trip, after the
+// savepoint's release.
 func (a *attemptTx) keep(ctx context.Context, d *deliveryTx, id int64) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -605,8 +679,16 @@ func (a *attemptTx) keep(ctx context.Context, d *deliveryTx, id int64) error {
 	if err != nil {
 		return err
 	}
+	rows := a.batched
 	if id != 0 {
-		stmts = append(stmts, stmt{"removing the message from its queue", ackSQL, []any{id}})
+		rows = append(rows, batchedRow{w: ackWrite, values: []any{id}})
+	}
+	if d.own {
+		bs, err := batchedStatements(rows)
+		if err != nil {
+			return err
+		}
+		stmts, rows = append(stmts, bs...), nil
 	}
 	stmts, ahead := d.ending(stmts)
 	err = a.c.send(ctx, stmts...)
@@ -619,6 +701,8 @@ func (a *attemptTx) keep(ctx context.Context, d *deliveryTx, id int64) error {
 	d.spOpen = err == nil && ahead
 	if err == nil {
 		d.hooks = append(d.hooks, a.takeHooks()...)
+		d.batched = append(d.batched, rows...)
+		a.batched = nil
 	}
 	return err
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/internal/pgerr"
 )
 
@@ -77,9 +78,12 @@ type batch struct {
 	// commitAsked: the commit was allowed; a failure of the statement
 	// that allows it is a failure of what the batch did.
 	commitAsked bool
-	released    int        // handed back untouched, for other consumers
-	attempted   []delivery // messages whose attempts ran, in order
-	broken      error      // why the batch can no longer commit
+	// batchedErr: writing the rows its attempts queued failed (see
+	// commitQuery).
+	batchedErr error
+	released   int        // handed back untouched, for other consumers
+	attempted  []delivery // messages whose attempts ran, in order
+	broken     error      // why the batch can no longer commit
 	// deadline is when the transaction is rolled back
 	// (Config.MaxTransactionDuration after it began at begun); claimDone
 	// is when the claim returned its first message.
@@ -181,16 +185,30 @@ func (c *consumer) commitQuery() string {
 		return refuseCommitSQL
 	}
 	b.mu.Lock()
-	defer b.mu.Unlock()
 	b.committing = true
 	for b.pending > 0 {
 		b.settled.Wait()
 	}
-	if b.broken != nil {
+	broken := b.broken != nil
+	b.commitAsked = !broken
+	b.mu.Unlock()
+	if broken {
 		return refuseCommitSQL
 	}
-	b.commitAsked = true
-	return commitSQL
+	if len(b.d.batched) == 0 {
+		return commitSQL
+	}
+	// The rows the batch's attempts queued go with the commit's
+	// permission, in one round trip; a failure of theirs cannot be pinned
+	// on one message: the batch is then delivered again one message at a
+	// time (see endBatch).
+	if err := b.d.writeBatched(context.Background(), stmt{"allowing commit", allowCommitSQL, nil}); err != nil {
+		b.mu.Lock()
+		b.batchedErr = err
+		b.mu.Unlock()
+		return refuseCommitSQL
+	}
+	return checkConstraintsSQL
 }
 
 // The rest of wsql.Beginner is not used by watermill-sql's subscriber;
@@ -253,6 +271,9 @@ func (c *consumer) endBatch(err error) (again bool) {
 	}
 	c.mu.Unlock()
 	commitFailed := b.commitAsked && failedOnServer(err) && !expired
+	if commitFailed && b.batchedErr != nil {
+		err = b.batchedErr
+	}
 	switch {
 	case b.culprit != nil:
 		c.recordAfter(*b.culprit)
@@ -431,7 +452,8 @@ func (c *consumer) deliver(msg *message.Message) error {
 	}
 	n := d.failed + 1
 	deadline := time.Now().Add(c.t.cfg.AttemptTimeout)
-	hold := true // an awaited call may hold the batch once
+	hold := true   // an awaited call may hold the batch once
+	wrote := false // the batch's queued rows were written for it once
 	if d.awaited > 0 {
 		msg = afterAwait(msg) // delivered again after its park
 	}
@@ -444,6 +466,17 @@ func (c *consumer) deliver(msg *message.Message) error {
 		case broken:
 			c.breakBatch(b, log, d, n, err)
 		case failed:
+			if !wrote && errors.Is(err, dbtx.ErrBatchedPending) && len(b.d.batched) > 0 {
+				// It read a row an earlier attempt changed with a write
+				// still queued: written now, in the transaction, it runs
+				// again.
+				wrote = true
+				if werr := b.d.writeBatched(context.Background()); werr != nil {
+					c.breakBatch(b, log, d, n, errors.Join(err, werr))
+					return nil
+				}
+				continue
+			}
 			aw := (*AwaitError)(nil)
 			if !errors.As(err, &aw) {
 				c.fail(b, log, d, n, err)

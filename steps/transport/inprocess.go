@@ -174,7 +174,7 @@ func (a *attemptTx) runLocal(t *Transport, r route, msg *message.Message) (bool,
 func (a *attemptTx) tryLocal(h HandlerFunc, msg *message.Message, topic string, deadline time.Time) (attemptEnd, error) {
 	ctx := context.Background()
 	sp := "pgsaga_local_" + strconv.Itoa(a.depth+1)
-	ch := &attemptTx{c: a.c, tx: a.tx, expired: a.expired, cut: make(chan struct{}), local: a.local, first: true, depth: a.depth + 1}
+	ch := &attemptTx{c: a.c, tx: a.tx, d: a.d, expired: a.expired, cut: make(chan struct{}), local: a.local, first: true, depth: a.depth + 1}
 	ch.rowsCtx, ch.cancelRows = context.WithCancel(context.Background())
 	// a's queued writes go first, so the handler sees them, in the round
 	// trip that opens the savepoint.
@@ -208,6 +208,8 @@ func (a *attemptTx) tryLocal(h HandlerFunc, msg *message.Message, topic string, 
 		if herr = ch.keepLocal(ctx, sp); herr == nil {
 			ch.mu.Lock()
 			a.hooks = append(a.hooks, ch.takeHooks()...)
+			a.batched = append(a.batched, ch.batched...)
+			ch.batched = nil
 			ch.mu.Unlock()
 			return kept, nil
 		}
@@ -285,13 +287,7 @@ func (p *txPublisher) insert(a *attemptTx, topic string, msgs []*message.Message
 	if err != nil {
 		return fmt.Errorf("transport: publishing to %s: %w", topic, err)
 	}
-	if len(skip) > 0 {
-		q.Args[len(q.Args)-1] = skip
-	}
-	if err := a.QueueExec("publishing to "+topic, q.Query, q.Args...); err != nil {
-		return fmt.Errorf("transport: publishing to %s: %w", topic, err)
-	}
-	return nil
+	return a.queuePublishQuery(q.Args, skip)
 }
 
 func sameGroups(a, b []string) bool { return strings.Join(a, "\x00") == strings.Join(b, "\x00") }

@@ -388,9 +388,8 @@ func TestInProcessPublishersOwnFailureStaysItsOwn(t *testing.T) {
 	pubErr := make(chan error, 1)
 	e.routeLocal(t, func(msg *message.Message) error {
 		tx, _ := transport.TxFromContext(msg.Context())
-		bad := message.NewMessage("bad-"+msg.UUID, nil)
-		bad.Metadata.Set("k", "nul \u0000 byte")
-		if err := e.tr.Publisher(tx).Publish(e.in+"_other", bad); err != nil { // queued
+		// queued: sent with the round trip that opens the in-process delivery
+		if err := transport.Queue(msg.Context(), tx, "the bad write", `INSERT INTO `+e.eff+` (msg, part) VALUES ($1, $2)`, msg.UUID, "nul \x00 byte"); err != nil {
 			return err
 		}
 		err := e.tr.Publisher(tx).Publish(e.out, message.NewMessage(replyID(msg), nil)) // sends it
@@ -409,7 +408,8 @@ func TestInProcessPublishersOwnFailureStaysItsOwn(t *testing.T) {
 	assert.Zero(t, lCalls.Load())
 	err := <-pubErr
 	assert.NotErrorIs(t, err, transport.ErrInProcessBroke, "the publisher is told its own failure")
-	assert.ErrorContains(t, err, "22P05")
+	assert.ErrorContains(t, err, "the bad write")
+	assert.ErrorContains(t, err, "22021")
 }
 
 // The publisher is cut off (the router closes and its drain times out)

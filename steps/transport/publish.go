@@ -5,6 +5,8 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
+	"unicode/utf8"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -49,6 +51,9 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 	for _, m := range msgs {
 		if m.UUID == "" || len(m.UUID) > 255 {
 			return Permanent(fmt.Errorf("%w: it has %d bytes (topic %s)", ErrInvalidMessageID, len(m.UUID), topic))
+		}
+		if err := storable(m); err != nil {
+			return Permanent(fmt.Errorf("transport: publishing to %s: %w", topic, err))
 		}
 	}
 	for _, m := range msgs {
@@ -99,6 +104,14 @@ type queueExecutor struct {
 var errQueueOnly = errors.New("transport: a publisher's executor in a delivery attempt only queues inserts")
 
 func (q queueExecutor) ExecContext(_ context.Context, query string, args ...any) (sql.Result, error) {
+	if query == publishSQL {
+		// watermill-sql's publisher runs InsertQuery's statement: its rows
+		// are written with the batch's other publishes.
+		if err := q.a.queuePublishQuery(args, nil); err != nil {
+			return nil, err
+		}
+		return result{}, nil
+	}
 	if err := q.a.QueueExec(q.name, query, args...); err != nil {
 		return nil, err
 	}
@@ -121,4 +134,24 @@ func (q queueExecutor) QueryRowContext(ctx context.Context, query string, args .
 
 func (q queueExecutor) QueryRow(query string, args ...any) *sql.Row {
 	return q.a.QueryRowContext(context.Background(), query, args...)
+}
+
+// ErrUnstorable: a published message holds text PostgreSQL cannot store.
+var ErrUnstorable = errors.New("transport: the message cannot be stored")
+
+// storable checks, before anything is sent, what PostgreSQL would refuse
+// of m: a UUID that is not UTF-8 text without NUL (SQLSTATE 22021), and
+// metadata holding a NUL, which jsonb cannot store (22P05, unsupported
+// Unicode escape sequence). Inside a delivery attempt a publish is written
+// when its batch ends, where a refusal could not be pinned on the message.
+func storable(m *message.Message) error {
+	if !utf8.ValidString(m.UUID) || strings.ContainsRune(m.UUID, 0) {
+		return fmt.Errorf("%w: its UUID %q is not UTF-8 text without NUL (SQLSTATE 22021, invalid byte sequence)", ErrUnstorable, m.UUID)
+	}
+	for k, v := range m.Metadata {
+		if strings.ContainsRune(k, 0) || strings.ContainsRune(v, 0) {
+			return fmt.Errorf("%w: message %s: metadata %q holds a NUL, which jsonb refuses (SQLSTATE 22P05, unsupported Unicode escape sequence \\u0000)", ErrUnstorable, m.UUID, k)
+		}
+	}
+	return nil
 }

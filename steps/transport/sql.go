@@ -33,6 +33,36 @@ const (
 )
 SELECT pg_notify($5, $1) WHERE $5 <> '' AND EXISTS (SELECT FROM queued)`
 
+	// publishManySQL is publishSQL for the messages a delivery batch
+	// published, to any topics (see publishWrite): row by row ($1 topic,
+	// $2 uuid, $3 payload, $4 metadata, $5 the groups that handled it in
+	// process as a JSON array, $6 the wake-up channel), queued in the order
+	// they were published for every group of their topic that did not
+	// handle them, dead-lettered when no group subscribes to their topic
+	// and none handled them; one wake-up a topic.
+	publishManySQL = `WITH msgs AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::jsonb[], $5::jsonb[], $6::text[])
+        WITH ORDINALITY AS m(topic, uuid, payload, metadata, skip, channel, ord)
+), queued AS (
+    INSERT INTO pgsaga_queue (topic, consumer_group, uuid, payload, metadata)
+    SELECT m.topic, g.consumer_group, m.uuid, m.payload, m.metadata
+    FROM msgs m JOIN pgsaga_subscriptions g ON g.topic = m.topic
+    WHERE NOT (m.skip ? g.consumer_group)
+    ORDER BY m.ord, g.consumer_group
+    RETURNING topic
+), unrouted AS (
+    INSERT INTO pgsaga_dead_letters (uuid, topic, consumer_group, handler, payload, metadata, reason, attempts, created_at)
+    SELECT m.uuid, m.topic, '', '', m.payload,
+        pgsaga_dead_letter_metadata(m.metadata, m.topic, '', '', 'no consumer group subscribes to topic ' || m.topic, 0),
+        'no consumer group subscribes to topic ' || m.topic, 0, clock_timestamp()
+    FROM msgs m
+    WHERE jsonb_array_length(m.skip) = 0 AND NOT EXISTS (SELECT FROM pgsaga_subscriptions g WHERE g.topic = m.topic)
+    ORDER BY m.ord
+    RETURNING 1
+)
+SELECT pg_notify(w.channel, w.topic)
+FROM (SELECT DISTINCT q.topic, m.channel FROM queued q JOIN msgs m ON m.topic = q.topic WHERE m.channel <> '') AS w`
+
 	// claimSQL opens a delivery batch: it bounds the transaction's
 	// statements, lock waits and idle time (set_config local to the
 	// transaction), claims up to $6 available messages of the group ($1
@@ -108,13 +138,19 @@ END$$`
 	// a batch's commit and runs the deferred checks (constraints declared
 	// DEFERRABLE INITIALLY DEFERRED, the guard) at once, so that what
 	// would fail the commit fails this statement.
-	allowCommitSQL  = `SELECT set_config('pgsaga.commit_ok', 'on', true)`
-	commitSQL       = allowCommitSQL + `; SET CONSTRAINTS ALL IMMEDIATE`
-	refuseCommitSQL = `DO $$BEGIN RAISE EXCEPTION 'pgsaga: delivery batch abandoned with an attempt open; it will be delivered again'; END$$`
+	allowCommitSQL = `SELECT set_config('pgsaga.commit_ok', 'on', true)`
+	commitSQL      = allowCommitSQL + `; ` + checkConstraintsSQL
+	// checkConstraintsSQL checks the deferred constraints now, so that a
+	// violation fails it, where the consumer learns of it.
+	checkConstraintsSQL = `SET CONSTRAINTS ALL IMMEDIATE`
+	refuseCommitSQL     = `DO $$BEGIN RAISE EXCEPTION 'pgsaga: delivery batch abandoned with an attempt open; it will be delivered again'; END$$`
 
 	// ackSQL removes a handled message ($1) from its queue, with the
 	// attempt that handled it.
 	ackSQL = `DELETE FROM pgsaga_queue WHERE id = $1`
+
+	// ackManySQL deletes the messages a batch delivered (see ackWrite).
+	ackManySQL = `DELETE FROM pgsaga_queue WHERE id = ANY ($1::bigint[])`
 
 	// rescheduleSQL records failed attempt $2 of message $1 and makes it
 	// available again after the backoff ($3 seconds); $4 the reason. The
