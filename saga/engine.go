@@ -378,14 +378,24 @@ func (e *Engine) HandleReply(msg *message.Message) (err error) {
 	// never returns to a command it has moved on from (keys only go
 	// forward: step, phase, generation), so a reply not for the command in
 	// flight as committed now never will be.
-	inst, def, err := e.replyInstance(ctx, tx, id, msg, false)
+	//
+	// A reply to the latest copy of the command in flight (its causation is
+	// the instance's command_id) is told in one read that locks the
+	// instance only then; any other reply falls back to the plain read.
+	inst, def, err := e.replyInstanceByCommand(ctx, tx, id, env.CausationID, msg)
 	if err != nil {
 		return err
+	}
+	locked := inst != nil
+	if !locked {
+		if inst, def, err = e.replyInstance(ctx, tx, id, msg, false); err != nil {
+			return err
+		}
 	}
 	if inst.mismatch(def) != nil {
 		return e.parkMismatched(ctx, tx, id, msg)
 	}
-	if inst.forCommandInFlight(def, env.Key) {
+	if !locked && inst.forCommandInFlight(def, env.Key) {
 		// Lock it and read it again: a concurrent reply may have moved it
 		// on meanwhile.
 		if inst, def, err = e.replyInstance(ctx, tx, id, msg, true); err != nil {
@@ -464,6 +474,28 @@ func (e *Engine) replyInstance(ctx context.Context, tx transport.Tx, id uuid.UUI
 	inst, err := loadInstance(ctx, tx, id, lock)
 	if errors.Is(err, ErrNotFound) {
 		return nil, nil, transport.Permanent(fmt.Errorf("saga: reply %s for unknown saga %s", msg.UUID, id))
+	}
+	if err != nil {
+		return nil, nil, err
+	}
+	def, ok := e.definitionOf(inst)
+	if !ok {
+		return nil, nil, transport.Permanent(fmt.Errorf("reply %s for saga %s: %w", msg.UUID, id, e.unknown(inst)))
+	}
+	return inst, def, nil
+}
+
+// replyInstanceByCommand loads and locks the instance reply msg is for,
+// with its definition, if its command in flight is the message command
+// (the reply's causation); nil if it is not (or there is no such
+// instance, or no command named).
+func (e *Engine) replyInstanceByCommand(ctx context.Context, tx transport.Tx, id uuid.UUID, command string, msg *message.Message) (*instance, *Definition, error) {
+	if command == "" {
+		return nil, nil, nil
+	}
+	inst, err := loadInstanceForCommand(ctx, tx, id, command)
+	if errors.Is(err, ErrNotFound) {
+		return nil, nil, nil
 	}
 	if err != nil {
 		return nil, nil, err

@@ -36,6 +36,9 @@ WHERE id = $1::uuid AND version = $11`
 
 	loadInstanceSQL       = `SELECT ` + instanceColumns + ` FROM saga_instances WHERE id = $1`
 	loadInstanceLockedSQL = loadInstanceSQL + ` FOR UPDATE`
+	// loadInstanceForCommandSQL loads and locks an instance only if its
+	// command in flight is message $2.
+	loadInstanceForCommandSQL = `SELECT ` + instanceColumns + ` FROM saga_instances WHERE id = $1 AND command_id = $2 FOR UPDATE`
 
 	// appendHistorySQL appends timeline entries, of one instance or
 	// several, numbered per instance after its last one, in the order
@@ -173,6 +176,19 @@ func scanInstance(row scanner, more ...any) (*instance, error) {
 	inst.Status, inst.Phase, inst.Data = Status(status), Phase(phase), data
 	inst.told = inst.Status
 	return &inst, nil
+}
+
+// loadInstanceForCommand loads and locks instance id if its command in
+// flight is message command; ErrNotFound otherwise.
+func loadInstanceForCommand(ctx context.Context, tx transport.Tx, id uuid.UUID, command string) (*instance, error) {
+	inst, err := scanInstance(tx.QueryRowContext(ctx, loadInstanceForCommandSQL, id, command))
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, fmt.Errorf("%w: %s", ErrNotFound, id)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("saga %s: loading: %w", id, err)
+	}
+	return inst, nil
 }
 
 func loadInstance(ctx context.Context, tx transport.Tx, id uuid.UUID, lock bool) (*instance, error) {
