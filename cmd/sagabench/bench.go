@@ -175,7 +175,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 			return nil, err
 		}
 	}
-	if b.gwDB, err = pgdb.Open(ctx, pgdb.Config{URL: gwURL, MaxConns: 8, ApplicationName: "sagabench-gateway", Tracer: &b.statements}); err != nil {
+	if b.gwDB, err = pgdb.Open(ctx, pgdb.Config{URL: gwURL, MaxConns: 8, ApplicationName: "sagabench-gateway", Tracer: b.statements.gateway()}); err != nil {
 		return nil, err
 	}
 	if b.statsPool, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: 2, ApplicationName: "sagabench-stats"}); err != nil {

@@ -171,7 +171,11 @@ are 0):
                             null when statements_source is "unavailable"
     commits_per_saga        commits this process's pools made a saga: each
                             COMMIT, and each statement or pipeline sent
-                            outside a transaction; 0 with -worker-processes
+                            outside a transaction; the fake gateway's apart;
+                            0 with -worker-processes
+    gateway_commits_per_saga
+                            the fake gateway's own commits a saga (its
+                            bookkeeping, not the saga's)
   Latency phase (open loop, -rate, -duration):
     rate                    sagas offered a second
     latency_sagas           sagas timed, each from its scheduled placement to

@@ -86,6 +86,7 @@ func TestSmallRun(t *testing.T) {
 	// gateway's record at least; fewer than the statements.
 	assert.GreaterOrEqual(t, r.CommitsPerSaga, 3.0)
 	assert.Less(t, r.CommitsPerSaga, r.StatementsPerSaga)
+	assert.Positive(t, r.GatewayCommitsPerSaga, "the gateway records each call")
 	if r.StatementsSource == "client" {
 		assert.Contains(t, stdout.String(), "does not preload pg_stat_statements", "said once")
 		assert.Equal(t, 1, strings.Count(stdout.String(), "does not preload pg_stat_statements"))

@@ -68,10 +68,11 @@ type result struct {
 	// "unavailable".
 	StatementsByOwner map[string]float64 `json:"statements_by_owner"`
 	// CommitsPerSaga counts the commits of this process's pools (COMMIT,
-	// and each statement or pipeline outside a transaction); 0 with
-	// -worker-processes.
-	CommitsPerSaga float64    `json:"commits_per_saga"`
-	IdleCPUPct     cpuFigures `json:"idle_cpu_pct"`
+	// and each statement or pipeline outside a transaction), but the fake
+	// gateway's (GatewayCommitsPerSaga); 0 with -worker-processes.
+	CommitsPerSaga        float64    `json:"commits_per_saga"`
+	GatewayCommitsPerSaga float64    `json:"gateway_commits_per_saga"`
+	IdleCPUPct            cpuFigures `json:"idle_cpu_pct"`
 
 	Completed    int      `json:"completed"`
 	Compensated  int      `json:"compensated"`
@@ -336,7 +337,7 @@ func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 	r.Sagas = len(res.latencies)
 	sf := perSaga(stmtStart, stmtEnd, r.Sagas, b.opts.workerProcs > 0)
 	r.StatementsPerSaga, r.ClientStatementsPerSaga, r.StatementsSource = sf.perSaga, sf.clientPerSaga, sf.source
-	r.StatementsByOwner, r.CommitsPerSaga = sf.byOwner, sf.commitsPerSaga
+	r.StatementsByOwner, r.CommitsPerSaga, r.GatewayCommitsPerSaga = sf.byOwner, sf.commitsPerSaga, sf.gatewayCommitsPerSaga
 	if b.opts.statementList != "" {
 		if err := writeListFile(b.opts.statementList, sf.list); err != nil {
 			return false, fmt.Errorf("-statement-list: %w", err)
@@ -505,7 +506,7 @@ func (b *bench) print(r result) {
 			r.SagasPerSByQuarter[0], r.SagasPerSByQuarter[1], r.SagasPerSByQuarter[2], r.SagasPerSByQuarter[3], plural(r.TopicRowsLeft, "message", "messages"))
 		fmt.Fprintf(w, "  %-18s process %.2f s%s\n", "CPU per 1k sagas", r.CPUPer1kSagas.Process, pgFigure(r.CPUPer1kSagas.Postgres, " s"))
 		fmt.Fprintf(w, "  %-18s %.1f (%s; the pools sent %.1f)%s\n", "statements/saga", r.StatementsPerSaga, r.StatementsSource, r.ClientStatementsPerSaga, ownerFigures(r.StatementsByOwner))
-		fmt.Fprintf(w, "  %-18s %.2f (this process's pools)\n", "commits/saga", r.CommitsPerSaga)
+		fmt.Fprintf(w, "  %-18s %.2f (this process's pools; the fake gateway's own %.2f more)\n", "commits/saga", r.CommitsPerSaga, r.GatewayCommitsPerSaga)
 		if r.StatementsSource != "pg_stat_statements" {
 			fmt.Fprintf(w, "  %-18s the server does not preload pg_stat_statements (shared_preload_libraries), so statements are counted by this program's pools, which do not see the server's own\n", "note")
 		}

@@ -64,6 +64,9 @@ func ownerOf(query string) string {
 type statementCounter struct {
 	n       atomic.Int64
 	commits atomic.Int64
+	// gatewayCommits are the commits of the fake gateway's own pool (see
+	// gateway), not counted in commits.
+	gatewayCommits atomic.Int64
 
 	mu     sync.Mutex
 	byText map[string]int64
@@ -90,16 +93,58 @@ func outside(conn *pgx.Conn) bool { return conn != nil && conn.PgConn().TxStatus
 
 func (c *statementCounter) TraceQueryStart(ctx context.Context, conn *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
 	c.count(d.SQL)
-	q := strings.ToLower(strings.TrimSpace(d.SQL))
-	switch {
-	case strings.HasPrefix(q, "commit"):
-		c.commits.Add(1)
-	case strings.HasPrefix(q, "begin") || strings.HasPrefix(q, "rollback"):
-	case outside(conn):
+	if commits(conn, d.SQL) {
 		c.commits.Add(1)
 	}
 	return ctx
 }
+
+// commits reports whether sql, sent on conn, commits: a COMMIT, or a
+// statement sent outside a transaction other than BEGIN and ROLLBACK.
+func commits(conn *pgx.Conn, sql string) bool {
+	q := strings.ToLower(strings.TrimSpace(sql))
+	switch {
+	case strings.HasPrefix(q, "commit"):
+		return true
+	case strings.HasPrefix(q, "begin") || strings.HasPrefix(q, "rollback"):
+		return false
+	}
+	return outside(conn)
+}
+
+// gateway returns the tracer of the fake gateway's pool: its statements
+// are counted with the others, its commits apart (gatewayCommits).
+func (c *statementCounter) gateway() *gatewayTracer { return &gatewayTracer{c} }
+
+type gatewayTracer struct{ c *statementCounter }
+
+var (
+	_ pgx.QueryTracer = (*gatewayTracer)(nil)
+	_ pgx.BatchTracer = (*gatewayTracer)(nil)
+)
+
+func (g *gatewayTracer) TraceQueryStart(ctx context.Context, conn *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	g.c.count(d.SQL)
+	if commits(conn, d.SQL) {
+		g.c.gatewayCommits.Add(1)
+	}
+	return ctx
+}
+
+func (*gatewayTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func (g *gatewayTracer) TraceBatchStart(ctx context.Context, conn *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	if outside(conn) {
+		g.c.gatewayCommits.Add(1)
+	}
+	return ctx
+}
+
+func (g *gatewayTracer) TraceBatchQuery(_ context.Context, _ *pgx.Conn, d pgx.TraceBatchQueryData) {
+	g.c.count(d.SQL)
+}
+
+func (*gatewayTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
 
 func (*statementCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
@@ -133,6 +178,7 @@ type statementCount struct {
 	client       int64
 	clientByText map[string]int64
 	commits      int64
+	gwCommits    int64
 }
 
 // serverStatementsSQL reads the calls pg_stat_statements counted in this
@@ -175,7 +221,8 @@ func readServerStatements(ctx context.Context, db *sql.DB) (map[string]int64, er
 // countStatements reads both counts, the server's on a pool the counted
 // pools do not use.
 func (b *bench) countStatements(ctx context.Context) statementCount {
-	c := statementCount{client: b.statements.n.Load(), clientByText: b.statements.texts(), commits: b.statements.commits.Load()}
+	c := statementCount{client: b.statements.n.Load(), clientByText: b.statements.texts(),
+		commits: b.statements.commits.Load(), gwCommits: b.statements.gatewayCommits.Load()}
 	if b.statementStats {
 		m, err := readServerStatements(ctx, b.statsDB)
 		if c.serverOK = err == nil; c.serverOK {
@@ -190,10 +237,10 @@ func (b *bench) countStatements(ctx context.Context) statementCount {
 
 // statementFigures are the statements of a phase, a saga.
 type statementFigures struct {
-	perSaga, clientPerSaga, commitsPerSaga float64
-	source                                 string
-	byOwner                                map[string]float64
-	list                                   []statementLine
+	perSaga, clientPerSaga, commitsPerSaga, gatewayCommitsPerSaga float64
+	source                                                        string
+	byOwner                                                       map[string]float64
+	list                                                          []statementLine
 }
 
 // statementLine is one statement's calls a saga.
@@ -227,6 +274,7 @@ func perSaga(from, to statementCount, sagas int, elsewhere bool) statementFigure
 	}
 	if !elsewhere {
 		f.commitsPerSaga = round(float64(to.commits-from.commits) / n)
+		f.gatewayCommitsPerSaga = round(float64(to.gwCommits-from.gwCommits) / n)
 	}
 	if after == nil {
 		return f

@@ -136,4 +136,20 @@ func TestCommitsCounted(t *testing.T) {
 		return tx.Commit(ctx)
 	})
 	assert.Equal(t, int64(3), c.texts()["SELECT 2"], "counted by text too")
+
+	// The gateway's pool: its statements counted, its commits apart.
+	gcfg := cfg.Copy()
+	gcfg.Tracer = c.gateway()
+	gconn, err := pgx.ConnectConfig(ctx, gcfg)
+	require.NoError(t, err)
+	defer gconn.Close(ctx)
+	before, commitsBefore := c.n.Load(), c.commits.Load()
+	_, err = gconn.Exec(ctx, "SELECT 1")
+	require.NoError(t, err)
+	b := &pgx.Batch{}
+	b.Queue("SELECT 1")
+	require.NoError(t, gconn.SendBatch(ctx, b).Close())
+	assert.Equal(t, int64(2), c.n.Load()-before)
+	assert.Equal(t, commitsBefore, c.commits.Load())
+	assert.Equal(t, int64(2), c.gatewayCommits.Load())
 }
