@@ -102,14 +102,18 @@ func (c *statementCounter) TraceQueryStart(ctx context.Context, conn *pgx.Conn, 
 // commits reports whether sql, sent on conn, commits: a COMMIT, or a
 // statement sent outside a transaction other than BEGIN and ROLLBACK.
 func commits(conn *pgx.Conn, sql string) bool {
-	q := strings.ToLower(strings.TrimSpace(sql))
+	q := strings.TrimSpace(sql)
 	switch {
-	case strings.HasPrefix(q, "commit"):
+	case hasPrefixFold(q, "commit"):
 		return true
-	case strings.HasPrefix(q, "begin") || strings.HasPrefix(q, "rollback"):
+	case hasPrefixFold(q, "begin") || hasPrefixFold(q, "rollback"):
 		return false
 	}
 	return outside(conn)
+}
+
+func hasPrefixFold(s, prefix string) bool {
+	return len(s) >= len(prefix) && strings.EqualFold(s[:len(prefix)], prefix)
 }
 
 // gateway returns the tracer of the fake gateway's pool: its statements

@@ -374,8 +374,23 @@ func (a *attemptTx) before(ctx context.Context, query string) error {
 // a savepoint (ROLLBACK TO and RELEASE need not say SAVEPOINT). A false
 // alarm costs only the early write of the attempt's batched rows.
 func mentionsSavepoint(query string) bool {
-	q := strings.ToUpper(query)
-	return strings.Contains(q, "SAVEPOINT") || strings.Contains(q, "ROLLBACK") || strings.Contains(q, "RELEASE")
+	for _, word := range [...]string{"savepoint", "rollback", "release"} {
+		if containsFold(query, word) {
+			return true
+		}
+	}
+	return false
+}
+
+// containsFold reports whether s contains word (lower-case ASCII) in any
+// case, without copying s.
+func containsFold(s, word string) bool {
+	for i := 0; i+len(word) <= len(s); i++ {
+		if s[i]|0x20 == word[0] && strings.EqualFold(s[i:i+len(word)], word) {
+			return true
+		}
+	}
+	return false
 }
 
 // execSavepoint runs one of Savepoint's own commands: like ExecContext,

@@ -310,3 +310,16 @@ func TestCallTimeHoldsOnlyForQuickCalls(t *testing.T) {
 	assert.True(t, ct.within(5*time.Millisecond), "quick again: hold")
 	assert.False(t, ct.within(-time.Millisecond), "a negative AwaitHold never holds")
 }
+
+// A handler statement that may set, roll back to or release a savepoint
+// is told by its words in any case; others are not.
+func TestMentionsSavepoint(t *testing.T) {
+	for q, want := range map[string]bool{
+		"SAVEPOINT mine": true, "rollback to mine": true, "Release Mine": true, "SELECT 1; SaVePoInT x": true,
+		"SELECT 1": false, "INSERT INTO t VALUES ('roll back')": false, "": false, "rollbac": false,
+	} {
+		if got := mentionsSavepoint(q); got != want {
+			t.Errorf("mentionsSavepoint(%q) = %v, want %v", q, got, want)
+		}
+	}
+}
