@@ -241,6 +241,9 @@ func (s *Store) claimTx(ctx context.Context, tx DBTX, req Request, lockTimeout s
 	if err := req.validate(); err != nil {
 		return Claim{}, err
 	}
+	if bc, ok := tx.(dbtx.BatchClaimer); ok && bc.ClaimedInBatch(req.Scope, req.Key, req.Hash) {
+		return Claim{Execute: true}, nil // claimed with the batch's other keys
+	}
 	var (
 		attempts int
 		created  time.Time
@@ -270,6 +273,22 @@ func (s *Store) claimTx(ctx context.Context, tx DBTX, req Request, lockTimeout s
 		return Claim{}, &InProgressError{Scope: req.Scope, Key: req.Key, LockedUntil: rec.LockedUntil}
 	}
 	return Claim{Record: rec}, nil
+}
+
+// BatchKeyClaims are the statements with which pgsaga's delivery claims
+// the keys of a whole batch of messages in one statement, before their
+// attempts, and gives back those no attempt completed (see
+// steps.Runtime.Register). An attempt's ClaimTx then finds its key
+// claimed, with no statement of its own.
+func (s *Store) BatchKeyClaims() dbtx.KeyClaims {
+	return dbtx.KeyClaims{
+		Claim: func(scopes, keys []string, hashes [][]byte) (string, []any) {
+			return claimManySQL, []any{scopes, keys, hashes, s.lockTimeout}
+		},
+		GiveBack: func(scopes, keys []string) (string, []any) {
+			return giveBackSQL, []any{scopes, keys}
+		},
+	}
 }
 
 // CompleteTx stores the outcome of a claim made with ClaimTx in the same

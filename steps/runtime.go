@@ -191,7 +191,26 @@ func (rt *Runtime) Register(r *transport.Router, s Step, opts ...transport.Handl
 	if err := s.validate(); err != nil {
 		return err
 	}
-	return r.AddHandler(s.Name, s.Topic, s.Name, rt.handler(s), append([]transport.HandlerOption{transport.WithRetry(rt.retry)}, opts...)...)
+	kc := rt.keysConfig(s)
+	keyOf := func(msg *message.Message) (string, string, []byte, bool) {
+		req := kc.MessageRequest(msg)
+		return req.Scope, req.Key, req.Hash, true
+	}
+	// A batch's commands claim their keys in one statement.
+	base := []transport.HandlerOption{transport.WithRetry(rt.retry), transport.ClaimKeysPerBatch(keyOf, rt.store.BatchKeyClaims())}
+	return r.AddHandler(s.Name, s.Topic, s.Name, rt.handler(s), append(base, opts...)...)
+}
+
+// keysConfig is how step s claims its commands' keys.
+func (rt *Runtime) keysConfig(s Step) idempotency.MiddlewareConfig {
+	return idempotency.MiddlewareConfig{
+		Scope:       s.Name,
+		KeyMetadata: MetaKey,
+		Fingerprint: func(m *message.Message) []byte {
+			return idempotency.Fingerprint([]byte(m.Metadata.Get(MetaType)), m.Payload)
+		},
+		Publisher: func(tx idempotency.DBTX) message.Publisher { return rt.tr.Publisher(tx) },
+	}
 }
 
 // Execute runs step s for msg outside a subscriber, each attempt in a READ
@@ -209,14 +228,7 @@ func (rt *Runtime) Execute(ctx context.Context, s Step, msg *message.Message) er
 // publish the reply and finish the key, calling the idempotency store
 // directly.
 func (rt *Runtime) handler(s Step) transport.HandlerFunc {
-	keys, err := rt.store.MessageKeys(idempotency.MiddlewareConfig{
-		Scope:       s.Name,
-		KeyMetadata: MetaKey,
-		Fingerprint: func(m *message.Message) []byte {
-			return idempotency.Fingerprint([]byte(m.Metadata.Get(MetaType)), m.Payload)
-		},
-		Publisher: func(tx idempotency.DBTX) message.Publisher { return rt.tr.Publisher(tx) },
-	})
+	keys, err := rt.store.MessageKeys(rt.keysConfig(s))
 	if err != nil {
 		// Scope was validated with the step; this cannot happen.
 		panic(err)

@@ -84,3 +84,26 @@ func Column[T any](rows [][]any, i int) []T {
 	}
 	return out
 }
+
+// KeyClaims are the statements that claim the idempotency keys of a whole
+// delivery batch up front, in one statement, and give back, when the batch
+// ends, the claims no attempt completed.
+type KeyClaims struct {
+	// Claim returns the statement that claims keys (scopes[i], keys[i]
+	// with hashes[i]), skipping those that exist, and returns the scope
+	// and key of each it claimed.
+	Claim func(scopes, keys []string, hashes [][]byte) (query string, args []any)
+	// GiveBack returns the statement that deletes the claims among
+	// (scopes[i], keys[i]) that are still pending.
+	GiveBack func(scopes, keys []string) (query string, args []any)
+}
+
+// BatchClaimer is offered by the transaction of a delivery attempt whose
+// batch claimed keys up front (see KeyClaims).
+type BatchClaimer interface {
+	// ClaimedInBatch reports whether the batch claimed key of scope, with
+	// request hash hash, for the attempt's message and no other attempt
+	// holds that claim now: the claim is then the attempt's, with no
+	// statement.
+	ClaimedInBatch(scope, key string, hash []byte) bool
+}

@@ -180,6 +180,40 @@ func (c *conn) send(ctx context.Context, stmts ...stmt) error {
 	})
 }
 
+// sendReading is send, reading the rows of stmts[idx] with read.
+func (c *conn) sendReading(ctx context.Context, stmts []stmt, idx int, read func(pgx.Rows) error) error {
+	return c.sql.Raw(func(any) error {
+		if c.pg.PgConn().TxStatus() == 'I' {
+			return errNotInTransaction
+		}
+		b := &pgx.Batch{}
+		for _, s := range stmts {
+			b.Queue(s.query, s.args...)
+		}
+		br := c.pg.SendBatch(context.WithoutCancel(ctx), b)
+		for i, s := range stmts {
+			var err error
+			if i == idx {
+				var rows pgx.Rows
+				if rows, err = br.Query(); err == nil {
+					err = read(rows)
+					rows.Close()
+					if err == nil {
+						err = rows.Err()
+					}
+				}
+			} else {
+				_, err = br.Exec()
+			}
+			if err != nil {
+				_ = br.Close()
+				return &StatementError{Name: s.name, Err: err}
+			}
+		}
+		return br.Close()
+	})
+}
+
 // exec runs query, statements without parameters, in one round trip (the
 // simple protocol) in the transaction open on c, refusing once it has
 // ended, like send. It is for the transport's own savepoint commands, which
@@ -262,8 +296,11 @@ type attemptTx struct {
 	queue   []stmt
 	// batched: rows of batched writes (see QueueBatched), handed to d
 	// when the attempt is kept.
-	batched  []batchedRow
-	d        *deliveryTx
+	batched []batchedRow
+	d       *deliveryTx
+	// queueID is the queue row of the message whose attempt this is (0
+	// for an in-process delivery), for the batch's claims.
+	queueID  int64
 	hooks    []func() // run once the attempt's work commits (OnCommit)
 	traceCtx traceCtx // the span of its handler's attempt
 	rows     []*sql.Rows
@@ -663,6 +700,9 @@ type deliveryTx struct {
 	// batched: rows of batched writes its kept attempts queued, written
 	// when the batch ends (see writeBatched).
 	batched []batchedRow
+	// claims: the keys the batch claimed up front (see ClaimKeysPerBatch);
+	// nil before its claim or without one.
+	claims *batchClaims
 	// topic of the message of a transaction of the transport's own (a
 	// consumer's messages carry theirs in their context).
 	topic string
@@ -853,6 +893,7 @@ func (t *Transport) handleBy(d *deliveryTx, g *gate, msg *message.Message, id in
 func (t *Transport) attempt(d *deliveryTx, g *gate, msg *message.Message, id int64, n int, deadline time.Time, h HandlerFunc) (attemptEnd, error) {
 	a := newAttemptTx(d)
 	a.first = n == 1
+	a.queueID = id
 	if g != nil {
 		if !g.track(a) {
 			return refused, ErrClosing

@@ -30,6 +30,7 @@ type route struct {
 	group string
 	h     HandlerFunc
 	retry RetryPolicy
+	keys  *batchKeys // see ClaimKeysPerBatch; nil: none
 }
 
 // consumer is one consumer of a route: a watermill-sql subscriber claiming
@@ -68,11 +69,12 @@ type batch struct {
 	run sync.Mutex
 
 	mu        sync.Mutex
-	settled   *sync.Cond // on mu: a delivery ended
-	started   time.Time  // the first delivery; BatchTimeout counts from it
-	claimed   int        // messages the claim returned
-	handedOut int        // of those, handed to the consumer so far
-	pending   int        // deliveries under way
+	settled   *sync.Cond     // on mu: a delivery ended
+	started   time.Time      // the first delivery; BatchTimeout counts from it
+	claimed   int            // messages the claim returned
+	keys      []claimRequest // their idempotency keys (see ClaimKeysPerBatch)
+	handedOut int            // of those, handed to the consumer so far
+	pending   int            // deliveries under way
 	// committing: the subscriber commits; nothing more starts.
 	committing bool
 	// commitAsked: the commit was allowed; a failure of the statement
@@ -148,8 +150,10 @@ func (c *consumer) claimLimit() int {
 	return c.t.cfg.BatchSize
 }
 
-// claimedOne counts a message of the current batch's claim.
-func (c *consumer) claimedOne() {
+// claimedOne counts msg, a message of the current batch's claim with
+// queue id id, and notes its key if the batch claims keys (on the
+// subscriber's goroutine, before any middleware can touch the message).
+func (c *consumer) claimedOne(id int64, msg *message.Message) {
 	c.mu.Lock()
 	b := c.cur
 	c.mu.Unlock()
@@ -159,6 +163,11 @@ func (c *consumer) claimedOne() {
 			b.claimDone = time.Now()
 		}
 		b.claimed++
+		if c.rt.keys != nil && msg.Metadata.Get(metaUnreadable) == "" {
+			if scope, key, hash, ok := c.rt.keys.keyOf(msg); ok {
+				b.keys = append(b.keys, claimRequest{id: id, scope: scope, key: key, hash: hash})
+			}
+		}
 		b.mu.Unlock()
 	}
 }
@@ -195,14 +204,16 @@ func (c *consumer) commitQuery() string {
 	if broken {
 		return refuseCommitSQL
 	}
-	if len(b.d.batched) == 0 {
+	giveBack := b.d.claims.giveBack(c.rt.keys)
+	if len(b.d.batched) == 0 && len(giveBack) == 0 {
 		return commitSQL
 	}
 	// The rows the batch's attempts queued go with the commit's
-	// permission, in one round trip; a failure of theirs cannot be pinned
-	// on one message: the batch is then delivered again one message at a
-	// time (see endBatch).
-	if err := b.d.writeBatched(context.Background(), stmt{"allowing commit", allowCommitSQL, nil}); err != nil {
+	// permission, in one round trip, and then the claims of keys no
+	// attempt completed are given back; a failure of theirs cannot be
+	// pinned on one message: the batch is then delivered again one message
+	// at a time (see endBatch).
+	if err := b.d.writeBatched(context.Background(), append(giveBack, stmt{"allowing commit", allowCommitSQL, nil})...); err != nil {
 		b.mu.Lock()
 		b.batchedErr = err
 		b.mu.Unlock()
@@ -445,6 +456,13 @@ func (c *consumer) deliver(msg *message.Message) error {
 		}
 		return nil
 	}
+	c.claimKeys(b)
+	wasKept := false
+	defer func() {
+		if !wasKept {
+			b.d.claims.free(d.id) // a copy later in the batch may take its claim
+		}
+	}()
 	log := c.log.With("message_uuid", msg.UUID)
 	if d.unreadable != "" {
 		c.deadLetter(b, log, d, d.failed+1, Permanent(fmt.Errorf("message %s cannot be read: %s", msg.UUID, d.unreadable)))
@@ -459,6 +477,7 @@ func (c *consumer) deliver(msg *message.Message) error {
 	}
 	for {
 		out, err := c.t.handleBy(&b.d, c.gate, msg, d.id, n, deadline, c.rt.name, c.rt.h)
+		wasKept = out == kept
 		switch out {
 		case kept:
 		case refused:

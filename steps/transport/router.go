@@ -71,6 +71,7 @@ type handlerOptions struct {
 	retry     RetryPolicy
 	consumers int
 	inProcess bool
+	keys      *batchKeys
 }
 
 // WithRetry sets the handler's retry policy instead of Config.Retry.
@@ -140,7 +141,7 @@ func (r *Router) AddHandler(name, topic, consumerGroup string, h HandlerFunc, op
 	h = r.t.wrap(name, consumerGroup, topic, h)
 	r.handlers[name] = true
 	r.subs = append(r.subs, Subscription{Topic: topic, ConsumerGroup: consumerGroup})
-	rt := route{name: name, topic: topic, group: consumerGroup, h: h, retry: o.retry}
+	rt := route{name: name, topic: topic, group: consumerGroup, h: h, retry: o.retry, keys: o.keys}
 	if o.inProcess {
 		r.local.add(rt)
 	}

@@ -102,7 +102,7 @@ func (s schemaAdapter) UnmarshalMessage(row wsql.Scanner) (wsql.Row, error) {
 	}
 	msg.Metadata.Set(metaDelivery, strconv.FormatInt(id, 10)+"/"+strconv.Itoa(attempts))
 	r.Offset, r.Msg = id, msg
-	s.c.claimedOne()
+	s.c.claimedOne(id, msg)
 	return r, nil
 }
 

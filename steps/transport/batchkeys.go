@@ -1,0 +1,193 @@
+package transport
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgsaga/pgsaga/internal/dbtx"
+	"github.com/pgsaga/pgsaga/internal/pgerr"
+)
+
+// KeyOf returns the idempotency key a handler claims for msg: its scope,
+// the key and the request's hash; ok false when it claims none.
+type KeyOf func(msg *message.Message) (scope, key string, hash []byte, ok bool)
+
+// ClaimKeysPerBatch makes the handler's consumers claim the idempotency
+// keys of all the messages of a batch in one statement, before the batch's
+// first attempt, instead of one claim per attempt (the statements are
+// claims' own, see idempotency.Store.BatchKeyClaims); an attempt then finds
+// its message's key claimed with no statement (dbtx.BatchClaimer). A claim
+// whose attempt fails, or whose message is handed back, is free for a copy
+// of the message later in the batch, and the claims no attempt completed
+// are given back when the batch ends, with its other writes. A batch of one
+// message claims as its attempt does. Router handlers only.
+func ClaimKeysPerBatch(keyOf KeyOf, claims dbtx.KeyClaims) HandlerOption {
+	return func(o *handlerOptions) { o.keys = &batchKeys{keyOf: keyOf, claims: claims} }
+}
+
+// batchKeys is a route's ClaimKeysPerBatch.
+type batchKeys struct {
+	keyOf  KeyOf
+	claims dbtx.KeyClaims
+}
+
+// claimRequest is the key a message of a batch claims.
+type claimRequest struct {
+	id         int64 // its queue row
+	scope, key string
+	hash       []byte
+}
+
+// batchClaims are the keys a batch claimed up front.
+type batchClaims struct {
+	mu     sync.Mutex
+	owner  map[string]int64 // scope NUL key: the queue id of the message holding it; 0 free
+	hash   map[string][]byte
+	scopes []string // every key claimed, for the give-back
+	keys   []string
+}
+
+func claimKey(scope, key string) string { return scope + "\x00" + key }
+
+var _ dbtx.BatchClaimer = (*attemptTx)(nil)
+
+// ClaimedInBatch reports whether the batch claimed key for the attempt's
+// message; see dbtx.BatchClaimer.
+func (a *attemptTx) ClaimedInBatch(scope, key string, hash []byte) bool {
+	if a.d == nil || a.d.claims == nil || a.queueID == 0 {
+		return false
+	}
+	a.mu.Lock()
+	over := a.over
+	a.mu.Unlock()
+	if over {
+		return false
+	}
+	cl := a.d.claims
+	cl.mu.Lock()
+	defer cl.mu.Unlock()
+	k := claimKey(scope, key)
+	owner, ok := cl.owner[k]
+	switch {
+	case !ok || !bytes.Equal(cl.hash[k], hash):
+		return false
+	case owner == 0:
+		cl.owner[k] = a.queueID // freed by a failed attempt of another copy
+		return true
+	}
+	return owner == a.queueID
+}
+
+// free frees the claims the message with queue id holds: its attempt
+// failed or it was handed back.
+func (cl *batchClaims) free(id int64) {
+	if cl == nil {
+		return
+	}
+	cl.mu.Lock()
+	defer cl.mu.Unlock()
+	for k, owner := range cl.owner {
+		if owner == id {
+			cl.owner[k] = 0
+		}
+	}
+}
+
+// giveBack is the statement that deletes the batch's claims no attempt
+// completed, or none.
+func (cl *batchClaims) giveBack(bk *batchKeys) []stmt {
+	if cl == nil || len(cl.keys) == 0 {
+		return nil
+	}
+	q, args := bk.claims.GiveBack(cl.scopes, cl.keys)
+	return []stmt{{name: "giving back unused idempotency claims", query: q, args: args}}
+}
+
+// preludeSavepoint brackets the batch's claim, so that a claim that fails
+// (a lock held longer than lock_timeout by another batch's claim of the
+// same key) leaves the batch usable: its attempts then claim one by one.
+const (
+	openPreludeSQL     = "SAVEPOINT pgsaga_prelude"
+	releasePreludeSQL  = "RELEASE SAVEPOINT pgsaga_prelude"
+	rollbackPreludeSQL = "ROLLBACK TO SAVEPOINT pgsaga_prelude; RELEASE SAVEPOINT pgsaga_prelude"
+)
+
+// claimKeys claims the keys of the batch's messages (see
+// ClaimKeysPerBatch), once, before its first attempt.
+func (c *consumer) claimKeys(b *batch) {
+	bk := c.rt.keys
+	if bk == nil || b.d.claims != nil {
+		return
+	}
+	b.d.claims = &batchClaims{owner: map[string]int64{}, hash: map[string][]byte{}}
+	b.mu.Lock()
+	reqs := b.keys
+	b.mu.Unlock()
+	var (
+		scopes, keys []string
+		hashes       [][]byte
+		ids          []int64
+		seen         = map[string]bool{}
+	)
+	for _, r := range reqs {
+		if !claimable(r.scope) || !claimable(r.key) || len(r.hash) == 0 || seen[claimKey(r.scope, r.key)] {
+			continue
+		}
+		seen[claimKey(r.scope, r.key)] = true
+		scopes, keys, hashes, ids = append(scopes, r.scope), append(keys, r.key), append(hashes, r.hash), append(ids, r.id)
+	}
+	if len(keys) < 2 {
+		return // one claim costs what its attempt's would
+	}
+	q, args := bk.claims.Claim(scopes, keys, hashes)
+	byKey := map[string]int{}
+	for i := range keys {
+		byKey[claimKey(scopes[i], keys[i])] = i
+	}
+	cl := b.d.claims
+	err := b.d.c.sendReading(context.Background(), []stmt{
+		{name: "opening the batch's claim", query: openPreludeSQL},
+		{name: "claiming the batch's keys", query: q, args: args},
+		{name: "closing the batch's claim", query: releasePreludeSQL},
+	}, 1, func(rows pgx.Rows) error {
+		for rows.Next() {
+			var scope, key string
+			if err := rows.Scan(&scope, &key); err != nil {
+				return err
+			}
+			k := claimKey(scope, key)
+			i, ok := byKey[k]
+			if !ok {
+				return fmt.Errorf("transport: the batch's claim returned a key it did not ask for")
+			}
+			cl.owner[k], cl.hash[k] = ids[i], hashes[i]
+			cl.scopes, cl.keys = append(cl.scopes, scope), append(cl.keys, key)
+		}
+		return rows.Err()
+	})
+	if err == nil {
+		return
+	}
+	// Nobody holds a claim: the attempts claim one by one. Whatever the
+	// claim did, should it have taken effect (its savepoint released before
+	// the failure), is given back when the batch ends.
+	b.d.claims = &batchClaims{owner: map[string]int64{}, hash: map[string][]byte{}, scopes: scopes, keys: keys}
+	rerr := b.d.c.rollbackTo(context.Background(), "rolling back the batch's claim", rollbackPreludeSQL)
+	if rerr != nil && !pgerr.Is(rerr, pgerrcode.InvalidSavepointSpecification) {
+		c.log.Warn("transport: rolling back a batch's claim of its keys failed", "err", rerr, "cause", err)
+		return
+	}
+	c.log.Debug("transport: claiming a batch's keys failed; its attempts claim one by one", "err", err)
+}
+
+// claimable reports whether s is text PostgreSQL stores: a key that is not
+// is left to its attempt, which fails it.
+func claimable(s string) bool { return s != "" && utf8.ValidString(s) && !strings.ContainsRune(s, 0) }
