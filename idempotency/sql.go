@@ -23,6 +23,11 @@ ORDER BY u.scope, u.key
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING scope, key`
 
+	// rehashSQL stores the request hash of a batch's claim that its
+	// attempt takes with another (see dbtx.BatchClaimer).
+	rehashSQL = `UPDATE idempotency_keys SET request_hash = $3
+WHERE scope = $1 AND key = $2 AND status = 'pending' AND lease_token IS NULL`
+
 	// giveBackSQL deletes the claims among ($1, $2) that no attempt
 	// completed: single-phase claims still pending.
 	giveBackSQL = `DELETE FROM idempotency_keys k
@@ -64,11 +69,20 @@ WHERE scope = $1 AND key = $2 AND status = 'pending' AND lease_token IS NULL`
 
 	// completeManySQL is completeSQL for many claims at once (see
 	// completeWrite), with no response code or metadata.
-	completeManySQL = `UPDATE idempotency_keys k
-SET status = u.status, response_code = 0, response = u.response, response_meta = NULL,
-    completed_at = now(), updated_at = now()
-FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[]) AS u(scope, key, status, response)
-WHERE k.scope = u.scope AND k.key = u.key AND k.status = 'pending' AND k.lease_token IS NULL`
+	// Every row must find its pending claim (the attempts claimed them in
+	// this transaction): a completion that finds none fails the statement,
+	// and so its batch, instead of leaving a step done with no key stored.
+	completeManySQL = `WITH done AS (
+    UPDATE idempotency_keys k
+    SET status = u.status, response_code = 0, response = u.response, response_meta = NULL,
+        completed_at = now(), updated_at = now()
+    FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[]) AS u(scope, key, status, response)
+    WHERE k.scope = u.scope AND k.key = u.key AND k.status = 'pending' AND k.lease_token IS NULL
+    RETURNING 1
+)
+SELECT CASE WHEN n = cardinality($1::text[]) THEN n
+    ELSE ('completing idempotency keys: ' || n || ' of ' || cardinality($1::text[]) || ' found their pending claim')::int END
+FROM (SELECT count(*)::int AS n FROM done) AS c`
 
 	// completeLeaseSQL finishes a two-phase claim, fenced on the lease
 	// token: a worker whose lease was taken over updates nothing.

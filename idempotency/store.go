@@ -241,8 +241,17 @@ func (s *Store) claimTx(ctx context.Context, tx DBTX, req Request, lockTimeout s
 	if err := req.validate(); err != nil {
 		return Claim{}, err
 	}
-	if bc, ok := tx.(dbtx.BatchClaimer); ok && bc.ClaimedInBatch(req.Scope, req.Key, req.Hash) {
-		return Claim{Execute: true}, nil // claimed with the batch's other keys
+	if bc, ok := tx.(dbtx.BatchClaimer); ok {
+		if claimed, rehash := bc.ClaimedInBatch(req.Scope, req.Key, req.Hash); claimed {
+			// Claimed with the batch's other keys; stored with this
+			// request's hash if the batch's was another.
+			if rehash {
+				if _, err := tx.ExecContext(ctx, rehashSQL, req.Scope, req.Key, req.Hash); err != nil {
+					return Claim{}, s.claimError(req, err)
+				}
+			}
+			return Claim{Execute: true}, nil
+		}
 	}
 	var (
 		attempts int

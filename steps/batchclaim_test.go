@@ -2,6 +2,7 @@ package steps_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -51,6 +52,12 @@ func (c *claimCounter) note(sql string) {
 // the queue takes them all), with attempts as given.
 func batchWorld(t *testing.T, e *env, maxAttempts int, cmds ...*message.Message) *claimCounter {
 	t.Helper()
+	return batchWorldWith(t, e, maxAttempts, nil, cmds...)
+}
+
+// batchWorldWith is batchWorld with router middleware.
+func batchWorldWith(t *testing.T, e *env, maxAttempts int, mw []message.HandlerMiddleware, cmds ...*message.Message) *claimCounter {
+	t.Helper()
 	var cc claimCounter
 	ctx := context.Background()
 	db, err := pgdb.Open(ctx, pgdb.Config{URL: e.db.URL, MaxConns: 4, Tracer: &cc})
@@ -74,6 +81,7 @@ func batchWorld(t *testing.T, e *env, maxAttempts int, cmds ...*message.Message)
 	require.NoError(t, tx.Commit())
 	r, err := tr.NewRouter()
 	require.NoError(t, err)
+	r.AddMiddleware(mw...)
 	require.NoError(t, rt.Register(r, e.step))
 	require.NoError(t, r.Start(ctx))
 	t.Cleanup(func() { require.NoError(t, r.Stop()) })
@@ -162,4 +170,65 @@ func TestABatchClaimIsForItsCommandOnly(t *testing.T) {
 	assert.Equal(t, reused.UUID, dead[0].UUID)
 	assert.Contains(t, dead[0].Metadata["dead_letter_reason"], idempotency.ErrKeyReused.Error())
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.ledger))
+}
+
+// The batch's claim belongs to its transaction, whatever came before it: a
+// first message no handler was called for (a middleware refused it: its
+// failure is recorded, with the next attempt's savepoint opened ahead), then
+// a message whose attempt fails, and the claims of the others still hold:
+// each of them runs once, in that batch, and every key is stored.
+func TestTheBatchClaimOutlivesAFailedAttempt(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	e.failN = 1
+	refused := e.command("refused", 10)
+	cmds := []*message.Message{refused, e.command("flaky", 0), e.command("ok-1", 10), e.command("ok-2", 10)}
+	var refusals atomic.Int32
+	refuse := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			if msg.UUID == refused.UUID && refusals.Add(1) == 1 {
+				return nil, assert.AnError // the handler is not called, once
+			}
+			return h(msg)
+		}
+	}
+	batchWorldWith(t, e, 4, []message.HandlerMiddleware{refuse}, cmds...)
+	assert.Empty(t, e.deadLetters())
+	assert.Equal(t, 1, e.attemptsOf("ok-1"), "ran once: its batch was not abandoned")
+	assert.Equal(t, 1, e.attemptsOf("ok-2"))
+	assert.Equal(t, 4, e.count(`SELECT count(*) FROM `+e.ledger))
+	assert.Equal(t, 4, e.count(`SELECT count(*) FROM idempotency_keys WHERE scope = $1 AND status = 'completed'`, e.step.Name), "every key stored")
+}
+
+// A middleware that changes a message after its batch claimed its key:
+// the attempt's request hash is what is stored, as without a batch claim,
+// and a copy delivered later is answered from it.
+func TestAClaimTakesTheAttemptsHash(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	cmds := []*message.Message{e.command("a", 10), e.command("b", 10)}
+	upcast := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			msg.Payload = []byte(strings.Replace(string(msg.Payload), `"amount":10`, `"amount":11`, 1))
+			return h(msg)
+		}
+	}
+	batchWorldWith(t, e, 1, []message.HandlerMiddleware{upcast}, cmds...)
+	assert.Empty(t, e.deadLetters(), "not taken for a key reused")
+	assert.Equal(t, 22, e.count(`SELECT sum(amount)::int FROM `+e.ledger), "the middleware's payloads ran")
+	// A copy of a, as the middleware makes it, is answered from the store.
+	copyOfA := e.command("a", 11)
+	replies := len(e.messages(e.replies))
+	e.deliverOnce(copyOfA)
+	assert.Empty(t, e.deadLetters())
+	assert.Len(t, e.messages(e.replies), replies+1)
+	assert.Equal(t, 2, e.count(`SELECT count(*) FROM `+e.ledger), "no second effect")
+}
+
+// deliverOnce runs e's step for msg in a transaction of its own.
+func (e *env) deliverOnce(msg *message.Message) {
+	e.t.Helper()
+	if err := e.rt.Execute(context.Background(), e.step, msg); err != nil && !errors.Is(err, transport.ErrDeadLettered) {
+		require.NoError(e.t, err)
+	}
 }

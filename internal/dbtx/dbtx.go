@@ -101,9 +101,11 @@ type KeyClaims struct {
 // BatchClaimer is offered by the transaction of a delivery attempt whose
 // batch claimed keys up front (see KeyClaims).
 type BatchClaimer interface {
-	// ClaimedInBatch reports whether the batch claimed key of scope, with
-	// request hash hash, for the attempt's message and no other attempt
-	// holds that claim now: the claim is then the attempt's, with no
-	// statement.
-	ClaimedInBatch(scope, key string, hash []byte) bool
+	// ClaimedInBatch reports whether the batch claimed key of scope for
+	// the attempt's message, or holds a claim of it nobody holds now (its
+	// attempt failed): the claim is then the attempt's, with no statement.
+	// rehash: the claim was made with another request hash than hash (a
+	// middleware changed the message, or another message's claim was
+	// freed), which the caller must store.
+	ClaimedInBatch(scope, key string, hash []byte) (claimed, rehash bool)
 }

@@ -2,6 +2,7 @@ package transport_test
 
 import (
 	"encoding/json"
+	"fmt"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -263,4 +264,42 @@ func TestAnUnstorablePublishFailsAtOnce(t *testing.T) {
 		assert.ErrorIs(t, err, transport.ErrUnstorable, name)
 		assert.True(t, transport.IsPermanent(err), name)
 	}
+}
+
+// Rows an earlier attempt queued that fail when written for a later one
+// (which read a row they change: dbtx.ErrBatchedPending) are not the later
+// message's fault: it is charged no attempt, and the batch is delivered
+// again one message a batch, where the message at fault is found.
+func TestAFailedEarlyWriteIsNotPinnedOnTheMessageThatAskedForIt(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, func(c *transport.Config) {
+		c.BatchSize = 50
+		c.BatchTimeout = time.Minute
+		c.Retry.MaxAttempts = 3
+	})
+	rec := newRecorder(e)
+	ids := e.publish(2) // bad, then asking
+	bad, asking := ids[0], ids[1]
+	var asked atomic.Bool
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		tx, _ := transport.TxFromContext(msg.Context())
+		attempt := strconv.Itoa(transport.AttemptFromContext(msg.Context()))
+		switch msg.UUID {
+		case bad:
+			attempt = "x" // kept, but its row fails when written
+		case asking:
+			if !asked.Swap(true) {
+				return fmt.Errorf("a row it reads is queued: %w", dbtx.ErrBatchedPending)
+			}
+		}
+		return dbtx.WriteBatched(msg.Context(), tx, rec.w, []any{msg.UUID, attempt})
+	}))
+	startRouter(t, r)
+	e.drained(e.in, "g", 20*time.Second)
+	dead := e.deadLetters(e.in)
+	require.Len(t, dead, 1)
+	assert.Equal(t, bad, dead[0].UUID)
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE msg = $1 AND attempt = 1`, asking), "done in its first attempt: none was charged")
 }

@@ -61,29 +61,31 @@ var _ dbtx.BatchClaimer = (*attemptTx)(nil)
 
 // ClaimedInBatch reports whether the batch claimed key for the attempt's
 // message; see dbtx.BatchClaimer.
-func (a *attemptTx) ClaimedInBatch(scope, key string, hash []byte) bool {
+func (a *attemptTx) ClaimedInBatch(scope, key string, hash []byte) (claimed, rehash bool) {
 	if a.d == nil || a.d.claims == nil || a.queueID == 0 {
-		return false
+		return false, false
 	}
+	// a.mu, then the claims' lock: an attempt cut off meanwhile (its
+	// handler goroutine may go on) takes nothing back that deliver freed.
 	a.mu.Lock()
-	over := a.over
-	a.mu.Unlock()
-	if over {
-		return false
+	defer a.mu.Unlock()
+	if a.over {
+		return false, false
 	}
 	cl := a.d.claims
 	cl.mu.Lock()
 	defer cl.mu.Unlock()
 	k := claimKey(scope, key)
 	owner, ok := cl.owner[k]
-	switch {
-	case !ok || !bytes.Equal(cl.hash[k], hash):
-		return false
-	case owner == 0:
-		cl.owner[k] = a.queueID // freed by a failed attempt of another copy
-		return true
+	if !ok || (owner != 0 && owner != a.queueID) {
+		return false, false
 	}
-	return owner == a.queueID
+	cl.owner[k] = a.queueID
+	if !bytes.Equal(cl.hash[k], hash) {
+		cl.hash[k] = bytes.Clone(hash)
+		return true, true
+	}
+	return true, false
 }
 
 // free frees the claims the message with queue id holds: its attempt
@@ -138,7 +140,7 @@ func (c *consumer) claimKeys(b *batch) {
 		seen         = map[string]bool{}
 	)
 	for _, r := range reqs {
-		if !claimable(r.scope) || !claimable(r.key) || len(r.hash) == 0 || seen[claimKey(r.scope, r.key)] {
+		if !claimable(r.scope, 200) || !claimable(r.key, 255) || len(r.hash) == 0 || seen[claimKey(r.scope, r.key)] {
 			continue
 		}
 		seen[claimKey(r.scope, r.key)] = true
@@ -153,11 +155,20 @@ func (c *consumer) claimKeys(b *batch) {
 		byKey[claimKey(scopes[i], keys[i])] = i
 	}
 	cl := b.d.claims
-	err := b.d.c.sendReading(context.Background(), []stmt{
-		{name: "opening the batch's claim", query: openPreludeSQL},
-		{name: "claiming the batch's keys", query: q, args: args},
-		{name: "closing the batch's claim", query: releasePreludeSQL},
-	}, 1, func(rows pgx.Rows) error {
+	// The claim belongs to the transaction: a savepoint opened ahead for
+	// an attempt (after a message whose handler was never reached) is
+	// released first, or a failure of that attempt would take the claim
+	// with it.
+	var first []stmt
+	if b.d.spOpen {
+		first = []stmt{{name: "closing the unused attempt", query: releaseAttemptSQL}}
+		b.d.spOpen = false
+	}
+	err := b.d.c.sendReading(context.Background(), append(first,
+		stmt{name: "opening the batch's claim", query: openPreludeSQL},
+		stmt{name: "claiming the batch's keys", query: q, args: args},
+		stmt{name: "closing the batch's claim", query: releasePreludeSQL},
+	), len(first)+1, func(rows pgx.Rows) error {
 		for rows.Next() {
 			var scope, key string
 			if err := rows.Scan(&scope, &key); err != nil {
@@ -188,6 +199,9 @@ func (c *consumer) claimKeys(b *batch) {
 	c.log.Debug("transport: claiming a batch's keys failed; its attempts claim one by one", "err", err)
 }
 
-// claimable reports whether s is text PostgreSQL stores: a key that is not
-// is left to its attempt, which fails it.
-func claimable(s string) bool { return s != "" && utf8.ValidString(s) && !strings.ContainsRune(s, 0) }
+// claimable reports whether s is text PostgreSQL stores, at most max
+// bytes long (idempotency_keys' checks count characters, which are no
+// more): a key that is not is left to its attempt, which fails it.
+func claimable(s string, max int) bool {
+	return s != "" && len(s) <= max && utf8.ValidString(s) && !strings.ContainsRune(s, 0)
+}

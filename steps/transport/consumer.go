@@ -212,7 +212,10 @@ func (c *consumer) commitQuery() string {
 	// permission, in one round trip, and then the claims of keys no
 	// attempt completed are given back; a failure of theirs cannot be
 	// pinned on one message: the batch is then delivered again one message
-	// at a time (see endBatch).
+	// at a time (see endBatch). The connection is the attempts' (a
+	// middleware may have returned before the attempt it started ended).
+	b.run.Lock()
+	defer b.run.Unlock()
 	if err := b.d.writeBatched(context.Background(), append(giveBack, stmt{"allowing commit", allowCommitSQL, nil})...); err != nil {
 		b.mu.Lock()
 		b.batchedErr = err
@@ -284,6 +287,9 @@ func (c *consumer) endBatch(err error) (again bool) {
 	commitFailed := b.commitAsked && failedOnServer(err) && !expired
 	if commitFailed && b.batchedErr != nil {
 		err = b.batchedErr
+	}
+	if b.culprit == nil && !b.commitAsked && b.batchedErr != nil && len(b.attempted) > 1 {
+		commitFailed, err = true, b.batchedErr // written before the end (see breakBatchedWrite)
 	}
 	switch {
 	case b.culprit != nil:
@@ -401,6 +407,7 @@ func (tk *ticket) settle(mwErr error) {
 	}
 	b.run.Lock()
 	defer b.run.Unlock()
+	b.d.claims.free(tk.d.id)
 	tk.c.fail(b, tk.c.log.With("message_uuid", tk.uuid), tk.d, tk.d.failed+1, cause)
 }
 
@@ -450,19 +457,19 @@ func (c *consumer) deliver(msg *message.Message) error {
 	b, d := tk.b, tk.d
 	b.run.Lock()
 	defer b.run.Unlock()
-	if ok, late := b.start(d, c.t.cfg, c.gate.closing()); !ok {
-		if late {
-			c.t.late.tell(c.log, b)
-		}
-		return nil
-	}
-	c.claimKeys(b)
+	c.claimKeys(b) // before the batch's first start, which counts its time
 	wasKept := false
 	defer func() {
 		if !wasKept {
 			b.d.claims.free(d.id) // a copy later in the batch may take its claim
 		}
 	}()
+	if ok, late := b.start(d, c.t.cfg, c.gate.closing()); !ok {
+		if late {
+			c.t.late.tell(c.log, b)
+		}
+		return nil
+	}
 	log := c.log.With("message_uuid", msg.UUID)
 	if d.unreadable != "" {
 		c.deadLetter(b, log, d, d.failed+1, Permanent(fmt.Errorf("message %s cannot be read: %s", msg.UUID, d.unreadable)))
@@ -491,7 +498,7 @@ func (c *consumer) deliver(msg *message.Message) error {
 				// again.
 				wrote = true
 				if werr := b.d.writeBatched(context.Background()); werr != nil {
-					c.breakBatch(b, log, d, n, errors.Join(err, werr))
+					c.breakBatchedWrite(b, log, werr)
 					return nil
 				}
 				continue
@@ -573,6 +580,23 @@ func (c *consumer) breakBatch(b *batch, log *slog.Logger, d delivery, n int, cau
 			level = slog.LevelInfo
 		}
 		log.Log(context.Background(), level, "delivery batch abandoned; its messages will be delivered again", "cause", cause)
+	}
+}
+
+// breakBatchedWrite gives up on the batch when writing the rows its kept
+// attempts queued failed before its end: the rows are theirs, not the
+// message's under way, so no attempt is charged; the batch's messages are
+// delivered again one a batch (see endBatch), which finds the one at
+// fault.
+func (c *consumer) breakBatchedWrite(b *batch, log *slog.Logger, err error) {
+	b.mu.Lock()
+	first := b.broken == nil
+	if first {
+		b.broken, b.batchedErr = err, err
+	}
+	b.mu.Unlock()
+	if first {
+		log.Warn("delivery batch abandoned: writing what its attempts queued failed; its messages will be delivered one at a time", "err", err)
 	}
 }
 

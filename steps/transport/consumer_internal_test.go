@@ -325,48 +325,37 @@ func TestMentionsSavepoint(t *testing.T) {
 }
 
 // A batch's claim of a key is its message's: another message's attempt
-// does not get it while it is held, gets it once it is freed, and never
-// with another request hash; an in-process delivery (no queue row) or an
-// attempt that is over gets none.
+// does not get it while it is held, gets it once it is freed; an attempt
+// that gets it with another request hash is told to store its own; an
+// in-process delivery (no queue row) or an attempt that is over gets none.
 func TestClaimedInBatch(t *testing.T) {
 	d := &deliveryTx{claims: &batchClaims{owner: map[string]int64{}, hash: map[string][]byte{}}}
 	k := claimKey("step", "key-1")
 	d.claims.owner[k], d.claims.hash[k] = 7, []byte{1}
 	attempt := func(id int64) *attemptTx { return &attemptTx{d: d, queueID: id} }
+	check := func(what string, a *attemptTx, scope, key string, hash []byte, claimed, rehash bool) {
+		t.Helper()
+		c, r := a.ClaimedInBatch(scope, key, hash)
+		if c != claimed || r != rehash {
+			t.Fatalf("%s: got claimed %v, rehash %v; want %v, %v", what, c, r, claimed, rehash)
+		}
+	}
 	hash := []byte{1}
-	if !attempt(7).ClaimedInBatch("step", "key-1", hash) {
-		t.Fatal("the owner's attempt gets its claim")
-	}
-	if !attempt(7).ClaimedInBatch("step", "key-1", hash) {
-		t.Fatal("so does its next attempt (after an awaited call, say)")
-	}
-	if attempt(8).ClaimedInBatch("step", "key-1", hash) {
-		t.Fatal("another message does not, while the owner holds it")
-	}
-	if attempt(7).ClaimedInBatch("step", "key-2", hash) || attempt(7).ClaimedInBatch("other", "key-1", hash) {
-		t.Fatal("a key the batch did not claim is nobody's")
-	}
+	check("the owner's attempt gets its claim", attempt(7), "step", "key-1", hash, true, false)
+	check("so does its next attempt (after an awaited call, say)", attempt(7), "step", "key-1", hash, true, false)
+	check("another message does not, while the owner holds it", attempt(8), "step", "key-1", hash, false, false)
+	check("a key the batch did not claim is nobody's", attempt(7), "step", "key-2", hash, false, false)
+	check("nor one of another scope", attempt(7), "other", "key-1", hash, false, false)
+	check("the owner whose message a middleware changed stores its hash", attempt(7), "step", "key-1", []byte{3}, true, true)
+	check("once", attempt(7), "step", "key-1", []byte{3}, true, false)
 	d.claims.free(7)
-	if attempt(8).ClaimedInBatch("step", "key-1", []byte{2}) {
-		t.Fatal("a freed claim is not taken with another request hash")
-	}
-	if attempt(0).ClaimedInBatch("step", "key-1", hash) {
-		t.Fatal("an in-process delivery has no claim of the batch's")
-	}
+	check("an in-process delivery has no claim of the batch's", attempt(0), "step", "key-1", hash, false, false)
 	over := attempt(8)
 	over.over = true
-	if over.ClaimedInBatch("step", "key-1", hash) {
-		t.Fatal("an attempt that is over gets nothing")
-	}
-	if !attempt(8).ClaimedInBatch("step", "key-1", hash) {
-		t.Fatal("a freed claim goes to the next copy")
-	}
-	if attempt(7).ClaimedInBatch("step", "key-1", hash) {
-		t.Fatal("and is then that copy's")
-	}
+	check("an attempt that is over gets nothing", over, "step", "key-1", []byte{3}, false, false)
+	check("a freed claim goes to the next copy, with its hash", attempt(8), "step", "key-1", []byte{2}, true, true)
+	check("and is then that copy's", attempt(7), "step", "key-1", []byte{2}, false, false)
 	var none *batchClaims
 	none.free(7) // a batch without claims frees nothing
-	if (&attemptTx{d: &deliveryTx{}, queueID: 7}).ClaimedInBatch("step", "key-1", hash) {
-		t.Fatal("a batch without claims has none")
-	}
+	check("a batch without claims has none", &attemptTx{d: &deliveryTx{}, queueID: 7}, "step", "key-1", hash, false, false)
 }
