@@ -62,6 +62,11 @@ func (s *Service) Project(msg *message.Message) error {
 		return transport.Permanent(fmt.Errorf("orders: projection: message %s is not an order event (stream %q, version %q)",
 			msg.UUID, stream, msg.Metadata.Get(events.MetaVersion)))
 	}
+	if o, ok := knownAfter(ctx, stream, version); ok {
+		// Projected inline by the append that knew the order before it:
+		// no need to read the stream back.
+		return upsertView(ctx, tx, o)
+	}
 	var o Order
 	v, err := s.cfg.Events.FoldTx(ctx, tx, stream, version, &o)
 	if err != nil {
@@ -74,6 +79,41 @@ func (s *Service) Project(msg *message.Message) error {
 		return transport.Permanent(fmt.Errorf("orders: projection: message %s names %s version %d, which does not exist", msg.UUID, stream, version))
 	}
 	return upsertView(ctx, tx, o)
+}
+
+// known is an order's state as its appender read it, carried in the
+// append's context to its inline projection (see withKnown).
+type known struct {
+	stream string
+	order  Order
+}
+
+type knownKey struct{}
+
+// withKnown returns ctx carrying o, the state of stream before the append
+// made under it: the inline projection of that append applies the event
+// to it instead of folding the stream again.
+func withKnown(ctx context.Context, stream string, o Order) context.Context {
+	return context.WithValue(ctx, knownKey{}, known{stream: stream, order: o})
+}
+
+// knownAfter returns the order of stream at version, if ctx carries its
+// state just before (withKnown) and the event at version as its append
+// recorded it (events.RecordedFromContext).
+func knownAfter(ctx context.Context, stream string, version int) (Order, bool) {
+	k, ok := ctx.Value(knownKey{}).(known)
+	if !ok || k.stream != stream || k.order.Version != version-1 {
+		return Order{}, false
+	}
+	r, ok := events.RecordedFromContext(ctx)
+	if !ok || r.StreamID != stream || r.Version != version {
+		return Order{}, false
+	}
+	o := k.order
+	if err := o.Apply(r); err != nil {
+		return Order{}, false // the fold says what is wrong
+	}
+	return o, true
 }
 
 func upsertView(ctx context.Context, tx transport.Tx, o Order) error {

@@ -247,7 +247,7 @@ func (s *Service) place(ctx context.Context, tx idempotency.DBTX, req PlaceReque
 	}
 	id := uuid.New()
 	placed := Placed{OrderID: id, CustomerID: req.CustomerID, AmountCents: req.AmountCents, Note: req.Note}
-	if _, err := s.cfg.Events.AppendTx(ctx, tx, Stream(id), 0, events.Metadata{CorrelationID: id.String(), IdempotencyKey: req.Key}, placed); err != nil {
+	if _, err := s.cfg.Events.AppendTx(withKnown(ctx, Stream(id), Order{}), tx, Stream(id), 0, events.Metadata{CorrelationID: id.String(), IdempotencyKey: req.Key}, placed); err != nil {
 		return idempotency.Response{}, err
 	}
 	msg, err := steps.NewMessage(OrderCreated{OrderID: id, CustomerID: req.CustomerID, AmountCents: req.AmountCents}, steps.Envelope{
@@ -309,7 +309,7 @@ func (s *Service) cancelByCustomer(ctx context.Context, id uuid.UUID, reason str
 	case o.Status == StatusConfirmed:
 		return fmt.Errorf("%w: %s", ErrAlreadyConfirmed, id)
 	}
-	if _, err := s.cfg.Events.AppendTx(ctx, tx, Stream(id), v, events.Metadata{CorrelationID: id.String()}, Cancelled{By: ByCustomer, Reason: reason}); err != nil {
+	if _, err := s.cfg.Events.AppendTx(withKnown(ctx, Stream(id), o), tx, Stream(id), v, events.Metadata{CorrelationID: id.String()}, Cancelled{By: ByCustomer, Reason: reason}); err != nil {
 		return err
 	}
 	if err := tx.Commit(); err != nil {
@@ -350,7 +350,7 @@ func (s *Service) confirm(ctx context.Context, tx *steps.Tx, cmd ConfirmOrder) (
 		reason := "order cancelled by " + o.CancelledBy
 		return nil, steps.Fail(ConfirmRejected{OrderID: cmd.OrderID, Reason: reason}, reason)
 	}
-	if _, err := tx.Append(ctx, Stream(cmd.OrderID), v, Confirmed{}); err != nil {
+	if _, err := tx.Append(withKnown(ctx, Stream(cmd.OrderID), o), Stream(cmd.OrderID), v, Confirmed{}); err != nil {
 		return nil, err
 	}
 	return OrderConfirmed{OrderID: cmd.OrderID}, nil
@@ -367,7 +367,7 @@ func (s *Service) cancel(ctx context.Context, tx *steps.Tx, cmd CancelOrder) (st
 	case o.Status == StatusCancelled:
 		return OrderCancelled{OrderID: cmd.OrderID, AlreadyCancelled: true}, nil
 	}
-	if _, err := tx.Append(ctx, Stream(cmd.OrderID), v, Cancelled{By: BySaga, Reason: cmd.Reason}); err != nil {
+	if _, err := tx.Append(withKnown(ctx, Stream(cmd.OrderID), o), Stream(cmd.OrderID), v, Cancelled{By: BySaga, Reason: cmd.Reason}); err != nil {
 		return nil, err
 	}
 	return OrderCancelled{OrderID: cmd.OrderID}, nil

@@ -366,9 +366,9 @@ func (c *Client) project(ctx context.Context, tx events.DBTX, topic string, msgs
 	if len(ps) == 0 {
 		return nil
 	}
-	ctx = transport.ContextWithTx(ctx, tx)
 	for _, m := range msgs {
-		m.SetContext(ctx)
+		// Its context is the append's, with what the event store adds.
+		m.SetContext(transport.ContextWithTx(m.Context(), tx))
 		for _, p := range ps {
 			if err := p.Handle(m); err != nil {
 				return fmt.Errorf("saga: inline projection %s: %w", p.Name, err)

@@ -270,6 +270,9 @@ func (s *Store) project(ctx context.Context, tx DBTX, recorded []Recorded, paylo
 		return nil
 	}
 	msgs := messages(recorded, payloads)
+	for i, m := range msgs {
+		m.SetContext(context.WithValue(ctx, recordedKey{}, recorded[i]))
+	}
 	if s.cfg.Project != nil {
 		if err := s.cfg.Project(ctx, tx, topic, msgs); err != nil {
 			return fmt.Errorf("events: projecting events of %s: %w", recorded[0].StreamID, err)
@@ -282,6 +285,18 @@ func (s *Store) project(ctx context.Context, tx DBTX, recorded []Recorded, paylo
 		return fmt.Errorf("events: publishing events of %s: %w", recorded[0].StreamID, err)
 	}
 	return nil
+}
+
+type recordedKey struct{}
+
+// RecordedFromContext returns the event an inline projection's message
+// carries, as its append recorded it (Data the appender's own value), so
+// that a projection that knows the stream's state before it can apply it
+// without reading the stream (see Config.Project); false for a message
+// delivered any other way.
+func RecordedFromContext(ctx context.Context) (Recorded, bool) {
+	r, ok := ctx.Value(recordedKey{}).(Recorded)
+	return r, ok
 }
 
 // messages are the event messages of recorded, as they are published.
