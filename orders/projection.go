@@ -43,6 +43,9 @@ type View struct {
 // transaction, and writes the state only if it is newer than the row (a
 // guarded upsert). A late event therefore never moves a row back, and a
 // reordered one brings the state of its version, not a partial delta.
+// Inline, in the transaction of an append whose appender read the order
+// (Place, the confirm and cancel steps, CancelByCustomer), it applies the
+// event to that state instead of reading the stream again.
 func (s *Service) Projection() saga.Projection {
 	return saga.Projection{Name: ProjectionName, Topic: EventsTopic, Handle: s.Project}
 }
