@@ -300,7 +300,11 @@ type attemptTx struct {
 	d       *deliveryTx
 	// queueID is the queue row of the message whose attempt this is (0
 	// for an in-process delivery), for the batch's claims.
-	queueID  int64
+	queueID int64
+	// touched: something of the attempt reached the server (a statement
+	// of its handler, its queued writes, an in-process delivery); an
+	// attempt that fails untouched has nothing to roll back.
+	touched  atomic.Bool
 	hooks    []func() // run once the attempt's work commits (OnCommit)
 	traceCtx traceCtx // the span of its handler's attempt
 	rows     []*sql.Rows
@@ -387,6 +391,7 @@ func (a *attemptTx) before(ctx context.Context, query string) error {
 	if err := a.usable(); err != nil {
 		return err
 	}
+	a.touched.Store(true) // the statement, and what goes first, reach the server
 	stmts := a.queue
 	if len(a.batched) > 0 && mentionsSavepoint(query) {
 		bs, err := batchedStatements(a.batched)
@@ -746,6 +751,7 @@ func (a *attemptTx) keep(ctx context.Context, d *deliveryTx, id int64) error {
 		stmts, rows = append(stmts, bs...), nil
 	}
 	stmts, ahead := d.ending(stmts)
+	a.touched.Store(true)
 	err = a.c.send(ctx, stmts...)
 	if pgerr.Is(err, pgerrcode.InvalidSavepointSpecification) { // the handler released or rolled back past it
 		if a.brokenBy != nil {
@@ -911,6 +917,13 @@ func (t *Transport) attempt(d *deliveryTx, g *gate, msg *message.Message, id int
 		}
 	}
 	d.spOpen = false
+	if !a.touched.Load() {
+		// Nothing of it reached the server: its savepoint is as it was
+		// opened, and serves the next attempt (the charge's run after its
+		// awaited call, say) instead of a rollback and a savepoint again.
+		d.spOpen = true
+		return failed, herr
+	}
 	if rerr := a.rollback(ctx); rerr != nil {
 		if a.ended {
 			herr = fmt.Errorf("%w (%w)", ErrTransactionEnded, herr)

@@ -1,19 +1,24 @@
 package transport_test
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
+	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -302,4 +307,59 @@ func TestAFailedEarlyWriteIsNotPinnedOnTheMessageThatAskedForIt(t *testing.T) {
 	require.Len(t, dead, 1)
 	assert.Equal(t, bad, dead[0].UUID)
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE msg = $1 AND attempt = 1`, asking), "done in its first attempt: none was charged")
+}
+
+// rollbackCounter counts the rollbacks to an attempt's savepoint.
+type rollbackCounter struct{ n atomic.Int64 }
+
+func (c *rollbackCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.HasPrefix(d.SQL, "ROLLBACK TO SAVEPOINT pgsaga_attempt") {
+		c.n.Add(1)
+	}
+	return ctx
+}
+
+func (*rollbackCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// An attempt that fails having sent nothing (a handler that awaits a call
+// before touching the database, as the charge step does now that its key
+// is the batch's) is not rolled back: its savepoint serves the run after
+// the call. One that sent something is rolled back, and what it wrote is
+// gone.
+func TestAnUntouchedAttemptIsNotRolledBack(t *testing.T) {
+	t.Parallel()
+	for _, touch := range []bool{false, true} {
+		t.Run(fmt.Sprint("touched=", touch), func(t *testing.T) {
+			t.Parallel()
+			var rb rollbackCounter
+			db := testdb.Shared(t)
+			pool, err := pgdb.Open(context.Background(), pgdb.Config{URL: db.URL, MaxConns: 4, Tracer: &rb})
+			require.NoError(t, err)
+			t.Cleanup(pool.Close) // after the router's stop, registered later
+			e := newEnvOn(t, db, func(c *transport.Config) { c.DB = pool.SQL; c.BatchSize = 50; c.BatchTimeout = time.Minute })
+			r, err := e.tr.NewRouter()
+			require.NoError(t, err)
+			require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+				if !transport.AwaitedFromContext(msg.Context()) {
+					if touch {
+						if err := effect(msg, e.eff, "first run"); err != nil {
+							return err
+						}
+					}
+					return transport.Await(5*time.Second, func(context.Context) error { return nil })
+				}
+				return effect(msg, e.eff, "after the call")
+			}))
+			e.publish(5)
+			startRouter(t, r)
+			e.drained(e.in, "g", 20*time.Second)
+			assert.Equal(t, 5, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'after the call'`))
+			assert.Zero(t, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'first run'`), "a rolled-back first run leaves nothing")
+			if touch {
+				assert.Positive(t, rb.n.Load(), "a touched attempt is rolled back")
+			} else {
+				assert.Zero(t, rb.n.Load(), "nothing to roll back")
+			}
+		})
+	}
 }

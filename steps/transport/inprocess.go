@@ -181,6 +181,7 @@ func (a *attemptTx) tryLocal(h HandlerFunc, msg *message.Message, topic string, 
 	a.mu.Lock()
 	err := a.usable()
 	if err == nil {
+		a.touched.Store(true)
 		stmts := append(a.queue, stmt{"opening an in-process delivery", "SAVEPOINT " + sp, nil})
 		a.queue = nil
 		if err = a.c.send(ctx, stmts...); err != nil {
