@@ -91,7 +91,9 @@ func TestInlineProjectionAppliesTheAppendersState(t *testing.T) {
 	step(svc.ConfirmStep(), orders.ConfirmOrder{OrderID: o1}, "confirm-1")
 	step(svc.ConfirmStep(), orders.ConfirmOrder{OrderID: o3}, "confirm-3")
 	step(svc.CancelStep(), orders.CancelOrder{OrderID: o3, Reason: "inventory"}, "cancel-3")
-	require.NoError(t, svc.CancelByCustomer(ctx, o2, "changed my mind"))
+	// A reason that is not UTF-8 is stored, and projected, as a fold
+	// reads it back: with U+FFFD in its place.
+	require.NoError(t, svc.CancelByCustomer(ctx, o2, "changed my mind \xff"))
 	assert.Equal(t, int64(4), folds.n.Load()-before, "one read each: the step's or the cancellation's own load")
 
 	// The views are what the streams say.

@@ -3,8 +3,10 @@ package orders
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"reflect"
 	"strconv"
 	"strings"
 	"time"
@@ -65,7 +67,7 @@ func (s *Service) Project(msg *message.Message) error {
 		return transport.Permanent(fmt.Errorf("orders: projection: message %s is not an order event (stream %q, version %q)",
 			msg.UUID, stream, msg.Metadata.Get(events.MetaVersion)))
 	}
-	if o, ok := knownAfter(ctx, stream, version); ok {
+	if o, ok := knownAfter(ctx, stream, version, msg.Payload); ok {
 		// Projected inline by the append that knew the order before it:
 		// no need to read the stream back.
 		return upsertView(ctx, tx, o)
@@ -102,16 +104,27 @@ func withKnown(ctx context.Context, stream string, o Order) context.Context {
 
 // knownAfter returns the order of stream at version, if ctx carries its
 // state just before (withKnown) and the event at version as its append
-// recorded it (events.RecordedFromContext).
-func knownAfter(ctx context.Context, stream string, version int) (Order, bool) {
+// recorded it (events.RecordedFromContext). The event's data is decoded
+// from payload, the stored JSON, as a fold decodes it (text that is not
+// UTF-8, say, is stored and folded with U+FFFD in its place).
+func knownAfter(ctx context.Context, stream string, version int, payload []byte) (Order, bool) {
 	k, ok := ctx.Value(knownKey{}).(known)
 	if !ok || k.stream != stream || k.order.Version != version-1 {
 		return Order{}, false
 	}
 	r, ok := events.RecordedFromContext(ctx)
-	if !ok || r.StreamID != stream || r.Version != version {
+	if !ok || r.StreamID != stream || r.Version != version || r.Data == nil {
 		return Order{}, false
 	}
+	data := reflect.New(reflect.TypeOf(r.Data))
+	if err := json.Unmarshal(payload, data.Interface()); err != nil {
+		return Order{}, false
+	}
+	ev, ok := data.Elem().Interface().(events.Event)
+	if !ok {
+		return Order{}, false
+	}
+	r.Data = ev
 	o := k.order
 	if err := o.Apply(r); err != nil {
 		return Order{}, false // the fold says what is wrong

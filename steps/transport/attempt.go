@@ -917,7 +917,7 @@ func (t *Transport) attempt(d *deliveryTx, g *gate, msg *message.Message, id int
 		}
 	}
 	d.spOpen = false
-	if !a.touched.Load() {
+	if !a.touched.Load() && a.untouchedOpen() {
 		// Nothing of it reached the server: its savepoint is as it was
 		// opened, and serves the next attempt (the charge's run after its
 		// awaited call, say) instead of a rollback and a savepoint again.
@@ -936,6 +936,15 @@ func (t *Transport) attempt(d *deliveryTx, g *gate, msg *message.Message, id int
 		herr = fmt.Errorf("%w (%w)", ErrTransactionEnded, herr)
 	}
 	return failed, herr
+}
+
+// untouchedOpen reports whether the transaction of an attempt that sent
+// nothing is still open as it was (not lost, not ended, not rolled back at
+// its deadline): only then does its savepoint serve the next attempt.
+func (a *attemptTx) untouchedOpen() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return !a.ended && a.brokenBy == nil && a.sendErr == nil && a.c.state() == txOpen
 }
 
 // result is a sql.Result for a queued statement: nothing is known of it

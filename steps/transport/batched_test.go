@@ -363,3 +363,41 @@ func TestAnUntouchedAttemptIsNotRolledBack(t *testing.T) {
 		})
 	}
 }
+
+// An untouched attempt whose transaction is gone meanwhile (its session
+// terminated; the client learns it only from its next statement) keeps no
+// savepoint that is not there: the run after the call finds the batch
+// gone, and the message is delivered again and handled once. Its awaited
+// call may be made again, as after a crash: awaited calls are at least
+// once (the charge's is idempotent by its gateway key).
+func TestAnUntouchedAttemptOfALostBatchIsDeliveredAgain(t *testing.T) {
+	t.Parallel()
+	db := testdb.Fresh(t)
+	e := newEnvOn(t, db, nil)
+	var calls atomic.Int32
+	var killed atomic.Bool
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		ctx := msg.Context()
+		if !transport.AwaitedFromContext(ctx) {
+			if !killed.Swap(true) {
+				// The batch's session ends while the handler has sent nothing.
+				_, err := db.SQL.ExecContext(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+					WHERE datname = current_database() AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%'`)
+				if err != nil {
+					return err
+				}
+			}
+			return transport.Await(5*time.Second, func(context.Context) error { calls.Add(1); return nil })
+		}
+		return effect(msg, e.eff, "after the call")
+	}))
+	e.publish(1)
+	startRouter(t, r)
+	e.drained(e.in, "g", 20*time.Second)
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'after the call'`), "handled once")
+	assert.Empty(t, e.deadLetters(e.in))
+	assert.True(t, killed.Load())
+	assert.LessOrEqual(t, calls.Load(), int32(2), "the dead batch's call, and the redelivery's")
+}

@@ -81,11 +81,9 @@ func (a *attemptTx) ClaimedInBatch(scope, key string, hash []byte) (claimed, reh
 		return false, false
 	}
 	cl.owner[k] = a.queueID
-	if !bytes.Equal(cl.hash[k], hash) {
-		cl.hash[k] = bytes.Clone(hash)
-		return true, true
-	}
-	return true, false
+	// The batch's hash is kept: an attempt that stored its own and then
+	// failed took that with it, so its next run must store it again.
+	return true, !bytes.Equal(cl.hash[k], hash)
 }
 
 // free frees the claims the message with queue id holds: its attempt

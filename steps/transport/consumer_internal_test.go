@@ -347,7 +347,7 @@ func TestClaimedInBatch(t *testing.T) {
 	check("a key the batch did not claim is nobody's", attempt(7), "step", "key-2", hash, false, false)
 	check("nor one of another scope", attempt(7), "other", "key-1", hash, false, false)
 	check("the owner whose message a middleware changed stores its hash", attempt(7), "step", "key-1", []byte{3}, true, true)
-	check("once", attempt(7), "step", "key-1", []byte{3}, true, false)
+	check("every run (a failed one took what it stored with it)", attempt(7), "step", "key-1", []byte{3}, true, true)
 	d.claims.free(7)
 	check("an in-process delivery has no claim of the batch's", attempt(0), "step", "key-1", hash, false, false)
 	over := attempt(8)
@@ -355,6 +355,7 @@ func TestClaimedInBatch(t *testing.T) {
 	check("an attempt that is over gets nothing", over, "step", "key-1", []byte{3}, false, false)
 	check("a freed claim goes to the next copy, with its hash", attempt(8), "step", "key-1", []byte{2}, true, true)
 	check("and is then that copy's", attempt(7), "step", "key-1", []byte{2}, false, false)
+	check("a copy with the batch's hash stores nothing", attempt(8), "step", "key-1", hash, true, false)
 	var none *batchClaims
 	none.free(7) // a batch without claims frees nothing
 	check("a batch without claims has none", &attemptTx{d: &deliveryTx{}, queueID: 7}, "step", "key-1", hash, false, false)
