@@ -161,26 +161,11 @@ func (c *conn) send(ctx context.Context, stmts ...stmt) error {
 	if len(stmts) == 0 {
 		return nil
 	}
-	return c.sql.Raw(func(any) error {
-		if c.pg.PgConn().TxStatus() == 'I' {
-			return errNotInTransaction
-		}
-		b := &pgx.Batch{}
-		for _, s := range stmts {
-			b.Queue(s.query, s.args...)
-		}
-		br := c.pg.SendBatch(context.WithoutCancel(ctx), b)
-		for _, s := range stmts {
-			if _, err := br.Exec(); err != nil {
-				_ = br.Close()
-				return &StatementError{Name: s.name, Err: err}
-			}
-		}
-		return br.Close()
-	})
+	return c.sendReading(ctx, stmts, -1, nil)
 }
 
-// sendReading is send, reading the rows of stmts[idx] with read.
+// sendReading is send, reading the rows of stmts[idx] with read (idx -1:
+// none).
 func (c *conn) sendReading(ctx context.Context, stmts []stmt, idx int, read func(pgx.Rows) error) error {
 	return c.sql.Raw(func(any) error {
 		if c.pg.PgConn().TxStatus() == 'I' {

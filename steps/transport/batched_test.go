@@ -44,6 +44,18 @@ FROM unnest($1::text[], $2::text[]) AS u(msg, attempt)`, []any{dbtx.Column[strin
 	return r
 }
 
+// oneBatch configures an env whose one consumer claims everything
+// published before it starts in one batch, with maxAttempts (0: the
+// default).
+func oneBatch(maxAttempts int) func(*transport.Config) {
+	return func(c *transport.Config) {
+		c.BatchSize, c.BatchTimeout = 50, time.Minute
+		if maxAttempts > 0 {
+			c.Retry.MaxAttempts = maxAttempts
+		}
+	}
+}
+
 func (r *recorder) statements() []int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -55,7 +67,7 @@ func (r *recorder) statements() []int {
 // published, and its messages leave their queue with them.
 func TestBatchedRowsAreWrittenOneStatementAKindABatch(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, func(c *transport.Config) { c.BatchSize = 50; c.BatchTimeout = time.Minute })
+	e := newEnv(t, oneBatch(0))
 	rec := newRecorder(e)
 	ids := e.publish(30) // before the router: one claim takes them all
 	r, err := e.tr.NewRouter()
@@ -102,11 +114,7 @@ func TestBatchedRowsAreWrittenOneStatementAKindABatch(t *testing.T) {
 // is kept once.
 func TestAFailedBatchedWriteIsolatesItsMessages(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, func(c *transport.Config) {
-		c.BatchSize = 50
-		c.BatchTimeout = time.Minute
-		c.Retry.MaxAttempts = 2
-	})
+	e := newEnv(t, oneBatch(2))
 	rec := newRecorder(e)
 	ids := e.publish(10)
 	bad := ids[3]
@@ -277,11 +285,7 @@ func TestAnUnstorablePublishFailsAtOnce(t *testing.T) {
 // again one message a batch, where the message at fault is found.
 func TestAFailedEarlyWriteIsNotPinnedOnTheMessageThatAskedForIt(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, func(c *transport.Config) {
-		c.BatchSize = 50
-		c.BatchTimeout = time.Minute
-		c.Retry.MaxAttempts = 3
-	})
+	e := newEnv(t, oneBatch(3))
 	rec := newRecorder(e)
 	ids := e.publish(2) // bad, then asking
 	bad, asking := ids[0], ids[1]
