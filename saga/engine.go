@@ -224,7 +224,10 @@ func (e *Engine) AddHandlers(r *transport.Router, opts ...transport.HandlerOptio
 		}, hopts...); err != nil {
 			return err
 		}
-		if err := r.AddHandler(replyHandler(name), d.ReplyTopic, "", e.HandleReply, hopts...); err != nil {
+		// A batch of replies loads the instances they answer in one
+		// statement.
+		ropts := append([]transport.HandlerOption{transport.LoadPerBatch(replyLoad)}, hopts...)
+		if err := r.AddHandler(replyHandler(name), d.ReplyTopic, "", e.HandleReply, ropts...); err != nil {
 			return err
 		}
 		// Operators' requests are queued, never in process: they come from
@@ -493,7 +496,10 @@ func (e *Engine) replyInstanceByCommand(ctx context.Context, tx transport.Tx, id
 	if command == "" {
 		return nil, nil, nil
 	}
-	inst, err := loadInstanceForCommand(ctx, tx, id, command)
+	inst, err := preloadedInstance(tx, id, command)
+	if inst == nil {
+		inst, err = loadInstanceForCommand(ctx, tx, id, command)
+	}
 	if errors.Is(err, ErrNotFound) {
 		return nil, nil, nil
 	}

@@ -69,6 +69,7 @@ type env struct {
 	rt     *steps.Runtime
 	engine *saga.Engine
 	def    *saga.Definition
+	router *transport.Router
 	id     string
 	topics map[string]string // op → topic
 
@@ -192,6 +193,7 @@ func newEnv(t *testing.T, o options) *env {
 	}
 	require.NoError(t, r.Start(context.Background()))
 	t.Cleanup(func() { _ = r.Stop() })
+	e.router = r
 	return e
 }
 

@@ -6,9 +6,12 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
+	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -33,6 +36,26 @@ ON CONFLICT (id) DO NOTHING`
     deadline_at = $9, finished_at = $10, updated_at = clock_timestamp(),
     command_topic = nullif($12, ''), command_id = nullif($13, ''), command_waiting = $14, expires_at = $15
 WHERE id = $1::uuid AND version = $11`
+
+	// updateInstanceCheckedSQL is updateInstanceSQL for a statement queued
+	// with the attempt's others, whose count of rows is never read: it
+	// fails unless it wrote the row, as when an instance loaded for the
+	// batch (see loadInstancesForCommandsSQL) was changed since by an
+	// earlier attempt of the same transaction. (The failing branch reads
+	// the count: made of parameters alone, it would be evaluated when the
+	// statement is planned, and fail every time.)
+	updateInstanceCheckedSQL = `WITH updated AS (` + updateInstanceSQL + ` RETURNING 1)
+SELECT CASE WHEN n = 1 THEN 1 ELSE ('saga instance ' || $1 || ' changed since it was read (version ' || $11 || '): ' || n || ' rows saved')::int END
+FROM (SELECT count(*) AS n FROM updated) AS saved`
+
+	// loadInstancesForCommandsSQL loads and locks, for a batch of replies,
+	// each instance ($1) whose command in flight is the reply's causation
+	// ($2), skipping rows another transaction holds (their replies read
+	// them themselves), in the order of their ids, as every batch locks
+	// them.
+	loadInstancesForCommandsSQL = `SELECT ` + instanceColumns + ` FROM saga_instances
+WHERE (id, command_id) IN (SELECT u.id, u.command FROM unnest($1::uuid[], $2::text[]) AS u(id, command))
+ORDER BY id FOR UPDATE OF saga_instances SKIP LOCKED`
 
 	loadInstanceSQL       = `SELECT ` + instanceColumns + ` FROM saga_instances WHERE id = $1`
 	loadInstanceLockedSQL = loadInstanceSQL + ` FOR UPDATE`
@@ -139,7 +162,7 @@ func updateInstance(ctx context.Context, tx transport.Tx, inst *instance) error 
 		inst.Attempt, inst.Generation, inst.FailureReason, inst.DeadlineAt, inst.FinishedAt, inst.Version,
 		inst.CommandTopic, inst.CommandID, inst.CommandWaiting, inst.ExpiresAt}
 	if q, ok := tx.(transport.Queuer); ok {
-		if err := q.QueueExec("saving saga "+inst.ID.String(), updateInstanceSQL, args...); err != nil {
+		if err := q.QueueExec("saving saga "+inst.ID.String(), updateInstanceCheckedSQL, args...); err != nil {
 			return fmt.Errorf("saga %s: saving: %w", inst.ID, err)
 		}
 		inst.Version++
@@ -238,4 +261,43 @@ var notifyWrite = &dbtx.Batched{
 	Statement: func(rows [][]any) (string, []any) {
 		return notifyFinishedSQL, []any{dbtx.Column[string](rows, 0), dbtx.Column[string](rows, 1)}
 	},
+}
+
+// replyLoad loads, for a batch of replies, the instances whose command in
+// flight they answer (see transport.LoadPerBatch): what
+// loadInstanceForCommand reads for each, in one statement. A reply takes
+// its instance with preloadedInstance.
+var replyLoad = transport.BatchLoad{
+	Key: func(msg *message.Message) (string, []any, bool) {
+		env := steps.EnvelopeOf(msg)
+		id, err := uuid.Parse(env.SagaID)
+		if err != nil || env.CausationID == "" {
+			return "", nil, false
+		}
+		return preloadKey(id, env.CausationID), []any{id.String(), env.CausationID}, true
+	},
+	Statement: func(rows [][]any) (string, []any) {
+		return loadInstancesForCommandsSQL, []any{dbtx.Column[string](rows, 0), dbtx.Column[string](rows, 1)}
+	},
+	Scan: func(rows pgx.Rows) (string, any, error) {
+		inst, err := scanInstance(rows)
+		if err != nil {
+			return "", nil, fmt.Errorf("saga: loading a batch's instances: %w", err)
+		}
+		return preloadKey(inst.ID, inst.CommandID), inst, nil
+	},
+}
+
+func preloadKey(id uuid.UUID, command string) string { return id.String() + " " + command }
+
+// preloadedInstance is the instance id, loaded and locked for tx's batch,
+// if its command in flight was command when the batch began; nil if the
+// batch did not load it. Its saving fails should an earlier attempt of
+// the batch have changed it since (updateInstanceCheckedSQL).
+func preloadedInstance(tx transport.Tx, id uuid.UUID, command string) (*instance, error) {
+	v, ok := transport.Preloaded(tx, preloadKey(id, command))
+	if !ok {
+		return nil, nil
+	}
+	return v.(*instance), nil
 }

@@ -21,7 +21,11 @@ import (
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+// The sample's tests run many workers at once, each with its pools: on a
+// server of their own (see testdb.MainOwnServer), as the run's server, its
+// connections shared with the other packages tested meanwhile, ran out of
+// them ("too many clients already").
+func TestMain(m *testing.M) { testdb.MainOwnServer(m) }
 
 // logger is the tests' logger (PGSAGA_TEST_LOG shows it).
 var logger = testout.Logger

@@ -161,12 +161,12 @@ func (c *conn) send(ctx context.Context, stmts ...stmt) error {
 	if len(stmts) == 0 {
 		return nil
 	}
-	return c.sendReading(ctx, stmts, -1, nil)
+	return c.sendReading(ctx, stmts, nil)
 }
 
-// sendReading is send, reading the rows of stmts[idx] with read (idx -1:
-// none).
-func (c *conn) sendReading(ctx context.Context, stmts []stmt, idx int, read func(pgx.Rows) error) error {
+// sendReading is send, reading the rows of each statement whose index is
+// a key of readers with its reader.
+func (c *conn) sendReading(ctx context.Context, stmts []stmt, readers map[int]func(pgx.Rows) error) error {
 	return c.sql.Raw(func(any) error {
 		if c.pg.PgConn().TxStatus() == 'I' {
 			return errNotInTransaction
@@ -178,7 +178,7 @@ func (c *conn) sendReading(ctx context.Context, stmts []stmt, idx int, read func
 		br := c.pg.SendBatch(context.WithoutCancel(ctx), b)
 		for i, s := range stmts {
 			var err error
-			if i == idx {
+			if read, ok := readers[i]; ok {
 				var rows pgx.Rows
 				if rows, err = br.Query(); err == nil {
 					err = read(rows)
@@ -693,6 +693,11 @@ type deliveryTx struct {
 	// claims: the keys the batch claimed up front (see ClaimKeysPerBatch);
 	// nil before its claim or without one.
 	claims *batchClaims
+	// loads: what the batch loaded up front (see LoadPerBatch); nil
+	// without.
+	loads *batchLoads
+	// preluded: the batch's prelude (claim and load) has run.
+	preluded bool
 	// topic of the message of a transaction of the transport's own (a
 	// consumer's messages carry theirs in their context).
 	topic string

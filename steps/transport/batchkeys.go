@@ -53,6 +53,9 @@ type batchClaims struct {
 	hash   map[string][]byte
 	scopes []string // every key claimed, for the give-back
 	keys   []string
+	// asked: every key the claim asked for, given back should the claim
+	// fail after it took effect.
+	asked struct{ scopes, keys []string }
 }
 
 func claimKey(scope, key string) string { return scope + "\x00" + key }
@@ -111,26 +114,91 @@ func (cl *batchClaims) giveBack(bk *batchKeys) []stmt {
 	return []stmt{{name: "giving back unused idempotency claims", query: q, args: args}}
 }
 
-// preludeSavepoint brackets the batch's claim, so that a claim that fails
-// (a lock held longer than lock_timeout by another batch's claim of the
-// same key) leaves the batch usable: its attempts then claim one by one.
+// preludeSavepoint brackets the batch's claim and load, so that a claim
+// that fails (a lock held longer than lock_timeout by another batch's
+// claim of the same key) leaves the batch usable: its attempts then claim
+// and read one by one.
 const (
 	openPreludeSQL     = "SAVEPOINT pgsaga_prelude"
 	releasePreludeSQL  = "RELEASE SAVEPOINT pgsaga_prelude"
 	rollbackPreludeSQL = "ROLLBACK TO SAVEPOINT pgsaga_prelude; RELEASE SAVEPOINT pgsaga_prelude"
 )
 
-// claimKeys claims the keys of the batch's messages (see
-// ClaimKeysPerBatch), once, before its first attempt.
-func (c *consumer) claimKeys(b *batch) {
-	bk := c.rt.keys
-	if bk == nil || b.d.claims != nil {
+// prelude claims the keys of the batch's messages (see
+// ClaimKeysPerBatch) and loads what their handlers read (see
+// LoadPerBatch), once, before its first attempt, in one round trip.
+func (c *consumer) prelude(b *batch) {
+	if b.d.preluded {
 		return
 	}
-	b.d.claims = &batchClaims{owner: map[string]int64{}, hash: map[string][]byte{}}
+	b.d.preluded = true
 	b.mu.Lock()
-	reqs := b.keys
+	keys, loads := b.keys, b.loads
 	b.mu.Unlock()
+	var (
+		stmts   []stmt
+		readers = map[int]func(pgx.Rows) error{}
+	)
+	claim, claimRead, claims := c.claimStatement(keys)
+	if claimRead != nil {
+		readers[len(stmts)+1] = claimRead // after the savepoint's opening
+		stmts = append(stmts, claim)
+	}
+	load, loadRead, loaded, ok := c.loadStatement(loads)
+	if ok {
+		readers[len(stmts)+1] = loadRead
+		stmts = append(stmts, load)
+	}
+	b.d.claims = claims
+	if len(stmts) == 0 {
+		return
+	}
+	// The claim belongs to the transaction: a savepoint opened ahead for
+	// an attempt (after a message whose handler was never reached) is
+	// released first, or a failure of that attempt would take the claim
+	// with it.
+	var first []stmt
+	if b.d.spOpen {
+		first = []stmt{{name: "closing the unused attempt", query: releaseAttemptSQL}}
+		b.d.spOpen = false
+		shifted := map[int]func(pgx.Rows) error{}
+		for i, r := range readers {
+			shifted[i+1] = r
+		}
+		readers = shifted
+	}
+	stmts = append(append(append(first, stmt{name: "opening the batch's prelude", query: openPreludeSQL}), stmts...),
+		stmt{name: "closing the batch's prelude", query: releasePreludeSQL})
+	err := b.d.c.sendReading(context.Background(), stmts, readers)
+	if err == nil {
+		b.d.loads = loaded
+		return
+	}
+	// Nobody holds a claim, nothing is loaded: the attempts claim and read
+	// one by one. Whatever the claim did, should it have taken effect (its
+	// savepoint released before the failure), is given back when the batch
+	// ends.
+	if claims != nil {
+		b.d.claims = &batchClaims{owner: map[string]int64{}, hash: map[string][]byte{}, scopes: claims.asked.scopes, keys: claims.asked.keys}
+	}
+	rerr := b.d.c.rollbackTo(context.Background(), "rolling back the batch's prelude", rollbackPreludeSQL)
+	if rerr != nil && !pgerr.Is(rerr, pgerrcode.InvalidSavepointSpecification) {
+		c.log.Warn("transport: rolling back a batch's prelude (its claim of its keys, its load) failed", "err", rerr, "cause", err)
+		return
+	}
+	c.log.Debug("transport: a batch's prelude failed; its attempts claim and read one by one", "err", err)
+}
+
+// claimStatement is the statement that claims the keys of reqs, the
+// reader of its rows and the claims it fills in; no reader when there is
+// nothing worth claiming (one claim costs what its attempt's would), the
+// claims then empty, or nil without ClaimKeysPerBatch.
+func (c *consumer) claimStatement(reqs []claimRequest) (stmt, func(pgx.Rows) error, *batchClaims) {
+	bk := c.rt.keys
+	if bk == nil {
+		return stmt{}, nil, nil
+	}
+	cl := &batchClaims{owner: map[string]int64{}, hash: map[string][]byte{}}
 	var (
 		scopes, keys []string
 		hashes       [][]byte
@@ -145,28 +213,15 @@ func (c *consumer) claimKeys(b *batch) {
 		scopes, keys, hashes, ids = append(scopes, r.scope), append(keys, r.key), append(hashes, r.hash), append(ids, r.id)
 	}
 	if len(keys) < 2 {
-		return // one claim costs what its attempt's would
+		return stmt{}, nil, cl
 	}
+	cl.asked.scopes, cl.asked.keys = scopes, keys
 	q, args := bk.claims.Claim(scopes, keys, hashes)
 	byKey := map[string]int{}
 	for i := range keys {
 		byKey[claimKey(scopes[i], keys[i])] = i
 	}
-	cl := b.d.claims
-	// The claim belongs to the transaction: a savepoint opened ahead for
-	// an attempt (after a message whose handler was never reached) is
-	// released first, or a failure of that attempt would take the claim
-	// with it.
-	var first []stmt
-	if b.d.spOpen {
-		first = []stmt{{name: "closing the unused attempt", query: releaseAttemptSQL}}
-		b.d.spOpen = false
-	}
-	err := b.d.c.sendReading(context.Background(), append(first,
-		stmt{name: "opening the batch's claim", query: openPreludeSQL},
-		stmt{name: "claiming the batch's keys", query: q, args: args},
-		stmt{name: "closing the batch's claim", query: releasePreludeSQL},
-	), len(first)+1, func(rows pgx.Rows) error {
+	read := func(rows pgx.Rows) error {
 		for rows.Next() {
 			var scope, key string
 			if err := rows.Scan(&scope, &key); err != nil {
@@ -181,20 +236,8 @@ func (c *consumer) claimKeys(b *batch) {
 			cl.scopes, cl.keys = append(cl.scopes, scope), append(cl.keys, key)
 		}
 		return rows.Err()
-	})
-	if err == nil {
-		return
 	}
-	// Nobody holds a claim: the attempts claim one by one. Whatever the
-	// claim did, should it have taken effect (its savepoint released before
-	// the failure), is given back when the batch ends.
-	b.d.claims = &batchClaims{owner: map[string]int64{}, hash: map[string][]byte{}, scopes: scopes, keys: keys}
-	rerr := b.d.c.rollbackTo(context.Background(), "rolling back the batch's claim", rollbackPreludeSQL)
-	if rerr != nil && !pgerr.Is(rerr, pgerrcode.InvalidSavepointSpecification) {
-		c.log.Warn("transport: rolling back a batch's claim of its keys failed", "err", rerr, "cause", err)
-		return
-	}
-	c.log.Debug("transport: claiming a batch's keys failed; its attempts claim one by one", "err", err)
+	return stmt{name: "claiming the batch's keys", query: q, args: args}, read, cl
 }
 
 // claimable reports whether s is text PostgreSQL stores, at most max

@@ -31,6 +31,7 @@ type route struct {
 	h     HandlerFunc
 	retry RetryPolicy
 	keys  *batchKeys // see ClaimKeysPerBatch; nil: none
+	load  *BatchLoad // see LoadPerBatch; nil: none
 }
 
 // consumer is one consumer of a route: a watermill-sql subscriber claiming
@@ -73,6 +74,7 @@ type batch struct {
 	started   time.Time      // the first delivery; BatchTimeout counts from it
 	claimed   int            // messages the claim returned
 	keys      []claimRequest // their idempotency keys (see ClaimKeysPerBatch)
+	loads     []loadRequest  // what their handlers read (see LoadPerBatch)
 	handedOut int            // of those, handed to the consumer so far
 	pending   int            // deliveries under way
 	// committing: the subscriber commits; nothing more starts.
@@ -152,7 +154,8 @@ func (c *consumer) claimLimit() int {
 
 // claimedOne counts msg, a message of the current batch's claim with
 // queue id id, and notes its key if the batch claims keys (on the
-// subscriber's goroutine, before any middleware can touch the message).
+// subscriber's goroutine, before any middleware can touch the message), and
+// what its handler reads if the batch loads it.
 func (c *consumer) claimedOne(id int64, msg *message.Message) {
 	c.mu.Lock()
 	b := c.cur
@@ -166,6 +169,11 @@ func (c *consumer) claimedOne(id int64, msg *message.Message) {
 		if c.rt.keys != nil && msg.Metadata.Get(metaUnreadable) == "" {
 			if scope, key, hash, ok := c.rt.keys.keyOf(msg); ok {
 				b.keys = append(b.keys, claimRequest{id: id, scope: scope, key: key, hash: hash})
+			}
+		}
+		if c.rt.load != nil && msg.Metadata.Get(metaUnreadable) == "" {
+			if key, args, ok := c.rt.load.Key(msg); ok {
+				b.loads = append(b.loads, loadRequest{key: key, args: args})
 			}
 		}
 		b.mu.Unlock()
@@ -457,7 +465,7 @@ func (c *consumer) deliver(msg *message.Message) error {
 	b, d := tk.b, tk.d
 	b.run.Lock()
 	defer b.run.Unlock()
-	c.claimKeys(b) // before the batch's first start, which counts its time
+	c.prelude(b) // before the batch's first start, which counts its time
 	wasKept := false
 	defer func() {
 		if !wasKept {

@@ -72,6 +72,7 @@ type handlerOptions struct {
 	consumers int
 	inProcess bool
 	keys      *batchKeys
+	load      *BatchLoad
 }
 
 // WithRetry sets the handler's retry policy instead of Config.Retry.
@@ -141,7 +142,7 @@ func (r *Router) AddHandler(name, topic, consumerGroup string, h HandlerFunc, op
 	h = r.t.wrap(name, consumerGroup, topic, h)
 	r.handlers[name] = true
 	r.subs = append(r.subs, Subscription{Topic: topic, ConsumerGroup: consumerGroup})
-	rt := route{name: name, topic: topic, group: consumerGroup, h: h, retry: o.retry, keys: o.keys}
+	rt := route{name: name, topic: topic, group: consumerGroup, h: h, retry: o.retry, keys: o.keys, load: o.load}
 	if o.inProcess {
 		r.local.add(rt)
 	}

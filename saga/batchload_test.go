@@ -1,0 +1,218 @@
+package saga_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// loadCounter counts the statements that read saga instances for replies:
+// one instance at a time, or a batch's at once.
+type loadCounter struct {
+	one, many atomic.Int64
+	mu        sync.Mutex
+	read      map[string]int // instance id → reads of its own
+}
+
+func (c *loadCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	c.note(d.SQL, d.Args)
+	return ctx
+}
+func (*loadCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (*loadCounter) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return ctx
+}
+func (c *loadCounter) TraceBatchQuery(_ context.Context, _ *pgx.Conn, d pgx.TraceBatchQueryData) {
+	c.note(d.SQL, d.Args)
+}
+func (*loadCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
+
+func (c *loadCounter) note(sql string, args []any) {
+	switch {
+	case !strings.HasPrefix(sql, "SELECT id, saga_type"):
+	case strings.Contains(sql, "unnest("):
+		c.many.Add(1)
+	case strings.Contains(sql, "command_id = $2"):
+		c.one.Add(1)
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		if c.read == nil {
+			c.read = map[string]int{}
+		}
+		c.read[instanceArg(args)]++
+	}
+}
+
+// instanceArg is the first argument that names an instance (pgx's
+// database/sql driver may put its options before).
+func instanceArg(args []any) string {
+	for _, a := range args {
+		switch v := a.(type) {
+		case string:
+			return v
+		case uuid.UUID:
+			return v.String()
+		case fmt.Stringer:
+			return v.String()
+		}
+	}
+	return ""
+}
+
+// readsOf is how many times a reply read instance id itself.
+func (c *loadCounter) readsOf(id uuid.UUID) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.read[id.String()]
+}
+
+// payInFlight starts a saga per trip, whose pay participant is silent,
+// and waits until each has sent pay.
+func payInFlight(t *testing.T, e *env, trips ...string) []uuid.UUID {
+	t.Helper()
+	var ids []uuid.UUID
+	for _, trip := range trips {
+		ids = append(ids, e.start(trip))
+	}
+	for _, id := range ids {
+		e.wait(id, "pay in flight", func(i saga.Instance) bool { return i.Step == "pay" && i.Attempt == 1 })
+	}
+	return ids
+}
+
+// payAnswer is pay's reply for saga id, caused by message causation (""
+// for the command in flight as the instance records it).
+func payAnswer(t *testing.T, e *env, id uuid.UUID, causation string) *message.Message {
+	t.Helper()
+	var cmdID, payKey string
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT uuid, metadata->>$2 FROM `+archived(e.topics["pay"])+
+		` WHERE metadata->>'saga_id' = $1`, id.String(), steps.MetaKey).Scan(&cmdID, &payKey))
+	if causation == "" {
+		causation = cmdID
+	}
+	answer, err := steps.NewMessage(tripReply{Op: "pay"}, steps.Envelope{SagaID: id.String(), Step: "pay", Key: payKey,
+		CausationID: causation, Outcome: steps.OutcomeOK})
+	require.NoError(t, err)
+	return answer
+}
+
+// replyBatch stops e's router, publishes replies in one transaction, and
+// runs the engine again on a pool that counts instance loads, so that one
+// claim of the reply queue takes them all; it returns once they are
+// consumed.
+func replyBatch(t *testing.T, e *env, replies ...*message.Message) *loadCounter {
+	t.Helper()
+	lc := startReplyBatch(t, e, replies...)
+	e.waitConsumed(e.def.ReplyTopic, "")
+	return lc
+}
+
+// startReplyBatch is replyBatch without waiting.
+func startReplyBatch(t *testing.T, e *env, replies ...*message.Message) *loadCounter {
+	t.Helper()
+	require.NoError(t, e.router.Stop())
+	ctx := context.Background()
+	tx, err := e.db.SQL.Begin()
+	require.NoError(t, err)
+	require.NoError(t, e.tr.Publisher(tx).Publish(e.def.ReplyTopic, replies...))
+	require.NoError(t, tx.Commit())
+
+	var lc loadCounter
+	db, err := pgdb.Open(ctx, pgdb.Config{URL: e.db.URL, MaxConns: 4, Tracer: &lc})
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
+	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: logger(), IdlePollInterval: testdb.NoSafetyPoll,
+		BatchSize: 50, BatchTimeout: time.Minute, RetryInterval: 20 * time.Millisecond,
+		Retry: transport.RetryPolicy{MaxAttempts: 3, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 20 * time.Millisecond}})
+	require.NoError(t, err)
+	engine, err := saga.NewEngine(saga.Config{DB: db.SQL, Transport: tr, Logger: logger()})
+	require.NoError(t, err)
+	require.NoError(t, engine.Register(e.def))
+	r, err := tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, engine.AddHandlers(r))
+	require.NoError(t, r.Start(ctx))
+	t.Cleanup(func() { require.NoError(t, r.Stop()) })
+	return &lc
+}
+
+// A batch of replies loads the instances they answer in one statement;
+// no reply reads its own.
+func TestABatchOfRepliesLoadsItsInstancesInOneStatement(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{silent: []string{"pay"}})
+	ids := payInFlight(t, e, "riga", "kiev", "bonn", "nice", "pisa")
+	var answers []*message.Message
+	for _, id := range ids {
+		answers = append(answers, payAnswer(t, e, id, ""))
+	}
+	lc := replyBatch(t, e, answers...)
+	for _, id := range ids {
+		inst := e.terminal(id)
+		assert.Equal(t, saga.StatusCompleted, inst.Status)
+		assert.Equal(t, []string{"started", "sent:book", "reply_ok:book", "sent:pay", "reply_ok:pay", "completed"}, kinds(inst.History))
+	}
+	assert.Equal(t, int64(1), lc.many.Load(), "one load for the batch")
+	assert.Zero(t, lc.one.Load(), "no reply read its instance itself")
+}
+
+// An instance loaded for a batch, then changed by an earlier attempt of
+// the batch (a reply to an older copy of the command in flight, which
+// the batch did not load for, applied it), is not applied again by the
+// reply it was loaded for: saving the stale copy fails the attempt, and
+// its retry reads the instance and ignores the reply.
+func TestAnInstanceChangedEarlierInTheBatchIsNotAppliedTwice(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{silent: []string{"pay"}})
+	id := payInFlight(t, e, "gent")[0]
+	older := payAnswer(t, e, id, uuid.NewString()) // answers an earlier copy, same key
+	latest := payAnswer(t, e, id, "")
+	lc := replyBatch(t, e, older, latest)
+	inst := e.terminal(id)
+	assert.Equal(t, saga.StatusCompleted, inst.Status)
+	assert.Equal(t, []string{"started", "sent:book", "reply_ok:book", "sent:pay", "reply_ok:pay", "completed"}, kinds(inst.History),
+		"the reply was applied once")
+	assert.Equal(t, int64(1), lc.many.Load(), "the batch loaded the instance for the latest reply")
+}
+
+// A batch's load does not wait for an instance another transaction holds:
+// it loads the others (had it waited, it would have failed at the lock
+// timeout, and every reply would have read its instance itself), and the
+// reply for the held instance reads it itself.
+func TestABatchLoadSkipsAnInstanceHeldElsewhere(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{silent: []string{"pay"}})
+	ids := payInFlight(t, e, "oran", "fano")
+	held, free := ids[0], ids[1]
+	ctx := context.Background()
+	other, err := e.db.SQL.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer other.Rollback() //nolint:errcheck // rolled back below
+	_, err = other.ExecContext(ctx, `SELECT FROM saga_instances WHERE id = $1 FOR UPDATE`, held)
+	require.NoError(t, err)
+
+	lc := startReplyBatch(t, e, payAnswer(t, e, held, ""), payAnswer(t, e, free, ""))
+	e.wait(held, "its reply tried", func(saga.Instance) bool { return lc.readsOf(held) > 0 })
+	require.NoError(t, other.Rollback())
+	assert.Equal(t, saga.StatusCompleted, e.terminal(free).Status)
+	assert.Equal(t, saga.StatusCompleted, e.terminal(held).Status)
+	assert.Equal(t, int64(1), lc.many.Load())
+	assert.Zero(t, lc.readsOf(free), "the batch loaded the free instance")
+	assert.Positive(t, lc.readsOf(held), "the held instance's reply read it itself")
+}
