@@ -216,3 +216,26 @@ func TestABatchLoadSkipsAnInstanceHeldElsewhere(t *testing.T) {
 	assert.Zero(t, lc.readsOf(free), "the batch loaded the free instance")
 	assert.Positive(t, lc.readsOf(held), "the held instance's reply read it itself")
 }
+
+// With InProcessEngine, the replies to a batch of commands reach the
+// engine in the batch's transaction: the instances they read are loaded
+// with the batch, in one statement, and no reply reads its own.
+func TestInProcessRepliesToABatchOfCommandsReadNoInstance(t *testing.T) {
+	t.Parallel()
+	var lc loadCounter
+	c, def, _ := newSignupClientTraced(t, 0, &lc, func(cfg *saga.ClientConfig) {
+		cfg.InProcessEngine = true
+		cfg.Transport.BatchSize, cfg.Transport.BatchTimeout = 50, time.Minute
+	})
+	require.NoError(t, c.Setup(context.Background()))
+	emails := []string{"a@example.com", "b@example.com", "c@example.com", "d@example.com"}
+	for _, email := range emails {
+		signUp(t, c, def, email, true) // each queues its first command; no worker runs yet
+	}
+	startRunning(t, c)
+	for _, email := range emails {
+		assert.Equal(t, saga.StatusCompleted, waitFinished(t, c, def, email).Status)
+	}
+	assert.Equal(t, int64(1), lc.many.Load(), "one load for the batch of commands")
+	assert.Zero(t, lc.one.Load(), "no in-process reply read its instance itself")
+}

@@ -443,6 +443,12 @@ func (c *Client) NewWorker() (*Worker, error) {
 	}
 	for _, s := range stepList {
 		var opts []transport.HandlerOption
+		if c.cfg.InProcessEngine {
+			// The replies of a batch of commands reach the engine in the
+			// batch's transaction: the instances they read are loaded
+			// with the batch, in one statement.
+			opts = append(opts, transport.LoadPerBatch(commandLoad))
+		}
 		if inProcess[s.Name] {
 			opts = append(opts, transport.InProcess())
 			delete(inProcess, s.Name)

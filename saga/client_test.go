@@ -9,6 +9,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -37,14 +38,24 @@ func newSignupClientOnPool(t *testing.T, maxConns int32) (*saga.Client, *saga.De
 // mutate.
 func newSignupClientWith(t *testing.T, maxConns int32, mutate func(*saga.ClientConfig)) (*saga.Client, *saga.Definition, *testdb.DB) {
 	t.Helper()
+	return newSignupClientTraced(t, maxConns, nil, mutate)
+}
+
+// newSignupClientTraced is newSignupClientWith over a pool of its own
+// whose statements tracer sees, unless nil.
+func newSignupClientTraced(t *testing.T, maxConns int32, tracer pgx.QueryTracer, mutate func(*saga.ClientConfig)) (*saga.Client, *saga.Definition, *testdb.DB) {
+	t.Helper()
 	db := testdb.Fresh(t)
 	_, err := db.SQL.Exec(`CREATE TABLE opened (email text PRIMARY KEY)`)
 	require.NoError(t, err)
 	pool := db.Pool
-	if maxConns > 0 {
+	if maxConns > 0 || tracer != nil {
 		pcfg, err := pgxpool.ParseConfig(db.URL)
 		require.NoError(t, err)
-		pcfg.MaxConns = maxConns
+		if maxConns > 0 {
+			pcfg.MaxConns = maxConns
+		}
+		pcfg.ConnConfig.Tracer = tracer
 		pool, err = pgxpool.NewWithConfig(context.Background(), pcfg)
 		require.NoError(t, err)
 		t.Cleanup(pool.Close)

@@ -496,7 +496,8 @@ func (e *Engine) replyInstanceByCommand(ctx context.Context, tx transport.Tx, id
 	if command == "" {
 		return nil, nil, nil
 	}
-	inst, err := preloadedInstance(tx, id, command)
+	inst := preloadedInstance(tx, id, command)
+	var err error
 	if inst == nil {
 		inst, err = loadInstanceForCommand(ctx, tx, id, command)
 	}

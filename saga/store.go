@@ -267,25 +267,37 @@ var notifyWrite = &dbtx.Batched{
 // flight they answer (see transport.LoadPerBatch): what
 // loadInstanceForCommand reads for each, in one statement. A reply takes
 // its instance with preloadedInstance.
-var replyLoad = transport.BatchLoad{
-	Key: func(msg *message.Message) (string, []any, bool) {
-		env := steps.EnvelopeOf(msg)
-		id, err := uuid.Parse(env.SagaID)
-		if err != nil || env.CausationID == "" {
-			return "", nil, false
-		}
-		return preloadKey(id, env.CausationID), []any{id.String(), env.CausationID}, true
-	},
-	Statement: func(rows [][]any) (string, []any) {
-		return loadInstancesForCommandsSQL, []any{dbtx.Column[string](rows, 0), dbtx.Column[string](rows, 1)}
-	},
-	Scan: func(rows pgx.Rows) (string, any, error) {
-		inst, err := scanInstance(rows)
-		if err != nil {
-			return "", nil, fmt.Errorf("saga: loading a batch's instances: %w", err)
-		}
-		return preloadKey(inst.ID, inst.CommandID), inst, nil
-	},
+var replyLoad = instanceLoad(func(env steps.Envelope) string { return env.CausationID })
+
+// commandLoad loads, for a batch of saga commands whose replies the
+// engine takes in process, in the same transaction, the instances that
+// wait for them: what the replies would read one by one.
+var commandLoad = instanceLoad(func(env steps.Envelope) string { return env.ID })
+
+// instanceLoad loads the instances whose command in flight is the one
+// commandOf names for each message of a batch.
+func instanceLoad(commandOf func(steps.Envelope) string) transport.BatchLoad {
+	return transport.BatchLoad{
+		Key: func(msg *message.Message) (string, []any, bool) {
+			env := steps.EnvelopeOf(msg)
+			id, err := uuid.Parse(env.SagaID)
+			command := commandOf(env)
+			if err != nil || command == "" {
+				return "", nil, false
+			}
+			return preloadKey(id, command), []any{id.String(), command}, true
+		},
+		Statement: func(rows [][]any) (string, []any) {
+			return loadInstancesForCommandsSQL, []any{dbtx.Column[string](rows, 0), dbtx.Column[string](rows, 1)}
+		},
+		Scan: func(rows pgx.Rows) (string, any, error) {
+			inst, err := scanInstance(rows)
+			if err != nil {
+				return "", nil, fmt.Errorf("saga: loading a batch's instances: %w", err)
+			}
+			return preloadKey(inst.ID, inst.CommandID), inst, nil
+		},
+	}
 }
 
 func preloadKey(id uuid.UUID, command string) string { return id.String() + " " + command }
@@ -294,10 +306,10 @@ func preloadKey(id uuid.UUID, command string) string { return id.String() + " " 
 // if its command in flight was command when the batch began; nil if the
 // batch did not load it. Its saving fails should an earlier attempt of
 // the batch have changed it since (updateInstanceCheckedSQL).
-func preloadedInstance(tx transport.Tx, id uuid.UUID, command string) (*instance, error) {
+func preloadedInstance(tx transport.Tx, id uuid.UUID, command string) *instance {
 	v, ok := transport.Preloaded(tx, preloadKey(id, command))
 	if !ok {
-		return nil, nil
+		return nil
 	}
-	return v.(*instance), nil
+	return v.(*instance)
 }
