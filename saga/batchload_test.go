@@ -191,30 +191,60 @@ func TestAnInstanceChangedEarlierInTheBatchIsNotAppliedTwice(t *testing.T) {
 	assert.Equal(t, int64(1), lc.many.Load(), "the batch loaded the instance for the latest reply")
 }
 
-// A batch's load does not wait for an instance another transaction holds:
-// it loads the others (had it waited, it would have failed at the lock
-// timeout, and every reply would have read its instance itself), and the
-// reply for the held instance reads it itself.
-func TestABatchLoadSkipsAnInstanceHeldElsewhere(t *testing.T) {
+// A batch's load locks no instance: while its commands run, every
+// instance whose reply the batch has not applied yet is free for others.
+// (Locked up front, instances the load took and the ones its attempts
+// lock one by one deadlocked with another batch holding copies of the
+// same replies.) The save of each reply locks and checks its instance.
+func TestABatchLoadLocksNoInstance(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, options{silent: []string{"pay"}})
-	ids := payInFlight(t, e, "oran", "fano")
-	held, free := ids[0], ids[1]
-	ctx := context.Background()
-	other, err := e.db.SQL.BeginTx(ctx, nil)
-	require.NoError(t, err)
-	defer other.Rollback() //nolint:errcheck // rolled back below
-	_, err = other.ExecContext(ctx, `SELECT FROM saga_instances WHERE id = $1 FOR UPDATE`, held)
-	require.NoError(t, err)
-
-	lc := startReplyBatch(t, e, payAnswer(t, e, held, ""), payAnswer(t, e, free, ""))
-	e.wait(held, "its reply tried", func(saga.Instance) bool { return lc.readsOf(held) > 0 })
-	require.NoError(t, other.Rollback())
-	assert.Equal(t, saga.StatusCompleted, e.terminal(free).Status)
-	assert.Equal(t, saga.StatusCompleted, e.terminal(held).Status)
-	assert.Equal(t, int64(1), lc.many.Load())
-	assert.Zero(t, lc.readsOf(free), "the batch loaded the free instance")
-	assert.Positive(t, lc.readsOf(held), "the held instance's reply read it itself")
+	emails := []string{"a@example.com", "b@example.com", "c@example.com"}
+	var (
+		mu      sync.Mutex
+		applied = map[string]bool{}
+		held    []string
+		lc      loadCounter
+		db      *testdb.DB
+		def     *saga.Definition
+	)
+	// Before each command runs: try, from another transaction, to lock
+	// the instances whose replies the batch has not applied.
+	during := func(ctx context.Context, cmd OpenAccount) {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, email := range emails {
+			if applied[email] {
+				continue // its reply's save holds it until the batch commits
+			}
+			tx, err := db.SQL.BeginTx(ctx, nil)
+			if err != nil {
+				held = append(held, email+": "+err.Error())
+				continue
+			}
+			if _, err := tx.ExecContext(ctx, `SELECT FROM saga_instances WHERE id = $1 FOR UPDATE NOWAIT`, saga.ID(def.Name, email)); err != nil {
+				held = append(held, email+": "+err.Error())
+			}
+			_ = tx.Rollback()
+		}
+		applied[cmd.Email] = true
+	}
+	c, d, tdb := newSignupClientTraced(t, 0, &lc, during, func(cfg *saga.ClientConfig) {
+		cfg.InProcessEngine = true
+		cfg.Transport.BatchSize, cfg.Transport.BatchTimeout = 50, time.Minute
+	})
+	db, def = tdb, d
+	require.NoError(t, c.Setup(context.Background()))
+	for _, email := range emails {
+		signUp(t, c, def, email, true)
+	}
+	startRunning(t, c)
+	for _, email := range emails {
+		assert.Equal(t, saga.StatusCompleted, waitFinished(t, c, def, email).Status)
+	}
+	require.Equal(t, int64(1), lc.many.Load(), "the batch loaded its instances")
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Empty(t, held, "instances the batch loaded were locked")
 }
 
 // With InProcessEngine, the replies to a batch of commands reach the
@@ -223,7 +253,7 @@ func TestABatchLoadSkipsAnInstanceHeldElsewhere(t *testing.T) {
 func TestInProcessRepliesToABatchOfCommandsReadNoInstance(t *testing.T) {
 	t.Parallel()
 	var lc loadCounter
-	c, def, _ := newSignupClientTraced(t, 0, &lc, func(cfg *saga.ClientConfig) {
+	c, def, _ := newSignupClientTraced(t, 0, &lc, nil, func(cfg *saga.ClientConfig) {
 		cfg.InProcessEngine = true
 		cfg.Transport.BatchSize, cfg.Transport.BatchTimeout = 50, time.Minute
 	})

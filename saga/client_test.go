@@ -38,12 +38,13 @@ func newSignupClientOnPool(t *testing.T, maxConns int32) (*saga.Client, *saga.De
 // mutate.
 func newSignupClientWith(t *testing.T, maxConns int32, mutate func(*saga.ClientConfig)) (*saga.Client, *saga.Definition, *testdb.DB) {
 	t.Helper()
-	return newSignupClientTraced(t, maxConns, nil, mutate)
+	return newSignupClientTraced(t, maxConns, nil, nil, mutate)
 }
 
 // newSignupClientTraced is newSignupClientWith over a pool of its own
-// whose statements tracer sees, unless nil.
-func newSignupClientTraced(t *testing.T, maxConns int32, tracer pgx.QueryTracer, mutate func(*saga.ClientConfig)) (*saga.Client, *saga.Definition, *testdb.DB) {
+// whose statements tracer sees, unless nil; during, unless nil, runs in
+// the accounts.open step before it opens the account.
+func newSignupClientTraced(t *testing.T, maxConns int32, tracer pgx.QueryTracer, during func(context.Context, OpenAccount), mutate func(*saga.ClientConfig)) (*saga.Client, *saga.Definition, *testdb.DB) {
 	t.Helper()
 	db := testdb.Fresh(t)
 	_, err := db.SQL.Exec(`CREATE TABLE opened (email text PRIMARY KEY)`)
@@ -71,6 +72,9 @@ func newSignupClientTraced(t *testing.T, maxConns int32, tracer pgx.QueryTracer,
 	c, err := saga.NewClient(pool, cfg)
 	require.NoError(t, err)
 	open := steps.Define("accounts.open", "accounts.open", func(ctx context.Context, tx *steps.Tx, cmd OpenAccount) (steps.Message, error) {
+		if during != nil {
+			during(ctx, cmd)
+		}
 		_, err := tx.ExecContext(ctx, `INSERT INTO opened VALUES ($1)`, cmd.Email)
 		return Done{}, err
 	})

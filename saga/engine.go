@@ -389,6 +389,8 @@ func (e *Engine) HandleReply(msg *message.Message) (err error) {
 	if err != nil {
 		return err
 	}
+	// An instance the batch loaded is not locked, but its save is checked:
+	// it fails if the instance changed since, and the reply is read again.
 	locked := inst != nil
 	if !locked {
 		if inst, def, err = e.replyInstance(ctx, tx, id, msg, false); err != nil {
@@ -491,7 +493,8 @@ func (e *Engine) replyInstance(ctx context.Context, tx transport.Tx, id uuid.UUI
 // replyInstanceByCommand loads and locks the instance reply msg is for,
 // with its definition, if its command in flight is the message command
 // (the reply's causation); nil if it is not (or there is no such
-// instance, or no command named).
+// instance, or no command named). An instance the batch loaded for the
+// reply (see instanceLoad) is taken unlocked instead.
 func (e *Engine) replyInstanceByCommand(ctx context.Context, tx transport.Tx, id uuid.UUID, command string, msg *message.Message) (*instance, *Definition, error) {
 	if command == "" {
 		return nil, nil, nil

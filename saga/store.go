@@ -40,22 +40,22 @@ WHERE id = $1::uuid AND version = $11`
 	// updateInstanceCheckedSQL is updateInstanceSQL for a statement queued
 	// with the attempt's others, whose count of rows is never read: it
 	// fails unless it wrote the row, as when an instance loaded for the
-	// batch (see loadInstancesForCommandsSQL) was changed since by an
-	// earlier attempt of the same transaction. (The failing branch reads
+	// batch (see loadInstancesForCommandsSQL) was changed since, by an
+	// earlier attempt of the same transaction or by another transaction. (The failing branch reads
 	// the count: made of parameters alone, it would be evaluated when the
 	// statement is planned, and fail every time.)
 	updateInstanceCheckedSQL = `WITH updated AS (` + updateInstanceSQL + ` RETURNING 1)
 SELECT CASE WHEN n = 1 THEN 1 ELSE ('saga instance ' || $1 || ' changed since it was read (version ' || $11 || '): ' || n || ' rows saved')::int END
 FROM (SELECT count(*) AS n FROM updated) AS saved`
 
-	// loadInstancesForCommandsSQL loads and locks, for a batch of replies,
-	// each instance ($1) whose command in flight is the reply's causation
-	// ($2), skipping rows another transaction holds (their replies read
-	// them themselves), in the order of their ids, as every batch locks
-	// them.
+	// loadInstancesForCommandsSQL loads, for a batch, each instance ($1)
+	// whose command in flight is the message's ($2). It takes no lock: a
+	// batch locking its instances up front, while its attempts lock the
+	// ones it could not take one by one, deadlocked with another batch
+	// holding copies of the same replies. The reply's save locks the row
+	// and fails should it have changed since (updateInstanceCheckedSQL).
 	loadInstancesForCommandsSQL = `SELECT ` + instanceColumns + ` FROM saga_instances
-WHERE (id, command_id) IN (SELECT u.id, u.command FROM unnest($1::uuid[], $2::text[]) AS u(id, command))
-ORDER BY id FOR UPDATE OF saga_instances SKIP LOCKED`
+WHERE (id, command_id) IN (SELECT u.id, u.command FROM unnest($1::uuid[], $2::text[]) AS u(id, command))`
 
 	loadInstanceSQL       = `SELECT ` + instanceColumns + ` FROM saga_instances WHERE id = $1`
 	loadInstanceLockedSQL = loadInstanceSQL + ` FOR UPDATE`
@@ -302,10 +302,10 @@ func instanceLoad(commandOf func(steps.Envelope) string) transport.BatchLoad {
 
 func preloadKey(id uuid.UUID, command string) string { return id.String() + " " + command }
 
-// preloadedInstance is the instance id, loaded and locked for tx's batch,
-// if its command in flight was command when the batch began; nil if the
-// batch did not load it. Its saving fails should an earlier attempt of
-// the batch have changed it since (updateInstanceCheckedSQL).
+// preloadedInstance is the instance id, loaded for tx's batch (not
+// locked), if its command in flight was command when the batch began; nil
+// if the batch did not load it. Its saving locks it, and fails should it
+// have changed since (updateInstanceCheckedSQL).
 func preloadedInstance(tx transport.Tx, id uuid.UUID, command string) *instance {
 	v, ok := transport.Preloaded(tx, preloadKey(id, command))
 	if !ok {

@@ -242,6 +242,17 @@ func (c *conn) state() txState {
 	return st
 }
 
+// aborted reports whether c's transaction has failed (a statement's error
+// on the server): only a rollback (to a savepoint) is accepted then.
+func (c *conn) aborted() bool {
+	failed := false
+	_ = c.sql.Raw(func(any) error {
+		failed = c.pg.PgConn().TxStatus() == 'E'
+		return nil
+	})
+	return failed
+}
+
 // busy reports whether c is in the middle of a statement: a result set the
 // handler has not closed yet.
 func (c *conn) busy() bool {

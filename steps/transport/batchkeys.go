@@ -181,6 +181,21 @@ func (c *consumer) prelude(b *batch) {
 	if claims != nil {
 		b.d.claims = &batchClaims{owner: map[string]int64{}, hash: map[string][]byte{}, scopes: claims.asked.scopes, keys: claims.asked.keys}
 	}
+	if !b.d.c.aborted() {
+		// The server ran the prelude to its end (its reader failed in
+		// the client): the transaction is fine, and rolling back to a
+		// released savepoint would abort it. The claims it made are given
+		// back now, for the attempts to claim their keys themselves.
+		if gb := b.d.claims.giveBack(c.rt.keys); len(gb) > 0 {
+			if gerr := b.d.c.send(context.Background(), gb...); gerr != nil {
+				c.log.Warn("transport: giving back a batch's claims after reading them failed", "err", gerr, "cause", err)
+				return
+			}
+			b.d.claims = &batchClaims{owner: map[string]int64{}, hash: map[string][]byte{}}
+		}
+		c.log.Debug("transport: reading a batch's prelude failed; its attempts claim and read one by one", "err", err)
+		return
+	}
 	rerr := b.d.c.rollbackTo(context.Background(), "rolling back the batch's prelude", rollbackPreludeSQL)
 	if rerr != nil && !pgerr.Is(rerr, pgerrcode.InvalidSavepointSpecification) {
 		c.log.Warn("transport: rolling back a batch's prelude (its claim of its keys, its load) failed", "err", rerr, "cause", err)

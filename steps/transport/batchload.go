@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"fmt"
 	"sync"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -22,6 +23,27 @@ type BatchLoad struct {
 	// Scan reads one row of the statement: the key it is for and the
 	// value Preloaded hands out.
 	Scan func(rows pgx.Rows) (key string, value any, err error)
+}
+
+// key is Key; a panic of it loads nothing for msg (its attempt reads, and
+// meets the fault itself, if it is its handler's).
+func (l *BatchLoad) key(msg *message.Message) (key string, args []any, ok bool) {
+	defer func() {
+		if recover() != nil {
+			key, args, ok = "", nil, false
+		}
+	}()
+	return l.Key(msg)
+}
+
+// scan is Scan; a panic of it fails the load.
+func (l *BatchLoad) scan(rows pgx.Rows) (key string, v any, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("transport: reading a batch's load panicked: %v", p)
+		}
+	}()
+	return l.Scan(rows)
 }
 
 // LoadPerBatch makes the handler's consumers load what the handler reads,
@@ -66,6 +88,16 @@ func (l *batchLoads) take(key string) (any, bool) {
 	return v, ok
 }
 
+// drop forgets the values no attempt took.
+func (l *batchLoads) drop() {
+	if l == nil {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	clear(l.values)
+}
+
 // Preloaded returns the value LoadPerBatch loaded for key in the batch of
 // tx, the transaction of a delivery attempt, and forgets it: ok false if
 // none was (see LoadPerBatch), or it was handed out already.
@@ -106,7 +138,7 @@ func (c *consumer) loadStatement(reqs []loadRequest) (s stmt, read func(pgx.Rows
 	loads = &batchLoads{values: map[string]any{}}
 	read = func(rows pgx.Rows) error {
 		for rows.Next() {
-			key, v, err := bl.Scan(rows)
+			key, v, err := bl.scan(rows)
 			if err != nil {
 				return err
 			}

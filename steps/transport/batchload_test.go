@@ -1,6 +1,7 @@
 package transport_test
 
 import (
+	"errors"
 	"sync"
 	"testing"
 	"time"
@@ -29,6 +30,13 @@ type preloads struct {
 // UUIDs), and records what each attempt took.
 func loadEach(t *testing.T, e *env, n int, query string) *preloads {
 	t.Helper()
+	return loadEachWith(t, e, n, query, nil)
+}
+
+// loadEachWith is loadEach whose load's reader fails with scanErr, unless
+// nil.
+func loadEachWith(t *testing.T, e *env, n int, query string, scanErr error) *preloads {
+	t.Helper()
 	e.publish(n)
 	p := &preloads{first: map[string]any{}, again: map[string]bool{}, txids: map[int64]bool{}}
 	load := transport.BatchLoad{
@@ -40,6 +48,9 @@ func loadEach(t *testing.T, e *env, n int, query string) *preloads {
 			var u string
 			if err := rows.Scan(&u); err != nil {
 				return "", nil, err
+			}
+			if scanErr != nil {
+				return "", nil, scanErr
 			}
 			return u, "loaded " + u, nil
 		},
@@ -94,4 +105,17 @@ func TestAFailedBatchLoadLeavesTheAttemptsToRead(t *testing.T) {
 	}
 	assert.Len(t, p.txids, 1, "one transaction: the batch went on after its load failed")
 	assert.Empty(t, e.deadLetters(e.in))
+}
+
+// A load whose rows cannot be read (in the client, the server having run
+// the prelude to its end) leaves the batch usable too.
+func TestABatchLoadItsReaderRefusedLeavesTheAttemptsToRead(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, oneBatch(0))
+	p := loadEachWith(t, e, 5, `SELECT u FROM unnest($1::text[]) AS u`, errors.New("unreadable"))
+	require.Len(t, p.first, 5)
+	for u, v := range p.first {
+		assert.Nil(t, v, "nothing loaded for %s", u)
+	}
+	assert.Len(t, p.txids, 1, "one transaction: the batch went on after its load failed")
 }

@@ -172,7 +172,7 @@ func (c *consumer) claimedOne(id int64, msg *message.Message) {
 			}
 		}
 		if c.rt.load != nil && msg.Metadata.Get(metaUnreadable) == "" {
-			if key, args, ok := c.rt.load.Key(msg); ok {
+			if key, args, ok := c.rt.load.key(msg); ok {
 				b.loads = append(b.loads, loadRequest{key: key, args: args})
 			}
 		}
@@ -273,6 +273,7 @@ func (c *consumer) endBatch(err error) (again bool) {
 	idle := b.d.c.state() == txIdle
 	b.cancel()
 	b.d.c.release()
+	b.d.loads.drop() // an awaited call may keep the batch for a while
 	defer close(b.ended)
 	var hooks []func()
 	defer func() { c.t.runHooks(hooks) }() // once b.mu is unlocked
