@@ -477,18 +477,29 @@ func (b *bench) waitPhase(ctx context.Context, phase string, n int, errs chan er
 		}
 		select {
 		case <-ctx.Done():
-			if workerwatch.Stopped(ctx) == nil { // else run says why
-				fmt.Fprintln(b.status, "interrupted")
-			}
+			b.interrupted(ctx)
 			return false
 		case <-deadline.C:
 			fmt.Fprintf(b.status, "gave up waiting after %s: %d of %s ended\n", b.opts.timeout, ended, plural(n, "saga", "sagas"))
 			return false
 		case err := <-errs:
 			errs <- err // for the caller
+			if ctx.Err() != nil {
+				// A placement the interruption cut short: select picks
+				// either of the two, and the run was interrupted.
+				b.interrupted(ctx)
+			}
 			return false
 		case <-tick.C:
 		}
+	}
+}
+
+// interrupted says the phase was interrupted, unless a worker's stop
+// ended ctx (run says why then).
+func (b *bench) interrupted(ctx context.Context) {
+	if workerwatch.Stopped(ctx) == nil {
+		fmt.Fprintln(b.status, "interrupted")
 	}
 }
 
