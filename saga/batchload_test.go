@@ -11,7 +11,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -22,26 +21,14 @@ import (
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
-// loadCounter counts the statements that read saga instances for replies:
-// one instance at a time, or a batch's at once.
+// loadCounter counts (its note, a testdb.Tracer) the statements that read
+// saga instances for replies: one instance at a time, or a batch's at
+// once.
 type loadCounter struct {
 	one, many atomic.Int64
 	mu        sync.Mutex
 	read      map[string]int // instance id → reads of its own
 }
-
-func (c *loadCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
-	c.note(d.SQL, d.Args)
-	return ctx
-}
-func (*loadCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-func (*loadCounter) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
-	return ctx
-}
-func (c *loadCounter) TraceBatchQuery(_ context.Context, _ *pgx.Conn, d pgx.TraceBatchQueryData) {
-	c.note(d.SQL, d.Args)
-}
-func (*loadCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
 
 func (c *loadCounter) note(sql string, args []any) {
 	switch {
@@ -134,7 +121,7 @@ func startReplyBatch(t *testing.T, e *env, replies ...*message.Message) *loadCou
 	require.NoError(t, tx.Commit())
 
 	var lc loadCounter
-	db, err := pgdb.Open(ctx, pgdb.Config{URL: e.db.URL, MaxConns: 4, Tracer: &lc})
+	db, err := pgdb.Open(ctx, pgdb.Config{URL: e.db.URL, MaxConns: 4, Tracer: testdb.Tracer(lc.note)})
 	require.NoError(t, err)
 	t.Cleanup(func() { db.Close() })
 	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: logger(), IdlePollInterval: testdb.NoSafetyPoll,
@@ -228,7 +215,7 @@ func TestABatchLoadLocksNoInstance(t *testing.T) {
 		}
 		applied[cmd.Email] = true
 	}
-	c, d, tdb := newSignupClientTraced(t, 0, &lc, during, func(cfg *saga.ClientConfig) {
+	c, d, tdb := newSignupClientTraced(t, 0, testdb.Tracer(lc.note), during, func(cfg *saga.ClientConfig) {
 		cfg.InProcessEngine = true
 		cfg.Transport.BatchSize, cfg.Transport.BatchTimeout = 50, time.Minute
 	})
@@ -253,7 +240,7 @@ func TestABatchLoadLocksNoInstance(t *testing.T) {
 func TestInProcessRepliesToABatchOfCommandsReadNoInstance(t *testing.T) {
 	t.Parallel()
 	var lc loadCounter
-	c, def, _ := newSignupClientTraced(t, 0, &lc, nil, func(cfg *saga.ClientConfig) {
+	c, def, _ := newSignupClientTraced(t, 0, testdb.Tracer(lc.note), nil, func(cfg *saga.ClientConfig) {
 		cfg.InProcessEngine = true
 		cfg.Transport.BatchSize, cfg.Transport.BatchTimeout = 50, time.Minute
 	})

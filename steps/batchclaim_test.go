@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -20,23 +19,11 @@ import (
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
-// claimCounter counts the statements that claim idempotency keys.
+// claimCounter counts (its note, a testdb.Tracer) the statements that
+// claim idempotency keys.
 type claimCounter struct{ one, many atomic.Int64 }
 
-func (c *claimCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
-	c.note(d.SQL)
-	return ctx
-}
-func (*claimCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-func (*claimCounter) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
-	return ctx
-}
-func (c *claimCounter) TraceBatchQuery(_ context.Context, _ *pgx.Conn, d pgx.TraceBatchQueryData) {
-	c.note(d.SQL)
-}
-func (*claimCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
-
-func (c *claimCounter) note(sql string) {
+func (c *claimCounter) note(sql string, _ []any) {
 	if !strings.HasPrefix(sql, "INSERT INTO idempotency_keys") {
 		return
 	}
@@ -60,7 +47,7 @@ func batchWorldWith(t *testing.T, e *env, maxAttempts int, mw []message.HandlerM
 	t.Helper()
 	var cc claimCounter
 	ctx := context.Background()
-	db, err := pgdb.Open(ctx, pgdb.Config{URL: e.db.URL, MaxConns: 4, Tracer: &cc})
+	db, err := pgdb.Open(ctx, pgdb.Config{URL: e.db.URL, MaxConns: 4, Tracer: testdb.Tracer(cc.note)})
 	require.NoError(t, err)
 	t.Cleanup(func() { db.Close() })
 	tr, err := transport.New(transport.Config{

@@ -135,40 +135,32 @@ func (c *consumer) prelude(b *batch) {
 	b.mu.Lock()
 	keys, loads := b.keys, b.loads
 	b.mu.Unlock()
-	var (
-		stmts   []stmt
-		readers = map[int]func(pgx.Rows) error{}
-	)
 	claim, claimRead, claims := c.claimStatement(keys)
-	if claimRead != nil {
-		readers[len(stmts)+1] = claimRead // after the savepoint's opening
-		stmts = append(stmts, claim)
-	}
-	load, loadRead, loaded, ok := c.loadStatement(loads)
-	if ok {
-		readers[len(stmts)+1] = loadRead
-		stmts = append(stmts, load)
-	}
+	load, loadRead, loaded, loading := c.loadStatement(loads)
 	b.d.claims = claims
-	if len(stmts) == 0 {
+	if claimRead == nil && !loading {
 		return
 	}
 	// The claim belongs to the transaction: a savepoint opened ahead for
 	// an attempt (after a message whose handler was never reached) is
 	// released first, or a failure of that attempt would take the claim
 	// with it.
-	var first []stmt
+	var stmts []stmt
 	if b.d.spOpen {
-		first = []stmt{{name: "closing the unused attempt", query: releaseAttemptSQL}}
+		stmts = append(stmts, stmt{name: "closing the unused attempt", query: releaseAttemptSQL})
 		b.d.spOpen = false
-		shifted := map[int]func(pgx.Rows) error{}
-		for i, r := range readers {
-			shifted[i+1] = r
-		}
-		readers = shifted
 	}
-	stmts = append(append(append(first, stmt{name: "opening the batch's prelude", query: openPreludeSQL}), stmts...),
-		stmt{name: "closing the batch's prelude", query: releasePreludeSQL})
+	stmts = append(stmts, stmt{name: "opening the batch's prelude", query: openPreludeSQL})
+	readers := map[int]func(pgx.Rows) error{}
+	if claimRead != nil {
+		readers[len(stmts)] = claimRead
+		stmts = append(stmts, claim)
+	}
+	if loading {
+		readers[len(stmts)] = loadRead
+		stmts = append(stmts, load)
+	}
+	stmts = append(stmts, stmt{name: "closing the batch's prelude", query: releasePreludeSQL})
 	err := b.d.c.sendReading(context.Background(), stmts, readers)
 	if err == nil {
 		b.d.loads = loaded
