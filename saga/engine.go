@@ -483,11 +483,7 @@ func (e *Engine) replyInstance(ctx context.Context, tx transport.Tx, id uuid.UUI
 	if err != nil {
 		return nil, nil, err
 	}
-	def, ok := e.definitionOf(inst)
-	if !ok {
-		return nil, nil, transport.Permanent(fmt.Errorf("reply %s for saga %s: %w", msg.UUID, id, e.unknown(inst)))
-	}
-	return inst, def, nil
+	return e.withDefinition(inst, msg)
 }
 
 // replyInstanceByCommand loads and locks the instance reply msg is for,
@@ -510,9 +506,16 @@ func (e *Engine) replyInstanceByCommand(ctx context.Context, tx transport.Tx, id
 	if err != nil {
 		return nil, nil, err
 	}
+	return e.withDefinition(inst, msg)
+}
+
+// withDefinition returns inst with its definition; a reply msg for an
+// instance of a definition this process does not know is refused
+// permanently.
+func (e *Engine) withDefinition(inst *instance, msg *message.Message) (*instance, *Definition, error) {
 	def, ok := e.definitionOf(inst)
 	if !ok {
-		return nil, nil, transport.Permanent(fmt.Errorf("reply %s for saga %s: %w", msg.UUID, id, e.unknown(inst)))
+		return nil, nil, transport.Permanent(fmt.Errorf("reply %s for saga %s: %w", msg.UUID, inst.ID, e.unknown(inst)))
 	}
 	return inst, def, nil
 }
