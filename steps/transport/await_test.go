@@ -11,9 +11,12 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
@@ -355,4 +358,87 @@ func TestWakeLeavesAMessageAttemptedSince(t *testing.T) {
 	waitFor(t, 10*time.Second, "the call's end handled", func() bool { return sink.saw("awaited call finished") })
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM pgsaga_queue WHERE uuid = $1 AND attempts = 1 AND available_at > now() + interval '90 minutes'`, ids[0]),
 		"the later attempt's backoff stands")
+}
+
+// connLog records the statements each connection sends, in order.
+type connLog struct {
+	mu  sync.Mutex
+	by  map[*pgx.Conn][]string
+
+}
+
+func (l *connLog) add(c *pgx.Conn, sql string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.by == nil {
+		l.by = map[*pgx.Conn][]string{}
+	}
+	l.by[c] = append(l.by[c], sql)
+}
+
+func (l *connLog) TraceQueryStart(ctx context.Context, c *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	l.add(c, d.SQL)
+	return ctx
+}
+func (*connLog) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (*connLog) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return ctx
+}
+func (l *connLog) TraceBatchQuery(_ context.Context, c *pgx.Conn, d pgx.TraceBatchQueryData) {
+	l.add(c, d.SQL)
+}
+func (*connLog) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
+
+// around returns, for every statement containing part, the statements
+// sent on its connection just before and just after it ("" for none).
+func (l *connLog) around(part string) (before, after []string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, stmts := range l.by {
+		for i, s := range stmts {
+			if !strings.Contains(s, part) {
+				continue
+			}
+			b, a := "", ""
+			if i > 0 {
+				b = stmts[i-1]
+			}
+			if i+1 < len(stmts) {
+				a = stmts[i+1]
+			}
+			before, after = append(before, b), append(after, a)
+		}
+	}
+	return before, after
+}
+
+// The wake-up of a message whose awaited call ended is one round trip: its
+// lock and statement bounds and the wake-up go in one pipeline, one
+// implicit transaction, with no BEGIN before them nor COMMIT after.
+func TestAWakeUpSendsNoBeginNorCommit(t *testing.T) {
+	t.Parallel()
+	log := &connLog{}
+	db := testdb.Shared(t)
+	pool, err := pgdb.Open(context.Background(), pgdb.Config{URL: db.URL, MaxConns: 4, Tracer: log})
+	require.NoError(t, err)
+	t.Cleanup(pool.Close) // after the router's stop, registered later
+	e := newEnvOn(t, db, func(c *transport.Config) { c.DB = pool.SQL; c.AwaitHold = -1 })
+	done := newCalls()
+	e.runOne(t, func(msg *message.Message) error {
+		if done.of(msg.UUID) > 0 {
+			return effect(msg, e.eff, "after the call")
+		}
+		return transport.Await(time.Hour, func(context.Context) error { done.finish(msg.UUID); return nil })
+	})
+	e.drained(e.in, "g", 10*time.Second)
+	require.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'after the call'`), "woken and handled")
+	before, after := log.around("WITH woken AS")
+	require.Len(t, before, 1, "one wake-up")
+	assert.Contains(t, before[0], "set_config('lock_timeout'", "bounded")
+	setBefore, _ := log.around("set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)")
+	require.NotEmpty(t, setBefore)
+	for _, s := range setBefore {
+		assert.NotEqual(t, "begin", strings.ToLower(strings.TrimSpace(s)), "no BEGIN of its own")
+	}
+	assert.NotEqual(t, "commit", strings.ToLower(strings.TrimSpace(after[0])), "no COMMIT of its own")
 }

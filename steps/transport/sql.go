@@ -113,6 +113,10 @@ WHERE NOT EXISTS (SELECT FROM batch)`
 )
 INSERT INTO pg_temp.pgsaga_commit_guard SELECT 1 FROM settings`
 
+	// boundWaitSQL bounds the lock waits and statements of execWaiting's
+	// implicit transaction.
+	boundWaitSQL = `SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)`
+
 	// installGuardSQL creates the commit guard of a connection, once: a
 	// temporary table emptied at every commit whose deferred constraint
 	// trigger (pgsaga_commit_guard, migrations/00008) refuses a commit that

@@ -53,6 +53,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgsaga/pgsaga/internal/pgerr"
@@ -195,24 +196,33 @@ func (t *Transport) checkServer(ctx context.Context) error {
 }
 
 // execWaiting runs query in a transaction of its own whose lock waits are
-// bounded by Config.LockTimeout, and reports whether it changed a row.
+// bounded by Config.LockTimeout, and reports whether it changed a row. The
+// bounds and the query go in one pipeline, which the server runs as one
+// implicit transaction: one round trip, no BEGIN nor COMMIT.
 func (t *Transport) execWaiting(query string, args ...any) (bool, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), t.cfg.LockTimeout+t.cfg.StatementTimeout)
 	defer cancel()
-	tx, err := t.db.BeginTx(ctx, nil)
+	c, err := t.acquire(ctx)
 	if err != nil {
 		return false, err
 	}
-	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
-	if _, err := tx.ExecContext(ctx, `SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)`, t.lockTimeout, t.statementTimeout); err != nil {
-		return false, err
+	defer c.release()
+	b := &pgx.Batch{}
+	b.Queue(boundWaitSQL, t.lockTimeout, t.statementTimeout)
+	b.Queue(query, args...)
+	br := c.pg.SendBatch(ctx, b)
+	_, err = br.Exec()
+	var tag pgconn.CommandTag
+	if err == nil {
+		tag, err = br.Exec()
 	}
-	res, err := tx.ExecContext(ctx, query, args...)
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
 	if err != nil {
 		return false, err
 	}
-	n, _ := res.RowsAffected()
-	return n > 0, tx.Commit()
+	return tag.RowsAffected() > 0, nil
 }
 
 // agree records value as the shared setting name, unless one is recorded,
