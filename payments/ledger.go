@@ -140,24 +140,14 @@ func (s *Service) reserve(ctx context.Context, req idempotency.Request, cmd Char
 		if err != nil {
 			return err
 		}
-		var fenced bool
-		if err := tx.QueryRowContext(ctx, fencedSQL, cmd.OrderID).Scan(&fenced); err != nil {
-			return fmt.Errorf("payments: reading the fence of %s: %w", cmd.OrderID, err)
-		}
-		if fenced {
-			// The order's payment was compensated before this charge got
-			// here: it must never happen.
-			return &refusal{reason: ReasonAbandoned}
-		}
-		delta, ref, owner, found, err := orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "charge")
+		led, err := readReservation(ctx, tx, cmd.AccountID, cmd.OrderID)
 		if err != nil {
 			return err
 		}
-		var voided bool
-		if found {
-			if _, _, _, voided, err = orderPosting(ctx, tx, cmd.AccountID, cmd.OrderID, "void"); err != nil {
-				return err
-			}
+		if led.fenced {
+			// The order's payment was compensated before this charge got
+			// here: it must never happen.
+			return &refusal{reason: ReasonAbandoned}
 		}
 		// A finished charge is final, whoever asks and under whatever key.
 		// These cases come before "our own reservation" because a key can
@@ -165,25 +155,21 @@ func (s *Service) reserve(ctx context.Context, req idempotency.Request, cmd Char
 		// redelivery), and the gateway may have forgotten it too: calling
 		// it again would charge a second time.
 		switch {
-		case found && voided:
+		case led.charged && led.voided:
 			// Declined and given back: declined for good.
 			return &refusal{reason: ReasonDeclined}
-		case found && ref != "":
+		case led.charged && led.ref != "":
 			// Captured (under this key or another): the ledger allows one
 			// charge per order; answer with it and call nobody.
-			chargeID = ref
-			return s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, acq.Lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(ref)})
-		case found && owner == req.Key:
+			chargeID = led.ref
+			return s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, acq.Lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(led.ref)})
+		case led.charged && led.owner == req.Key:
 			// Reserved by an earlier attempt whose call did not finish: ask
 			// the gateway again with the same key.
-		case found:
-			return fmt.Errorf("%w (%s, reserved by %s, %d cents)", errBusy, cmd.OrderID, owner, -delta)
+		case led.charged:
+			return fmt.Errorf("%w (%s, reserved by %s, %d cents)", errBusy, cmd.OrderID, led.owner, -led.delta)
 		default:
-			var balance int64
-			if err := tx.QueryRowContext(ctx, balanceSQL, cmd.AccountID).Scan(&balance); err != nil {
-				return fmt.Errorf("payments: balance of %s: %w", cmd.AccountID, err)
-			}
-			if balance < cmd.AmountCents {
+			if led.balance < cmd.AmountCents {
 				return &refusal{reason: ReasonInsufficientFunds}
 			}
 			md := events.Metadata{CorrelationID: cmd.OrderID.String(), IdempotencyKey: req.Key}
@@ -527,6 +513,29 @@ func (s *Service) waitLease(ctx context.Context, busy *idempotency.InProgressErr
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// reservation is what a charge's reservation decides on, read in one
+// statement after the account's lock (see reservationSQL).
+type reservation struct {
+	fenced  bool   // the order's payment was compensated
+	charged bool   // the order has a charge posting on the account
+	delta   int64  // its amount (negative)
+	ref     string // its gateway reference, "" until captured
+	owner   string // the key that reserved it
+	voided  bool   // the order has a void posting on the account
+	balance int64  // the account's balance
+}
+
+func readReservation(ctx context.Context, q idempotency.DBTX, account string, order uuid.UUID) (reservation, error) {
+	var r reservation
+	var delta sql.NullInt64
+	err := q.QueryRowContext(ctx, reservationSQL, account, order).Scan(&r.fenced, &delta, &r.ref, &r.owner, &r.voided, &r.balance)
+	if err != nil {
+		return r, fmt.Errorf("payments: reading the ledger of %s for %s: %w", account, order, err)
+	}
+	r.charged, r.delta = delta.Valid, delta.Int64
+	return r, nil
 }
 
 func orderPosting(ctx context.Context, q idempotency.DBTX, account string, order uuid.UUID, kind string) (delta int64, ref, key string, found bool, err error) {

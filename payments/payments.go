@@ -339,8 +339,19 @@ VALUES ($1, $2, $3, $4, $5, $6, $7)`
 	orderPostingSQL = `SELECT delta_cents, coalesce(reference, ''), coalesce(request_key, '') FROM account_postings
 WHERE account_id = $1 AND order_id = $2 AND kind = $3`
 
-	fenceSQL  = `INSERT INTO charge_fences (order_id, account_id) VALUES ($1, $2) ON CONFLICT (order_id) DO NOTHING`
-	fencedSQL = `SELECT EXISTS (SELECT FROM charge_fences WHERE order_id = $1)`
+	fenceSQL = `INSERT INTO charge_fences (order_id, account_id) VALUES ($1, $2) ON CONFLICT (order_id) DO NOTHING`
+
+	// reservationSQL reads what a charge's reservation decides on: whether
+	// the order is fenced, its charge posting on the account (one at most:
+	// account_postings_one_charge_idx), whether that was voided, and the
+	// account's balance. It runs after the account's lock, so that its
+	// snapshot holds what the charges before it committed.
+	reservationSQL = `SELECT EXISTS (SELECT FROM charge_fences WHERE order_id = $2),
+    c.delta_cents, coalesce(c.reference, ''), coalesce(c.request_key, ''),
+    EXISTS (SELECT FROM account_postings WHERE account_id = $1 AND order_id = $2 AND kind = 'void'),
+    (SELECT coalesce(sum(delta_cents), 0) FROM account_postings WHERE account_id = $1)
+FROM (VALUES (1)) AS one
+LEFT JOIN account_postings c ON c.account_id = $1 AND c.order_id = $2 AND c.kind = 'charge'`
 
 	// captureSQL records the gateway's charge id on a reserved charge. Once
 	// set, a reference is never overwritten: that would orphan the charge

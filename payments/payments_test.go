@@ -6,16 +6,19 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/payments"
@@ -66,6 +69,9 @@ type envOptions struct {
 	// hook sees every gateway call before its fault is chosen (and may
 	// hold it).
 	hook func(fakegateway.Call)
+	// tracer sees every statement of the steps' and the ledger's pool (a
+	// pool of their own, of maxConns or 8).
+	tracer pgx.QueryTracer
 }
 
 func newEnvWith(t *testing.T, opts envOptions) *env {
@@ -74,7 +80,12 @@ func newEnvWith(t *testing.T, opts envOptions) *env {
 	if db == nil {
 		db = testdb.Shared(t)
 	}
-	if opts.maxConns > 0 {
+	if opts.tracer != nil {
+		pool, err := pgdb.Open(context.Background(), pgdb.Config{URL: db.URL, MaxConns: cmp.Or(opts.maxConns, 8), Tracer: opts.tracer})
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		db = &testdb.DB{Name: db.Name, URL: db.URL, Pool: pool.Pool, SQL: pool.SQL}
+	} else if opts.maxConns > 0 {
 		pool := testdb.Open(t, db.URL, opts.maxConns)
 		db = &testdb.DB{Name: db.Name, URL: db.URL, Pool: pool.Pool, SQL: pool.SQL}
 	}
@@ -243,6 +254,33 @@ func TestChargeThenRefund(t *testing.T) {
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE key = $1 AND op = 'refund'`, payments.RefundKey(order)),
 		"one refund at the gateway, under the order's refund key")
 	assert.Equal(t, 4, e.count(`SELECT count(*) FROM domain_events WHERE stream_id = $1`, payments.Stream(acct)), "deposited, charged, captured, refunded, and nothing more")
+}
+
+// The reservation reads what it decides on (the order's fence, its
+// postings, the account's balance) in one statement, after the account's
+// lock; the capture reads no posting at all.
+func TestAChargeReadsItsLedgerInOneStatement(t *testing.T) {
+	t.Parallel()
+	var mu sync.Mutex
+	var reads []string
+	e := newEnvWith(t, envOptions{tracer: testdb.Tracer(func(sql string, _ []any) {
+		if strings.HasPrefix(strings.TrimSpace(sql), "SELECT") && (strings.Contains(sql, "account_postings") || strings.Contains(sql, "charge_fences")) {
+			mu.Lock()
+			reads = append(reads, sql)
+			mu.Unlock()
+		}
+	})})
+	acct := e.account(1000)
+	order := uuid.New()
+	mu.Lock()
+	reads = nil
+	mu.Unlock()
+	r := e.execute(e.svc.ChargeStep(), charge(order, acct, 300), "saga-"+order.String()+":charge")
+	require.Equal(t, steps.OutcomeOK, r.env.Outcome, "%+v", r)
+	mu.Lock()
+	assert.Len(t, reads, 1, "the ledger's reads of one charge: %q", reads)
+	mu.Unlock()
+	assert.Equal(t, int64(700), e.balance(acct))
 }
 
 func TestInsufficientFundsIsABusinessFailure(t *testing.T) {
