@@ -114,8 +114,9 @@ WHERE NOT EXISTS (SELECT FROM batch)`
 INSERT INTO pg_temp.pgsaga_commit_guard SELECT 1 FROM settings`
 
 	// boundWaitSQL bounds the lock waits and statements of execWaiting's
-	// implicit transaction.
-	boundWaitSQL = `SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)`
+	// implicit transaction (its column names tell it apart in
+	// pg_stat_statements, which replaces the setting names by parameters).
+	boundWaitSQL = `SELECT set_config('lock_timeout', $1, true) AS pgsaga_lock_timeout, set_config('statement_timeout', $2, true) AS pgsaga_statement_timeout`
 
 	// installGuardSQL creates the commit guard of a connection, once: a
 	// temporary table emptied at every commit whose deferred constraint
