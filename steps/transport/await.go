@@ -205,13 +205,11 @@ func (c *consumer) await(b *batch, log *slog.Logger, d delivery, n int, aw *Awai
 		}
 		return false
 	}
-	err := b.d.record(context.Background(), stmt{"handing the message back", parkSQL,
-		[]any{d.id, aw.Within.Seconds(), strconv.Itoa(d.awaited + 1), reason(aw)}})
-	if err != nil {
-		// The call goes on: the handler committed what it needs (a lease,
-		// say), and the message is delivered again.
-		c.breakBatch(b, log, d, n, err)
-	}
+	// Parked with the batch's other writes, right before its commit: if
+	// the batch does not commit, the call goes on (the handler committed
+	// what it needs, a lease, say), and the message is delivered again.
+	b.d.batched = append(b.d.batched, batchedRow{w: parkWrite,
+		values: []any{d.id, aw.Within.Seconds(), strconv.Itoa(d.awaited + 1), reason(aw)}})
 	log.Debug("message handed back while its handler's call runs", "within", aw.Within)
 	return false
 }

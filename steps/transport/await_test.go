@@ -442,3 +442,45 @@ func TestAWakeUpSendsNoBeginNorCommit(t *testing.T) {
 	}
 	assert.NotEqual(t, "commit", strings.ToLower(strings.TrimSpace(after[0])), "no COMMIT of its own")
 }
+
+// The messages of a batch whose handlers' calls outlive the hold are
+// parked with one statement for the batch, written with its commit.
+func TestABatchParksItsAwaitingMessagesInOneStatement(t *testing.T) {
+	t.Parallel()
+	log := &connLog{}
+	db := testdb.Shared(t)
+	pool, err := pgdb.Open(context.Background(), pgdb.Config{URL: db.URL, MaxConns: 4, Tracer: log})
+	require.NoError(t, err)
+	t.Cleanup(pool.Close) // after the router's stop, registered later
+	e := newEnvOn(t, db, func(c *transport.Config) {
+		c.DB = pool.SQL
+		c.AwaitHold = -1
+		c.BatchSize = 50
+		c.BatchTimeout = time.Minute
+	})
+	done := newCalls()
+	release := make(chan struct{})
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		if done.of(msg.UUID) > 0 {
+			return effect(msg, e.eff, "after the call")
+		}
+		return transport.Await(time.Hour, func(context.Context) error {
+			<-release
+			done.finish(msg.UUID)
+			return nil
+		})
+	}, transport.WithConsumers(1)))
+	ids := e.publish(5) // one batch
+	startRouter(t, r)
+	waitFor(t, 10*time.Second, "the batch parked its messages", func() bool {
+		return e.count(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1 AND available_at > now() + interval '30 minutes'`, e.in) == len(ids)
+	})
+	parks, _ := log.around("SET available_at = clock_timestamp() + make_interval")
+	assert.Len(t, parks, 1, "one statement parks the batch's messages")
+	close(release)
+	e.drained(e.in, "g", 10*time.Second)
+	assert.Equal(t, len(ids), e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'after the call'`), "each woken and handled once")
+	assert.Empty(t, e.deadLetters(e.in))
+}

@@ -89,6 +89,17 @@ var ackWrite = &dbtx.Batched{
 	},
 }
 
+// parkWrite hands messages back while their handlers' calls run: a row is
+// the queue id, the park in seconds, the count of awaits (text) and the
+// reason.
+var parkWrite = &dbtx.Batched{
+	Name: "handing messages back while their calls run",
+	Statement: func(rows [][]any) (string, []any) {
+		return parkManySQL, []any{dbtx.Column[int64](rows, 0), dbtx.Column[float64](rows, 1),
+			dbtx.Column[string](rows, 2), dbtx.Column[string](rows, 3)}
+	},
+}
+
 // publishWrite queues published messages for their topics' groups: a row
 // is topic, uuid, payload, metadata (JSON text) and the groups that
 // handled it in process (a JSON array).

@@ -165,15 +165,16 @@ END$$`
 	rescheduleSQL = `UPDATE pgsaga_queue SET attempts = $2, available_at = clock_timestamp() + make_interval(secs => $3), last_error = $4
 WHERE id = $1 AND attempts < $2`
 
-	// parkSQL hands message $1 back while its handler's call runs (see
-	// Await): available again after $2 seconds, unless woken earlier, with
-	// its count of awaits ($3) in its metadata and $4 as its last error. No
-	// attempt is counted.
-	parkSQL = `UPDATE pgsaga_queue SET available_at = clock_timestamp() + make_interval(secs => $2),
-    metadata = CASE WHEN jsonb_typeof(metadata) = 'object' THEN metadata ELSE '{}'::jsonb END
-        || jsonb_build_object('` + metaAwaited + `', $3::text),
-    last_error = $4
-WHERE id = $1`
+	// parkManySQL hands messages back while their handlers' calls run (see
+	// Await and parkWrite), a row each of ids $1: available again after $2
+	// seconds, unless woken earlier, with the count of awaits ($3) in the
+	// metadata and $4 as the last error. No attempt is counted.
+	parkManySQL = `UPDATE pgsaga_queue AS q SET available_at = clock_timestamp() + make_interval(secs => p.secs),
+    metadata = CASE WHEN jsonb_typeof(q.metadata) = 'object' THEN q.metadata ELSE '{}'::jsonb END
+        || jsonb_build_object('` + metaAwaited + `', p.awaited),
+    last_error = p.reason
+FROM unnest($1::bigint[], $2::float8[], $3::text[], $4::text[]) AS p(id, secs, awaited, reason)
+WHERE q.id = p.id`
 
 	// wakeSQL makes message $1, parked while its handler's call ran, available
 	// at once and wakes its topic's consumers (channel $3, if any), unless
