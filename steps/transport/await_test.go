@@ -362,9 +362,8 @@ func TestWakeLeavesAMessageAttemptedSince(t *testing.T) {
 
 // connLog records the statements each connection sends, in order.
 type connLog struct {
-	mu  sync.Mutex
-	by  map[*pgx.Conn][]string
-
+	mu sync.Mutex
+	by map[*pgx.Conn][]string
 }
 
 func (l *connLog) add(c *pgx.Conn, sql string) {
