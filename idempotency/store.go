@@ -51,8 +51,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
-
-	"github.com/pgsaga/pgsaga/steps/outcome"
+	"github.com/pgsaga/pgsaga/internal/outcome"
 )
 
 // DBTX is the transaction the store runs its statements in:

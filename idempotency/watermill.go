@@ -8,9 +8,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
-	"github.com/pgsaga/pgsaga/steps/metadata"
-
-	"github.com/pgsaga/pgsaga/steps/outcome"
+	"github.com/pgsaga/pgsaga/internal/metadata"
+	"github.com/pgsaga/pgsaga/internal/outcome"
 )
 
 // Metadata keys the Watermill middleware reads and writes.

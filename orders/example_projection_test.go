@@ -50,7 +50,7 @@ func ExampleService_Projection() {
 	}
 	var stream string               // the order to watch, set before the workers start
 	updated := make(chan string, 8) // room for redeliveries
-	if err := client.AddProjections(projection, saga.Projection{Name: "order-pages-" + run, Topic: inView,
+	if err := client.AddProjections(projection, events.Projection{Name: "order-pages-" + run, Topic: inView,
 		Handle: func(msg *message.Message) error {
 			if msg.Metadata.Get(events.MetaStreamID) == stream {
 				updated <- msg.Metadata.Get(events.MetaVersion)

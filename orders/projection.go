@@ -14,7 +14,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
-	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/steps/events"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
@@ -48,8 +47,8 @@ type View struct {
 // Inline, in the transaction of an append whose appender read the order
 // (Place, the confirm and cancel steps, CancelByCustomer), it applies the
 // event to that state instead of reading the stream again.
-func (s *Service) Projection() saga.Projection {
-	return saga.Projection{Name: ProjectionName, Topic: EventsTopic, Handle: s.Project}
+func (s *Service) Projection() events.Projection {
+	return events.Projection{Name: ProjectionName, Topic: EventsTopic, Handle: s.Project}
 }
 
 // Project applies one event message to order_views; Projection runs it for

@@ -40,7 +40,7 @@ type ClientConfig struct {
 	// EventsTopic names the topic of a stream's appended events: they are
 	// published to it through the appending transaction (unless
 	// EventsNotPublished), for asynchronous projections and other
-	// services, and the topic's inline projections (Projection.Inline) run
+	// services, and the topic's inline projections (events.Projection.Inline) run
 	// in that transaction. "" for none. Default: none.
 	EventsTopic func(streamID string) string
 	// EventsNotPublished keeps events off the outbox: for events whose
@@ -101,27 +101,6 @@ type ClientConfig struct {
 	Logger *slog.Logger
 }
 
-// Projection is a handler that keeps a read model (a view table) from the
-// events of a topic, in a transaction that transport.TxFromContext finds:
-// asynchronous, in the transaction of each delivery of the event (the
-// default), or inline, in the transaction that appends it.
-type Projection struct {
-	// Name names the handler and, asynchronous, its consumer group.
-	Name string
-	// Topic whose events it applies (see ClientConfig.EventsTopic).
-	Topic string
-	// Handle applies one event message.
-	Handle transport.HandlerFunc
-	// Inline runs Handle in the appending transaction, in every process
-	// that appends to the topic through this client's event store: the view
-	// is current when the append commits, and costs no message, delivery
-	// or worker. Handle's error fails the append (a step that appends is
-	// retried, or dead-lettered for a permanent error), so an inline
-	// projection must be as sure as the step itself. Events appended by
-	// other processes that lack the projection are not projected.
-	Inline bool
-}
-
 // Client is pgsaga in one process: the transport, the idempotency store, the
 // event store, the step runtime and the saga engine over one pool, the sagas,
 // steps and projections this process serves, and the workers, sweeper and
@@ -140,10 +119,10 @@ type Client struct {
 
 	mu          sync.Mutex
 	steps       []steps.Step
-	projections []Projection // asynchronous
+	projections []events.Projection // asynchronous
 	// inline holds the inline projections by topic; replaced whole (under
 	// mu) before Start, read by every append.
-	inline   atomic.Pointer[map[string][]Projection]
+	inline   atomic.Pointer[map[string][]events.Projection]
 	started  bool
 	worker   *Worker
 	stopJobs context.CancelFunc
@@ -317,7 +296,7 @@ func (c *Client) AddSteps(s ...steps.Step) error {
 }
 
 // AddProjections adds projections this process maintains.
-func (c *Client) AddProjections(p ...Projection) error {
+func (c *Client) AddProjections(p ...events.Projection) error {
 	for _, pr := range p {
 		if pr.Name == "" || pr.Handle == nil {
 			return errors.New("saga: a projection needs a Name and a Handle")
@@ -335,7 +314,7 @@ func (c *Client) AddProjections(p ...Projection) error {
 	return c.beforeStart(func() error {
 		c.mu.Lock()
 		defer c.mu.Unlock()
-		inline := map[string][]Projection{}
+		inline := map[string][]events.Projection{}
 		for topic, ps := range c.inlineByTopic() {
 			inline[topic] = ps
 		}
@@ -352,7 +331,7 @@ func (c *Client) AddProjections(p ...Projection) error {
 }
 
 // inlineByTopic is the inline projections by topic (nil map: none).
-func (c *Client) inlineByTopic() map[string][]Projection {
+func (c *Client) inlineByTopic() map[string][]events.Projection {
 	if m := c.inline.Load(); m != nil {
 		return *m
 	}
@@ -435,7 +414,7 @@ func (c *Client) NewWorker() (*Worker, error) {
 	}
 	c.mu.Lock()
 	stepList := append([]steps.Step(nil), c.steps...)
-	projections := append([]Projection(nil), c.projections...)
+	projections := append([]events.Projection(nil), c.projections...)
 	c.mu.Unlock()
 	inProcess := map[string]bool{}
 	for _, name := range c.cfg.InProcessSteps {

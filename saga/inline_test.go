@@ -74,7 +74,7 @@ func appendNote(t *testing.T, c *saga.Client, db *testdb.DB, stream string, expe
 func TestInlineProjectionWritesInTheAppendingTransaction(t *testing.T) {
 	t.Parallel()
 	c, db := newNotesClient(t, true)
-	require.NoError(t, c.AddProjections(saga.Projection{Name: "notes.view", Topic: "notes", Handle: projectNote, Inline: true}))
+	require.NoError(t, c.AddProjections(events.Projection{Name: "notes.view", Topic: "notes", Handle: projectNote, Inline: true}))
 	assert.Empty(t, c.Subscriptions(), "an inline projection consumes nothing")
 
 	require.NoError(t, appendNote(t, c, db, "note-1", 0, "first"))
@@ -96,7 +96,7 @@ func TestInlineProjectionFailureFailsTheAppend(t *testing.T) {
 	t.Parallel()
 	c, db := newNotesClient(t, true)
 	boom := errors.New("view refused")
-	require.NoError(t, c.AddProjections(saga.Projection{Name: "notes.view", Topic: "notes", Inline: true,
+	require.NoError(t, c.AddProjections(events.Projection{Name: "notes.view", Topic: "notes", Inline: true,
 		Handle: func(msg *message.Message) error {
 			if err := projectNote(msg); err != nil {
 				return err
@@ -117,9 +117,9 @@ func TestInlineProjectionBesideConsumers(t *testing.T) {
 	c, db := newNotesClient(t, false)
 	other := 0
 	require.NoError(t, c.AddProjections(
-		saga.Projection{Name: "notes.view", Topic: "notes", Handle: projectNote, Inline: true},
-		saga.Projection{Name: "other.view", Topic: "other", Inline: true, Handle: func(*message.Message) error { other++; return nil }},
-		saga.Projection{Name: "notes.search", Topic: "notes", Handle: func(*message.Message) error { return nil }},
+		events.Projection{Name: "notes.view", Topic: "notes", Handle: projectNote, Inline: true},
+		events.Projection{Name: "other.view", Topic: "other", Inline: true, Handle: func(*message.Message) error { other++; return nil }},
+		events.Projection{Name: "notes.search", Topic: "notes", Handle: func(*message.Message) error { return nil }},
 	))
 	require.NoError(t, c.Setup(context.Background()))
 	require.NoError(t, appendNote(t, c, db, "note-1", 0, "first"))
@@ -137,7 +137,7 @@ func TestInlineProjectionNeedsEventsTopic(t *testing.T) {
 	db := testdb.Shared(t)
 	c, err := saga.NewClientFromDB(db.SQL, saga.ClientConfig{Logger: logger()})
 	require.NoError(t, err)
-	err = c.AddProjections(saga.Projection{Name: "notes.view", Topic: "notes", Handle: projectNote, Inline: true})
+	err = c.AddProjections(events.Projection{Name: "notes.view", Topic: "notes", Handle: projectNote, Inline: true})
 	require.ErrorContains(t, err, "EventsTopic")
 	_, err = saga.NewClientFromDB(db.SQL, saga.ClientConfig{EventsNotPublished: true, Logger: logger()})
 	require.ErrorContains(t, err, "EventsTopic")
@@ -148,7 +148,7 @@ func TestInlineProjectionNeedsEventsTopic(t *testing.T) {
 func TestAsyncProjectionOfUnpublishedEventsIsRefused(t *testing.T) {
 	t.Parallel()
 	c, _ := newNotesClient(t, true)
-	err := c.AddProjections(saga.Projection{Name: "notes.search", Topic: "notes", Handle: projectNote})
+	err := c.AddProjections(events.Projection{Name: "notes.search", Topic: "notes", Handle: projectNote})
 	require.ErrorContains(t, err, "would receive nothing")
 	assert.Empty(t, c.Subscriptions())
 }

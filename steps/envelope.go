@@ -9,10 +9,8 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/idempotency"
-
-	"github.com/pgsaga/pgsaga/steps/metadata"
-
-	"github.com/pgsaga/pgsaga/steps/outcome"
+	"github.com/pgsaga/pgsaga/internal/metadata"
+	"github.com/pgsaga/pgsaga/internal/outcome"
 )
 
 // Message is the payload of a command, a reply or an event: a value that

@@ -33,11 +33,10 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/outcome"
 	"github.com/pgsaga/pgsaga/steps/events"
 	"github.com/pgsaga/pgsaga/steps/telemetry"
 	"github.com/pgsaga/pgsaga/steps/transport"
-
-	"github.com/pgsaga/pgsaga/steps/outcome"
 )
 
 // Handler handles one command of type C in the step's transaction. It

@@ -7,7 +7,7 @@ import (
 	"io"
 	"time"
 
-	"github.com/pgsaga/pgsaga/internal/brokers"
+	"github.com/pgsaga/pgsaga/cmd/internal/brokers"
 	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/obs"
 )

@@ -8,7 +8,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/pgsaga/pgsaga/internal/brokers"
+	"github.com/pgsaga/pgsaga/cmd/internal/brokers"
 	"github.com/pgsaga/pgsaga/internal/brokers/brokerurl"
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"

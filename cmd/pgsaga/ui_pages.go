@@ -21,9 +21,9 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/pgsaga/pgsaga/internal/metadata"
 	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/saga"
-	"github.com/pgsaga/pgsaga/steps/metadata"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 

@@ -19,7 +19,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/pgsaga/pgsaga/internal/brokers"
+	"github.com/pgsaga/pgsaga/cmd/internal/brokers"
+	"github.com/pgsaga/pgsaga/cmd/internal/workerwatch"
 	"github.com/pgsaga/pgsaga/internal/brokers/brokerurl"
 	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/finddb"
@@ -27,7 +28,6 @@ import (
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/internal/pglisten"
-	"github.com/pgsaga/pgsaga/internal/workerwatch"
 	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"

@@ -9,7 +9,7 @@ import (
 	"regexp"
 	"time"
 
-	"github.com/pgsaga/pgsaga/internal/brokers"
+	"github.com/pgsaga/pgsaga/cmd/internal/brokers"
 	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/obs"
 )

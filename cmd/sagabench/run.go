@@ -15,8 +15,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/pgsaga/pgsaga/cmd/internal/workerwatch"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
-	"github.com/pgsaga/pgsaga/internal/workerwatch"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
 )

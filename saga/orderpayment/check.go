@@ -9,15 +9,15 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/pgsaga/pgsaga/internal/sqlcheck"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/saga"
-	"github.com/pgsaga/pgsaga/saga/sagatest"
 )
 
 // Violation is a broken invariant, with the offending rows: the failure
 // kit's.
-type Violation = sagatest.Violation
+type Violation = sqlcheck.Violation
 
 // Report is the state of the sample's sagas and whether the invariants hold.
 type Report struct {
@@ -78,7 +78,7 @@ func Check(ctx context.Context, db *sql.DB, ids []uuid.UUID) (Report, error) {
 
 // querier is a *sql.DB or a *sql.Tx.
 type querier interface {
-	sagatest.Querier
+	sqlcheck.Querier
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
 }
 
@@ -123,7 +123,7 @@ func check(ctx context.Context, db querier, ids []uuid.UUID) (Report, error) {
 		return r, err
 	}
 	if ids != nil && r.Total < len(ids) {
-		where, err := sagatest.Rows(ctx, db, unstartedSQL, Name, orders.CreatedTopic)
+		where, err := sqlcheck.Rows(ctx, db, unstartedSQL, Name, orders.CreatedTopic)
 		if err != nil {
 			return r, fmt.Errorf("orderpayment: finding the triggers of sagas never started: %w", err)
 		}
@@ -177,7 +177,7 @@ func check(ctx context.Context, db querier, ids []uuid.UUID) (Report, error) {
 		checks = append(checks, check{"orders charged more than once at the gateway", gatewayDoubleChargesSQL, nil})
 	}
 	for _, c := range checks {
-		bad, err := sagatest.Rows(ctx, db, c.query, c.args...)
+		bad, err := sqlcheck.Rows(ctx, db, c.query, c.args...)
 		if err != nil {
 			return r, fmt.Errorf("orderpayment: checking %s: %w", c.name, err)
 		}
@@ -386,7 +386,7 @@ func CheckSplit(ctx context.Context, ordersDB, paymentsDB *sql.DB, ids []uuid.UU
 	if err != nil {
 		return r, err
 	}
-	pending, err := sagatest.Rows(ctx, paymentsDB, pendingKeysSQL)
+	pending, err := sqlcheck.Rows(ctx, paymentsDB, pendingKeysSQL)
 	if err != nil {
 		return r, fmt.Errorf("orderpayment: checking the payment service's idempotency keys: %w", err)
 	}

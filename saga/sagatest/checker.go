@@ -10,6 +10,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/pgsaga/pgsaga/internal/sqlcheck"
 	"github.com/pgsaga/pgsaga/saga"
 )
 
@@ -21,18 +22,7 @@ type Invariant struct {
 }
 
 // Violation is a broken invariant and the rows that break it.
-type Violation struct {
-	Invariant string
-	Rows      []string
-}
-
-// String implements fmt.Stringer.
-func (v Violation) String() string {
-	if len(v.Rows) == 0 {
-		return v.Invariant
-	}
-	return fmt.Sprintf("%s: %s", v.Invariant, strings.Join(v.Rows, "; "))
-}
+type Violation = sqlcheck.Violation
 
 // Checker checks the generic invariants of sagas, and the domain's.
 type Checker struct {
@@ -151,26 +141,11 @@ func (c Checker) Check(ctx context.Context) ([]Violation, error) {
 }
 
 // Querier runs queries: a *sql.DB, *sql.Conn or *sql.Tx.
-type Querier interface {
-	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
-}
+type Querier = sqlcheck.Querier
 
 // Rows runs a query returning one text column: a helper for invariants.
 func Rows(ctx context.Context, db Querier, query string, args ...any) ([]string, error) {
-	rows, err := db.QueryContext(ctx, query, args...)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	var out []string
-	for rows.Next() {
-		var s sql.NullString
-		if err := rows.Scan(&s); err != nil {
-			return nil, err
-		}
-		out = append(out, s.String)
-	}
-	return out, rows.Err()
+	return sqlcheck.Rows(ctx, db, query, args...)
 }
 
 // WaitTerminal polls until every saga in ids exists and is terminal, or

@@ -29,9 +29,30 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
-
-	"github.com/pgsaga/pgsaga/steps/metadata"
+	"github.com/pgsaga/pgsaga/internal/metadata"
 )
+
+// Projection is a handler that keeps a read model (a view table) from the
+// events of a topic, in a transaction the transport hands it
+// (transport.TxFromContext): asynchronous, in the transaction of each
+// delivery of the event (the default), or inline, in the transaction that
+// appends it. Register it with saga.Client.AddProjections.
+type Projection struct {
+	// Name names the handler and, asynchronous, its consumer group.
+	Name string
+	// Topic whose events it applies (saga.ClientConfig.EventsTopic).
+	Topic string
+	// Handle applies one event message.
+	Handle func(msg *message.Message) error
+	// Inline runs Handle in the appending transaction, in every process
+	// that appends to the topic through the client's event store: the view
+	// is current when the append commits, and costs no message, delivery
+	// or worker. Handle's error fails the append (a step that appends is
+	// retried, or dead-lettered for a permanent error), so an inline
+	// projection must be as sure as the step itself. Events appended by
+	// other processes that lack the projection are not projected.
+	Inline bool
+}
 
 // Event is a domain event: a JSON-encodable value with a stable type name.
 // EventType must be a constant of the type (value receiver): it is called on

@@ -10,7 +10,7 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/pgsaga/pgsaga/steps/metadata"
+	"github.com/pgsaga/pgsaga/internal/metadata"
 )
 
 // TracerName is the instrumentation scope of pgsaga's spans.

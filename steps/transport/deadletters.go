@@ -12,7 +12,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/pgsaga/pgsaga/steps/metadata"
+	"github.com/pgsaga/pgsaga/internal/metadata"
 )
 
 // DeadLetter is a message kept in pgsaga_dead_letters: one no consumer

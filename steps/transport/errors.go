@@ -10,10 +10,9 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/pgsaga/pgsaga/internal/outcome"
 	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/internal/pgserver"
-
-	"github.com/pgsaga/pgsaga/steps/outcome"
 )
 
 // Errors callers can branch on.

@@ -35,8 +35,8 @@ import (
 	wmkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/pgsaga/pgsaga/internal/metadata"
 	"github.com/pgsaga/pgsaga/steps/broker"
-	"github.com/pgsaga/pgsaga/steps/metadata"
 )
 
 // Defaults of Config.

@@ -5,7 +5,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 
-	"github.com/pgsaga/pgsaga/internal/brokers"
+	"github.com/pgsaga/pgsaga/cmd/internal/brokers"
 	"github.com/pgsaga/pgsaga/internal/brokers/brokerurl"
 )
 

@@ -5,7 +5,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 
-	"github.com/pgsaga/pgsaga/steps/metadata"
+	"github.com/pgsaga/pgsaga/internal/metadata"
 )
 
 // The keys are a contract with everything that reads the topics and with

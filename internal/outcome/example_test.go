@@ -4,8 +4,8 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/pgsaga/pgsaga/internal/outcome"
 	"github.com/pgsaga/pgsaga/steps"
-	"github.com/pgsaga/pgsaga/steps/outcome"
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
