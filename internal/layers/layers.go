@@ -1,0 +1,154 @@
+// Package layers states how pgsaga's packages depend on each other, and
+// checks it: each package belongs to a layer, and a package imports only
+// packages of lower layers or of its own layer's subtree (see Layers and
+// Check). Its test reads the module's import graph (non-test files) and
+// fails on an import that runs upward.
+package layers
+
+import (
+	"fmt"
+	"go/build"
+	"io/fs"
+	"os"
+	"path"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+)
+
+// Layer is a subtree of the module (Dir, relative to its root; a package
+// belongs to the longest Dir that holds it) and its rank: a package may
+// import packages of a lower rank, and packages of its own layer.
+type Layer struct {
+	Dir  string
+	Rank int
+	// TestOnly: its packages support tests; library packages (all but
+	// cmd/ and other test support) must not import them.
+	TestOnly bool
+}
+
+// Layers is pgsaga's layout, bottom up (docs/DESIGN.md §2).
+var Layers = []Layer{
+	{Dir: "internal", Rank: 0}, // plumbing: the pool, SQLSTATEs, metadata keys, outcomes
+	{Dir: "internal/testout", Rank: 0, TestOnly: true},
+	{Dir: "internal/testnats", Rank: 0, TestOnly: true},
+	{Dir: "migrations", Rank: 1}, // the schema
+	{Dir: "internal/testdb", Rank: 2, TestOnly: true},   // migrated test databases
+	{Dir: "internal/testlost", Rank: 3, TestOnly: true}, // lost connections, on testdb's
+	{Dir: "idempotency", Rank: 2},
+	{Dir: "steps/events", Rank: 2},
+	{Dir: "steps/telemetry", Rank: 2},
+	{Dir: "steps/transport", Rank: 3},
+	{Dir: "steps/broker", Rank: 4},
+	{Dir: "steps", Rank: 5},
+	{Dir: "saga", Rank: 6},     // the engine
+	{Dir: "orders", Rank: 6},   // the sample's domains: participants, beside the engine
+	{Dir: "payments", Rank: 6}, //
+	{Dir: "saga/sagatest", Rank: 7, TestOnly: true},
+	{Dir: "saga/orderpayment", Rank: 7}, // the sample saga, over the engine and the domains
+	{Dir: "cmd", Rank: 8},
+}
+
+// layerOf returns the layer of the package at dir (relative to the module
+// root), and false if none holds it.
+func layerOf(layers []Layer, dir string) (Layer, bool) {
+	best, found := Layer{}, false
+	for _, l := range layers {
+		if (dir == l.Dir || strings.HasPrefix(dir, l.Dir+"/")) && (!found || len(l.Dir) > len(best.Dir)) {
+			best, found = l, true
+		}
+	}
+	return best, found
+}
+
+// Import is one import of the module's own: From imports To (directories
+// relative to the module root).
+type Import struct{ From, To string }
+
+// Check returns what breaks the layering among imports: an import of a
+// higher or equal rank from another layer, an import of test support by a
+// library package, and a package no layer holds.
+func Check(layers []Layer, imports []Import) []string {
+	var bad []string
+	for _, im := range imports {
+		from, okFrom := layerOf(layers, im.From)
+		to, okTo := layerOf(layers, im.To)
+		switch {
+		case !okFrom:
+			bad = append(bad, fmt.Sprintf("%s: in no layer", im.From))
+		case !okTo:
+			bad = append(bad, fmt.Sprintf("%s: in no layer", im.To))
+		case from.Dir == to.Dir:
+		case to.Rank >= from.Rank:
+			bad = append(bad, fmt.Sprintf("%s (%s, rank %d) imports %s (%s, rank %d): upward", im.From, from.Dir, from.Rank, im.To, to.Dir, to.Rank))
+		case to.TestOnly && !from.TestOnly && from.Dir != "cmd":
+			bad = append(bad, fmt.Sprintf("%s imports %s, which supports tests only", im.From, im.To))
+		}
+	}
+	slices.Sort(bad)
+	return slices.Compact(bad)
+}
+
+// Read returns the imports among the module's own packages, from their
+// non-test files (build constraints as on this platform), for the module
+// at root whose path is module.
+func Read(root, module string) ([]Import, error) {
+	var out []Import
+	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if !d.IsDir() {
+			return nil
+		}
+		name := d.Name()
+		if p != root && (strings.HasPrefix(name, ".") || strings.HasPrefix(name, "_") || name == "testdata" || name == "vendor") {
+			return filepath.SkipDir
+		}
+		pkg, err := build.Default.ImportDir(p, 0)
+		if _, ok := err.(*build.NoGoError); ok {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("layers: reading %s: %w", p, err)
+		}
+		rel, err := filepath.Rel(root, p)
+		if err != nil {
+			return err
+		}
+		from := filepath.ToSlash(rel)
+		for _, imp := range pkg.Imports {
+			if to, ok := strings.CutPrefix(imp, module+"/"); ok {
+				out = append(out, Import{From: from, To: path.Clean(to)})
+			}
+		}
+		return nil
+	})
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].From != out[j].From {
+			return out[i].From < out[j].From
+		}
+		return out[i].To < out[j].To
+	})
+	return out, err
+}
+
+// ModuleRoot returns the directory of the go.mod above dir, and its module
+// path.
+func ModuleRoot(dir string) (root, module string, err error) {
+	for d := dir; ; d = filepath.Dir(d) {
+		b, err := os.ReadFile(filepath.Join(d, "go.mod"))
+		if err == nil {
+			for _, line := range strings.Split(string(b), "\n") {
+				if m, ok := strings.CutPrefix(strings.TrimSpace(line), "module "); ok {
+					return d, strings.TrimSpace(m), nil
+				}
+			}
+			return "", "", fmt.Errorf("layers: %s/go.mod names no module", d)
+		}
+		if filepath.Dir(d) == d {
+			return "", "", fmt.Errorf("layers: no go.mod above %s", dir)
+		}
+	}
+}

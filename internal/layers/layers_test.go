@@ -1,0 +1,48 @@
+package layers
+
+import (
+	"os"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// Every import among the module's packages runs downward (Layers).
+func TestImportsRunDownward(t *testing.T) {
+	t.Parallel()
+	wd, err := os.Getwd()
+	require.NoError(t, err)
+	root, module, err := ModuleRoot(wd)
+	require.NoError(t, err)
+	imports, err := Read(root, module)
+	require.NoError(t, err)
+	require.Greater(t, len(imports), 50, "the module's imports were read")
+	assert.Contains(t, imports, Import{From: "saga", To: "steps"}, "an import known to exist was read")
+	assert.Empty(t, Check(Layers, imports))
+}
+
+// The check itself: each way an import can break the layering is reported.
+func TestCheckReportsWhatRunsUpward(t *testing.T) {
+	t.Parallel()
+	for name, tc := range map[string]struct {
+		imp  Import
+		want string
+	}{
+		"a domain importing the engine":     {Import{"orders", "saga"}, "orders (orders, rank 6) imports saga (saga, rank 6): upward"},
+		"a store importing the steps":       {Import{"idempotency", "steps"}, "idempotency (idempotency, rank 2) imports steps (steps, rank 5): upward"},
+		"plumbing importing the sample":     {Import{"internal/pgdb", "saga/orderpayment"}, "internal/pgdb (internal, rank 0) imports saga/orderpayment (saga/orderpayment, rank 7): upward"},
+		"the sample importing the test kit": {Import{"saga/orderpayment", "saga/sagatest"}, "saga/orderpayment (saga/orderpayment, rank 7) imports saga/sagatest (saga/sagatest, rank 7): upward"},
+		"a library importing test support":  {Import{"saga", "internal/testout"}, "saga imports internal/testout, which supports tests only"},
+		"a package in no layer":             {Import{"tools/x", "internal/pgdb"}, "tools/x: in no layer"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			assert.Equal(t, []string{tc.want}, Check(Layers, []Import{tc.imp}))
+		})
+	}
+	assert.Empty(t, Check(Layers, []Import{
+		{"saga/orderpayment", "orders"}, {"saga", "steps/transport"}, {"steps/transport", "internal/dbtx"},
+		{"cmd/orderdemo", "cmd/internal/workerwatch"}, {"cmd/orderdemo", "saga/sagatest"}, {"internal/testdb", "migrations"},
+		{"steps/broker/natsjs", "steps/broker"},
+	}), "downward and same-layer imports pass")
+}
