@@ -73,7 +73,7 @@ func TestInlineProjectionAppliesTheAppendersState(t *testing.T) {
 	cust := "cust-inline"
 	require.NoError(t, svc.AddCustomer(ctx, cust, "Inline"))
 
-	step := func(s steps.Step, cmd steps.Message, key string) {
+	step := func(s steps.AnyStep, cmd steps.Message, key string) {
 		t.Helper()
 		msg, err := steps.NewMessage(cmd, steps.Envelope{Key: key, ReplyTo: replies})
 		require.NoError(t, err)

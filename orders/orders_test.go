@@ -86,7 +86,7 @@ func (e *env) count(query string, args ...any) int {
 
 // run executes a saga step for the order in a transaction of its own, and
 // returns the reply published.
-func (e *env) run(step steps.Step, cmd steps.Message, key string) (steps.Envelope, string) {
+func (e *env) run(step steps.AnyStep, cmd steps.Message, key string) (steps.Envelope, string) {
 	e.t.Helper()
 	msg, err := steps.NewMessage(cmd, steps.Envelope{Key: key, ReplyTo: e.replies})
 	require.NoError(e.t, err)

@@ -326,15 +326,18 @@ func (s *Service) trigger(ctx context.Context, tx transport.Tx, msg *message.Mes
 	return s.cfg.Transport.Publisher(tx).Publish(CreatedTopic, msg)
 }
 
-// ConfirmStep returns the step that confirms orders for the saga.
-func (s *Service) ConfirmStep() steps.Step {
-	return steps.Define(ConfirmStepName, ConfirmTopic, s.confirm)
-}
+// Confirm and Cancel are the order steps a saga sends its commands to
+// (saga.Send); a Service serves them (ConfirmStep, CancelStep).
+var (
+	Confirm = steps.Define[ConfirmOrder](ConfirmStepName, ConfirmTopic, nil)
+	Cancel  = steps.Define[CancelOrder](CancelStepName, CancelTopic, nil)
+)
 
-// CancelStep returns the step that cancels orders for the saga.
-func (s *Service) CancelStep() steps.Step {
-	return steps.Define(CancelStepName, CancelTopic, s.cancel)
-}
+// ConfirmStep returns Confirm, served by s.
+func (s *Service) ConfirmStep() steps.Step[ConfirmOrder] { return Confirm.Handle(s.confirm) }
+
+// CancelStep returns Cancel, served by s.
+func (s *Service) CancelStep() steps.Step[CancelOrder] { return Cancel.Handle(s.cancel) }
 
 func (s *Service) confirm(ctx context.Context, tx *steps.Tx, cmd ConfirmOrder) (steps.Message, error) {
 	var o Order

@@ -49,7 +49,7 @@ func Example() {
 
 	// run executes a step for cmd under key, in transactions of its own,
 	// and prints the balance after it.
-	run := func(what string, step steps.Step, cmd steps.Message, key string) {
+	run := func(what string, step steps.AnyStep, cmd steps.Message, key string) {
 		msg, err := steps.NewMessage(cmd, steps.Envelope{Key: key})
 		if err != nil {
 			panic(err)

@@ -4,6 +4,7 @@ import (
 	"context"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/steps"
 )
 
 // CaptureUnder runs the capture phase of a charge (the gateway call and the
@@ -11,4 +12,10 @@ import (
 // reserve phase would never start, to pin the guards of the recording itself.
 func (s *Service) CaptureUnder(ctx context.Context, lease *idempotency.Lease, cmd ChargePayment) (string, error) {
 	return s.capture(ctx, lease, cmd)
+}
+
+// ChargeStepOn is the charge step, served by s, on topic instead of
+// ChargeTopic.
+func (s *Service) ChargeStepOn(topic string) steps.Step[ChargePayment] {
+	return steps.Define(ChargeStepName, topic, s.charge)
 }

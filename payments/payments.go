@@ -250,15 +250,18 @@ func New(cfg Config) (*Service, error) {
 	return &Service{cfg: cfg}, nil
 }
 
-// ChargeStep returns the step that charges payments for the saga.
-func (s *Service) ChargeStep() steps.Step {
-	return steps.Define(ChargeStepName, ChargeTopic, s.charge)
-}
+// Charge and Refund are the payment steps a saga sends its commands to
+// (saga.Send); a Service serves them (ChargeStep, RefundStep).
+var (
+	Charge = steps.Define[ChargePayment](ChargeStepName, ChargeTopic, nil)
+	Refund = steps.Define[RefundPayment](RefundStepName, RefundTopic, nil)
+)
 
-// RefundStep returns the step that refunds payments for the saga.
-func (s *Service) RefundStep() steps.Step {
-	return steps.Define(RefundStepName, RefundTopic, s.refund)
-}
+// ChargeStep returns Charge, served by s.
+func (s *Service) ChargeStep() steps.Step[ChargePayment] { return Charge.Handle(s.charge) }
+
+// RefundStep returns Refund, served by s.
+func (s *Service) RefundStep() steps.Step[RefundPayment] { return Refund.Handle(s.refund) }
 
 // OpenAccount creates an account; opening it twice is a no-op, so a
 // connection lost under it is retried (pgerr.RetryLost).

@@ -170,7 +170,7 @@ type reply struct {
 
 // execute runs a step for cmd under key, in its own transactions, and
 // returns the reply it published.
-func (e *env) execute(step steps.Step, cmd steps.Message, key string) reply {
+func (e *env) execute(step steps.AnyStep, cmd steps.Message, key string) reply {
 	e.t.Helper()
 	msg, err := steps.NewMessage(cmd, steps.Envelope{Key: key, ReplyTo: e.replies})
 	require.NoError(e.t, err)
@@ -355,8 +355,7 @@ func TestConcurrentChargesAcrossConsumersNeverOverdraw(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	acct := e.account(1000)
-	step := e.svc.ChargeStep()
-	step.Topic = "charges_" + uuid.NewString()[:6]
+	step := e.svc.ChargeStepOn("charges_" + uuid.NewString()[:6])
 	for range 3 {
 		r, err := e.tr.NewRouter()
 		require.NoError(t, err)
@@ -377,7 +376,7 @@ func TestConcurrentChargesAcrossConsumersNeverOverdraw(t *testing.T) {
 		order := uuid.New()
 		msg, err := steps.NewMessage(charge(order, acct, 100), steps.Envelope{Key: fmt.Sprintf("par-%s-%d", acct, i), ReplyTo: e.replies})
 		require.NoError(t, err)
-		require.NoError(t, e.tr.Publisher(tx).Publish(step.Topic, msg))
+		require.NoError(t, e.tr.Publisher(tx).Publish(step.Topic(), msg))
 	}
 	require.NoError(t, tx.Commit())
 	deadline := time.Now().Add(60 * time.Second)
@@ -410,8 +409,7 @@ func TestChargeCallsTheGatewayOutsideItsDeliveryBatch(t *testing.T) {
 	}})
 	t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) }) // before the gateway closes
 	acct := e.account(1000)
-	step := e.svc.ChargeStep()
-	step.Topic = "charges_" + uuid.NewString()[:6]
+	step := e.svc.ChargeStepOn("charges_" + uuid.NewString()[:6])
 	r, err := e.tr.NewRouter()
 	require.NoError(t, err)
 	require.NoError(t, e.rt.Register(r, step, transport.WithConsumers(1)))
@@ -425,7 +423,7 @@ func TestChargeCallsTheGatewayOutsideItsDeliveryBatch(t *testing.T) {
 	for _, key := range []string{slowKey, quickKey, declinedKey} { // one batch, the slow one first
 		msg, err := steps.NewMessage(charge(uuid.New(), acct, 100), steps.Envelope{Key: key, ReplyTo: e.replies})
 		require.NoError(t, err)
-		require.NoError(t, e.tr.Publisher(tx).Publish(step.Topic, msg))
+		require.NoError(t, e.tr.Publisher(tx).Publish(step.Topic(), msg))
 	}
 	require.NoError(t, tx.Commit())
 

@@ -118,7 +118,7 @@ type Client struct {
 	log         *slog.Logger
 
 	mu          sync.Mutex
-	steps       []steps.Step
+	steps       []steps.AnyStep
 	projections []events.Projection // asynchronous
 	// inline holds the inline projections by topic; replaced whole (under
 	// mu) before Start, read by every append.
@@ -286,7 +286,7 @@ func (c *Client) Register(defs ...*Definition) error {
 }
 
 // AddSteps adds participant steps this process serves.
-func (c *Client) AddSteps(s ...steps.Step) error {
+func (c *Client) AddSteps(s ...steps.AnyStep) error {
 	return c.beforeStart(func() error {
 		c.mu.Lock()
 		defer c.mu.Unlock()
@@ -413,7 +413,7 @@ func (c *Client) NewWorker() (*Worker, error) {
 		return nil, err
 	}
 	c.mu.Lock()
-	stepList := append([]steps.Step(nil), c.steps...)
+	stepList := append([]steps.AnyStep(nil), c.steps...)
 	projections := append([]events.Projection(nil), c.projections...)
 	c.mu.Unlock()
 	inProcess := map[string]bool{}
@@ -428,12 +428,12 @@ func (c *Client) NewWorker() (*Worker, error) {
 			// with the batch, in one statement.
 			opts = append(opts, transport.LoadPerBatch(commandLoad))
 		}
-		if inProcess[s.Name] {
+		if inProcess[s.Name()] {
 			opts = append(opts, transport.InProcess())
-			delete(inProcess, s.Name)
+			delete(inProcess, s.Name())
 		}
 		if err := c.runtime.Register(r, s, opts...); err != nil {
-			return nil, fmt.Errorf("saga: registering step %s: %w", s.Name, err)
+			return nil, fmt.Errorf("saga: registering step %s: %w", s.Name(), err)
 		}
 	}
 	for name := range inProcess {

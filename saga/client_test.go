@@ -85,7 +85,7 @@ func newSignupClientTraced(t *testing.T, maxConns int32, tracer pgx.QueryTracer,
 			return s.Email, signup(s), err
 		}},
 		Steps: []saga.Step[signup]{{Name: "account", Deadline: time.Minute,
-			Action: &saga.Command[signup]{Topic: open.Topic, Build: func(s signup) steps.Message { return OpenAccount(s) }}}},
+			Action: saga.Send(open, func(s signup) OpenAccount { return OpenAccount(s) })}},
 	})
 	require.NoError(t, c.Register(def))
 	require.NoError(t, c.AddSteps(open))

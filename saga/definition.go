@@ -10,6 +10,8 @@
 //
 // A saga is a Definition (Define a Spec: a Trigger and ordered Steps, each
 // an action and an optional compensation, with a deadline and attempts).
+// An action or a compensation is the command sent to a participant's step
+// (Send, which takes the topic and the command's type from the step).
 // Its instances live in saga_instances with their timeline in
 // saga_history. Every reaction of the engine is one transaction: the
 // instance's update, its timeline, the next command (published through the
@@ -117,14 +119,30 @@ type Step[D any] struct {
 	CompensationAttempts int
 }
 
-// Command is a message a step sends to a participant.
+// Command is what a saga step sends a participant: build it with Send,
+// which takes the topic and the command's type from the participant's step.
 type Command[D any] struct {
-	// Topic the participant consumes. Required.
-	Topic string
-	// Build makes the command from the saga's data. Required.
-	Build func(data D) steps.Message
-	// OnReply updates the data from a successful reply. Optional.
-	OnReply func(data *D, reply *message.Message) error
+	topic   string
+	build   func(data D) steps.Message
+	onReply func(data *D, reply *message.Message) error
+}
+
+// Send is the command to step, made from the saga's data by build. The
+// command's type is the step's: a saga cannot send a step a command it
+// does not handle (it does not compile).
+func Send[D any, C steps.Message](step steps.Step[C], build func(data D) C) *Command[D] {
+	c := &Command[D]{topic: step.Topic()}
+	if build != nil {
+		c.build = func(data D) steps.Message { return build(data) }
+	}
+	return c
+}
+
+// OnReply sets how a successful reply updates the saga's data, and returns
+// c.
+func (c *Command[D]) OnReply(update func(data *D, reply *message.Message) error) *Command[D] {
+	c.onReply = update
+	return c
 }
 
 // Definition is a Spec ready for an Engine: build it with Define.
@@ -303,31 +321,31 @@ func compileCommand[D any](c *Command[D]) (*commandDef, error) {
 	if c == nil {
 		return nil, nil
 	}
-	if c.Build == nil {
-		return nil, errors.New("Build is required")
+	if c.build == nil {
+		return nil, errors.New("its build function is required (Send)")
 	}
-	if err := transport.ValidateTopic(c.Topic); err != nil {
+	if err := transport.ValidateTopic(c.topic); err != nil {
 		return nil, err
 	}
-	cd := &commandDef{topic: c.Topic}
+	cd := &commandDef{topic: c.topic}
 	cd.build = func(raw json.RawMessage) (steps.Message, error) {
 		var data D
 		if err := json.Unmarshal(raw, &data); err != nil {
 			return nil, fmt.Errorf("decoding saga data: %w", err)
 		}
-		m := c.Build(data)
+		m := c.build(data)
 		if m == nil {
-			return nil, errors.New("Build returned no command")
+			return nil, errors.New("its build function returned no command")
 		}
 		return m, nil
 	}
-	if c.OnReply != nil {
+	if c.onReply != nil {
 		cd.onReply = func(raw json.RawMessage, reply *message.Message) (json.RawMessage, error) {
 			var data D
 			if err := json.Unmarshal(raw, &data); err != nil {
 				return nil, fmt.Errorf("decoding saga data: %w", err)
 			}
-			if err := c.OnReply(&data, reply); err != nil {
+			if err := c.onReply(&data, reply); err != nil {
 				return nil, err
 			}
 			return json.Marshal(data)

@@ -28,7 +28,7 @@ func TestTwoLiveProcessesWithDifferentStepsOfOneVersion(t *testing.T) {
 
 	// The new process: the same name and version, the steps swapped.
 	cmd := func(op string) *saga.Command[tripData] {
-		return &saga.Command[tripData]{Topic: e.topics[op], Build: func(d tripData) steps.Message { return tripCmd{Trip: d.Trip, Op: op} }}
+		return saga.Send(steps.Define[tripCmd](op, e.topics[op], nil), func(d tripData) tripCmd { return tripCmd{Trip: d.Trip, Op: op} })
 	}
 	swapped := saga.MustDefine(saga.Spec[tripData]{
 		Name: e.def.Name,

@@ -127,7 +127,7 @@ func newEnv(t *testing.T, o options) *env {
 		FinishedChannel: o.finished})
 	require.NoError(t, err)
 	cmd := func(op string) *saga.Command[tripData] {
-		return &saga.Command[tripData]{Topic: e.topics[op], Build: func(d tripData) steps.Message {
+		return saga.Send(steps.Define[tripCmd](op, e.topics[op], nil), func(d tripData) tripCmd {
 			if o.panicFor != "" && d.Trip == o.panicFor {
 				if o.panicWith != "" {
 					panic(o.panicWith)
@@ -135,13 +135,12 @@ func newEnv(t *testing.T, o options) *env {
 				panic("a bug in Build for " + d.Trip)
 			}
 			return tripCmd{Trip: d.Trip, Op: op}
-		}}
+		})
 	}
-	book := cmd("book")
-	book.OnReply = func(d *tripData, reply *message.Message) error {
+	book := cmd("book").OnReply(func(d *tripData, reply *message.Message) error {
 		d.Booked = reply.UUID
 		return nil
-	}
+	})
 	def, err := saga.Define(saga.Spec[tripData]{
 		Name:    "trip-" + id,
 		Timeout: o.timeout,
@@ -619,14 +618,17 @@ func TestUnknownDefinitionVersionIsReported(t *testing.T) {
 func TestDefineValidates(t *testing.T) {
 	t.Parallel()
 	trigger := saga.Trigger[tripData]{Topic: "t", Start: func(*message.Message) (string, tripData, error) { return "k", tripData{}, nil }}
-	cmd := &saga.Command[tripData]{Topic: "c", Build: func(tripData) steps.Message { return tripCmd{} }}
+	build := func(tripData) tripCmd { return tripCmd{} }
+	cmd := saga.Send(steps.Define[tripCmd]("c", "c", nil), build)
 	for name, spec := range map[string]saga.Spec[tripData]{
 		"no name":         {Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Action: cmd}}},
 		"no steps":        {Name: "s", Trigger: trigger},
 		"no start":        {Name: "s", Trigger: saga.Trigger[tripData]{Topic: "t"}, Steps: []saga.Step[tripData]{{Name: "a", Action: cmd}}},
 		"duplicate steps": {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Action: cmd}, {Name: "a", Action: cmd}}},
 		"no action":       {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Compensation: cmd}}},
-		"bad topic":       {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Action: &saga.Command[tripData]{Topic: "bad topic", Build: cmd.Build}}}},
+		"bad topic":       {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Action: saga.Send(steps.Define[tripCmd]("c", "bad topic", nil), build)}}},
+		"no build":        {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Action: saga.Send[tripData](steps.Define[tripCmd]("c", "c", nil), nil)}}},
+		"no step":         {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Action: saga.Send(steps.Step[tripCmd]{}, build)}}},
 	} {
 		_, err := saga.Define(spec)
 		require.Error(t, err, name)

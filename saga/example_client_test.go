@@ -94,11 +94,11 @@ func ExampleClient() {
 		}},
 		Steps: []saga.Step[signup]{
 			{Name: "account",
-				Action:       &saga.Command[signup]{Topic: open.Topic, Build: func(s signup) steps.Message { return OpenAccount(s) }},
-				Compensation: &saga.Command[signup]{Topic: closeAccount.Topic, Build: func(s signup) steps.Message { return CloseAccount(s) }},
+				Action:       saga.Send(open, func(s signup) OpenAccount { return OpenAccount(s) }),
+				Compensation: saga.Send(closeAccount, func(s signup) CloseAccount { return CloseAccount(s) }),
 				Deadline:     10 * time.Second},
 			{Name: "welcome",
-				Action:   &saga.Command[signup]{Topic: welcome.Topic, Build: func(s signup) steps.Message { return SendWelcome(s) }},
+				Action:   saga.Send(welcome, func(s signup) SendWelcome { return SendWelcome(s) }),
 				Deadline: 10 * time.Second},
 		},
 	})

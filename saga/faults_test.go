@@ -252,7 +252,7 @@ func TestAChangedDefinitionIsRefusedAtStart(t *testing.T) {
 			return "", tripData{}, errors.New("unused")
 		}},
 		Steps: []saga.Step[tripData]{{Name: "book",
-			Action: &saga.Command[tripData]{Topic: e.topics["book"], Build: func(d tripData) steps.Message { return tripCmd{Trip: d.Trip} }}}},
+			Action: saga.Send(steps.Define[tripCmd]("book", e.topics["book"], nil), func(d tripData) tripCmd { return tripCmd{Trip: d.Trip} })}},
 	})
 	client, err := saga.NewClientFromDB(e.db.SQL, saga.ClientConfig{Logger: logger(), DisableRetention: true})
 	require.NoError(t, err)

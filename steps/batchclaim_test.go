@@ -94,7 +94,7 @@ func TestABatchClaimsItsKeysInOneStatement(t *testing.T) {
 	assert.Len(t, e.messages(e.replies), 20)
 	assert.Equal(t, int64(1), cc.many.Load(), "one claim for the batch")
 	assert.Zero(t, cc.one.Load(), "no claim of its own for any attempt")
-	assert.Zero(t, e.count(`SELECT count(*) FROM idempotency_keys WHERE scope = $1 AND status = 'pending'`, e.step.Name))
+	assert.Zero(t, e.count(`SELECT count(*) FROM idempotency_keys WHERE scope = $1 AND status = 'pending'`, e.step.Name()))
 }
 
 // A claim whose attempt fails is given back when its batch ends: the
@@ -109,7 +109,7 @@ func TestAClaimWhoseAttemptFailedIsGivenBack(t *testing.T) {
 	assert.Empty(t, e.deadLetters())
 	assert.Equal(t, 2, e.attemptsOf("flaky"), "failed once, then ran")
 	assert.Equal(t, 3, e.count(`SELECT count(*) FROM `+e.ledger))
-	assert.Zero(t, e.count(`SELECT count(*) FROM idempotency_keys WHERE scope = $1 AND status = 'pending'`, e.step.Name))
+	assert.Zero(t, e.count(`SELECT count(*) FROM idempotency_keys WHERE scope = $1 AND status = 'pending'`, e.step.Name()))
 }
 
 // Copies of one command in one batch whose first attempt fails: the claim
@@ -184,7 +184,7 @@ func TestTheBatchClaimOutlivesAFailedAttempt(t *testing.T) {
 	assert.Equal(t, 1, e.attemptsOf("ok-1"), "ran once: its batch was not abandoned")
 	assert.Equal(t, 1, e.attemptsOf("ok-2"))
 	assert.Equal(t, 4, e.count(`SELECT count(*) FROM `+e.ledger))
-	assert.Equal(t, 4, e.count(`SELECT count(*) FROM idempotency_keys WHERE scope = $1 AND status = 'completed'`, e.step.Name), "every key stored")
+	assert.Equal(t, 4, e.count(`SELECT count(*) FROM idempotency_keys WHERE scope = $1 AND status = 'completed'`, e.step.Name()), "every key stored")
 }
 
 // A middleware that changes a message after its batch claimed its key:

@@ -80,12 +80,12 @@ func ExampleDefine() {
 	if err != nil {
 		panic(err)
 	}
-	if err := tr.Publisher(db).Publish(reserve.Topic, cmd); err != nil {
+	if err := tr.Publisher(db).Publish(reserve.Topic(), cmd); err != nil {
 		panic(err)
 	}
 	fmt.Println(<-got)
 	// The same command again: answered from the store, not run again.
-	if err := tr.Publisher(db).Publish(reserve.Topic, cmd); err != nil {
+	if err := tr.Publisher(db).Publish(reserve.Topic(), cmd); err != nil {
 		panic(err)
 	}
 	fmt.Println(<-got)

@@ -84,40 +84,74 @@ type DoneReply struct{}
 // MessageType implements Message.
 func (DoneReply) MessageType() string { return "pgsaga.StepDone" }
 
-// Step is a step ready for a Runtime: build it with Define.
-type Step struct {
-	// Name scopes the step's idempotency keys and names its handler and
-	// consumer group.
-	Name string
-	// Topic the step's commands arrive on.
-	Topic string
-	// CommandType is the type name of the commands it handles.
+// Step is a step whose commands are of type C: its name, its topic and,
+// where it is served, its handler. Build it with Define. A saga sends to it
+// (saga.Send), which takes its topic and command type from it, so that a
+// saga cannot send a step a command of another type.
+type Step[C Message] struct{ c core }
+
+// core is a step, whatever its command type.
+type core struct {
+	Name        string
+	Topic       string
 	CommandType string
 
 	handle func(ctx context.Context, tx *Tx, msg *message.Message) (Message, error)
 }
 
-// Define builds a Step from a typed handler.
-func Define[C Message](name, topic string, h Handler[C]) Step {
+// AnyStep is a Step of any command type: what a Runtime and a
+// saga.Client register.
+type AnyStep interface {
+	// Name scopes the step's idempotency keys and names its handler and
+	// consumer group.
+	Name() string
+	// Topic the step's commands arrive on.
+	Topic() string
+	stepCore() core
+}
+
+var _ AnyStep = Step[DoneReply]{}
+
+// Define builds the step name on topic whose commands are of type C,
+// handled by h. A step served elsewhere (another service, another
+// process) is defined with a nil h: a saga can send to it, and the process
+// that serves it adds the handler (Handle).
+func Define[C Message](name, topic string, h Handler[C]) Step[C] {
 	var zero C
-	return Step{
-		Name:        name,
-		Topic:       topic,
-		CommandType: zero.MessageType(),
-		handle: func(ctx context.Context, tx *Tx, msg *message.Message) (Message, error) {
+	return Step[C]{c: core{Name: name, Topic: topic, CommandType: zero.MessageType()}}.Handle(h)
+}
+
+// Handle returns the step, handled by h.
+func (s Step[C]) Handle(h Handler[C]) Step[C] {
+	s.c.handle = nil
+	if h != nil {
+		s.c.handle = func(ctx context.Context, tx *Tx, msg *message.Message) (Message, error) {
 			cmd, err := Decode[C](msg)
 			if err != nil {
 				return nil, transport.Permanent(err)
 			}
 			return h(ctx, tx, cmd)
-		},
+		}
 	}
+	return s
 }
 
-func (s Step) validate() error {
+// Name scopes the step's idempotency keys and names its handler and
+// consumer group.
+func (s Step[C]) Name() string { return s.c.Name }
+
+// Topic is the topic the step's commands arrive on.
+func (s Step[C]) Topic() string { return s.c.Topic }
+
+// CommandType is the type name of the step's commands (C's MessageType).
+func (s Step[C]) CommandType() string { return s.c.CommandType }
+
+func (s Step[C]) stepCore() core { return s.c }
+
+func (s core) validate() error {
 	switch {
 	case s.handle == nil:
-		return errors.New("steps: step has no handler (build it with Define)")
+		return fmt.Errorf("steps: step %s has no handler: it is served elsewhere (add one with Handle)", s.Name)
 	case s.Name == "" || len(s.Name) > idempotency.MaxScopeLen:
 		return fmt.Errorf("steps: step name must be 1 to %d bytes", idempotency.MaxScopeLen)
 	}
@@ -175,10 +209,10 @@ func New(cfg Config) (*Runtime, error) {
 
 // Subscriptions lists what the steps consume, for Transport.Subscribe: each
 // step's topic, as a consumer group named after the step.
-func (rt *Runtime) Subscriptions(steps ...Step) []transport.Subscription {
+func (rt *Runtime) Subscriptions(steps ...AnyStep) []transport.Subscription {
 	out := make([]transport.Subscription, len(steps))
 	for i, s := range steps {
-		out[i] = transport.Subscription{Topic: s.Topic, ConsumerGroup: s.Name}
+		out[i] = transport.Subscription{Topic: s.Topic(), ConsumerGroup: s.Name()}
 	}
 	return out
 }
@@ -186,7 +220,8 @@ func (rt *Runtime) Subscriptions(steps ...Step) []transport.Subscription {
 // Register subscribes step s to its topic on r, under the consumer group
 // s.Name. opts add to the handler's options (transport.InProcess, say);
 // its retry policy is the runtime's.
-func (rt *Runtime) Register(r *transport.Router, s Step, opts ...transport.HandlerOption) error {
+func (rt *Runtime) Register(r *transport.Router, step AnyStep, opts ...transport.HandlerOption) error {
+	s := step.stepCore()
 	if err := s.validate(); err != nil {
 		return err
 	}
@@ -201,7 +236,7 @@ func (rt *Runtime) Register(r *transport.Router, s Step, opts ...transport.Handl
 }
 
 // keysConfig is how step s claims its commands' keys.
-func (rt *Runtime) keysConfig(s Step) idempotency.MiddlewareConfig {
+func (rt *Runtime) keysConfig(s core) idempotency.MiddlewareConfig {
 	return idempotency.MiddlewareConfig{
 		Scope:       s.Name,
 		KeyMetadata: MetaKey,
@@ -215,7 +250,8 @@ func (rt *Runtime) keysConfig(s Step) idempotency.MiddlewareConfig {
 // Execute runs step s for msg outside a subscriber, each attempt in a READ
 // COMMITTED transaction of its own, with the same retries and dead-lettering
 // as a registered step.
-func (rt *Runtime) Execute(ctx context.Context, s Step, msg *message.Message) error {
+func (rt *Runtime) Execute(ctx context.Context, step AnyStep, msg *message.Message) error {
+	s := step.stepCore()
 	if err := s.validate(); err != nil {
 		return err
 	}
@@ -226,7 +262,7 @@ func (rt *Runtime) Execute(ctx context.Context, s Step, msg *message.Message) er
 // command's key (a duplicate gets its stored reply again), run the handler,
 // publish the reply and finish the key, calling the idempotency store
 // directly.
-func (rt *Runtime) handler(s Step) transport.HandlerFunc {
+func (rt *Runtime) handler(s core) transport.HandlerFunc {
 	keys, err := rt.store.MessageKeys(rt.keysConfig(s))
 	if err != nil {
 		// Scope was validated with the step; this cannot happen.
@@ -290,7 +326,7 @@ func (rt *Runtime) handler(s Step) transport.HandlerFunc {
 
 // startSpan starts the span of a step attempt on msg, a child of its
 // delivery's: "step <name>".
-func (rt *Runtime) startSpan(s Step, msg *message.Message) (context.Context, trace.Span) {
+func (rt *Runtime) startSpan(s core, msg *message.Message) (context.Context, trace.Span) {
 	ctx := msg.Context()
 	attrs := []attribute.KeyValue{telemetry.AttrHandler.String(s.Name), telemetry.AttrKey.String(idempotencyKey(msg)),
 		telemetry.AttrAttempt.Int(transport.AttemptFromContext(ctx))}
@@ -305,7 +341,7 @@ func (rt *Runtime) startSpan(s Step, msg *message.Message) (context.Context, tra
 
 // attemptPanicked counts and ends the span of a step attempt whose handler
 // panicked (the transport recovers it: a failed attempt).
-func (rt *Runtime) attemptPanicked(s Step, span trace.Span, start time.Time, ctx context.Context, p any) {
+func (rt *Runtime) attemptPanicked(s core, span trace.Span, start time.Time, ctx context.Context, p any) {
 	rt.metrics.StepAttempt(s.Name, telemetry.StepError, time.Since(start), transport.AttemptFromContext(ctx))
 	span.SetAttributes(telemetry.AttrOutcome.String(telemetry.StepError))
 	telemetry.End(span, fmt.Errorf("%w: %v", transport.ErrHandlerPanicked, p))
@@ -321,7 +357,7 @@ func withContext(ctx context.Context, msgs []*message.Message) {
 // observe counts a step attempt that answered its command (completed,
 // failed or replayed) and logs it, once its transaction commits (see
 // transport.OnCommit).
-func (rt *Runtime) observe(ctx context.Context, tx transport.Tx, s Step, env Envelope, key, outcome string, start time.Time, detail string) {
+func (rt *Runtime) observe(ctx context.Context, tx transport.Tx, s core, env Envelope, key, outcome string, start time.Time, detail string) {
 	took := time.Since(start)
 	attempt := transport.AttemptFromContext(ctx)
 	done := func() {
@@ -343,7 +379,7 @@ func (rt *Runtime) observe(ctx context.Context, tx transport.Tx, s Step, env Env
 // recordFailure stores a business failure for the command and publishes its
 // reply, without running the handler again. A duplicate handled meanwhile
 // has its stored reply published again instead.
-func (rt *Runtime) recordFailure(s Step, keys *idempotency.MessageKeys, biz *BusinessError, start time.Time) transport.HandlerFunc {
+func (rt *Runtime) recordFailure(s core, keys *idempotency.MessageKeys, biz *BusinessError, start time.Time) transport.HandlerFunc {
 	return func(msg *message.Message) (err error) {
 		ctx, span := rt.startSpan(s, msg)
 		defer func() {
@@ -382,7 +418,7 @@ func (rt *Runtime) recordFailure(s Step, keys *idempotency.MessageKeys, biz *Bus
 }
 
 // claimIn claims msg's key in the transaction of its attempt.
-func claimIn(s Step, keys *idempotency.MessageKeys, msg *message.Message) (transport.Tx, *idempotency.MessageClaim, error) {
+func claimIn(s core, keys *idempotency.MessageKeys, msg *message.Message) (transport.Tx, *idempotency.MessageClaim, error) {
 	ttx, ok := transport.TxFromContext(msg.Context())
 	if !ok {
 		return nil, nil, fmt.Errorf("steps: %s: message %s carries no transaction", s.Name, msg.UUID)
@@ -394,7 +430,7 @@ func claimIn(s Step, keys *idempotency.MessageKeys, msg *message.Message) (trans
 // replies builds the reply to a command; none when the command names no
 // reply topic. A command that names one is always answered, with
 // FailureReply or DoneReply when the handler gave no reply of its own.
-func (rt *Runtime) replies(s Step, cmd Envelope, key string, reply Message, outcome, reason string) ([]*message.Message, error) {
+func (rt *Runtime) replies(s core, cmd Envelope, key string, reply Message, outcome, reason string) ([]*message.Message, error) {
 	if cmd.ReplyTo == "" {
 		return nil, nil
 	}
@@ -433,7 +469,7 @@ func idempotencyKey(msg *message.Message) string {
 type Tx struct {
 	transport.Tx
 	rt   *Runtime
-	step Step
+	step core
 	env  Envelope
 	key  string
 	sent int

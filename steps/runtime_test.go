@@ -62,7 +62,7 @@ type env struct {
 	tr      *transport.Transport
 	rt      *steps.Runtime
 	es      *events.Store
-	step    steps.Step
+	step    steps.AnyStep
 	id      string
 	cmds    string
 	replies string
@@ -173,7 +173,7 @@ var modes = []mode{
 
 // waiting counts the commands still queued for the step (retries included).
 func (e *env) waiting() int {
-	return e.count(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1 AND consumer_group = $2`, e.cmds, e.step.Name)
+	return e.count(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1 AND consumer_group = $2`, e.cmds, e.step.Name())
 }
 
 func (e *env) count(query string, args ...any) int {
@@ -278,7 +278,7 @@ func TestBusinessFailureStoredAndReplayed(t *testing.T) {
 
 func (e *env) keyStatus(key string) string {
 	var status string
-	err := e.db.SQL.QueryRow(`SELECT status FROM idempotency_keys WHERE scope = $1 AND key = $2`, e.step.Name, key).Scan(&status)
+	err := e.db.SQL.QueryRow(`SELECT status FROM idempotency_keys WHERE scope = $1 AND key = $2`, e.step.Name(), key).Scan(&status)
 	if err != nil {
 		return "none"
 	}
@@ -403,15 +403,15 @@ func TestConcurrentDuplicatesInTwoBatches(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	other := "cmds2_" + e.id
-	slow := steps.Define(e.step.Name, e.cmds, func(ctx context.Context, tx *steps.Tx, cmd addCmd) (steps.Message, error) {
+	h := func(ctx context.Context, tx *steps.Tx, cmd addCmd) (steps.Message, error) {
 		time.Sleep(300 * time.Millisecond) // hold the claim while the other copy arrives
 		return e.handle(ctx, tx, cmd)
-	})
-	second := slow
-	second.Topic = other
+	}
+	slow := steps.Define(e.step.Name(), e.cmds, h)
+	second := steps.Define(e.step.Name(), other, h)
 	require.NoError(t, e.tr.Subscribe(context.Background(), e.rt.Subscriptions(second)...))
 	var stops []func()
-	for _, s := range []steps.Step{slow, second} {
+	for _, s := range []steps.AnyStep{slow, second} {
 		// Same step name, so same key scope.
 		r, err := e.tr.NewRouter()
 		require.NoError(t, err)
@@ -611,4 +611,20 @@ func TestACommandExpectingAReplyIsAlwaysAnswered(t *testing.T) {
 			assert.Equal(t, steps.DoneReply{}.MessageType(), done[0].Metadata[steps.MetaType])
 		})
 	}
+}
+
+// A step defined without a handler is one a saga sends to and another
+// process serves: a runtime refuses to register it, saying so, and the
+// same step with a handler (Handle) registers.
+func TestAStepServedElsewhereIsNotRegistered(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	declared := steps.Define[addCmd]("elsewhere-"+e.id, "elsewhere_"+e.id, nil)
+	assert.Equal(t, addCmd{}.MessageType(), declared.CommandType())
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	err = e.rt.Register(r, declared)
+	require.ErrorContains(t, err, "has no handler: it is served elsewhere")
+	require.ErrorContains(t, e.rt.Execute(context.Background(), declared, message.NewMessage("m", nil)), "has no handler")
+	require.NoError(t, e.rt.Register(r, declared.Handle(e.handle)))
 }

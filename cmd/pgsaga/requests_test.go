@@ -76,8 +76,8 @@ func jobSagaVersion(t *testing.T, db *testdb.DB, refuseUndo *atomic.Bool, versio
 			return j.Job, j, err
 		}},
 		Steps: []saga.Step[jobStarted]{{Name: "work",
-			Action:       &saga.Command[jobStarted]{Topic: "jobs.work", Build: func(j jobStarted) steps.Message { return jobCmd(j) }},
-			Compensation: &saga.Command[jobStarted]{Topic: undo.Topic, Build: func(j jobStarted) steps.Message { return jobCmd(j) }},
+			Action:       saga.Send(steps.Define[jobCmd]("jobs.work", "jobs.work", nil), func(j jobStarted) jobCmd { return jobCmd(j) }),
+			Compensation: saga.Send(undo, func(j jobStarted) jobCmd { return jobCmd(j) }),
 			Deadline:     time.Hour, CompensationDeadline: time.Hour}},
 	})
 	require.NoError(t, client.Register(def))

@@ -33,7 +33,7 @@ var Layers = []Layer{
 	{Dir: "internal", Rank: 0}, // plumbing: the pool, SQLSTATEs, metadata keys, outcomes
 	{Dir: "internal/testout", Rank: 0, TestOnly: true},
 	{Dir: "internal/testnats", Rank: 0, TestOnly: true},
-	{Dir: "migrations", Rank: 1}, // the schema
+	{Dir: "migrations", Rank: 1},                        // the schema
 	{Dir: "internal/testdb", Rank: 2, TestOnly: true},   // migrated test databases
 	{Dir: "internal/testlost", Rank: 3, TestOnly: true}, // lost connections, on testdb's
 	{Dir: "idempotency", Rank: 2},

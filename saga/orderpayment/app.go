@@ -110,7 +110,7 @@ type App struct {
 	Engine      *saga.Engine
 	Definition  *saga.Definition
 
-	participants []steps.Step
+	participants []steps.AnyStep
 	log          *slog.Logger
 }
 
@@ -162,7 +162,7 @@ func New(cfg Config) (*App, error) {
 	if err != nil {
 		return nil, err
 	}
-	participants := []steps.Step{ord.ConfirmStep(), ord.CancelStep()}
+	participants := []steps.AnyStep{ord.ConfirmStep(), ord.CancelStep()}
 	var pay *payments.Service
 	if cfg.PaymentsBroker == nil {
 		if pay, err = newPayments(c, cfg.DB, cfg.GatewayURL, cfg.GatewayTimeout, cfg.GatewayLease, cfg.Logger); err != nil {
@@ -194,7 +194,7 @@ func (a *App) Subscriptions() []transport.Subscription { return a.Client.Subscri
 func (a *App) StepNames() []string {
 	out := make([]string, len(a.participants))
 	for i, s := range a.participants {
-		out[i] = s.Name
+		out[i] = s.Name()
 	}
 	return out
 }

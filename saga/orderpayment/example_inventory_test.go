@@ -87,21 +87,19 @@ func Example_addInventoryStep() {
 
 	// 1. The participant's steps, on topics of their own.
 	reserveTopic, releaseTopic := "inventory.reserve."+suffix, "inventory.release."+suffix
-	participants := []steps.Step{
-		steps.Define("inventory.reserve", reserveTopic, inv.reserve),
-		steps.Define("inventory.release", releaseTopic, inv.release),
-	}
+	reserveStock := steps.Define("inventory.reserve", reserveTopic, inv.reserve)
+	releaseStock := steps.Define("inventory.release", releaseTopic, inv.release)
 
 	// 2. The saga's steps, with reserve inserted before confirm.
 	base := orderpayment.Steps(orderpayment.StepTimeouts{})
 	reserve := saga.Step[orderpayment.Data]{
 		Name: "reserve",
-		Action: &saga.Command[orderpayment.Data]{Topic: reserveTopic, Build: func(d orderpayment.Data) steps.Message {
+		Action: saga.Send(reserveStock, func(d orderpayment.Data) ReserveStock {
 			return ReserveStock{OrderID: d.OrderID, SKU: "the-book"}
-		}},
-		Compensation: &saga.Command[orderpayment.Data]{Topic: releaseTopic, Build: func(d orderpayment.Data) steps.Message {
+		}),
+		Compensation: saga.Send(releaseStock, func(d orderpayment.Data) ReleaseStock {
 			return ReleaseStock{OrderID: d.OrderID, SKU: "the-book"}
-		}},
+		}),
 	}
 	extended := append(append(base[:2:2], reserve), base[2:]...) // order, charge, reserve, confirm
 
@@ -120,7 +118,7 @@ func Example_addInventoryStep() {
 	if err != nil {
 		panic(err)
 	}
-	if err := app.Client.AddSteps(participants...); err != nil {
+	if err := app.Client.AddSteps(reserveStock, releaseStock); err != nil {
 		panic(err)
 	}
 	if err := app.Client.Start(ctx); err != nil {

@@ -52,9 +52,9 @@ type StepTimeouts struct {
 // (compensation: cancel). Append steps to extend the saga.
 func Steps(t StepTimeouts) []saga.Step[Data] {
 	t = applyDefaults(t)
-	cancel := &saga.Command[Data]{Topic: orders.CancelTopic, Build: func(d Data) steps.Message {
+	cancel := saga.Send(orders.Cancel, func(d Data) orders.CancelOrder {
 		return orders.CancelOrder{OrderID: d.OrderID, Reason: "the payment saga compensated"}
-	}}
+	})
 	return []saga.Step[Data]{
 		{
 			Name:                 "order",
@@ -64,34 +64,24 @@ func Steps(t StepTimeouts) []saga.Step[Data] {
 		},
 		{
 			Name: "charge",
-			Action: &saga.Command[Data]{
-				Topic: payments.ChargeTopic,
-				Build: func(d Data) steps.Message {
-					return payments.ChargePayment{OrderID: d.OrderID, AccountID: d.AccountID, AmountCents: d.AmountCents}
-				},
-				OnReply: func(d *Data, reply *message.Message) error {
-					charged, err := steps.Decode[payments.PaymentCharged](reply)
-					d.ChargeID = charged.ChargeID
-					return err
-				},
-			},
-			Compensation: &saga.Command[Data]{
-				Topic: payments.RefundTopic,
-				Build: func(d Data) steps.Message {
-					return payments.RefundPayment{OrderID: d.OrderID, AccountID: d.AccountID}
-				},
-			},
+			Action: saga.Send(payments.Charge, func(d Data) payments.ChargePayment {
+				return payments.ChargePayment{OrderID: d.OrderID, AccountID: d.AccountID, AmountCents: d.AmountCents}
+			}).OnReply(func(d *Data, reply *message.Message) error {
+				charged, err := steps.Decode[payments.PaymentCharged](reply)
+				d.ChargeID = charged.ChargeID
+				return err
+			}),
+			Compensation: saga.Send(payments.Refund, func(d Data) payments.RefundPayment {
+				return payments.RefundPayment{OrderID: d.OrderID, AccountID: d.AccountID}
+			}),
 			Deadline:             t.Deadline,
 			MaxAttempts:          t.MaxAttempts,
 			CompensationDeadline: t.CompensationDeadline,
 			CompensationAttempts: t.CompensationAttempts,
 		},
 		{
-			Name: "confirm",
-			Action: &saga.Command[Data]{
-				Topic: orders.ConfirmTopic,
-				Build: func(d Data) steps.Message { return orders.ConfirmOrder{OrderID: d.OrderID} },
-			},
+			Name:                 "confirm",
+			Action:               saga.Send(orders.Confirm, func(d Data) orders.ConfirmOrder { return orders.ConfirmOrder{OrderID: d.OrderID} }),
 			Compensation:         cancel,
 			Deadline:             t.Deadline,
 			MaxAttempts:          t.MaxAttempts,

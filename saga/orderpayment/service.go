@@ -56,7 +56,7 @@ type PaymentService struct {
 	DB       *sql.DB
 	Payments *payments.Service
 
-	participants []steps.Step
+	participants []steps.AnyStep
 }
 
 // NewPaymentService builds the payment service; it starts nothing.
@@ -93,7 +93,7 @@ func NewPaymentService(cfg PaymentServiceConfig) (*PaymentService, error) {
 	if err != nil {
 		return nil, err
 	}
-	participants := []steps.Step{pay.ChargeStep(), pay.RefundStep()}
+	participants := []steps.AnyStep{pay.ChargeStep(), pay.RefundStep()}
 	if err := c.AddSteps(participants...); err != nil {
 		return nil, err
 	}
@@ -113,7 +113,7 @@ func (s *PaymentService) NewWorker() (*Worker, error) { return s.Client.NewWorke
 func (s *PaymentService) StepNames() []string {
 	out := make([]string, len(s.participants))
 	for i, p := range s.participants {
-		out[i] = p.Name
+		out[i] = p.Name()
 	}
 	return out
 }

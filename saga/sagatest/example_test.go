@@ -75,8 +75,7 @@ func Example() {
 			b, err := steps.Decode[Booked](msg)
 			return b.Guest, booking(b), err
 		}},
-		Steps: []saga.Step[booking]{{Name: "reserve", Action: &saga.Command[booking]{
-			Topic: reserve.Topic, Build: func(b booking) steps.Message { return ReserveRoom(b) }}}},
+		Steps: []saga.Step[booking]{{Name: "reserve", Action: saga.Send(reserve, func(b booking) ReserveRoom { return ReserveRoom(b) })}},
 	})
 	if err := client.Register(def); err != nil {
 		panic(err)

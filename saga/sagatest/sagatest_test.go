@@ -195,7 +195,7 @@ func TestCheckerReportsRows(t *testing.T) {
 	def := saga.MustDefine(saga.Spec[struct{}]{
 		Name:    "probe",
 		Trigger: saga.Trigger[struct{}]{Topic: "probe.start", Start: func(*message.Message) (string, struct{}, error) { return "k", struct{}{}, nil }},
-		Steps:   []saga.Step[struct{}]{{Name: "do", Action: &saga.Command[struct{}]{Topic: "probe.do", Build: func(struct{}) steps.Message { return probeCmd{} }}}},
+		Steps:   []saga.Step[struct{}]{{Name: "do", Action: saga.Send(steps.Define[probeCmd]("probe.do", "probe.do", nil), func(struct{}) probeCmd { return probeCmd{} })}},
 	})
 	running := uuid.New()
 	_, err := db.SQL.Exec(`INSERT INTO saga_instances (id, saga_type, definition_version, status, data, current_step) VALUES ($1, 'probe', 1, 'running', '{}', 0)`, running)
