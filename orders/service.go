@@ -14,7 +14,6 @@ import (
 	"unicode"
 	"unicode/utf8"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/idempotency"
@@ -145,7 +144,7 @@ type Config struct {
 	// transaction. Default: publish it to CreatedTopic through Transport.
 	// The sample sets it to its saga client's StartTx, which can start the
 	// saga in that transaction (saga.ClientConfig.InProcessEngine).
-	Trigger func(ctx context.Context, tx transport.Tx, msg *message.Message) error
+	Trigger func(ctx context.Context, tx transport.Tx, created OrderCreated) error
 	// Logger. Default: slog.Default().
 	Logger *slog.Logger
 }
@@ -250,15 +249,7 @@ func (s *Service) place(ctx context.Context, tx idempotency.DBTX, req PlaceReque
 	if _, err := s.cfg.Events.AppendTx(withKnown(ctx, Stream(id), Order{}), tx, Stream(id), 0, events.Metadata{CorrelationID: id.String(), IdempotencyKey: req.Key}, placed); err != nil {
 		return idempotency.Response{}, err
 	}
-	msg, err := steps.NewMessage(OrderCreated{OrderID: id, CustomerID: req.CustomerID, AmountCents: req.AmountCents}, steps.Envelope{
-		ID:            uuid.NewSHA1(uuid.NameSpaceOID, []byte("order-created:"+id.String())).String(),
-		CorrelationID: id.String(),
-		Key:           "order-created:" + id.String(),
-	})
-	if err != nil {
-		return idempotency.Response{}, err
-	}
-	if err := s.trigger(ctx, tx, msg); err != nil {
+	if err := s.trigger(ctx, tx, OrderCreated{OrderID: id, CustomerID: req.CustomerID, AmountCents: req.AmountCents}); err != nil {
 		return idempotency.Response{}, err
 	}
 	return idempotency.Response{Code: 201, Body: []byte(id.String())}, nil
@@ -319,9 +310,18 @@ func (s *Service) cancelByCustomer(ctx context.Context, id uuid.UUID, reason str
 }
 
 // trigger sends OrderCreated in tx (see Config.Trigger).
-func (s *Service) trigger(ctx context.Context, tx transport.Tx, msg *message.Message) error {
+func (s *Service) trigger(ctx context.Context, tx transport.Tx, created OrderCreated) error {
 	if s.cfg.Trigger != nil {
-		return s.cfg.Trigger(ctx, tx, msg)
+		return s.cfg.Trigger(ctx, tx, created)
+	}
+	id := created.OrderID.String()
+	msg, err := steps.NewMessage(created, steps.Envelope{
+		ID:            uuid.NewSHA1(uuid.NameSpaceOID, []byte("order-created:"+id)).String(),
+		CorrelationID: id,
+		Key:           "order-created:" + id,
+	})
+	if err != nil {
+		return err
 	}
 	return s.cfg.Transport.Publisher(tx).Publish(CreatedTopic, msg)
 }

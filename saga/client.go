@@ -11,9 +11,9 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
-	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/steps"
@@ -620,25 +620,51 @@ func (c *Client) Stop() error {
 	return errors.Join(append([]error{err}, c.jobErrs...)...)
 }
 
+// ErrTriggerType is returned by StartTx for a trigger that is not of the
+// saga's trigger type (its On).
+var ErrTriggerType = errors.New("saga: the trigger is not of the saga's trigger type")
+
 // StartTx starts an instance of the named saga from trigger, in the
-// caller's transaction tx: the saga starts if, and only if, tx commits
-// (as River's InsertTx). trigger is what the saga's Trigger.Start decodes;
-// its key makes a second start of the same instance a no-op. The trigger
-// is published to the saga's trigger topic, for a worker to start the
-// saga; with ClientConfig.InProcessEngine the engine starts it in tx
-// instead (in a savepoint: the instance, its timeline and its first
-// command), saving that hop, and publishes the trigger only if it cannot
-// (a trigger it refuses is then retried and dead-lettered by the
-// workers, as any).
-func (c *Client) StartTx(ctx context.Context, tx transport.Tx, name string, trigger *message.Message) error {
+// caller's transaction tx, and returns its id: the saga starts if, and
+// only if, tx commits (as River's InsertTx). trigger must be of the type
+// the saga's trigger takes (On); its start function makes the instance's
+// key, so a second start of the same instance is a no-op, and its error is
+// returned here. The trigger is published to the saga's trigger topic, for
+// a worker to start the saga; with ClientConfig.InProcessEngine the engine
+// starts it in tx instead (in a savepoint: the instance, its timeline and
+// its first command), saving that hop, and publishes the trigger only if
+// it cannot. The saga's correlation id is its key.
+func (c *Client) StartTx(ctx context.Context, tx transport.Tx, name string, trigger steps.Message) (uuid.UUID, error) {
 	c.engine.mu.RLock()
 	def := c.engine.latest[name]
 	c.engine.mu.RUnlock()
 	if def == nil {
-		return fmt.Errorf("%w: %s", ErrUnknownDefinition, name)
+		return uuid.Nil, fmt.Errorf("%w: %s", ErrUnknownDefinition, name)
+	}
+	if trigger == nil || trigger.MessageType() != def.triggerType {
+		got := "nil"
+		if trigger != nil {
+			got = trigger.MessageType()
+		}
+		return uuid.Nil, fmt.Errorf("%w: %s takes %s, not %s", ErrTriggerType, name, def.triggerType, got)
 	}
 	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("saga: starting %s: %w", name, context.Cause(ctx))
+		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, context.Cause(ctx))
+	}
+	probe, err := steps.NewMessage(trigger, steps.Envelope{})
+	if err != nil {
+		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
+	}
+	key, _, err := def.start(probe)
+	if err != nil {
+		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
+	}
+	id := ID(name, key)
+	// One trigger message per instance: a start queued twice is one
+	// message.
+	msg, err := steps.NewMessage(trigger, steps.Envelope{ID: uuid.NewSHA1(id, []byte("trigger")).String(), CorrelationID: key})
+	if err != nil {
+		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
 	}
 	if c.cfg.InProcessEngine {
 		// The start is told (metrics, its log line) once it is written in
@@ -647,22 +673,20 @@ func (c *Client) StartTx(ctx context.Context, tx transport.Tx, name string, trig
 		// told when the attempt commits (transport.OnCommit); a caller's
 		// own commit is out of sight, so it is told when written.
 		err := transport.Savepoint(ctx, tx, func(tx transport.Tx) error {
-			m := trigger.Copy()
+			m := msg.Copy()
 			m.SetContext(transport.ContextWithTx(ctx, tx))
 			return c.engine.HandleTrigger(name, m)
 		})
 		if err == nil {
-			return nil
+			return id, nil
 		}
-		c.log.Debug("saga: starting in the caller's transaction failed; the trigger is queued", "saga", name, "message_uuid", trigger.UUID, "reason", err)
+		c.log.Debug("saga: starting in the caller's transaction failed; the trigger is queued", "saga", name, "message_uuid", msg.UUID, "reason", err)
 	}
-	if !trace.SpanContextFromContext(trigger.Context()).IsValid() {
-		trigger.SetContext(ctx) // its publish joins the caller's trace, if any
+	msg.SetContext(ctx) // its publish joins the caller's trace, if any
+	if err := c.transport.Publisher(tx).Publish(def.Trigger, msg); err != nil {
+		return uuid.Nil, fmt.Errorf("saga: starting %s: publishing to %s: %w", name, def.Trigger, err)
 	}
-	if err := c.transport.Publisher(tx).Publish(def.Trigger, trigger); err != nil {
-		return fmt.Errorf("saga: starting %s: publishing to %s: %w", name, def.Trigger, err)
-	}
-	return nil
+	return id, nil
 }
 
 // PublishTx publishes msgs to topic in the caller's transaction tx: they

@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -79,11 +78,8 @@ func newSignupClientTraced(t *testing.T, maxConns int32, tracer pgx.QueryTracer,
 		return Done{}, err
 	})
 	def := saga.MustDefine(saga.Spec[signup]{
-		Name: "signup",
-		Trigger: saga.Trigger[signup]{Topic: "signups", Start: func(msg *message.Message) (string, signup, error) {
-			s, err := steps.Decode[SignedUp](msg)
-			return s.Email, signup(s), err
-		}},
+		Name:    "signup",
+		Trigger: saga.On("signups", func(s SignedUp) (string, signup, error) { return s.Email, signup(s), nil }),
 		Steps: []saga.Step[signup]{{Name: "account", Deadline: time.Minute,
 			Action: saga.Send(open, func(s signup) OpenAccount { return OpenAccount(s) })}},
 	})
@@ -92,12 +88,7 @@ func newSignupClientTraced(t *testing.T, maxConns int32, tracer pgx.QueryTracer,
 	return c, def, db
 }
 
-func trigger(t *testing.T, email string) *message.Message {
-	t.Helper()
-	m, err := steps.NewMessage(SignedUp{Email: email}, steps.Envelope{})
-	require.NoError(t, err)
-	return m
-}
+func trigger(email string) SignedUp { return SignedUp{Email: email} }
 
 // startRunning starts c until the test ends.
 func startRunning(t *testing.T, c *saga.Client) {
@@ -113,7 +104,9 @@ func signUp(t *testing.T, c *saga.Client, def *saga.Definition, email string, co
 	ctx := context.Background()
 	tx, err := c.DB().BeginTx(ctx, nil)
 	require.NoError(t, err)
-	require.NoError(t, c.StartTx(ctx, tx, def.Name, trigger(t, email)))
+	id, err := c.StartTx(ctx, tx, def.Name, trigger(email))
+	require.NoError(t, err)
+	require.Equal(t, saga.ID(def.Name, email), id, "StartTx returns the saga's id")
 	if commit {
 		require.NoError(t, tx.Commit())
 	} else {
@@ -167,7 +160,8 @@ func TestClientRefusesMisuse(t *testing.T) {
 	tx, err := c.DB().BeginTx(ctx, nil)
 	require.NoError(t, err)
 	defer tx.Rollback() //nolint:errcheck
-	require.ErrorIs(t, c.StartTx(ctx, tx, "no-such-saga", trigger(t, "x@example.com")), saga.ErrUnknownDefinition)
+	_, err = c.StartTx(ctx, tx, "no-such-saga", trigger("x@example.com"))
+	require.ErrorIs(t, err, saga.ErrUnknownDefinition)
 
 	require.NoError(t, c.Start(ctx))
 	require.ErrorIs(t, c.Start(ctx), saga.ErrClientStarted)
@@ -315,11 +309,9 @@ func TestClientChecksItsInputsUpFront(t *testing.T) {
 	defer tx.Rollback() //nolint:errcheck
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	m := trigger(t, "late@example.com")
-	type key struct{}
-	m.SetContext(context.WithValue(context.Background(), key{}, "trace"))
-	require.ErrorIs(t, c.StartTx(ctx, tx, def.Name, m), context.Canceled)
-	assert.Equal(t, "trace", m.Context().Value(key{}), "the message keeps its context")
+	id, err := c.StartTx(ctx, tx, def.Name, trigger("late@example.com"))
+	require.ErrorIs(t, err, context.Canceled)
+	assert.Equal(t, uuid.Nil, id)
 }
 
 // ClientConfig.InProcessSteps names steps the client serves; a name it
@@ -340,6 +332,15 @@ func TestClientInProcessStepsMustBeServed(t *testing.T) {
 func TestClientStartTxInProcessStartsInTheCallersTransaction(t *testing.T) {
 	t.Parallel()
 	c, def, db := newSignupClientWith(t, 0, func(cfg *saga.ClientConfig) { cfg.InProcessEngine = true })
+	// A saga whose first command cannot be built: the engine refuses to
+	// start it.
+	broken := saga.MustDefine(saga.Spec[signup]{
+		Name:    "broken-signup",
+		Trigger: saga.On("broken-signups", func(s SignedUp) (string, signup, error) { return s.Email, signup(s), nil }),
+		Steps: []saga.Step[signup]{{Name: "account",
+			Action: saga.Send(steps.Define[OpenAccount]("accounts.open", "accounts.open", nil), func(signup) OpenAccount { panic("no command for you") })}},
+	})
+	require.NoError(t, c.Register(broken))
 	require.NoError(t, c.Setup(context.Background()))
 	queued := func(topic string) int {
 		var n int
@@ -360,9 +361,16 @@ func TestClientStartTxInProcessStartsInTheCallersTransaction(t *testing.T) {
 	ctx := context.Background()
 	tx, err := c.DB().BeginTx(ctx, nil)
 	require.NoError(t, err)
-	require.NoError(t, c.StartTx(ctx, tx, def.Name, message.NewMessage(uuid.NewString(), []byte(`not json`))))
+	_, err = c.StartTx(ctx, tx, def.Name, trigger("")) // no key: its start fails
+	require.ErrorContains(t, err, "empty key")
+	_, err = c.StartTx(ctx, tx, def.Name, OpenAccount{Email: "x@example.com"})
+	require.ErrorIs(t, err, saga.ErrTriggerType)
+	id, err := c.StartTx(ctx, tx, broken.Name, trigger("boom@example.com"))
+	require.NoError(t, err)
+	require.Equal(t, saga.ID(broken.Name, "boom@example.com"), id)
 	require.NoError(t, tx.Commit())
-	assert.Equal(t, 1, queued(def.Trigger), "a trigger the engine refuses is queued, for the workers to dead-letter")
+	assert.Zero(t, queued(def.Trigger), "a trigger refused at StartTx is not queued")
+	assert.Equal(t, 1, queued(broken.Trigger), "a trigger the engine cannot start from is queued, for the workers to dead-letter")
 
 	startRunning(t, c)
 	assert.Equal(t, saga.StatusCompleted, waitFinished(t, c, def, "ada@example.com").Status)

@@ -72,14 +72,33 @@ type Spec[D any] struct {
 // themselves longer.
 const DefaultTimeout = 24 * time.Hour
 
-// Trigger starts an instance from a message, at most once per key.
+// Trigger starts an instance from a message, at most once per key: build
+// it with On.
 type Trigger[D any] struct {
-	// Topic of the trigger messages. Required.
-	Topic string
-	// Start decodes a trigger into the instance's key (one instance per
-	// key, ever) and initial data. An error is permanent: the message is
-	// dead-lettered.
-	Start func(msg *message.Message) (key string, data D, err error)
+	topic       string
+	messageType string
+	start       func(msg *message.Message) (key string, data D, err error)
+}
+
+// On is the trigger of a saga over data D: messages of type T on topic
+// (published there, or given to Client.StartTx). start makes the
+// instance's key (one instance per key, ever) and initial data from the
+// trigger; its error, or a message that does not decode, is permanent:
+// StartTx returns it, and a published trigger is dead-lettered.
+func On[T steps.Message, D any](topic string, start func(trigger T) (key string, data D, err error)) Trigger[D] {
+	var zero T
+	t := Trigger[D]{topic: topic, messageType: zero.MessageType()}
+	if start != nil {
+		t.start = func(msg *message.Message) (string, D, error) {
+			trigger, err := steps.Decode[T](msg)
+			if err != nil {
+				var none D
+				return "", none, err
+			}
+			return start(trigger)
+		}
+	}
+	return t
 }
 
 // Step is one step of a saga.
@@ -154,6 +173,7 @@ type Definition struct {
 	Timeout    time.Duration
 
 	fingerprint string // of the step list (Fingerprint)
+	triggerType string // the trigger's message type (On)
 	start       func(msg *message.Message) (key string, data json.RawMessage, err error)
 	steps       []stepDef
 }
@@ -222,18 +242,19 @@ func Define[D any](spec Spec[D]) (*Definition, error) {
 	if err := transport.ValidateConsumerGroup("saga." + spec.Name + ".replies"); err != nil {
 		return nil, fmt.Errorf("saga %s: name: %w", spec.Name, err)
 	}
-	if spec.Trigger.Start == nil {
-		return nil, fmt.Errorf("saga %s: Trigger.Start is required", spec.Name)
+	if spec.Trigger.start == nil {
+		return nil, fmt.Errorf("saga %s: the trigger's start function is required (On)", spec.Name)
 	}
-	if err := transport.ValidateTopic(spec.Trigger.Topic); err != nil {
+	if err := transport.ValidateTopic(spec.Trigger.topic); err != nil {
 		return nil, fmt.Errorf("saga %s: trigger topic: %w", spec.Name, err)
 	}
 	if len(spec.Steps) == 0 {
 		return nil, fmt.Errorf("saga %s: no steps", spec.Name)
 	}
-	d := &Definition{Name: spec.Name, Version: spec.Version, ReplyTopic: spec.ReplyTopic, Trigger: spec.Trigger.Topic, Timeout: spec.Timeout}
+	d := &Definition{Name: spec.Name, Version: spec.Version, ReplyTopic: spec.ReplyTopic, Trigger: spec.Trigger.topic, Timeout: spec.Timeout,
+		triggerType: spec.Trigger.messageType}
 	d.start = func(msg *message.Message) (string, json.RawMessage, error) {
-		key, data, err := spec.Trigger.Start(msg)
+		key, data, err := spec.Trigger.start(msg)
 		if err != nil {
 			return "", nil, err
 		}

@@ -6,7 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -31,10 +30,8 @@ func TestTwoLiveProcessesWithDifferentStepsOfOneVersion(t *testing.T) {
 		return saga.Send(steps.Define[tripCmd](op, e.topics[op], nil), func(d tripData) tripCmd { return tripCmd{Trip: d.Trip, Op: op} })
 	}
 	swapped := saga.MustDefine(saga.Spec[tripData]{
-		Name: e.def.Name,
-		Trigger: saga.Trigger[tripData]{Topic: e.def.Trigger, Start: func(*message.Message) (string, tripData, error) {
-			return "", tripData{}, errors.New("unused")
-		}},
+		Name:    e.def.Name,
+		Trigger: saga.On(e.def.Trigger, func(started) (string, tripData, error) { return "", tripData{}, errors.New("unused") }),
 		Steps: []saga.Step[tripData]{
 			{Name: "pay", Action: cmd("pay"), Compensation: cmd("refund"), Deadline: time.Hour},
 			{Name: "book", Action: cmd("book"), Compensation: cmd("cancel"), Deadline: time.Hour},

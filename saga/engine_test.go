@@ -144,10 +144,7 @@ func newEnv(t *testing.T, o options) *env {
 	def, err := saga.Define(saga.Spec[tripData]{
 		Name:    "trip-" + id,
 		Timeout: o.timeout,
-		Trigger: saga.Trigger[tripData]{Topic: "trips_" + id, Start: func(msg *message.Message) (string, tripData, error) {
-			s, err := steps.Decode[started](msg)
-			return s.Trip, tripData{Trip: s.Trip}, err
-		}},
+		Trigger: saga.On("trips_"+id, func(s started) (string, tripData, error) { return s.Trip, tripData{Trip: s.Trip}, nil }),
 		Steps: []saga.Step[tripData]{
 			{Name: "book", Action: book, Compensation: cmd("cancel"), Deadline: o.deadlineOf("book"), MaxAttempts: o.maxAttempts,
 				CompensationDeadline: o.compDeadlineOf("book")},
@@ -617,13 +614,14 @@ func TestUnknownDefinitionVersionIsReported(t *testing.T) {
 
 func TestDefineValidates(t *testing.T) {
 	t.Parallel()
-	trigger := saga.Trigger[tripData]{Topic: "t", Start: func(*message.Message) (string, tripData, error) { return "k", tripData{}, nil }}
+	trigger := saga.On("t", func(started) (string, tripData, error) { return "k", tripData{}, nil })
 	build := func(tripData) tripCmd { return tripCmd{} }
 	cmd := saga.Send(steps.Define[tripCmd]("c", "c", nil), build)
 	for name, spec := range map[string]saga.Spec[tripData]{
 		"no name":         {Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Action: cmd}}},
 		"no steps":        {Name: "s", Trigger: trigger},
-		"no start":        {Name: "s", Trigger: saga.Trigger[tripData]{Topic: "t"}, Steps: []saga.Step[tripData]{{Name: "a", Action: cmd}}},
+		"no start":        {Name: "s", Trigger: saga.On[started, tripData]("t", nil), Steps: []saga.Step[tripData]{{Name: "a", Action: cmd}}},
+		"no trigger":      {Name: "s", Steps: []saga.Step[tripData]{{Name: "a", Action: cmd}}},
 		"duplicate steps": {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Action: cmd}, {Name: "a", Action: cmd}}},
 		"no action":       {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Compensation: cmd}}},
 		"bad topic":       {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Action: saga.Send(steps.Define[tripCmd]("c", "bad topic", nil), build)}}},

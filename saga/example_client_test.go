@@ -8,7 +8,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
@@ -87,11 +86,8 @@ func ExampleClient() {
 
 	// The saga: a trigger and its steps, in order.
 	def := saga.MustDefine(saga.Spec[signup]{
-		Name: "signup-" + run,
-		Trigger: saga.Trigger[signup]{Topic: "signups." + run, Start: func(msg *message.Message) (string, signup, error) {
-			s, err := steps.Decode[SignedUp](msg)
-			return s.Email, signup(s), err
-		}},
+		Name:    "signup-" + run,
+		Trigger: saga.On("signups."+run, func(s SignedUp) (string, signup, error) { return s.Email, signup(s), nil }),
 		Steps: []saga.Step[signup]{
 			{Name: "account",
 				Action:       saga.Send(open, func(s signup) OpenAccount { return OpenAccount(s) }),
@@ -119,12 +115,10 @@ func ExampleClient() {
 	if err != nil {
 		panic(err)
 	}
-	for _, email := range []string{"ada@example.com", "grace"} {
-		trigger, err := steps.NewMessage(SignedUp{Email: email}, steps.Envelope{})
-		if err != nil {
-			panic(err)
-		}
-		if err := client.StartTx(ctx, tx, def.Name, trigger); err != nil {
+	emails := []string{"ada@example.com", "grace"}
+	ids := make([]uuid.UUID, len(emails))
+	for i, email := range emails {
+		if ids[i], err = client.StartTx(ctx, tx, def.Name, SignedUp{Email: email}); err != nil {
 			panic(err)
 		}
 	}
@@ -133,8 +127,8 @@ func ExampleClient() {
 	}
 
 	// Wait for them to end (no polling: the engine announces every end).
-	for _, email := range []string{"ada@example.com", "grace"} {
-		inst, err := client.WaitFinished(ctx, saga.ID(def.Name, email))
+	for i, email := range emails {
+		inst, err := client.WaitFinished(ctx, ids[i])
 		if err != nil {
 			panic(err)
 		}

@@ -247,10 +247,8 @@ func TestAChangedDefinitionIsRefusedAtStart(t *testing.T) {
 
 	// The same name and version, one step fewer.
 	shorter := saga.MustDefine(saga.Spec[tripData]{
-		Name: e.def.Name,
-		Trigger: saga.Trigger[tripData]{Topic: e.def.Trigger, Start: func(*message.Message) (string, tripData, error) {
-			return "", tripData{}, errors.New("unused")
-		}},
+		Name:    e.def.Name,
+		Trigger: saga.On(e.def.Trigger, func(started) (string, tripData, error) { return "", tripData{}, errors.New("unused") }),
 		Steps: []saga.Step[tripData]{{Name: "book",
 			Action: saga.Send(steps.Define[tripCmd]("book", e.topics["book"], nil), func(d tripData) tripCmd { return tripCmd{Trip: d.Trip} })}},
 	})

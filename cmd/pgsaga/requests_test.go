@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -71,10 +70,7 @@ func jobSagaVersion(t *testing.T, db *testdb.DB, refuseUndo *atomic.Bool, versio
 	def := saga.MustDefine(saga.Spec[jobStarted]{
 		Name:    "job",
 		Version: version,
-		Trigger: saga.Trigger[jobStarted]{Topic: "jobs.start", Start: func(msg *message.Message) (string, jobStarted, error) {
-			j, err := steps.Decode[jobStarted](msg)
-			return j.Job, j, err
-		}},
+		Trigger: saga.On("jobs.start", func(j jobStarted) (string, jobStarted, error) { return j.Job, j, nil }),
 		Steps: []saga.Step[jobStarted]{{Name: "work",
 			Action:       saga.Send(steps.Define[jobCmd]("jobs.work", "jobs.work", nil), func(j jobStarted) jobCmd { return jobCmd(j) }),
 			Compensation: saga.Send(undo, func(j jobStarted) jobCmd { return jobCmd(j) }),

@@ -8,8 +8,6 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill/message"
-
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/orders"
@@ -156,8 +154,9 @@ func New(cfg Config) (*App, error) {
 		return nil, err
 	}
 	ord, err := orders.New(orders.Config{DB: cfg.DB, Transport: c.Transport(), Idempotency: c.Idempotency(), Events: c.Events(), Logger: cfg.Logger,
-		Trigger: func(ctx context.Context, tx transport.Tx, msg *message.Message) error {
-			return c.StartTx(ctx, tx, Name, msg)
+		Trigger: func(ctx context.Context, tx transport.Tx, created orders.OrderCreated) error {
+			_, err := c.StartTx(ctx, tx, Name, created)
+			return err
 		}})
 	if err != nil {
 		return nil, err

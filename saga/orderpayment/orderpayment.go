@@ -97,17 +97,10 @@ func Spec(s []saga.Step[Data]) saga.Spec[Data] {
 	return saga.Spec[Data]{
 		Name:    Name,
 		Version: 1,
-		Trigger: saga.Trigger[Data]{
-			Topic: orders.CreatedTopic,
-			Start: func(msg *message.Message) (string, Data, error) {
-				created, err := steps.Decode[orders.OrderCreated](msg)
-				if err != nil {
-					return "", Data{}, err
-				}
-				// A customer pays from the account with the customer's id.
-				return created.OrderID.String(), Data{OrderID: created.OrderID, AccountID: created.CustomerID, AmountCents: created.AmountCents}, nil
-			},
-		},
+		// A customer pays from the account with the customer's id.
+		Trigger: saga.On(orders.CreatedTopic, func(created orders.OrderCreated) (string, Data, error) {
+			return created.OrderID.String(), Data{OrderID: created.OrderID, AccountID: created.CustomerID, AmountCents: created.AmountCents}, nil
+		}),
 		Steps: s,
 	}
 }

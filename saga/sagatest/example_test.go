@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
@@ -70,12 +69,9 @@ func Example() {
 		return RoomReserved{}, err
 	})
 	def := saga.MustDefine(saga.Spec[booking]{
-		Name: "hotel-" + suffix,
-		Trigger: saga.Trigger[booking]{Topic: "hotel.booked." + suffix, Start: func(msg *message.Message) (string, booking, error) {
-			b, err := steps.Decode[Booked](msg)
-			return b.Guest, booking(b), err
-		}},
-		Steps: []saga.Step[booking]{{Name: "reserve", Action: saga.Send(reserve, func(b booking) ReserveRoom { return ReserveRoom(b) })}},
+		Name:    "hotel-" + suffix,
+		Trigger: saga.On("hotel.booked."+suffix, func(b Booked) (string, booking, error) { return b.Guest, booking(b), nil }),
+		Steps:   []saga.Step[booking]{{Name: "reserve", Action: saga.Send(reserve, func(b booking) ReserveRoom { return ReserveRoom(b) })}},
 	})
 	if err := client.Register(def); err != nil {
 		panic(err)

@@ -194,7 +194,7 @@ func TestCheckerReportsRows(t *testing.T) {
 	db := testdb.Fresh(t)
 	def := saga.MustDefine(saga.Spec[struct{}]{
 		Name:    "probe",
-		Trigger: saga.Trigger[struct{}]{Topic: "probe.start", Start: func(*message.Message) (string, struct{}, error) { return "k", struct{}{}, nil }},
+		Trigger: saga.On("probe.start", func(probeCmd) (string, struct{}, error) { return "k", struct{}{}, nil }),
 		Steps:   []saga.Step[struct{}]{{Name: "do", Action: saga.Send(steps.Define[probeCmd]("probe.do", "probe.do", nil), func(struct{}) probeCmd { return probeCmd{} })}},
 	})
 	running := uuid.New()
