@@ -12,10 +12,12 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/events"
@@ -620,12 +622,17 @@ func (c *Client) Stop() error {
 	return errors.Join(append([]error{err}, c.jobErrs...)...)
 }
 
+// PgxTx is a pgx transaction as the transaction StartTx and PublishTx
+// take: what they write goes in tx, and commits or rolls back with it.
+func PgxTx(tx pgx.Tx) transport.Tx { return dbtx.FromPgx(tx) }
+
 // ErrTriggerType is returned by StartTx for a trigger that is not of the
 // saga's trigger type (its On).
 var ErrTriggerType = errors.New("saga: the trigger is not of the saga's trigger type")
 
 // StartTx starts an instance of the named saga from trigger, in the
-// caller's transaction tx, and returns its id: the saga starts if, and
+// caller's transaction tx (a *sql.Tx, or a pgx.Tx through PgxTx), and
+// returns its id: the saga starts if, and
 // only if, tx commits (as River's InsertTx). trigger must be of the type
 // the saga's trigger takes (On); its start function makes the instance's
 // key, so a second start of the same instance is a no-op, and its error is
@@ -689,9 +696,10 @@ func (c *Client) StartTx(ctx context.Context, tx transport.Tx, name string, trig
 	return id, nil
 }
 
-// PublishTx publishes msgs to topic in the caller's transaction tx: they
-// are delivered if, and only if, tx commits.
-func (c *Client) PublishTx(ctx context.Context, tx *sql.Tx, topic string, msgs ...*message.Message) error {
+// PublishTx publishes msgs to topic in the caller's transaction tx (a
+// *sql.Tx, or a pgx.Tx through PgxTx): they are delivered if, and only if,
+// tx commits.
+func (c *Client) PublishTx(ctx context.Context, tx transport.Tx, topic string, msgs ...*message.Message) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("saga: publishing to %s: %w", topic, context.Cause(ctx))
 	}

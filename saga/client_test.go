@@ -375,3 +375,54 @@ func TestClientStartTxInProcessStartsInTheCallersTransaction(t *testing.T) {
 	startRunning(t, c)
 	assert.Equal(t, saga.StatusCompleted, waitFinished(t, c, def, "ada@example.com").Status)
 }
+
+// A saga starts in the caller's pgx transaction (PgxTx) as in a *sql.Tx:
+// it exists if, and only if, that transaction commits, in process (the
+// engine's writes in the pgx transaction) or queued; PublishTx takes one
+// too.
+func TestClientStartTxInAPgxTx(t *testing.T) {
+	t.Parallel()
+	for _, inProcess := range []bool{false, true} {
+		t.Run(fmt.Sprint("in-process=", inProcess), func(t *testing.T) {
+			t.Parallel()
+			c, def, db := newSignupClientWith(t, 0, func(cfg *saga.ClientConfig) { cfg.InProcessEngine = inProcess })
+			require.NoError(t, c.Setup(context.Background()))
+			ctx := context.Background()
+			start := func(email string, commit bool) uuid.UUID {
+				tx, err := db.Pool.Begin(ctx)
+				require.NoError(t, err)
+				defer tx.Rollback(ctx) //nolint:errcheck
+				id, err := c.StartTx(ctx, saga.PgxTx(tx), def.Name, trigger(email))
+				require.NoError(t, err)
+				note, err := steps.NewMessage(trigger(email), steps.Envelope{})
+				require.NoError(t, err)
+				require.NoError(t, c.PublishTx(ctx, saga.PgxTx(tx), "signup-notes", note))
+				if commit {
+					require.NoError(t, tx.Commit(ctx))
+				}
+				return id
+			}
+			notes := func() int {
+				var n int
+				require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_queue WHERE topic = 'signup-notes'`).Scan(&n))
+				return n
+			}
+			require.NoError(t, c.Transport().Subscribe(ctx, transport.Subscription{Topic: "signup-notes", ConsumerGroup: "notes"}))
+			ghost := start("ghost@example.com", false)
+			assert.Zero(t, notes(), "a rolled-back pgx transaction publishes nothing")
+			id := start("ada@example.com", true)
+			assert.Equal(t, 1, notes(), "published at the pgx transaction's commit")
+			_, err := c.Engine().Get(ctx, id)
+			if inProcess {
+				require.NoError(t, err, "the engine started it in the pgx transaction, with no worker running")
+			} else {
+				require.ErrorIs(t, err, saga.ErrNotFound, "its trigger waits for a worker")
+			}
+			startRunning(t, c)
+			assert.Equal(t, saga.StatusCompleted, waitFinished(t, c, def, "ada@example.com").Status)
+			assert.Equal(t, saga.ID(def.Name, "ada@example.com"), id)
+			_, err = c.Engine().Get(ctx, ghost)
+			require.ErrorIs(t, err, saga.ErrNotFound, "a rolled-back pgx transaction starts nothing")
+		})
+	}
+}

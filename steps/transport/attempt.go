@@ -486,12 +486,12 @@ func (a *attemptTx) QueryRowContext(ctx context.Context, query string, args ...a
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if err := a.before(ctx, query); err != nil {
-		return replayRow(context.Background(), replayed{err: err})
+		return replayRow(context.Background(), replayed{Err: err})
 	}
 	a.inFlight.Store(true)
 	defer a.after()
 	r := readRow(a.tx.QueryContext(context.WithoutCancel(ctx), query, args...))
-	if r.err != nil {
+	if r.Err != nil {
 		return replayRow(context.Background(), r)
 	}
 	return replayRow(a.rowsCtx, r)

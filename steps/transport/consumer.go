@@ -240,10 +240,10 @@ var errNotABatch = errors.New("transport: a consumer runs statements only in its
 func (c *consumer) Exec(string, ...any) (sql.Result, error) { return nil, errNotABatch }
 func (c *consumer) Query(string, ...any) (*sql.Rows, error) { return nil, errNotABatch }
 func (c *consumer) QueryRow(string, ...any) *sql.Row {
-	return replayRow(context.Background(), replayed{err: errNotABatch})
+	return replayRow(context.Background(), replayed{Err: errNotABatch})
 }
 func (c *consumer) QueryRowContext(context.Context, string, ...any) *sql.Row {
-	return replayRow(context.Background(), replayed{err: errNotABatch})
+	return replayRow(context.Background(), replayed{Err: errNotABatch})
 }
 func (c *consumer) ExecContext(context.Context, string, ...any) (sql.Result, error) {
 	return nil, errNotABatch

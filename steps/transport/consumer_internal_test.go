@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 )
 
@@ -279,10 +280,10 @@ func TestAbandonedBatchIsPolledAgainAtOnce(t *testing.T) {
 // context for rows is cancelled: it does not keep a connection of the
 // replay pool for ever.
 func TestUnscannedReplayedRowIsClosedAtTheEndOfTheAttempt(t *testing.T) {
-	db := sql.OpenDB(replayConnector{})
+	db := dbtx.NewReplayDB()
 	defer db.Close()
 	ctx, cancel := context.WithCancel(context.Background())
-	_ = replayRowOn(db, ctx, replayed{columns: []string{"n"}, values: []driver.Value{int64(1)}})
+	_ = replayed{Columns: []string{"n"}, Values: [][]driver.Value{{int64(1)}}}.RowOn(ctx, db)
 	require.Equal(t, 1, db.Stats().InUse)
 	cancel()
 	deadline := time.Now().Add(10 * time.Second)
