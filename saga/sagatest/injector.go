@@ -3,7 +3,23 @@
 // lost when messages are duplicated, processes crash at commit boundaries,
 // connections die mid-step and workers come and go.
 //
-// It has three parts:
+// In a test, New starts a Run on a database (DB gives the test one of its
+// own; the package's TestMain calls Main): install Run.Intercept as the
+// client's transport.Config.Intercept, register what the client serves,
+// Start churning its workers, start sagas, and Finish, which waits for
+// them, stops everything and fails the test for every broken invariant:
+//
+//	func TestMyRecovery(t *testing.T) {
+//		db := sagatest.DB(t)
+//		run := sagatest.New(t, db.SQL, sagatest.Faults{Seed: 7, DuplicateRate: 0.3, CrashBeforeCommitRate: 0.1})
+//		client, _ := saga.NewClientFromDB(db.SQL, saga.ClientConfig{Transport: transport.Config{Intercept: run.Intercept}})
+//		// client.Register(...), client.AddSteps(...)
+//		run.Start(client, 2)
+//		// ids: the sagas started (client.StartTx)
+//		run.Finish(time.Minute, ids, defs, myInvariants...)
+//	}
+//
+// Underneath are three parts, usable on their own (see Example):
 //
 //   - Injector injects faults into every handler of a transport (install
 //     Injector.Intercept as transport.Config.Intercept): duplicate

@@ -1,0 +1,130 @@
+package sagatest
+
+import (
+	"context"
+	"database/sql"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// Main runs the tests of a package that uses DB, with a PostgreSQL server,
+// and exits: call it from the package's TestMain. It finds the server as
+// pgsaga's own tests do: TEST_DATABASE_URL, else DATABASE_URL, else one on
+// 127.0.0.1:5432, else an embedded PostgreSQL it starts (from the
+// machine's PostgreSQL binaries, else downloaded once) and that later runs
+// share.
+func Main(m *testing.M) { testdb.Main(m) }
+
+// Database is a test's database: its name and URL, and a pgx pool with a
+// database/sql handle over it (Pool, SQL).
+type Database = testdb.DB
+
+// DB returns a database of the test's own, with pgsaga's migrations
+// applied, dropped when the test ends. The package's TestMain must call
+// Main.
+func DB(t testing.TB) *Database {
+	t.Helper()
+	return testdb.Fresh(t)
+}
+
+// Run is one failure-recovery run in a test: faults injected into a
+// client's deliveries, its workers stopped and replaced at random, and, at
+// Finish, the sagas waited for and every invariant checked. What goes
+// wrong fails the test; the run stops its workers when the test ends.
+type Run struct {
+	t        testing.TB
+	db       *sql.DB
+	injector *Injector
+	churn    *Churn
+	log      *slog.Logger
+	finished bool
+}
+
+// New starts a run that injects faults into the deliveries of a client on
+// db. Build the client with Intercept as its transport's
+// (transport.Config.Intercept), register what it serves, then Start.
+func New(t testing.TB, db *sql.DB, faults Faults) *Run {
+	t.Helper()
+	log := slog.New(slog.DiscardHandler)
+	inj, err := NewInjector(db, faults, log)
+	if err != nil {
+		t.Fatalf("sagatest: %v", err)
+	}
+	r := &Run{t: t, db: db, injector: inj, log: log}
+	t.Cleanup(r.stop)
+	return r
+}
+
+// Intercept injects the run's faults into a handler: the client's
+// transport.Config.Intercept.
+func (r *Run) Intercept(handler string, h transport.HandlerFunc) transport.HandlerFunc {
+	return r.injector.Intercept(handler, h)
+}
+
+// Start records what client consumes (Setup) and runs workers of its
+// workers (default 2), each stopped after a while and replaced.
+func (r *Run) Start(client *saga.Client, workers int) {
+	r.t.Helper()
+	if err := client.Setup(context.Background()); err != nil {
+		r.t.Fatalf("sagatest: setting the client up: %v", err)
+	}
+	if workers <= 0 {
+		workers = 2
+	}
+	churn, err := StartChurn(ChurnConfig{Workers: workers, Seed: r.injector.cfg.Seed, Logger: r.log,
+		New: func() (Worker, error) { return client.NewWorker() }})
+	if err != nil {
+		r.t.Fatalf("sagatest: %v", err)
+	}
+	r.churn = churn
+}
+
+// Finish waits up to timeout for every saga of ids to end, stops the
+// workers and the faults, and checks the generic invariants of defs'
+// sagas and the domain's: each broken invariant fails the test, with the
+// rows that break it. It returns how many of the sagas ended in each
+// status.
+func (r *Run) Finish(timeout time.Duration, ids []uuid.UUID, defs []*saga.Definition, domain ...Invariant) map[saga.Status]int {
+	r.t.Helper()
+	ctx := context.Background()
+	counts, err := WaitTerminal(ctx, r.db, ids, timeout)
+	if err != nil {
+		r.t.Errorf("%v", err)
+	}
+	r.stop()
+	violations, err := Checker{DB: r.db, Definitions: defs, Domain: domain}.Check(ctx)
+	if err != nil {
+		r.t.Errorf("%v", err)
+	}
+	for _, v := range violations {
+		r.t.Errorf("sagatest: invariant broken: %s", v)
+	}
+	return counts
+}
+
+// Stats is what the run's faults did so far.
+func (r *Run) Stats() Stats { return r.injector.Stats() }
+
+// stop stops the workers and the faults, once; the workers' errors fail
+// the test.
+func (r *Run) stop() {
+	if r.finished {
+		return
+	}
+	r.finished = true
+	if r.churn != nil {
+		if err := r.churn.Stop(); err != nil {
+			r.t.Errorf("sagatest: the workers: %v", err)
+		}
+	}
+	if err := r.injector.Close(); err != nil {
+		r.t.Errorf("sagatest: the faults: %v", err)
+	}
+}
