@@ -186,6 +186,22 @@ func runningEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 	if cfg.skipped != "" {
 		local = cfg.skipped
 	}
+	dataDir := filepath.Join(cfg.EmbeddedDir, "data")
+	if fileExists(filepath.Join(dataDir, "PG_VERSION")) {
+		// A sample ran on its embedded server and has exited, stopping it:
+		// its data is there. An operator's tool starts nothing; it says how.
+		pgctl := "pg_ctl"
+		if bin := cfg.binDir(); bin != "" {
+			pgctl = filepath.Join(bin, "pg_ctl")
+		} else if downloaded := filepath.Join(cfg.EmbeddedDir, "runtime", "bin", "pg_ctl"); fileExists(downloaded) {
+			pgctl = downloaded
+		}
+		return nil, fmt.Errorf("%w: %s; the sample's embedded PostgreSQL keeps its data in %s but is not running: "+
+			"start it with `go run ./cmd/orderdemo -orders 0 -serve` (it serves until Ctrl-C) or "+
+			"`%s start -w -D %s -o '-p %d -c unix_socket_directories=%s'`, then run this again; "+
+			"or set DATABASE_URL to the database your workers use",
+			ErrNoDatabase, local, dataDir, pgctl, dataDir, cfg.EmbeddedPort, filepath.Join(cfg.EmbeddedDir, "run"))
+	}
 	return nil, fmt.Errorf("%w: %s, and no embedded PostgreSQL of a running sample answered on port %d; "+
 		"set DATABASE_URL to the database your workers use", ErrNoDatabase, local, cfg.EmbeddedPort)
 }
@@ -403,4 +419,10 @@ func (f *Found) Sibling(ctx context.Context, suffix string) (string, error) {
 		return "", fmt.Errorf("%w (the role needs CREATEDB, or create the database %s yourself)", err, name)
 	}
 	return url, nil
+}
+
+// fileExists reports whether path names something that exists.
+func fileExists(path string) bool {
+	_, err := os.Stat(path)
+	return err == nil
 }

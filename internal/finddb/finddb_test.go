@@ -352,3 +352,31 @@ func pingURL(u string) error {
 	}
 	return conn.Close(context.Background())
 }
+
+// A sample that used an embedded server and has exited leaves its data
+// behind, its server stopped: an operator's tool still starts nothing, and
+// says exactly how to bring that server back.
+func TestExistingSaysHowToStartAStoppedSampleServer(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	data := filepath.Join(dir, "data")
+	require.NoError(t, os.MkdirAll(data, 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(data, "PG_VERSION"), []byte("17\n"), 0o600))
+	port := freePort(t)
+	_, err := finddb.Find(context.Background(), finddb.Config{
+		Getenv:       noEnv,
+		ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
+		EmbeddedPort: port,
+		EmbeddedDir:  dir,
+		BinDirs:      []string{"/opt/pg/bin"},
+		IsRoot:       func() bool { return false },
+		Logger:       quiet,
+		Timeout:      time.Second,
+		Existing:     true,
+	})
+	require.ErrorIs(t, err, finddb.ErrNoDatabase)
+	assert.Contains(t, err.Error(), "go run ./cmd/orderdemo -orders 0 -serve")
+	assert.Contains(t, err.Error(), fmt.Sprintf("pg_ctl start -w -D %s -o '-p %d -c unix_socket_directories=%s'", data, port, filepath.Join(dir, "run")))
+	entries, _ := os.ReadDir(dir)
+	assert.Len(t, entries, 1, "nothing started or set up")
+}
