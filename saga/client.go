@@ -18,6 +18,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/dbtx"
+	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/events"
@@ -621,6 +622,12 @@ func (c *Client) Stop() error {
 	defer c.mu.Unlock()
 	return errors.Join(append([]error{err}, c.jobErrs...)...)
 }
+
+// Migrate brings the database's schema up to date with the migrations of
+// this version of pgsaga (migrations.Apply), and returns the versions it
+// applied: none when it was current. Processes that start together queue
+// on a lock; a database whose encoding is not UTF8 is refused.
+func (c *Client) Migrate(ctx context.Context) ([]int64, error) { return migrations.Apply(ctx, c.db) }
 
 // PgxTx is a pgx transaction as the transaction StartTx and PublishTx
 // take: what they write goes in tx, and commits or rolls back with it.
