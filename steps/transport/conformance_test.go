@@ -12,20 +12,21 @@ import (
 	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
-// Watermill's pub/sub conformance suite, run against the Transport's
-// publisher (autocommitting on the database) and Subscriber.
+// Watermill's pub/sub conformance suite, in full mode, run against the
+// Transport's publisher (autocommitting on the database) and Subscriber.
 //
-// ForceShort (about 2 s instead of 10 minutes and more): the full suite
-// publishes tens of thousands of messages, and its TestConcurrentSubscribe
-// runs fifty subscribers of one topic, each of whose first message is read
-// only once all have subscribed. A message awaiting its ack holds a
-// connection (its consumer's batch), so twenty of them take the test
-// pool's every connection, and the next subscriptions get one only as
-// those attempts time out (Config.AttemptTimeout): that test alone did not
-// finish in nine minutes.
+// A message awaiting its ack holds a connection (its consumer's batch),
+// and TestConcurrentSubscribe runs fifty subscribers of one topic, each of
+// whose first message is read only once all have subscribed: the suite
+// gets a pool of its own of 70 connections, and takes a server-wide turn
+// for them. TestContinueAfterErrors nacks 300 times among 50 messages and
+// expects every one delivered afterwards: a nack costs an attempt here,
+// so its transport allows 1,000 (RetryPolicy.MaxAttempts) before the dead
+// letter.
 //
 // Not parallel: the suite's tests run in parallel with one another.
 func TestPubSub(t *testing.T) {
+	testdb.ServerWide(t)
 	newPubSub, group := conformancePubSub(t)
 	tests.TestPubSub(t, tests.Features{
 		ConsumerGroups: true,
@@ -43,7 +44,6 @@ func TestPubSub(t *testing.T) {
 		NewSubscriberReceivesOldMessages: false,
 		// A message keeps no context across the database.
 		ContextPreserved: false,
-		ForceShort:       true,
 	}, func(t *testing.T) (message.Publisher, message.Subscriber) {
 		return newPubSub(t, group)
 	}, newPubSub)
@@ -67,12 +67,16 @@ func TestSubscriberHandsOutOneMessageAtATime(t *testing.T) {
 // conformancePubSub returns the suite's constructor of pub/sub instances
 // of a consumer group, and the group of those it makes without one.
 func conformancePubSub(t *testing.T) (newPubSub tests.ConsumerGroupPubSubConstructor, group string) {
-	db := testdb.Shared(t)
+	shared := testdb.Shared(t)
+	pool := testdb.Open(t, shared.URL, 70)
+	db := &testdb.DB{Name: shared.Name, URL: shared.URL, Pool: pool.Pool, SQL: pool.SQL}
 	// One Transport serves every instance of the pub/sub, as it does the
 	// subscribers of one process. (A Transport per instance would hold a
 	// LISTEN connection each; the suite's instances, many alive at once,
 	// would starve the pool.) Each instance is a Subscriber of its own.
-	tr, err := transport.New(fastConfig(db))
+	cfg := fastConfig(db)
+	cfg.Retry.MaxAttempts = 1000 // see TestPubSub
+	tr, err := transport.New(cfg)
 	require.NoError(t, err)
 	newPubSub = func(t *testing.T, consumerGroup string) (message.Publisher, message.Subscriber) {
 		sub, err := tr.NewSubscriber(consumerGroup)
