@@ -157,10 +157,17 @@ func Send[D any, C steps.Message](step steps.Step[C], build func(data D) C) *Com
 	return c
 }
 
-// OnReply sets how a successful reply updates the saga's data, and returns
-// c.
-func (c *Command[D]) OnReply(update func(data *D, reply *message.Message) error) *Command[D] {
-	c.onReply = update
+// OnReply returns c, whose step's successful reply, of type R, updates the
+// saga's data with update. A reply of another type, or update's error,
+// leaves the saga where it is and dead-letters the reply, with the reason.
+func OnReply[D any, R steps.Message](c *Command[D], update func(data *D, reply R) error) *Command[D] {
+	c.onReply = func(data *D, msg *message.Message) error {
+		reply, err := steps.Decode[R](msg)
+		if err != nil {
+			return err
+		}
+		return update(data, reply)
+	}
 	return c
 }
 

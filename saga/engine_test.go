@@ -137,8 +137,8 @@ func newEnv(t *testing.T, o options) *env {
 			return tripCmd{Trip: d.Trip, Op: op}
 		})
 	}
-	book := cmd("book").OnReply(func(d *tripData, reply *message.Message) error {
-		d.Booked = reply.UUID
+	book := saga.OnReply(cmd("book"), func(d *tripData, reply tripReply) error {
+		d.Booked = reply.Op
 		return nil
 	})
 	def, err := saga.Define(saga.Spec[tripData]{
@@ -270,7 +270,7 @@ func TestHappyPath(t *testing.T) {
 	assert.Equal(t, []string{"started", "sent:book", "reply_ok:book", "sent:pay", "reply_ok:pay", "completed"}, kinds(inst.History))
 	var data tripData
 	require.NoError(t, json.Unmarshal(inst.Data, &data))
-	assert.NotEmpty(t, data.Booked, "OnReply updated the data")
+	assert.Equal(t, "book", data.Booked, "OnReply updated the data from the typed reply")
 	assert.Equal(t, "corr-rome", inst.CorrelationID)
 	assert.NotNil(t, inst.FinishedAt)
 	assert.Nil(t, inst.DeadlineAt)
@@ -771,4 +771,34 @@ func TestPruneFinishedSagas(t *testing.T) {
 
 	_, err = e.engine.Prune(context.Background(), saga.PruneConfig{History: -time.Second})
 	assert.Error(t, err)
+}
+
+// A step's successful reply of another type than its OnReply reads does
+// not move the saga on: it fails as a permanent error (the reply is
+// dead-lettered, saying why) and the instance stays where it was.
+func TestAReplyOfAnotherTypeIsNotApplied(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, options{silent: []string{"book"}})
+	id := e.start("graz")
+	inst := e.wait(id, "book in flight", func(i saga.Instance) bool { return i.Step == "book" && i.Attempt == 1 })
+	var bookKey string
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT metadata->>$2 FROM `+archived(e.topics["book"])+
+		` WHERE metadata->>'saga_id' = $1`, id.String(), steps.MetaKey).Scan(&bookKey))
+	answer, err := steps.NewMessage(steps.DoneReply{}, steps.Envelope{SagaID: id.String(), Step: "book", Key: bookKey, Outcome: steps.OutcomeOK})
+	require.NoError(t, err)
+	ctx := context.Background()
+	tx, err := e.db.SQL.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer tx.Rollback() //nolint:errcheck
+	answer.SetContext(transport.ContextWithTx(ctx, tx))
+	err = e.engine.HandleReply(answer)
+	require.Error(t, err)
+	assert.True(t, transport.IsPermanent(err), "dead-lettered at once: %v", err)
+	assert.Contains(t, err.Error(), "reading reply")
+	assert.Contains(t, err.Error(), "test.TripReply")
+	require.NoError(t, tx.Commit())
+	after, err := e.engine.Get(ctx, id)
+	require.NoError(t, err)
+	assert.Equal(t, "book", after.Step)
+	assert.Equal(t, inst.Version, after.Version)
 }

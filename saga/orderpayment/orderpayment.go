@@ -13,14 +13,12 @@ package orderpayment
 import (
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
 	"github.com/pgsaga/pgsaga/saga"
-	"github.com/pgsaga/pgsaga/steps"
 )
 
 // Name of the saga type.
@@ -64,12 +62,11 @@ func Steps(t StepTimeouts) []saga.Step[Data] {
 		},
 		{
 			Name: "charge",
-			Action: saga.Send(payments.Charge, func(d Data) payments.ChargePayment {
+			Action: saga.OnReply(saga.Send(payments.Charge, func(d Data) payments.ChargePayment {
 				return payments.ChargePayment{OrderID: d.OrderID, AccountID: d.AccountID, AmountCents: d.AmountCents}
-			}).OnReply(func(d *Data, reply *message.Message) error {
-				charged, err := steps.Decode[payments.PaymentCharged](reply)
+			}), func(d *Data, charged payments.PaymentCharged) error {
 				d.ChargeID = charged.ChargeID
-				return err
+				return nil
 			}),
 			Compensation: saga.Send(payments.Refund, func(d Data) payments.RefundPayment {
 				return payments.RefundPayment{OrderID: d.OrderID, AccountID: d.AccountID}
