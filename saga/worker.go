@@ -21,25 +21,6 @@ type Worker struct {
 	stopped chan struct{} // closed once it stopped, sweeper included
 }
 
-// Run runs the worker until ctx is cancelled or Close is called, then
-// drains it; it returns once everything stopped. Prefer Start and Stop.
-func (w *Worker) Run(ctx context.Context) error {
-	sweepCtx, stopSweeper := context.WithCancel(ctx)
-	var wg sync.WaitGroup
-	wg.Go(func() { _ = w.engine.RunSweeper(sweepCtx) })
-	err := w.router.Run(ctx)
-	stopSweeper()
-	wg.Wait()
-	return err
-}
-
-// Running is closed once the worker's router runs; never if Run fails
-// first (Start waits for both).
-func (w *Worker) Running() chan struct{} { return w.router.Running() }
-
-// Close drains and stops a worker begun with Run.
-func (w *Worker) Close() error { return w.router.Close() }
-
 // Start runs the worker in the background and returns once it runs, or with
 // the reason it could not start. ctx bounds the start only: the worker runs
 // until Stop or until it fails (see Stopped).

@@ -10,12 +10,11 @@ import (
 	"time"
 )
 
-// Worker is what Churn starts and stops: a router, or a set of routers and
-// sweepers (saga.Worker is one). Run returns after Close.
+// Worker is what Churn starts and stops (saga.Worker is one): Start
+// returns once it runs, Stop drains it and returns what its run ended with.
 type Worker interface {
-	Run(ctx context.Context) error
-	Close() error
-	Running() chan struct{}
+	Start(ctx context.Context) error
+	Stop() error
 }
 
 // ChurnConfig configures Churn.
@@ -86,22 +85,13 @@ func (c *Churn) start(slot int) (Worker, error) {
 	if err != nil {
 		return nil, fmt.Errorf("sagatest: starting a worker: %w", err)
 	}
-	done := make(chan error, 1)
-	go func() { done <- w.Run(context.Background()) }()
-	select {
-	case <-w.Running():
-	case err := <-done:
-		return nil, fmt.Errorf("sagatest: a worker stopped as it started: %w", err)
+	if err := w.Start(context.Background()); err != nil {
+		return nil, fmt.Errorf("sagatest: starting a worker: %w", err)
 	}
 	c.mu.Lock()
-	c.running[slot] = doneWorker{Worker: w, done: done}
+	c.running[slot] = w
 	c.mu.Unlock()
-	return c.running[slot], nil
-}
-
-type doneWorker struct {
-	Worker
-	done chan error
+	return w, nil
 }
 
 func (c *Churn) churn(slot int, w Worker) {
@@ -127,13 +117,7 @@ func (c *Churn) churn(slot int, w Worker) {
 	}
 }
 
-func (c *Churn) stopWorker(w Worker) error {
-	err := w.Close()
-	if dw, ok := w.(doneWorker); ok {
-		err = errors.Join(err, <-dw.done)
-	}
-	return err
-}
+func (c *Churn) stopWorker(w Worker) error { return w.Stop() }
 
 func (c *Churn) fail(err error) {
 	c.cfg.Logger.Error("sagatest: churn", "err", err)

@@ -153,27 +153,19 @@ func TestInjectorOnARouter(t *testing.T) {
 }
 
 type fakeWorker struct {
-	running chan struct{}
-	stop    chan struct{}
-	once    sync.Once
-	started *atomic.Int32
+	once             sync.Once
+	started, stopped *atomic.Int32
 }
 
-func (w *fakeWorker) Run(ctx context.Context) error {
-	w.started.Add(1)
-	close(w.running)
-	<-w.stop
-	return nil
-}
-func (w *fakeWorker) Close() error           { w.once.Do(func() { close(w.stop) }); return nil }
-func (w *fakeWorker) Running() chan struct{} { return w.running }
+func (w *fakeWorker) Start(context.Context) error { w.started.Add(1); return nil }
+func (w *fakeWorker) Stop() error                 { w.once.Do(func() { w.stopped.Add(1) }); return nil }
 
 func TestChurnRestartsWorkers(t *testing.T) {
 	t.Parallel()
-	var started atomic.Int32
+	var started, stopped atomic.Int32
 	c, err := sagatest.StartChurn(sagatest.ChurnConfig{Workers: 3, MinUp: 5 * time.Millisecond, MaxUp: 20 * time.Millisecond, Seed: 1,
 		New: func() (sagatest.Worker, error) {
-			return &fakeWorker{running: make(chan struct{}), stop: make(chan struct{}), started: &started}, nil
+			return &fakeWorker{started: &started, stopped: &stopped}, nil
 		}})
 	require.NoError(t, err)
 	deadline := time.Now().Add(10 * time.Second)
@@ -184,6 +176,7 @@ func TestChurnRestartsWorkers(t *testing.T) {
 	require.NoError(t, c.Stop())
 	require.NoError(t, c.Stop(), "stopping twice is fine")
 	assert.GreaterOrEqual(t, int(started.Load()), 13)
+	assert.Equal(t, started.Load(), stopped.Load(), "every worker started was stopped")
 	_, err = sagatest.StartChurn(sagatest.ChurnConfig{})
 	require.Error(t, err)
 }
