@@ -451,7 +451,7 @@ func (c *Client) NewWorker() (*Worker, error) {
 	if c.cfg.InProcessEngine {
 		engineOpts = append(engineOpts, transport.InProcess())
 	}
-	if err := c.engine.AddHandlers(r, engineOpts...); err != nil {
+	if err := c.engine.addHandlers(r, engineOpts...); err != nil {
 		return nil, err
 	}
 	return &Worker{engine: c.engine, router: r, stopped: make(chan struct{})}, nil
@@ -689,7 +689,7 @@ func (c *Client) StartTx(ctx context.Context, tx transport.Tx, name string, trig
 		err := transport.Savepoint(ctx, tx, func(tx transport.Tx) error {
 			m := msg.Copy()
 			m.SetContext(transport.ContextWithTx(ctx, tx))
-			return c.engine.HandleTrigger(name, m)
+			return c.engine.handleTrigger(name, m)
 		})
 		if err == nil {
 			return id, nil

@@ -206,10 +206,10 @@ func (e *Engine) Subscriptions() []transport.Subscription {
 func triggerHandler(saga string) string { return "saga." + saga + ".trigger" }
 func replyHandler(saga string) string   { return "saga." + saga + ".replies" }
 
-// AddHandlers subscribes the engine to the trigger and reply topics of every
+// addHandlers subscribes the engine to the trigger and reply topics of every
 // registered saga on r. opts add to the handlers' options
 // (transport.InProcess, say); their retry policy is the engine's.
-func (e *Engine) AddHandlers(r *transport.Router, opts ...transport.HandlerOption) error {
+func (e *Engine) addHandlers(r *transport.Router, opts ...transport.HandlerOption) error {
 	e.mu.RLock()
 	latest := make([]*Definition, 0, len(e.latest))
 	for _, d := range e.latest {
@@ -220,19 +220,19 @@ func (e *Engine) AddHandlers(r *transport.Router, opts ...transport.HandlerOptio
 		name := d.Name
 		hopts := append([]transport.HandlerOption{transport.WithRetry(e.retry)}, opts...)
 		if err := r.AddHandler(triggerHandler(name), d.Trigger, "", func(msg *message.Message) error {
-			return e.HandleTrigger(name, msg)
+			return e.handleTrigger(name, msg)
 		}, hopts...); err != nil {
 			return err
 		}
 		// A batch of replies loads the instances they answer in one
 		// statement.
 		ropts := append([]transport.HandlerOption{transport.LoadPerBatch(replyLoad)}, hopts...)
-		if err := r.AddHandler(replyHandler(name), d.ReplyTopic, "", e.HandleReply, ropts...); err != nil {
+		if err := r.AddHandler(replyHandler(name), d.ReplyTopic, "", e.handleReply, ropts...); err != nil {
 			return err
 		}
 		// Operators' requests are queued, never in process: they come from
 		// tools, not from this router's attempts.
-		if err := r.AddHandler(requestHandler(name), RequestTopic(name), "", e.HandleRequest, transport.WithRetry(e.retry)); err != nil {
+		if err := r.AddHandler(requestHandler(name), RequestTopic(name), "", e.handleRequest, transport.WithRetry(e.retry)); err != nil {
 			return err
 		}
 	}
@@ -304,9 +304,9 @@ type pendingCommand struct {
 	msg   *message.Message
 }
 
-// HandleTrigger starts an instance of saga name from a trigger message, in
+// handleTrigger starts an instance of saga name from a trigger message, in
 // the message's transaction. A second trigger with the same key does nothing.
-func (e *Engine) HandleTrigger(name string, msg *message.Message) (err error) {
+func (e *Engine) handleTrigger(name string, msg *message.Message) (err error) {
 	ctx := msg.Context()
 	tx, ok := transport.TxFromContext(ctx)
 	if !ok {
@@ -351,14 +351,14 @@ func (e *Engine) HandleTrigger(name string, msg *message.Message) (err error) {
 	return e.flush(ctx, tx, inst)
 }
 
-// HandleReply applies a participant's reply to its instance, in the
+// handleReply applies a participant's reply to its instance, in the
 // message's transaction: it advances the saga, or starts or continues its
 // compensation. A reply that is not for the command in flight (a duplicate,
 // a late answer to a re-sent command, an answer after the saga moved on)
 // changes nothing. A reply for an unknown saga, or for an instance of a
 // definition version this process does not know, is dead-lettered with the
 // reason.
-func (e *Engine) HandleReply(msg *message.Message) (err error) {
+func (e *Engine) handleReply(msg *message.Message) (err error) {
 	ctx := msg.Context()
 	tx, ok := transport.TxFromContext(ctx)
 	if !ok {

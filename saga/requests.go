@@ -209,12 +209,12 @@ func selectArgs(f Filter) []any {
 	return []any{statuses, f.Type, time.Now().Add(-f.OlderThan)}
 }
 
-// HandleRequest carries out an operator's request (see Ask) in the
+// handleRequest carries out an operator's request (see Ask) in the
 // message's transaction, once, and records its outcome there: done, or
 // refused when the saga was in no state for it. A request for a
 // definition this process does not know fails the attempt (transient): a
 // worker that knows it may take it.
-func (e *Engine) HandleRequest(msg *message.Message) error {
+func (e *Engine) handleRequest(msg *message.Message) error {
 	ctx := msg.Context()
 	tx, ok := transport.TxFromContext(ctx)
 	if !ok {

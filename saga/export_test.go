@@ -1,0 +1,16 @@
+package saga
+
+import (
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/pgsaga/pgsaga/steps/transport"
+)
+
+// The engine's handlers, for the tests that drive an Engine directly
+// (a Client wires them itself).
+
+func (e *Engine) AddHandlers(r *transport.Router, opts ...transport.HandlerOption) error {
+	return e.addHandlers(r, opts...)
+}
+
+func (e *Engine) HandleReply(msg *message.Message) error { return e.handleReply(msg) }
