@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"reflect"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -290,6 +291,11 @@ func (c *Client) Register(defs ...*Definition) error {
 
 // AddSteps adds participant steps this process serves.
 func (c *Client) AddSteps(s ...steps.AnyStep) error {
+	for _, st := range s {
+		if isNil(st) {
+			return errors.New("saga: AddSteps of a nil step")
+		}
+	}
 	return c.beforeStart(func() error {
 		c.mu.Lock()
 		defer c.mu.Unlock()
@@ -655,9 +661,9 @@ func (c *Client) StartTx(ctx context.Context, tx transport.Tx, name string, trig
 	if def == nil {
 		return uuid.Nil, fmt.Errorf("%w: %s", ErrUnknownDefinition, name)
 	}
-	if trigger == nil || trigger.MessageType() != def.triggerType {
+	if isNil(trigger) || trigger.MessageType() != def.triggerType {
 		got := "nil"
-		if trigger != nil {
+		if !isNil(trigger) {
 			got = trigger.MessageType()
 		}
 		return uuid.Nil, fmt.Errorf("%w: %s takes %s, not %s", ErrTriggerType, name, def.triggerType, got)
@@ -674,8 +680,8 @@ func (c *Client) StartTx(ctx context.Context, tx transport.Tx, name string, trig
 		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
 	}
 	id := ID(name, key)
-	// One trigger message per instance: a start queued twice is one
-	// message.
+	// The trigger message's id is the instance's: every start of one
+	// instance sends the same message.
 	msg, err := steps.NewMessage(trigger, steps.Envelope{ID: uuid.NewSHA1(id, []byte("trigger")).String(), CorrelationID: key})
 	if err != nil {
 		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
@@ -714,4 +720,14 @@ func (c *Client) PublishTx(ctx context.Context, tx transport.Tx, topic string, m
 		return fmt.Errorf("saga: publishing to %s: %w", topic, err)
 	}
 	return nil
+}
+
+// isNil reports whether v is nil, or an interface holding a nil pointer
+// (whose value methods would panic).
+func isNil(v any) bool {
+	if v == nil {
+		return true
+	}
+	r := reflect.ValueOf(v)
+	return r.Kind() == reflect.Pointer && r.IsNil()
 }

@@ -316,6 +316,14 @@ func TestClientChecksItsInputsUpFront(t *testing.T) {
 
 // ClientConfig.InProcessSteps names steps the client serves; a name it
 // does not serve is refused when a worker is built.
+// A nil step is refused when added, not a panic when a worker is built.
+func TestClientRefusesANilStep(t *testing.T) {
+	t.Parallel()
+	c, err := saga.NewClient(testdb.Shared(t).Pool, saga.ClientConfig{Logger: logger()})
+	require.NoError(t, err)
+	require.ErrorContains(t, c.AddSteps(nil), "nil step")
+}
+
 func TestClientInProcessStepsMustBeServed(t *testing.T) {
 	t.Parallel()
 	c, err := saga.NewClient(testdb.Shared(t).Pool, saga.ClientConfig{InProcessSteps: []string{"nobody.serves"}, Logger: logger()})
@@ -365,6 +373,8 @@ func TestClientStartTxInProcessStartsInTheCallersTransaction(t *testing.T) {
 	require.ErrorContains(t, err, "empty key")
 	_, err = c.StartTx(ctx, tx, def.Name, OpenAccount{Email: "x@example.com"})
 	require.ErrorIs(t, err, saga.ErrTriggerType)
+	_, err = c.StartTx(ctx, tx, def.Name, (*SignedUp)(nil))
+	require.ErrorIs(t, err, saga.ErrTriggerType, "a nil trigger is refused, not a panic")
 	id, err := c.StartTx(ctx, tx, broken.Name, trigger("boom@example.com"))
 	require.NoError(t, err)
 	require.Equal(t, saga.ID(broken.Name, "boom@example.com"), id)

@@ -84,7 +84,10 @@ type Trigger[D any] struct {
 // (published there, or given to Client.StartTx). start makes the
 // instance's key (one instance per key, ever) and initial data from the
 // trigger; its error, or a message that does not decode, is permanent:
-// StartTx returns it, and a published trigger is dead-lettered.
+// StartTx returns it, and a published trigger is dead-lettered. start must
+// be a function of the trigger alone (no clock, no random, no side
+// effect): StartTx runs it to learn the saga's id, and the engine runs it
+// again to start the saga.
 func On[T steps.Message, D any](topic string, start func(trigger T) (key string, data D, err error)) Trigger[D] {
 	var zero T
 	t := Trigger[D]{topic: topic, messageType: zero.MessageType()}
@@ -144,6 +147,7 @@ type Command[D any] struct {
 	topic   string
 	build   func(data D) steps.Message
 	onReply func(data *D, reply *message.Message) error
+	err     error // what Define refuses it for
 }
 
 // Send is the command to step, made from the saga's data by build. The
@@ -161,6 +165,13 @@ func Send[D any, C steps.Message](step steps.Step[C], build func(data D) C) *Com
 // saga's data with update. A reply of another type, or update's error,
 // leaves the saga where it is and dead-letters the reply, with the reason.
 func OnReply[D any, R steps.Message](c *Command[D], update func(data *D, reply R) error) *Command[D] {
+	switch {
+	case c == nil:
+		return &Command[D]{err: errors.New("OnReply of no command (Send)")}
+	case update == nil:
+		c.err = errors.New("OnReply needs its update function")
+		return c
+	}
 	c.onReply = func(data *D, msg *message.Message) error {
 		reply, err := steps.Decode[R](msg)
 		if err != nil {
@@ -348,6 +359,9 @@ func (d *Definition) actionsAllow() time.Duration {
 func compileCommand[D any](c *Command[D]) (*commandDef, error) {
 	if c == nil {
 		return nil, nil
+	}
+	if c.err != nil {
+		return nil, c.err
 	}
 	if c.build == nil {
 		return nil, errors.New("its build function is required (Send)")

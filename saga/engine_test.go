@@ -627,6 +627,10 @@ func TestDefineValidates(t *testing.T) {
 		"bad topic":       {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Action: saga.Send(steps.Define[tripCmd]("c", "bad topic", nil), build)}}},
 		"no build":        {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Action: saga.Send[tripData](steps.Define[tripCmd]("c", "c", nil), nil)}}},
 		"no step":         {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a", Action: saga.Send(steps.Step[tripCmd]{}, build)}}},
+		"reply of no command": {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a",
+			Action: saga.OnReply(nil, func(*tripData, tripReply) error { return nil })}}},
+		"reply with no update": {Name: "s", Trigger: trigger, Steps: []saga.Step[tripData]{{Name: "a",
+			Action: saga.OnReply[tripData, tripReply](saga.Send(steps.Define[tripCmd]("c", "c", nil), build), nil)}}},
 	} {
 		_, err := saga.Define(spec)
 		require.Error(t, err, name)

@@ -210,9 +210,11 @@ func New(cfg Config) (*Runtime, error) {
 // Subscriptions lists what the steps consume, for Transport.Subscribe: each
 // step's topic, as a consumer group named after the step.
 func (rt *Runtime) Subscriptions(steps ...AnyStep) []transport.Subscription {
-	out := make([]transport.Subscription, len(steps))
-	for i, s := range steps {
-		out[i] = transport.Subscription{Topic: s.Topic(), ConsumerGroup: s.Name()}
+	out := make([]transport.Subscription, 0, len(steps))
+	for _, s := range steps {
+		if s != nil {
+			out = append(out, transport.Subscription{Topic: s.Topic(), ConsumerGroup: s.Name()})
+		}
 	}
 	return out
 }
@@ -221,6 +223,9 @@ func (rt *Runtime) Subscriptions(steps ...AnyStep) []transport.Subscription {
 // s.Name. opts add to the handler's options (transport.InProcess, say);
 // its retry policy is the runtime's.
 func (rt *Runtime) Register(r *transport.Router, step AnyStep, opts ...transport.HandlerOption) error {
+	if step == nil {
+		return errors.New("steps: registering a nil step")
+	}
 	s := step.stepCore()
 	if err := s.validate(); err != nil {
 		return err
@@ -251,6 +256,9 @@ func (rt *Runtime) keysConfig(s core) idempotency.MiddlewareConfig {
 // COMMITTED transaction of its own, with the same retries and dead-lettering
 // as a registered step.
 func (rt *Runtime) Execute(ctx context.Context, step AnyStep, msg *message.Message) error {
+	if step == nil {
+		return errors.New("steps: executing a nil step")
+	}
 	s := step.stepCore()
 	if err := s.validate(); err != nil {
 		return err

@@ -625,6 +625,7 @@ func TestAStepServedElsewhereIsNotRegistered(t *testing.T) {
 	require.NoError(t, err)
 	err = e.rt.Register(r, declared)
 	require.ErrorContains(t, err, "has no handler: it is served elsewhere")
+	require.ErrorContains(t, e.rt.Register(r, nil), "nil step")
 	require.ErrorContains(t, e.rt.Execute(context.Background(), declared, message.NewMessage("m", nil)), "has no handler")
 	require.NoError(t, e.rt.Register(r, declared.Handle(e.handle)))
 }

@@ -1,29 +1,31 @@
 package dbtx
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"database/sql/driver"
 	"fmt"
-	"strconv"
-	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // FromPgx returns tx as a DBTX: a caller's pgx transaction, for the
 // packages that take one (a saga started in it, messages published in it).
 // Statements run on tx as they are called; a query's rows are read in full
-// before it returns (in PostgreSQL's text format, converted as pgx's
-// database/sql driver converts them), so what database/sql scans from them
-// is what it scans from *sql.Tx's.
+// before it returns, in the formats and with the conversions of pgx's
+// database/sql driver, so what database/sql scans from them is what it
+// scans from a *sql.Tx's (an error after some rows fails the whole query;
+// a large result is held in memory: it is for a transaction's small
+// reads).
 func FromPgx(tx pgx.Tx) DBTX { return pgxTx{tx: tx} }
 
 type pgxTx struct{ tx pgx.Tx }
 
 func (p pgxTx) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
-	tag, err := p.tx.Exec(ctx, query, args...)
+	tag, err := p.tx.Exec(ctx, query, positional(args)...)
 	if err != nil {
 		return nil, err
 	}
@@ -38,9 +40,20 @@ func (p pgxTx) QueryRowContext(ctx context.Context, query string, args ...any) *
 	return p.read(ctx, query, args).Row(ctx)
 }
 
-// read runs query and reads its rows, every column in text format.
+// binaryResults are the columns read in binary format, as pgx's
+// database/sql driver reads them (its "intrinsic" types); the others come
+// in text format.
+var binaryResults = pgx.QueryResultFormatsByOID{
+	pgtype.BoolOID: pgx.BinaryFormatCode, pgtype.ByteaOID: pgx.BinaryFormatCode, pgtype.CIDOID: pgx.BinaryFormatCode,
+	pgtype.DateOID: pgx.BinaryFormatCode, pgtype.Float4OID: pgx.BinaryFormatCode, pgtype.Float8OID: pgx.BinaryFormatCode,
+	pgtype.Int2OID: pgx.BinaryFormatCode, pgtype.Int4OID: pgx.BinaryFormatCode, pgtype.Int8OID: pgx.BinaryFormatCode,
+	pgtype.OIDOID: pgx.BinaryFormatCode, pgtype.TimestampOID: pgx.BinaryFormatCode,
+	pgtype.TimestamptzOID: pgx.BinaryFormatCode, pgtype.XIDOID: pgx.BinaryFormatCode,
+}
+
+// read runs query and reads its rows, in full.
 func (p pgxTx) read(ctx context.Context, query string, args []any) Result {
-	rows, err := p.tx.Query(ctx, query, append([]any{pgx.QueryResultFormats{pgx.TextFormatCode}}, args...)...)
+	rows, err := p.tx.Query(ctx, query, append([]any{binaryResults}, positional(args)...)...)
 	if err != nil {
 		return Result{Err: err}
 	}
@@ -55,7 +68,10 @@ func (p pgxTx) read(ctx context.Context, query string, args []any) Result {
 		raw := rows.RawValues()
 		row := make([]driver.Value, len(raw))
 		for i, b := range raw {
-			if row[i], err = textValue(types, fields[i].DataTypeOID, b); err != nil {
+			if b == nil {
+				continue
+			}
+			if row[i], err = sqlValue(types, fields[i], b); err != nil {
 				return Result{Err: fmt.Errorf("dbtx: reading column %s: %w", fields[i].Name, err)}
 			}
 		}
@@ -67,34 +83,74 @@ func (p pgxTx) read(ctx context.Context, query string, args []any) Result {
 	return r
 }
 
-// textValue is the database/sql value of a column's text b: numbers,
-// booleans and times as Go's, bytea as its bytes, JSON as its text's
-// bytes, NULL as nil, anything else as its text (a string).
-func textValue(types *pgtype.Map, oid uint32, b []byte) (driver.Value, error) {
-	if b == nil {
-		return nil, nil
+// positional passes database/sql's named arguments by their values, as
+// pgx's database/sql driver does.
+func positional(args []any) []any {
+	var out []any
+	for i, a := range args {
+		if n, ok := a.(sql.NamedArg); ok {
+			if out == nil {
+				out = append([]any(nil), args...)
+			}
+			out[i] = n.Value
+		}
 	}
-	switch oid {
-	case pgtype.Int2OID, pgtype.Int4OID, pgtype.Int8OID, pgtype.OIDOID:
-		return strconv.ParseInt(string(b), 10, 64)
-	case pgtype.Float4OID, pgtype.Float8OID:
-		return strconv.ParseFloat(string(b), 64)
+	if out == nil {
+		return args
+	}
+	return out
+}
+
+// sqlValue is the database/sql value of a column's bytes b, as pgx's
+// database/sql driver makes it: Go numbers, booleans and bytes for the
+// intrinsic types, pgtype's values for dates and times (a string for
+// infinity), JSON and XML as bytes, anything else as its text.
+func sqlValue(types *pgtype.Map, f pgconn.FieldDescription, b []byte) (driver.Value, error) {
+	scan := func(target any) error { return types.Scan(f.DataTypeOID, f.Format, b, target) }
+	switch f.DataTypeOID {
 	case pgtype.BoolOID:
-		return string(b) == "t", nil
-	case pgtype.TimestamptzOID, pgtype.TimestampOID, pgtype.DateOID:
-		var t time.Time
-		if err := types.Scan(oid, pgtype.TextFormatCode, b, &t); err != nil {
+		var v bool
+		return v, scan(&v)
+	case pgtype.ByteaOID, pgtype.JSONOID, pgtype.JSONBOID, pgtype.XMLOID:
+		var v []byte
+		if err := scan(&v); err != nil {
 			return nil, err
 		}
-		return t, nil
-	case pgtype.ByteaOID:
-		var out []byte
-		if err := types.Scan(oid, pgtype.TextFormatCode, b, &out); err != nil {
+		return bytes.Clone(v), nil
+	case pgtype.Int2OID, pgtype.Int4OID, pgtype.Int8OID:
+		var v int64
+		return v, scan(&v)
+	case pgtype.Float4OID:
+		var v float32
+		return float64(v), scan(&v)
+	case pgtype.Float8OID:
+		var v float64
+		return v, scan(&v)
+	case pgtype.CIDOID, pgtype.OIDOID, pgtype.XIDOID:
+		var v pgtype.Uint32
+		if err := scan(&v); err != nil {
 			return nil, err
 		}
-		return out, nil
-	case pgtype.JSONOID, pgtype.JSONBOID:
-		return append([]byte(nil), b...), nil
+		return v.Value()
+	case pgtype.DateOID:
+		var v pgtype.Date
+		if err := scan(&v); err != nil {
+			return nil, err
+		}
+		return v.Value()
+	case pgtype.TimestampOID:
+		var v pgtype.Timestamp
+		if err := scan(&v); err != nil {
+			return nil, err
+		}
+		return v.Value()
+	case pgtype.TimestamptzOID:
+		var v pgtype.Timestamptz
+		if err := scan(&v); err != nil {
+			return nil, err
+		}
+		return v.Value()
 	}
-	return string(b), nil
+	var v string
+	return v, scan(&v)
 }

@@ -83,6 +83,37 @@ func TestFromPgxScansAsDatabaseSQLDoes(t *testing.T) {
 	assert.Equal(t, want, got)
 	assert.Equal(t, []byte{0, 0xff, 0x10}, got[0].Bytes)
 
+	// Where the session's settings change the text of times, dates and
+	// bytes, and for values past what time.Time holds, the same again.
+	for _, set := range []string{`SET LOCAL DateStyle = 'SQL, DMY'`, `SET LOCAL DateStyle = 'German'`, `SET LOCAL bytea_output = 'escape'`,
+		`SET LOCAL extra_float_digits = 0`} {
+		_, err := stdTx.ExecContext(ctx, set)
+		require.NoError(t, err)
+		_, err = q.ExecContext(ctx, set)
+		require.NoError(t, err)
+		odd := `SELECT '2024-01-02 03:04:05+00'::timestamptz, '2024-01-02'::date, '2024-01-02 03:04:05'::timestamp,
+    'infinity'::timestamptz, '-infinity'::date, '\x00ff10'::bytea, 1.1::float4, 0.1::float8 + 0.2::float8, '42'::xid, '<a/>'::xml, $1::int`
+		collect := func(rows *sql.Rows, err error) [][]any {
+			require.NoError(t, err, set)
+			defer rows.Close()
+			var out [][]any
+			for rows.Next() {
+				vals := make([]any, 11)
+				ptrs := make([]any, len(vals))
+				for i := range vals {
+					ptrs[i] = &vals[i]
+				}
+				require.NoError(t, rows.Scan(ptrs...), set)
+				out = append(out, vals)
+			}
+			require.NoError(t, rows.Err())
+			return out
+		}
+		want := collect(stdTx.QueryContext(ctx, odd, sql.Named("n", 7)))
+		got := collect(q.QueryContext(ctx, odd, sql.Named("n", 7)))
+		assert.Equal(t, want, got, set)
+	}
+
 	// One row; none (an error, at Scan as database/sql has it, last).
 	var n int
 	require.NoError(t, q.QueryRowContext(ctx, `SELECT 41 + $1::int`, 1).Scan(&n))

@@ -187,20 +187,10 @@ func runningEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 		local = cfg.skipped
 	}
 	dataDir := filepath.Join(cfg.EmbeddedDir, "data")
-	if fileExists(filepath.Join(dataDir, "PG_VERSION")) {
+	if version, err := os.ReadFile(filepath.Join(dataDir, "PG_VERSION")); err == nil {
 		// A sample ran on its embedded server and has exited, stopping it:
 		// its data is there. An operator's tool starts nothing; it says how.
-		pgctl := "pg_ctl"
-		if bin := cfg.binDir(); bin != "" {
-			pgctl = filepath.Join(bin, "pg_ctl")
-		} else if downloaded := filepath.Join(cfg.EmbeddedDir, "runtime", "bin", "pg_ctl"); fileExists(downloaded) {
-			pgctl = downloaded
-		}
-		return nil, fmt.Errorf("%w: %s; the sample's embedded PostgreSQL keeps its data in %s but is not running: "+
-			"start it with `go run ./cmd/orderdemo -orders 0 -serve` (it serves until Ctrl-C) or "+
-			"`%s start -w -D %s -o '-p %d -c unix_socket_directories=%s'`, then run this again; "+
-			"or set DATABASE_URL to the database your workers use",
-			ErrNoDatabase, local, dataDir, pgctl, dataDir, cfg.EmbeddedPort, filepath.Join(cfg.EmbeddedDir, "run"))
+		return nil, fmt.Errorf("%w: %s; %s", ErrNoDatabase, local, restartHint(cfg, dataDir, strings.TrimSpace(string(version))))
 	}
 	return nil, fmt.Errorf("%w: %s, and no embedded PostgreSQL of a running sample answered on port %d; "+
 		"set DATABASE_URL to the database your workers use", ErrNoDatabase, local, cfg.EmbeddedPort)
@@ -421,8 +411,38 @@ func (f *Found) Sibling(ctx context.Context, suffix string) (string, error) {
 	return url, nil
 }
 
-// fileExists reports whether path names something that exists.
-func fileExists(path string) bool {
-	_, err := os.Stat(path)
-	return err == nil
+// restartHint says how to start again the embedded server whose data,
+// of PostgreSQL major version major, is in dataDir: with binaries of that
+// version (the machine's, or those the sample downloaded), never others
+// (they cannot read the data, and the sample would initialise it afresh).
+func restartHint(cfg Config, dataDir, major string) string {
+	var bins []string // the machine's, then the downloaded ones
+	local := cfg.binDir()
+	if local != "" {
+		bins = append(bins, local)
+	}
+	bins = append(bins, filepath.Join(cfg.EmbeddedDir, "runtime", "bin"))
+	var found string
+	for _, bin := range bins {
+		if v, err := serverVersion(bin); err == nil && strings.SplitN(string(v), ".", 2)[0] == major {
+			found = bin
+			break
+		}
+	}
+	what := fmt.Sprintf("the sample's embedded PostgreSQL %s keeps its data in %s but is not running", major, dataDir)
+	if found == "" {
+		return what + fmt.Sprintf("; no PostgreSQL %s binaries here can start it (set DATABASE_URL to the database your workers use)", major)
+	}
+	pgctl := fmt.Sprintf("%s start -w -D %s -l %s -o '-p %d -c unix_socket_directories=%s'",
+		shellQuote(filepath.Join(found, "pg_ctl")), shellQuote(dataDir), shellQuote(filepath.Join(cfg.EmbeddedDir, "postgres.log")),
+		cfg.EmbeddedPort, filepath.Join(cfg.EmbeddedDir, "run"))
+	// The sample starts its server with the machine's binaries if it has
+	// any, else with those it downloads (embeddedpostgres.V17).
+	if sampleUses := local != "" && found == local || local == "" && major == "17"; sampleUses {
+		return what + fmt.Sprintf(": start it with `go run ./cmd/orderdemo -orders 0 -serve` (it serves until Ctrl-C) or `%s`, then run this again", pgctl)
+	}
+	return what + fmt.Sprintf(": start it with `%s`, then run this again (not with the sample: its PostgreSQL is another version, and would set the data up afresh)", pgctl)
 }
+
+// shellQuote quotes s for a POSIX shell.
+func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }

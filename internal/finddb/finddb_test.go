@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"os/user"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"syscall"
@@ -355,28 +356,46 @@ func pingURL(u string) error {
 
 // A sample that used an embedded server and has exited leaves its data
 // behind, its server stopped: an operator's tool still starts nothing, and
-// says exactly how to bring that server back.
+// says exactly how to bring that server back, with binaries of the data's
+// version only.
 func TestExistingSaysHowToStartAStoppedSampleServer(t *testing.T) {
 	t.Parallel()
-	dir := t.TempDir()
-	data := filepath.Join(dir, "data")
-	require.NoError(t, os.MkdirAll(data, 0o700))
-	require.NoError(t, os.WriteFile(filepath.Join(data, "PG_VERSION"), []byte("17\n"), 0o600))
-	port := freePort(t)
-	_, err := finddb.Find(context.Background(), finddb.Config{
-		Getenv:       noEnv,
-		ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
-		EmbeddedPort: port,
-		EmbeddedDir:  dir,
-		BinDirs:      []string{"/opt/pg/bin"},
-		IsRoot:       func() bool { return false },
-		Logger:       quiet,
-		Timeout:      time.Second,
-		Existing:     true,
-	})
-	require.ErrorIs(t, err, finddb.ErrNoDatabase)
-	assert.Contains(t, err.Error(), "go run ./cmd/orderdemo -orders 0 -serve")
-	assert.Contains(t, err.Error(), fmt.Sprintf("pg_ctl start -w -D %s -o '-p %d -c unix_socket_directories=%s'", data, port, filepath.Join(dir, "run")))
-	entries, _ := os.ReadDir(dir)
-	assert.Len(t, entries, 1, "nothing started or set up")
+	bin := pgbin.Find()
+	if bin == "" {
+		t.Skip("no local PostgreSQL binaries")
+	}
+	out, err := exec.Command(filepath.Join(bin, "postgres"), "--version").Output()
+	require.NoError(t, err)
+	major := regexp.MustCompile(`\(PostgreSQL\) (\d+)`).FindStringSubmatch(string(out))[1]
+	find := func(version string) (string, string, uint32) {
+		dir := t.TempDir()
+		data := filepath.Join(dir, "data")
+		require.NoError(t, os.MkdirAll(data, 0o700))
+		require.NoError(t, os.WriteFile(filepath.Join(data, "PG_VERSION"), []byte(version+"\n"), 0o600))
+		port := freePort(t)
+		_, err := finddb.Find(context.Background(), finddb.Config{
+			Getenv:       noEnv,
+			ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
+			EmbeddedPort: port,
+			EmbeddedDir:  dir,
+			BinDirs:      []string{bin},
+			IsRoot:       func() bool { return false },
+			Logger:       quiet,
+			Timeout:      time.Second,
+			Existing:     true,
+		})
+		require.ErrorIs(t, err, finddb.ErrNoDatabase)
+		entries, _ := os.ReadDir(dir)
+		assert.Len(t, entries, 1, "nothing started or set up")
+		return err.Error(), dir, port
+	}
+
+	msg, dir, port := find(major)
+	assert.Contains(t, msg, "go run ./cmd/orderdemo -orders 0 -serve")
+	assert.Contains(t, msg, fmt.Sprintf("'%s' start -w -D '%s' -l '%s' -o '-p %d -c unix_socket_directories=%s'",
+		filepath.Join(bin, "pg_ctl"), filepath.Join(dir, "data"), filepath.Join(dir, "postgres.log"), port, filepath.Join(dir, "run")))
+
+	msg, _, _ = find("9")
+	assert.Contains(t, msg, "no PostgreSQL 9 binaries here can start it")
+	assert.NotContains(t, msg, "orderdemo", "the sample would set data of another version up afresh")
 }

@@ -69,9 +69,14 @@ func (r *Run) Intercept(handler string, h transport.HandlerFunc) transport.Handl
 }
 
 // Start records what client consumes (Setup) and runs workers of its
-// workers (default 2), each stopped after a while and replaced.
+// workers (default 2), each stopped after a while and replaced, until
+// Finish or the test's end. A run starts once.
 func (r *Run) Start(client *saga.Client, workers int) {
 	r.t.Helper()
+	if r.churn != nil || r.finished {
+		r.t.Errorf("sagatest: Run.Start called twice, or after Finish; ignored")
+		return
+	}
 	if err := client.Setup(context.Background()); err != nil {
 		r.t.Fatalf("sagatest: setting the client up: %v", err)
 	}

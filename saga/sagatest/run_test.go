@@ -97,6 +97,9 @@ func TestARunFailsTheTestOnABrokenInvariant(t *testing.T) {
 	run := sagatest.New(rec, db.SQL, sagatest.Faults{Seed: 1})
 	client, def, _ := runSaga(t, db.SQL, run)
 	run.Start(client, 1)
+	run.Start(client, 1)
+	require.Equal(t, []string{"sagatest: Run.Start called twice, or after Finish; ignored"}, rec.errors)
+	rec.errors = nil
 	never := uuid.New()
 	run.Finish(100*time.Millisecond, []uuid.UUID{never}, []*saga.Definition{def}, sagatest.Invariant{
 		Name:  "always broken",
