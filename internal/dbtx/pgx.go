@@ -127,30 +127,27 @@ func sqlValue(types *pgtype.Map, f pgconn.FieldDescription, b []byte) (driver.Va
 		var v float64
 		return v, scan(&v)
 	case pgtype.CIDOID, pgtype.OIDOID, pgtype.XIDOID:
-		var v pgtype.Uint32
-		if err := scan(&v); err != nil {
-			return nil, err
-		}
-		return v.Value()
+		return valueOf[pgtype.Uint32](scan)
 	case pgtype.DateOID:
-		var v pgtype.Date
-		if err := scan(&v); err != nil {
-			return nil, err
-		}
-		return v.Value()
+		return valueOf[pgtype.Date](scan)
 	case pgtype.TimestampOID:
-		var v pgtype.Timestamp
-		if err := scan(&v); err != nil {
-			return nil, err
-		}
-		return v.Value()
+		return valueOf[pgtype.Timestamp](scan)
 	case pgtype.TimestamptzOID:
-		var v pgtype.Timestamptz
-		if err := scan(&v); err != nil {
-			return nil, err
-		}
-		return v.Value()
+		return valueOf[pgtype.Timestamptz](scan)
 	}
 	var v string
 	return v, scan(&v)
+}
+
+// valueOf scans into a T and returns its database/sql value (pgtype's
+// Value: a time, or a string such as "infinity").
+func valueOf[T any, P interface {
+	*T
+	driver.Valuer
+}](scan func(any) error) (driver.Value, error) {
+	var v T
+	if err := scan(P(&v)); err != nil {
+		return nil, err
+	}
+	return P(&v).Value()
 }

@@ -388,6 +388,20 @@ func (l *connLog) TraceBatchQuery(_ context.Context, c *pgx.Conn, d pgx.TraceBat
 }
 func (*connLog) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
 
+// newLoggedEnv is newEnv on a pool of its own whose statements it logs.
+func newLoggedEnv(t *testing.T, mutate func(*transport.Config)) (*env, *connLog) {
+	t.Helper()
+	log := &connLog{}
+	db := testdb.Shared(t)
+	pool, err := pgdb.Open(context.Background(), pgdb.Config{URL: db.URL, MaxConns: 4, Tracer: log})
+	require.NoError(t, err)
+	t.Cleanup(pool.Close) // after the router's stop, registered later
+	return newEnvOn(t, db, func(c *transport.Config) {
+		c.DB = pool.SQL
+		mutate(c)
+	}), log
+}
+
 // around returns, for every statement containing part, the statements
 // sent on its connection just before and just after it ("" for none).
 func (l *connLog) around(part string) (before, after []string) {
@@ -416,12 +430,7 @@ func (l *connLog) around(part string) (before, after []string) {
 // implicit transaction, with no BEGIN before them nor COMMIT after.
 func TestAWakeUpSendsNoBeginNorCommit(t *testing.T) {
 	t.Parallel()
-	log := &connLog{}
-	db := testdb.Shared(t)
-	pool, err := pgdb.Open(context.Background(), pgdb.Config{URL: db.URL, MaxConns: 4, Tracer: log})
-	require.NoError(t, err)
-	t.Cleanup(pool.Close) // after the router's stop, registered later
-	e := newEnvOn(t, db, func(c *transport.Config) { c.DB = pool.SQL; c.AwaitHold = -1 })
+	e, log := newLoggedEnv(t, func(c *transport.Config) { c.AwaitHold = -1 })
 	done := newCalls()
 	e.runOne(t, func(msg *message.Message) error {
 		if done.of(msg.UUID) > 0 {
@@ -446,13 +455,7 @@ func TestAWakeUpSendsNoBeginNorCommit(t *testing.T) {
 // parked with one statement for the batch, written with its commit.
 func TestABatchParksItsAwaitingMessagesInOneStatement(t *testing.T) {
 	t.Parallel()
-	log := &connLog{}
-	db := testdb.Shared(t)
-	pool, err := pgdb.Open(context.Background(), pgdb.Config{URL: db.URL, MaxConns: 4, Tracer: log})
-	require.NoError(t, err)
-	t.Cleanup(pool.Close) // after the router's stop, registered later
-	e := newEnvOn(t, db, func(c *transport.Config) {
-		c.DB = pool.SQL
+	e, log := newLoggedEnv(t, func(c *transport.Config) {
 		c.AwaitHold = -1
 		c.BatchSize = 50
 		c.BatchTimeout = time.Minute
