@@ -254,17 +254,27 @@ func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 		Locale(utf8Locale()).
 		Logger(logFile)
 	detail := dataDir
+	version := embeddedpostgres.V17
 	if bin := cfg.binDir(); bin != "" {
-		version, err := serverVersion(bin)
-		if err != nil {
+		if version, err = serverVersion(bin); err != nil {
 			_ = logFile.Close()
 			return nil, fmt.Errorf("%w: %w", ErrNoDatabase, err)
 		}
-		pgcfg = pgcfg.BinariesPath(filepath.Dir(bin)).Version(version)
+		pgcfg = pgcfg.BinariesPath(filepath.Dir(bin))
 		detail += " (binaries " + bin + ")"
 	} else {
-		pgcfg = pgcfg.Version(embeddedpostgres.V17)
 		detail += " (downloaded binaries)"
+	}
+	pgcfg = pgcfg.Version(version)
+	// The embedded server sets up afresh a data directory of another
+	// version than its binaries', deleting what it held: refuse instead.
+	if held, err := os.ReadFile(filepath.Join(dataDir, "PG_VERSION")); err == nil {
+		if major := strings.TrimSpace(string(held)); !strings.HasPrefix(string(version), major+".") {
+			_ = logFile.Close()
+			return nil, fmt.Errorf("%w: the embedded PostgreSQL's data in %s is PostgreSQL %s's, and the binaries here are PostgreSQL %s's, "+
+				"which would set it up afresh and lose it; install PostgreSQL %s's binaries, or move that directory away to start afresh, "+
+				"or set DATABASE_URL", ErrNoDatabase, dataDir, major, strings.SplitN(string(version), ".", 2)[0], major)
+		}
 	}
 	cfg.Logger.Info("starting an embedded PostgreSQL", "data", dataDir, "port", cfg.EmbeddedPort, "log", logPath)
 	pg := embeddedpostgres.NewDatabase(pgcfg)

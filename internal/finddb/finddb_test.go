@@ -399,3 +399,33 @@ func TestExistingSaysHowToStartAStoppedSampleServer(t *testing.T) {
 	assert.Contains(t, msg, "no PostgreSQL 9 binaries here can start it")
 	assert.NotContains(t, msg, "orderdemo", "the sample would set data of another version up afresh")
 }
+
+// An embedded server's data of another PostgreSQL version than the
+// binaries here is refused and kept: the embedded server would delete it
+// to set a new one up.
+func TestEmbeddedDataOfAnotherVersionIsKept(t *testing.T) {
+	t.Parallel()
+	bin := pgbin.Find()
+	if bin == "" {
+		t.Skip("no local PostgreSQL binaries")
+	}
+	dir := t.TempDir()
+	data := filepath.Join(dir, "data")
+	require.NoError(t, os.MkdirAll(data, 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(data, "PG_VERSION"), []byte("9\n"), 0o600))
+	kept := filepath.Join(data, "base-of-earlier-runs")
+	require.NoError(t, os.WriteFile(kept, []byte("rows"), 0o600))
+	_, err := finddb.Find(context.Background(), finddb.Config{
+		Getenv:       noEnv,
+		ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
+		EmbeddedPort: freePort(t),
+		EmbeddedDir:  dir,
+		BinDirs:      []string{bin},
+		IsRoot:       func() bool { return false },
+		Logger:       quiet,
+		Timeout:      time.Second,
+	})
+	require.ErrorIs(t, err, finddb.ErrNoDatabase)
+	assert.Contains(t, err.Error(), "is PostgreSQL 9's")
+	assert.FileExists(t, kept, "the data is kept")
+}
