@@ -1,26 +1,43 @@
 // Package saga is pgsaga's entry point and orchestrator.
 //
-// A process uses one Client (NewClient, over its pgx pool): it holds the
-// transport, the idempotency store, the event store, the step runtime and
-// the Engine. Build your services from its stores, add what the process
-// serves (Register saga Definitions, AddSteps, AddProjections), then Start
-// it; Stop drains it. StartTx starts a saga in your own transaction;
-// WaitFinished waits for one to end; Engine().Get, List and Retry inspect
-// and repair instances.
+// A process uses one Client over its pgx pool. It defines its sagas, adds
+// the participant steps it serves, starts sagas in its own transactions and
+// runs workers:
 //
-// A saga is a Definition (Define a Spec: a Trigger and ordered Steps, each
-// an action and an optional compensation, with a deadline and attempts).
-// An action or a compensation is the command sent to a participant's step
-// (Send, which takes the topic and the command's type from the step).
-// Its instances live in saga_instances with their timeline in
-// saga_history. Every reaction of the engine is one transaction: the
-// instance's update, its timeline, the next command (published through the
-// outbox) and the removal of the message it reacted to. Commands carry keys
-// derived from the saga and the step, never from the attempt, so a re-sent
-// command is deduplicated by the participant, and a duplicate or late reply
-// changes nothing. A failed step compensates the completed ones in reverse
-// order; the deadline sweeper re-sends overdue commands and gives up on
-// them in the end.
+//	client, err := saga.NewClient(pool, saga.ClientConfig{FinishedChannel: "shop_finished"})
+//	_, err = client.Migrate(ctx) // pgsaga's tables
+//	reserve := steps.Define("stock.reserve", "stock.reserve", reserveStock) // func(ctx, *steps.Tx, Reserve) (steps.Message, error)
+//	release := steps.Define("stock.release", "stock.release", releaseStock)
+//	def := saga.MustDefine(saga.Spec[Order]{Name: "order",
+//		Trigger: saga.On("shop.orders", func(o Ordered) (string, Order, error) { return o.ID, Order(o), nil }),
+//		Steps: []saga.Step[Order]{{Name: "reserve",
+//			Action:       saga.Send(reserve, func(o Order) Reserve { return Reserve{ID: o.ID} }),
+//			Compensation: saga.Send(release, func(o Order) Release { return Release{ID: o.ID} })}},
+//	})
+//	err = client.Register(def)
+//	err = client.AddSteps(reserve, release)
+//	err = client.Start(ctx) // a worker, the deadline sweeper, retention; Stop drains them
+//
+//	tx, err := pool.Begin(ctx) // yours: the saga starts if, and only if, it commits
+//	id, err := client.StartTx(ctx, saga.PgxTx(tx), "order", Ordered{ID: "o-1"})
+//	err = tx.Commit(ctx)
+//	inst, err := client.WaitFinished(ctx, id)
+//
+// A saga is a Definition (Define a Spec: a Trigger, On a topic, and
+// ordered Steps, each an action and an optional compensation, with a
+// deadline and attempts). An action or a compensation is the command sent
+// to a participant's step (Send, which takes the topic and the command's
+// type from the step: a mismatch does not compile); OnReply reads the
+// step's typed reply into the saga's data. Its instances live in
+// saga_instances with their timeline in saga_history. Every reaction of
+// the engine is one transaction: the instance's update, its timeline, the
+// next command (published through the outbox) and the removal of the
+// message it reacted to. Commands carry keys derived from the saga and the
+// step, never from the attempt, so a re-sent command is deduplicated by
+// the participant, and a duplicate or late reply changes nothing. A failed
+// step compensates the completed ones in reverse order; the deadline
+// sweeper re-sends overdue commands and gives up on them in the end.
+// Client.Engine().Get, List and Retry inspect and repair instances.
 package saga
 
 import (

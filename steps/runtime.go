@@ -1,7 +1,31 @@
 // Package steps is the participant side of pgsaga: the typed step contract
 // and the runtime that runs every step the same way.
 //
-// A step handles one command type. For each delivery of a command the
+// A step handles one command type C: Define makes a Step[C] from its name,
+// its topic and a handler, and a saga sends to it with saga.Send. Commands
+// and replies are plain structs with a MessageType method:
+//
+//	type Reserve struct{ SKU string }
+//
+//	func (Reserve) MessageType() string { return "stock.Reserve" }
+//
+//	reserve := steps.Define("stock.reserve", "stock.reserve",
+//		func(ctx context.Context, tx *steps.Tx, r Reserve) (steps.Message, error) {
+//			res, err := tx.ExecContext(ctx, `UPDATE stock SET on_hand = on_hand - 1 WHERE sku = $1 AND on_hand > 0`, r.SKU)
+//			if err != nil {
+//				return nil, err // transient: rolled back, retried, then dead-lettered
+//			}
+//			if n, _ := res.RowsAffected(); n == 0 {
+//				return nil, steps.Fail(nil, "out of stock") // final: stored, answered; the saga compensates
+//			}
+//			return nil, nil // done (DoneReply)
+//		})
+//
+// A step served by another process is defined with a nil handler, for
+// sagas to send to; the process that serves it adds the handler (Handle)
+// and registers the step (saga.Client.AddSteps).
+//
+// For each delivery of a command the
 // runtime, in one transaction (a watermill-sql subscriber's batch, inside a
 // savepoint of the delivery attempt, or a transaction of its own):
 //
