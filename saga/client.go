@@ -671,21 +671,19 @@ func (c *Client) StartTx(ctx context.Context, tx transport.Tx, name string, trig
 	if err := ctx.Err(); err != nil {
 		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, context.Cause(ctx))
 	}
-	probe, err := steps.NewMessage(trigger, steps.Envelope{})
+	msg, err := steps.NewMessage(trigger, steps.Envelope{})
 	if err != nil {
 		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
 	}
-	key, _, err := def.start(probe)
+	key, _, err := def.start(msg)
 	if err != nil {
 		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
 	}
 	id := ID(name, key)
 	// The trigger message's id is the instance's: every start of one
-	// instance sends the same message.
-	msg, err := steps.NewMessage(trigger, steps.Envelope{ID: uuid.NewSHA1(id, []byte("trigger")).String(), CorrelationID: key})
-	if err != nil {
-		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
-	}
+	// instance sends the same message. Its correlation id is the key.
+	msg.UUID = uuid.NewSHA1(id, []byte("trigger")).String()
+	msg.Metadata.Set(steps.MetaCorrelationID, key)
 	if c.cfg.InProcessEngine {
 		// The start is told (metrics, its log line) once it is written in
 		// full: a start that cannot be is rolled back here, queued, and

@@ -429,7 +429,9 @@ func TestClientStartTxInAPgxTx(t *testing.T) {
 				require.ErrorIs(t, err, saga.ErrNotFound, "its trigger waits for a worker")
 			}
 			startRunning(t, c)
-			assert.Equal(t, saga.StatusCompleted, waitFinished(t, c, def, "ada@example.com").Status)
+			done := waitFinished(t, c, def, "ada@example.com")
+			assert.Equal(t, saga.StatusCompleted, done.Status)
+			assert.Equal(t, "ada@example.com", done.CorrelationID, "the saga's correlation id is its key")
 			assert.Equal(t, saga.ID(def.Name, "ada@example.com"), id)
 			_, err = c.Engine().Get(ctx, ghost)
 			require.ErrorIs(t, err, saga.ErrNotFound, "a rolled-back pgx transaction starts nothing")
