@@ -9,7 +9,8 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/testdb"
-	"github.com/pgsaga/pgsaga/steps/transport"
+	"github.com/pgsaga/pgsaga/internal/transport"
+	"github.com/pgsaga/pgsaga/steps"
 )
 
 // The Watermill middleware runs a handler once per key, in the subscriber's
@@ -33,8 +34,8 @@ func ExampleStore_Middleware() {
 	}
 	once, err := store.Middleware(idempotency.MiddlewareConfig{
 		Scope:         "greeter",
-		TxFromContext: func(ctx context.Context) (idempotency.DBTX, bool) { return transport.TxFromContext(ctx) },
-		Publisher:     func(tx idempotency.DBTX) message.Publisher { return tr.Publisher(tx) },
+		TxFromContext: func(ctx context.Context) (steps.DBTX, bool) { return transport.TxFromContext(ctx) },
+		Publisher:     func(tx steps.DBTX) message.Publisher { return tr.Publisher(tx) },
 	})
 	if err != nil {
 		panic(err)
@@ -63,7 +64,7 @@ func ExampleStore_Middleware() {
 	}
 
 	cmd := message.NewMessage(uuid.NewString(), []byte(`"world"`))
-	cmd.Metadata.Set(idempotency.ReplyToMetadata, replies)
+	cmd.Metadata.Set(steps.MetaReplyTo, replies)
 	if err := tr.Publisher(db).Publish(commands, cmd, cmd); err != nil { // delivered twice
 		panic(err)
 	}

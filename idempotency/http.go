@@ -13,6 +13,8 @@ import (
 	"net/http"
 	"strconv"
 	"time"
+
+	"github.com/pgsaga/pgsaga/internal/dbtx"
 )
 
 // HTTP header names the HTTP middleware uses.
@@ -48,8 +50,8 @@ type httpTxKey struct{}
 // TxFromContext returns the transaction an HTTP handler behind the
 // middleware runs in: writes made through it commit with the stored response,
 // or not at all.
-func TxFromContext(ctx context.Context) (DBTX, bool) {
-	tx, ok := ctx.Value(httpTxKey{}).(DBTX)
+func TxFromContext(ctx context.Context) (dbtx.DBTX, bool) {
+	tx, ok := ctx.Value(httpTxKey{}).(dbtx.DBTX)
 	return tx, ok
 }
 
@@ -171,7 +173,7 @@ func (s *Store) serveHTTP(cfg HTTPConfig, lockTimeout string, next http.Handler,
 		return
 	}
 	rec := &recorder{header: http.Header{}, code: http.StatusOK}
-	next.ServeHTTP(rec, r.WithContext(context.WithValue(ctx, httpTxKey{}, DBTX(tx))))
+	next.ServeHTTP(rec, r.WithContext(context.WithValue(ctx, httpTxKey{}, dbtx.DBTX(tx))))
 	if transientStatus(rec.code) {
 		_ = tx.Rollback()
 		rec.writeTo(w)

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+
+	"github.com/pgsaga/pgsaga/internal/dbtx"
 )
 
 // Lease is a committed pending claim of the two-phase form: the holder calls
@@ -67,7 +69,7 @@ func (s *Store) AcquireFor(ctx context.Context, req Request, lease time.Duration
 // caller that commits more with the claim (a reservation, say). The claim,
 // the lease and the caller's writes take effect when tx commits, and must
 // commit before the external call.
-func (s *Store) AcquireTx(ctx context.Context, tx DBTX, req Request, lease time.Duration) (Acquisition, error) {
+func (s *Store) AcquireTx(ctx context.Context, tx dbtx.DBTX, req Request, lease time.Duration) (Acquisition, error) {
 	if err := req.validate(); err != nil {
 		return Acquisition{}, err
 	}
@@ -114,7 +116,7 @@ func (s *Store) AcquireTx(ctx context.Context, tx DBTX, req Request, lease time.
 // tx must see the lease: a REPEATABLE READ transaction whose snapshot was
 // taken before Acquire committed (a watermill-sql subscriber's batch, for
 // one) does not, and gets ErrLeaseLost. Use CompleteLease there.
-func (s *Store) CompleteLeaseTx(ctx context.Context, tx DBTX, l *Lease, status Status, resp Response) error {
+func (s *Store) CompleteLeaseTx(ctx context.Context, tx dbtx.DBTX, l *Lease, status Status, resp Response) error {
 	if err := checkFinal(status); err != nil {
 		return err
 	}

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/steps"
 )
 
 // messageKeysEnv is a MessageKeys over the shared database, with its
@@ -32,7 +33,7 @@ func newMessageKeys(t *testing.T) *messageKeysEnv {
 	keys, err := s.MessageKeys(idempotency.MiddlewareConfig{
 		Scope:       e.scope,
 		KeyMetadata: "key",
-		Publisher:   func(idempotency.DBTX) message.Publisher { return e.pub },
+		Publisher:   func(steps.DBTX) message.Publisher { return e.pub },
 	})
 	require.NoError(t, err)
 	e.keys = keys
@@ -75,8 +76,8 @@ func TestMessageKeysClaimFinishReplay(t *testing.T) {
 	require.Len(t, replies, 2)
 	assert.Equal(t, reply.UUID, replies[1].UUID)
 	assert.Equal(t, `{"ok":true}`, string(replies[1].Payload))
-	assert.Empty(t, replies[0].Metadata.Get(idempotency.ReplayedMetadata))
-	assert.Equal(t, "true", replies[1].Metadata.Get(idempotency.ReplayedMetadata))
+	assert.Empty(t, replies[0].Metadata.Get(steps.MetaReplayed))
+	assert.Equal(t, "true", replies[1].Metadata.Get(steps.MetaReplayed))
 }
 
 // A business failure is stored failed with its reason and reply, and

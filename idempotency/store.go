@@ -46,6 +46,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -53,12 +54,6 @@ import (
 	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/internal/outcome"
 )
-
-// DBTX is the transaction the store runs its statements in:
-// ExecContext, QueryContext and QueryRowContext, as *sql.Tx, *sql.Conn and
-// *sql.DB have them. It is the same interface as transport.Tx and
-// events.DBTX.
-type DBTX = dbtx.DBTX
 
 // Status of a key.
 type Status string
@@ -231,12 +226,12 @@ func (r Request) validate() error {
 }
 
 // ClaimTx claims req in tx. See the package documentation for outcomes.
-func (s *Store) ClaimTx(ctx context.Context, tx DBTX, req Request) (Claim, error) {
+func (s *Store) ClaimTx(ctx context.Context, tx dbtx.DBTX, req Request) (Claim, error) {
 	return s.claimTx(ctx, tx, req, s.lockTimeout)
 }
 
 // claimTx is ClaimTx with lock_timeout given in milliseconds.
-func (s *Store) claimTx(ctx context.Context, tx DBTX, req Request, lockTimeout string) (Claim, error) {
+func (s *Store) claimTx(ctx context.Context, tx dbtx.DBTX, req Request, lockTimeout string) (Claim, error) {
 	if err := req.validate(); err != nil {
 		return Claim{}, err
 	}
@@ -302,7 +297,7 @@ func (s *Store) BatchKeyClaims() dbtx.KeyClaims {
 // CompleteTx stores the outcome of a claim made with ClaimTx in the same
 // transaction. status must be StatusCompleted or StatusFailed (a final
 // business rejection, replayed like a success).
-func (s *Store) CompleteTx(ctx context.Context, tx DBTX, req Request, status Status, resp Response) error {
+func (s *Store) CompleteTx(ctx context.Context, tx dbtx.DBTX, req Request, status Status, resp Response) error {
 	if err := checkFinal(status); err != nil {
 		return err
 	}
@@ -316,16 +311,22 @@ func (s *Store) CompleteTx(ctx context.Context, tx DBTX, req Request, status Sta
 	return nil
 }
 
-// Failure is a final, deterministic rejection: returned from a Do callback it
-// is stored as failed with its Response and replayed to every later request
-// with the same key. Any other error is transient: nothing is stored.
+// Failure is a final business outcome, the one type of the module that
+// means it: the request was understood and refused. Returned from a Do
+// callback, the key is stored failed with Response, without the callback's
+// writes, and Response is replayed to every later request with the same
+// key. Returned from a handler behind Middleware (Reject), the key is
+// stored failed with Replies, which are published like a success's and
+// replayed to every duplicate. Any other error is transient: nothing is
+// stored. A step refuses with steps.Fail, which is answered the same way.
 type Failure struct {
-	Response Response
 	Reason   string
+	Response Response           // Do's answer
+	Replies  []*message.Message // Middleware's answer
 }
 
 // Error implements error.
-func (f *Failure) Error() string { return "idempotency: request failed: " + f.Reason }
+func (f *Failure) Error() string { return "idempotency: failed: " + f.Reason }
 
 // Outcome implements outcome.Classifier: a business failure.
 func (f *Failure) Outcome() outcome.Kind { return outcome.BusinessFailure }
@@ -343,7 +344,7 @@ type Result struct {
 // response or not at all. fn returns the response, a *Failure (stored as
 // failed, without fn's writes) or another error (rolled back, nothing
 // stored, returned).
-func (s *Store) Do(ctx context.Context, req Request, fn func(ctx context.Context, tx DBTX) (Response, error)) (Result, error) {
+func (s *Store) Do(ctx context.Context, req Request, fn func(ctx context.Context, tx dbtx.DBTX) (Response, error)) (Result, error) {
 	if s.cfg.DB == nil {
 		return Result{}, errors.New("idempotency: Config.DB is required for Do")
 	}
@@ -392,7 +393,7 @@ func (s *Store) Get(ctx context.Context, scope, key string) (Record, error) {
 
 // GetTx is Get through tx: it reads the record as tx sees it, without
 // locking it.
-func (s *Store) GetTx(ctx context.Context, tx DBTX, scope, key string) (Record, error) {
+func (s *Store) GetTx(ctx context.Context, tx dbtx.DBTX, scope, key string) (Record, error) {
 	rec, err := scanRecord(tx.QueryRowContext(ctx, getRecordSQL, scope, key), Request{Scope: scope, Key: key})
 	if errors.Is(err, sql.ErrNoRows) {
 		return Record{}, fmt.Errorf("%w: %s/%s", ErrNotFound, scope, key)
@@ -400,7 +401,7 @@ func (s *Store) GetTx(ctx context.Context, tx DBTX, scope, key string) (Record, 
 	return rec, err
 }
 
-func lockRecord(ctx context.Context, tx DBTX, req Request) (Record, error) {
+func lockRecord(ctx context.Context, tx dbtx.DBTX, req Request) (Record, error) {
 	rec, err := scanRecord(tx.QueryRowContext(ctx, lockRecordSQL, req.Scope, req.Key), req)
 	if errors.Is(err, sql.ErrNoRows) {
 		// Deleted between our insert attempt and the lock (the reaper, or a

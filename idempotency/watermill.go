@@ -8,17 +8,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
-	"github.com/pgsaga/pgsaga/internal/metadata"
-	"github.com/pgsaga/pgsaga/internal/outcome"
-)
-
-// Metadata keys the Watermill middleware reads and writes.
-const (
-	// ReplyToMetadata names the topic replies go to, by default.
-	ReplyToMetadata = metadata.ReplyTo
-	// ReplayedMetadata is set to "true" on a reply published again for a
-	// duplicate; the reply keeps its original message UUID.
-	ReplayedMetadata = metadata.Replayed
 )
 
 // MiddlewareConfig configures Store.Middleware.
@@ -35,32 +24,20 @@ type MiddlewareConfig struct {
 	// TxFromContext returns the transaction the message is handled in; the
 	// claim, the handler's writes and the replies share it. Default:
 	// watermill-sql's subscriber transaction.
-	TxFromContext func(context.Context) (DBTX, bool)
+	TxFromContext func(context.Context) (dbtx.DBTX, bool)
 	// Publisher publishes replies through tx (the outbox). Required when the
 	// handler returns messages.
-	Publisher func(tx DBTX) message.Publisher
+	Publisher func(tx dbtx.DBTX) message.Publisher
 	// ReplyTopic returns the topic for the replies to msg. Default: the
-	// ReplyToMetadata entry.
+	// "reply_to" metadata entry (steps.MetaReplyTo).
 	ReplyTopic func(msg *message.Message) string
 }
 
-// Rejection is a final business outcome for a message: the key is stored as
-// failed with Replies, which are published like a success's and replayed to
-// every duplicate. Return it (wrapped or not) from the handler.
-type Rejection struct {
-	Reason  string
-	Replies []*message.Message
-}
-
-// Error implements error.
-func (r *Rejection) Error() string { return "rejected: " + r.Reason }
-
-// Outcome implements outcome.Classifier: a business failure.
-func (r *Rejection) Outcome() outcome.Kind { return outcome.BusinessFailure }
-
-// Reject returns a Rejection.
+// Reject returns a Failure with replies: the key is stored failed with
+// them, and they are published and replayed to every duplicate. Return it
+// (wrapped or not) from a handler behind Middleware.
 func Reject(reason string, replies ...*message.Message) error {
-	return &Rejection{Reason: reason, Replies: replies}
+	return &Failure{Reason: reason, Replies: replies}
 }
 
 // storedReply is one reply as kept in a key's response body.
@@ -81,7 +58,7 @@ type storedOutcome struct {
 // message's transaction it claims the key; the first delivery runs the
 // handler, publishes the messages it returns to the reply topic through that
 // transaction and stores them; every duplicate publishes the stored replies
-// again, with their original UUIDs and ReplayedMetadata set, without running
+// again, with their original UUIDs and the "replayed" metadata entry (steps.MetaReplayed) set to "true", without running
 // the handler. A handler error rolls nothing back by itself: the transaction
 // owner (pgsaga's transport, for one) must roll the attempt back, which also
 // releases the claim. It is MessageKeys in a Watermill handler chain.
@@ -124,7 +101,7 @@ func (k *MessageKeys) handle(h message.HandlerFunc, msg *message.Message) error 
 		return err
 	}
 	replies, herr := h(msg)
-	var rej *Rejection
+	var rej *Failure
 	switch {
 	case errors.As(herr, &rej):
 		return k.FinishTx(ctx, tx, claim, StatusFailed, rej.Reason, rej.Replies...)

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/steps"
 )
 
 // recordingPublisher keeps what it is asked to publish.
@@ -60,11 +61,11 @@ func newMiddleware(t *testing.T) (*middlewareEnv, *sql.DB, *recordingPublisher, 
 	mw, err := s.Middleware(idempotency.MiddlewareConfig{
 		Scope:       scope,
 		KeyMetadata: "key",
-		TxFromContext: func(ctx context.Context) (idempotency.DBTX, bool) {
+		TxFromContext: func(ctx context.Context) (steps.DBTX, bool) {
 			tx, ok := ctx.Value(txKey{}).(*sql.Tx)
 			return tx, ok
 		},
-		Publisher: func(idempotency.DBTX) message.Publisher { return pub },
+		Publisher: func(steps.DBTX) message.Publisher { return pub },
 	})
 	require.NoError(t, err)
 	return &middlewareEnv{store: s, scope: scope}, db.SQL, pub, mw
@@ -73,7 +74,7 @@ func newMiddleware(t *testing.T) (*middlewareEnv, *sql.DB, *recordingPublisher, 
 func command(key, payload string) *message.Message {
 	m := message.NewMessage(uuid.NewString(), []byte(payload))
 	m.Metadata.Set("key", key)
-	m.Metadata.Set(idempotency.ReplyToMetadata, "replies")
+	m.Metadata.Set(steps.MetaReplyTo, "replies")
 	return m
 }
 
@@ -97,7 +98,7 @@ func TestMiddlewareReplaysStoredReply(t *testing.T) {
 	for i, r := range replies {
 		assert.Equal(t, replies[0].UUID, r.UUID)
 		assert.Equal(t, `{"ok":true}`, string(r.Payload))
-		assert.Equal(t, i > 0, r.Metadata.Get(idempotency.ReplayedMetadata) == "true")
+		assert.Equal(t, i > 0, r.Metadata.Get(steps.MetaReplayed) == "true")
 	}
 }
 

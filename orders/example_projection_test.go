@@ -12,8 +12,8 @@ import (
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Serve order pages from order_views, the read model the projection keeps
@@ -31,7 +31,7 @@ func ExampleService_Projection() {
 	if err != nil {
 		panic(err)
 	}
-	svc, err := orders.New(orders.Config{DB: db, Transport: client.Transport(), Idempotency: client.Idempotency(),
+	svc, err := orders.New(orders.Config{DB: db, Publish: client.PublishTx, Idempotency: client.Idempotency(),
 		Events: client.Events(), Logger: quiet})
 	if err != nil {
 		panic(err)
@@ -39,19 +39,18 @@ func ExampleService_Projection() {
 	run := uuid.NewString()[:8] // keeps this example apart in a shared database
 	projection, inView := svc.Projection(), "order_views_updated_"+run
 	project := projection.Handle
-	projection.Handle = func(msg *message.Message) error {
-		if err := project(msg); err != nil {
+	projection.Handle = func(ctx context.Context, tx steps.DBTX, msg *message.Message) error {
+		if err := project(ctx, tx, msg); err != nil {
 			return err
 		}
 		inViewNow := msg.Copy() // the event, with its stream and version
 		inViewNow.UUID = uuid.NewString()
-		tx, _ := transport.TxFromContext(msg.Context())
-		return client.Transport().Publisher(tx).Publish(inView, inViewNow)
+		return client.PublishTx(ctx, tx, inView, inViewNow)
 	}
 	var stream string               // the order to watch, set before the workers start
 	updated := make(chan string, 8) // room for redeliveries
 	if err := client.AddProjections(projection, events.Projection{Name: "order-pages-" + run, Topic: inView,
-		Handle: func(msg *message.Message) error {
+		Handle: func(_ context.Context, _ steps.DBTX, msg *message.Message) error {
 			if msg.Metadata.Get(events.MetaStreamID) == stream {
 				updated <- msg.Metadata.Get(events.MetaVersion)
 			}

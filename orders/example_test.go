@@ -27,7 +27,7 @@ func ExampleService_Place() {
 	if err != nil {
 		panic(err)
 	}
-	svc, err := orders.New(orders.Config{DB: db, Transport: client.Transport(), Idempotency: client.Idempotency(),
+	svc, err := orders.New(orders.Config{DB: db, Publish: client.PublishTx, Idempotency: client.Idempotency(),
 		Events: client.Events(), Logger: quiet})
 	if err != nil {
 		panic(err)

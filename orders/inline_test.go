@@ -15,10 +15,10 @@ import (
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // foldCounter counts the reads of an event stream.
@@ -54,10 +54,9 @@ func TestInlineProjectionAppliesTheAppendersState(t *testing.T) {
 	var svc *orders.Service
 	es, err := events.NewStore(events.Config{Registry: reg, Topic: orders.StreamTopic,
 		// What saga.Client does for an inline projection.
-		Project: func(_ context.Context, tx events.DBTX, _ string, msgs []*message.Message) error {
+		Project: func(ctx context.Context, tx steps.DBTX, _ string, msgs []*message.Message) error {
 			for _, m := range msgs {
-				m.SetContext(transport.ContextWithTx(m.Context(), tx))
-				if err := svc.Project(m); err != nil {
+				if err := svc.Project(m.Context(), tx, m); err != nil {
 					return err
 				}
 			}
@@ -66,10 +65,10 @@ func TestInlineProjectionAppliesTheAppendersState(t *testing.T) {
 	require.NoError(t, err)
 	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Events: es, Logger: logger()})
 	require.NoError(t, err)
-	svc, err = orders.New(orders.Config{DB: pool.SQL, Transport: tr, Idempotency: store, Events: es, Logger: logger()})
+	svc, err = orders.New(orders.Config{DB: pool.SQL, Publish: publish(tr), Idempotency: store, Events: es, Logger: logger()})
 	require.NoError(t, err)
 	replies := "replies_inline"
-	require.NoError(t, tr.Subscribe(ctx, append(svc.Subscriptions(), transport.Subscription{Topic: replies, ConsumerGroup: "reader"})...))
+	require.NoError(t, tr.Subscribe(ctx, append([]transport.Subscription{{Topic: orders.EventsTopic, ConsumerGroup: orders.ProjectionName}}, transport.Subscription{Topic: replies, ConsumerGroup: "reader"})...))
 	cust := "cust-inline"
 	require.NoError(t, svc.AddCustomer(ctx, cust, "Inline"))
 

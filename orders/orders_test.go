@@ -17,10 +17,10 @@ import (
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 func TestMain(m *testing.M) { testdb.Main(m) }
@@ -48,16 +48,16 @@ func newEnv(t *testing.T, db *testdb.DB) *env {
 	reg := events.NewRegistry()
 	require.NoError(t, orders.RegisterEvents(reg))
 	es, err := events.NewStore(events.Config{Registry: reg, Topic: orders.StreamTopic,
-		Publisher: func(tx events.DBTX) message.Publisher { return tr.Publisher(tx) }})
+		Publisher: func(tx steps.DBTX) message.Publisher { return tr.Publisher(tx) }})
 	require.NoError(t, err)
 	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Events: es, Logger: logger()})
 	require.NoError(t, err)
-	svc, err := orders.New(orders.Config{DB: db.SQL, Transport: tr, Idempotency: store, Events: es, Logger: logger()})
+	svc, err := orders.New(orders.Config{DB: db.SQL, Publish: publish(tr), Idempotency: store, Events: es, Logger: logger()})
 	require.NoError(t, err)
 	e := &env{t: t, db: db, tr: tr, es: es, rt: rt, svc: svc, replies: "replies_" + uuid.NewString()[:8]}
 	// "reader" keeps what the tests read queued; "archive" keeps a copy of
 	// every order event for replays.
-	require.NoError(t, tr.Subscribe(context.Background(), append(svc.Subscriptions(),
+	require.NoError(t, tr.Subscribe(context.Background(), append([]transport.Subscription{{Topic: orders.EventsTopic, ConsumerGroup: orders.ProjectionName}},
 		transport.Subscription{Topic: e.replies, ConsumerGroup: "reader"},
 		transport.Subscription{Topic: orders.CreatedTopic, ConsumerGroup: "reader"},
 		transport.Subscription{Topic: orders.EventsTopic, ConsumerGroup: "archive"})...))
@@ -324,9 +324,16 @@ func TestNewNeedsOrderEvents(t *testing.T) {
 	require.NoError(t, err)
 	es, err := events.NewStore(events.Config{Registry: events.NewRegistry()})
 	require.NoError(t, err)
-	_, err = orders.New(orders.Config{DB: db.SQL, Transport: tr, Idempotency: store, Events: es})
+	_, err = orders.New(orders.Config{DB: db.SQL, Publish: publish(tr), Idempotency: store, Events: es})
 	require.ErrorContains(t, err, "RegisterEvents")
 	_, err = orders.New(orders.Config{})
 	require.Error(t, err)
 	require.True(t, errors.Is(orders.ErrKeyReused, idempotency.ErrKeyReused))
+}
+
+// publish is what saga.Client.PublishTx does, over tr.
+func publish(tr *transport.Transport) func(context.Context, steps.DBTX, string, ...*message.Message) error {
+	return func(_ context.Context, tx steps.DBTX, topic string, msgs ...*message.Message) error {
+		return tr.Publisher(tx).Publish(topic, msgs...)
+	}
 }

@@ -14,8 +14,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
+	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // ProjectionName names the projection's handler and consumer group.
@@ -53,17 +53,12 @@ func (s *Service) Projection() events.Projection {
 
 // Project applies one event message to order_views; Projection runs it for
 // every event of EventsTopic.
-func (s *Service) Project(msg *message.Message) error {
-	ctx := msg.Context()
-	tx, ok := transport.TxFromContext(ctx)
-	if !ok {
-		return errors.New("orders: projection needs a transaction in the message context")
-	}
+func (s *Service) Project(ctx context.Context, tx steps.DBTX, msg *message.Message) error {
 	stream := msg.Metadata.Get(events.MetaStreamID)
 	version, err := strconv.Atoi(msg.Metadata.Get(events.MetaVersion))
 	id, idErr := uuid.Parse(strings.TrimPrefix(stream, "order-"))
 	if idErr != nil || stream != Stream(id) || err != nil || version < 1 {
-		return transport.Permanent(fmt.Errorf("orders: projection: message %s is not an order event (stream %q, version %q)",
+		return steps.Permanent(fmt.Errorf("orders: projection: message %s is not an order event (stream %q, version %q)",
 			msg.UUID, stream, msg.Metadata.Get(events.MetaVersion)))
 	}
 	if o, ok := knownAfter(ctx, stream, version, msg.Payload); ok {
@@ -80,7 +75,7 @@ func (s *Service) Project(msg *message.Message) error {
 		// An event message is delivered only once the transaction that
 		// appended the event has committed: this one names an event that
 		// does not exist.
-		return transport.Permanent(fmt.Errorf("orders: projection: message %s names %s version %d, which does not exist", msg.UUID, stream, version))
+		return steps.Permanent(fmt.Errorf("orders: projection: message %s names %s version %d, which does not exist", msg.UUID, stream, version))
 	}
 	return upsertView(ctx, tx, o)
 }
@@ -131,7 +126,7 @@ func knownAfter(ctx context.Context, stream string, version int, payload []byte)
 	return o, true
 }
 
-func upsertView(ctx context.Context, tx transport.Tx, o Order) error {
+func upsertView(ctx context.Context, tx steps.DBTX, o Order) error {
 	_, err := tx.ExecContext(ctx, upsertViewSQL, o.ID, o.CustomerID, o.AmountCents, string(o.Status), o.Version,
 		o.PlacedAt, nullTime(o.ConfirmedAt), nullTime(o.CancelledAt), nullString(o.CancelledBy), nullString(o.CancelReason), o.UpdatedAt)
 	if err != nil {

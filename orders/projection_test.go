@@ -15,8 +15,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/orders"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 func jsonUnmarshal(s string, v any) error { return json.Unmarshal([]byte(s), v) }
@@ -47,7 +47,10 @@ func consume(t *testing.T, e *env, topic string) {
 	t.Helper()
 	r, err := e.tr.NewRouter()
 	require.NoError(t, err)
-	require.NoError(t, r.AddHandler("projection-"+topic, topic, orders.ProjectionName, e.svc.Project))
+	require.NoError(t, r.AddHandler("projection-"+topic, topic, orders.ProjectionName, func(msg *message.Message) error {
+		tx, _ := transport.TxFromContext(msg.Context())
+		return e.svc.Project(msg.Context(), tx, msg)
+	}))
 	require.NoError(t, r.Start(context.Background()))
 	deadline := time.Now().Add(30 * time.Second)
 	for {
@@ -150,7 +153,6 @@ func TestProjectionRefusesForeignMessages(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, testdb.Shared(t))
 	m := message.NewMessage("x", []byte(`{}`))
-	m.SetContext(transport.ContextWithTx(context.Background(), e.db.SQL))
-	err := e.svc.Project(m)
+	err := e.svc.Project(context.Background(), e.db.SQL, m)
 	require.True(t, transport.IsPermanent(err), "%v", err)
 }

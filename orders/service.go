@@ -14,13 +14,13 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Limits of a PlaceRequest.
@@ -133,18 +133,19 @@ func DecodePlaceRequest(r io.Reader) (PlaceRequest, error) {
 type Config struct {
 	// DB is required.
 	DB *sql.DB
-	// Transport publishes OrderCreated through Place's transaction. Required.
-	Transport *transport.Transport
+	// Publish publishes OrderCreated through Place's transaction when
+	// Trigger is nil: saga.Client.PublishTx, typically.
+	Publish func(ctx context.Context, tx steps.DBTX, topic string, msgs ...*message.Message) error
 	// Idempotency makes Place idempotent by the client's key. Required.
 	Idempotency *idempotency.Store
 	// Events is the event store; its registry must hold the order events
 	// (RegisterEvents). Required.
 	Events *events.Store
 	// Trigger sends OrderCreated, the saga's trigger, in Place's
-	// transaction. Default: publish it to CreatedTopic through Transport.
+	// transaction. Default: publish it to CreatedTopic with Publish.
 	// The sample sets it to its saga client's StartTx, which can start the
 	// saga in that transaction (saga.ClientConfig.InProcessEngine).
-	Trigger func(ctx context.Context, tx transport.Tx, created OrderCreated) error
+	Trigger func(ctx context.Context, tx steps.DBTX, created OrderCreated) error
 	// Logger. Default: slog.Default().
 	Logger *slog.Logger
 }
@@ -156,8 +157,11 @@ type Service struct {
 
 // New validates cfg and returns a Service.
 func New(cfg Config) (*Service, error) {
-	if cfg.DB == nil || cfg.Transport == nil || cfg.Idempotency == nil || cfg.Events == nil {
-		return nil, errors.New("orders: Config.DB, Transport, Idempotency and Events are required")
+	if cfg.DB == nil || cfg.Idempotency == nil || cfg.Events == nil {
+		return nil, errors.New("orders: Config.DB, Idempotency and Events are required")
+	}
+	if cfg.Trigger == nil && cfg.Publish == nil {
+		return nil, errors.New("orders: Config.Trigger or Publish is required")
 	}
 	if _, err := cfg.Events.Registry().Decode(Confirmed{}.EventType(), []byte(`{}`)); err != nil {
 		return nil, fmt.Errorf("orders: the event store's registry lacks the order events (orders.RegisterEvents): %w", err)
@@ -166,14 +170,6 @@ func New(cfg Config) (*Service, error) {
 		cfg.Logger = slog.Default()
 	}
 	return &Service{cfg: cfg}, nil
-}
-
-// Subscriptions lists what the domain consumes besides its steps (see
-// ConfirmStep, CancelStep): the order_views projection of EventsTopic,
-// when it runs asynchronously (an inline projection consumes nothing, and
-// the events are then published only if the client says so).
-func (s *Service) Subscriptions() []transport.Subscription {
-	return []transport.Subscription{{Topic: EventsTopic, ConsumerGroup: ProjectionName}}
 }
 
 // AddCustomer registers a customer who may place orders; adding one twice is
@@ -221,7 +217,7 @@ func (s *Service) Place(ctx context.Context, req PlaceRequest) (PlaceResult, err
 		Hash:  idempotency.Fingerprint([]byte(req.CustomerID), []byte(strconv.FormatInt(req.AmountCents, 10)), []byte(req.Note)),
 	}
 	res, err := pgerr.RetryLostValue(ctx, func(ctx context.Context) (idempotency.Result, error) {
-		return s.cfg.Idempotency.Do(ctx, claim, func(ctx context.Context, tx idempotency.DBTX) (idempotency.Response, error) {
+		return s.cfg.Idempotency.Do(ctx, claim, func(ctx context.Context, tx steps.DBTX) (idempotency.Response, error) {
 			return s.place(ctx, tx, req)
 		})
 	})
@@ -236,7 +232,7 @@ func (s *Service) Place(ctx context.Context, req PlaceRequest) (PlaceResult, err
 }
 
 // place writes a new order in tx, the transaction of Place's claim.
-func (s *Service) place(ctx context.Context, tx idempotency.DBTX, req PlaceRequest) (idempotency.Response, error) {
+func (s *Service) place(ctx context.Context, tx steps.DBTX, req PlaceRequest) (idempotency.Response, error) {
 	var known bool
 	if err := tx.QueryRowContext(ctx, customerExistsSQL, req.CustomerID).Scan(&known); err != nil {
 		return idempotency.Response{}, fmt.Errorf("orders: looking up customer: %w", err)
@@ -310,7 +306,7 @@ func (s *Service) cancelByCustomer(ctx context.Context, id uuid.UUID, reason str
 }
 
 // trigger sends OrderCreated in tx (see Config.Trigger).
-func (s *Service) trigger(ctx context.Context, tx transport.Tx, created OrderCreated) error {
+func (s *Service) trigger(ctx context.Context, tx steps.DBTX, created OrderCreated) error {
 	if s.cfg.Trigger != nil {
 		return s.cfg.Trigger(ctx, tx, created)
 	}
@@ -323,7 +319,7 @@ func (s *Service) trigger(ctx context.Context, tx transport.Tx, created OrderCre
 	if err != nil {
 		return err
 	}
-	return s.cfg.Transport.Publisher(tx).Publish(CreatedTopic, msg)
+	return s.cfg.Publish(ctx, tx, CreatedTopic, msg)
 }
 
 // Confirm and Cancel are the order steps a saga sends its commands to

@@ -16,7 +16,6 @@ import (
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // refusal is a charge the ledger or the gateway refused: a business failure.
@@ -30,14 +29,14 @@ var errBusy = errors.New("payments: the order is being charged by another comman
 // charge takes an order's amount from an account: reserve (claim the gateway
 // call and post the charge, committed), call the gateway with the step's
 // key, record the answer. The call and its record run outside the step's
-// transaction (transport.Await): the step hands its command back while
+// transaction (steps.Await): the step hands its command back while
 // they run, and its next run finds the answer recorded and replies. The
 // step's own transaction only carries the reply.
 func (s *Service) charge(ctx context.Context, tx *steps.Tx, cmd ChargePayment) (steps.Message, error) {
 	if cmd.AmountCents <= 0 || cmd.OrderID == uuid.Nil || !accountIDPattern.MatchString(cmd.AccountID) {
 		return nil, steps.Fail(PaymentFailed{OrderID: cmd.OrderID, Reason: ReasonInvalidCharge}, ReasonInvalidCharge)
 	}
-	if transport.AwaitedFromContext(ctx) {
+	if steps.Awaited(ctx) {
 		// The call this run awaited recorded the gateway's answer: reply
 		// from it, read in the step's transaction, without reserving again.
 		if reply, found, err := s.recordedCharge(ctx, tx, cmd); found || err != nil {
@@ -46,7 +45,7 @@ func (s *Service) charge(ctx context.Context, tx *steps.Tx, cmd ChargePayment) (
 	}
 	chargeID, lease, err := s.reserveOnce(ctx, tx.Key(), cmd)
 	if err == nil && lease != nil {
-		return nil, transport.Await(s.cfg.GatewayLease, func(ctx context.Context) error {
+		return nil, steps.Await(s.cfg.GatewayLease, func(ctx context.Context) error {
 			_, err := s.capture(ctx, lease, cmd)
 			if errors.As(err, new(*refusal)) {
 				return nil // the decline is recorded: the next run answers it
@@ -278,7 +277,7 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 			s.cfg.Logger.Warn("releasing the lease of a failed gateway call", "key", lease.Key, "err", rerr)
 		}
 		if errors.Is(err, ErrBadGatewayRequest) {
-			return "", transport.Permanent(err)
+			return "", steps.Permanent(err)
 		}
 		return "", err
 	}
@@ -438,7 +437,7 @@ func (s *Service) refundOnce(ctx context.Context, cmd RefundPayment, command str
 				s.cfg.Logger.Warn("releasing the lease of a failed gateway call", "key", key, "err", rerr)
 			}
 			if errors.Is(err, ErrBadGatewayRequest) {
-				return PaymentRefunded{}, transport.Permanent(err)
+				return PaymentRefunded{}, steps.Permanent(err)
 			}
 			return PaymentRefunded{}, err
 		}
@@ -527,7 +526,7 @@ type reservation struct {
 	balance int64  // the account's balance
 }
 
-func readReservation(ctx context.Context, q idempotency.DBTX, account string, order uuid.UUID) (reservation, error) {
+func readReservation(ctx context.Context, q steps.DBTX, account string, order uuid.UUID) (reservation, error) {
 	var r reservation
 	var delta sql.NullInt64
 	err := q.QueryRowContext(ctx, reservationSQL, account, order).Scan(&r.fenced, &delta, &r.ref, &r.owner, &r.voided, &r.balance)
@@ -538,7 +537,7 @@ func readReservation(ctx context.Context, q idempotency.DBTX, account string, or
 	return r, nil
 }
 
-func orderPosting(ctx context.Context, q idempotency.DBTX, account string, order uuid.UUID, kind string) (delta int64, ref, key string, found bool, err error) {
+func orderPosting(ctx context.Context, q steps.DBTX, account string, order uuid.UUID, kind string) (delta int64, ref, key string, found bool, err error) {
 	err = q.QueryRowContext(ctx, orderPostingSQL, account, order, kind).Scan(&delta, &ref, &key)
 	if errors.Is(err, sql.ErrNoRows) {
 		return 0, "", "", false, nil

@@ -289,7 +289,7 @@ func (s *Service) Deposit(ctx context.Context, account string, amountCents int64
 	}
 	req := idempotency.Request{Scope: "payments.deposit:" + account, Key: key, Hash: idempotency.Fingerprint([]byte(fmt.Sprint(amountCents)))}
 	return pgerr.RetryLost(ctx, func(ctx context.Context) error {
-		_, err := s.cfg.Idempotency.Do(ctx, req, func(ctx context.Context, tx idempotency.DBTX) (idempotency.Response, error) {
+		_, err := s.cfg.Idempotency.Do(ctx, req, func(ctx context.Context, tx steps.DBTX) (idempotency.Response, error) {
 			v, err := lockAccount(ctx, tx, s.cfg.Events, account)
 			if err != nil {
 				return idempotency.Response{}, err
@@ -318,7 +318,7 @@ func (s *Service) Balance(ctx context.Context, account string) (int64, error) {
 // stream's version. The lock is an update: under REPEATABLE READ a posting
 // committed after the transaction's snapshot makes it fail with a
 // serialization error, instead of a balance computed without that posting.
-func lockAccount(ctx context.Context, tx idempotency.DBTX, es *events.Store, account string) (int, error) {
+func lockAccount(ctx context.Context, tx steps.DBTX, es *events.Store, account string) (int, error) {
 	var version int64
 	err := tx.QueryRowContext(ctx, lockAccountSQL, account).Scan(&version)
 	if errors.Is(err, sql.ErrNoRows) {

@@ -16,9 +16,9 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/steps"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // loadCounter counts (its note, a testdb.Tracer) the statements that read

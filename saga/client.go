@@ -19,11 +19,11 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/dbtx"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/events"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Defaults of ClientConfig.
@@ -34,8 +34,9 @@ const (
 
 // ClientConfig configures a Client. Zero values take the defaults.
 type ClientConfig struct {
-	// Transport configures delivery; its DB and Logger are filled in.
-	Transport transport.Config
+	// Transport configures delivery: batches, consumers, timeouts, the
+	// retry policy, metrics and traces. Its DB and Logger are filled in.
+	Transport TransportConfig
 
 	// RegisterEvents registers the domain event types the steps append
 	// (steps.Tx.Append). Optional: without it the client has an event
@@ -76,7 +77,7 @@ type ClientConfig struct {
 	// Config).
 	SweepInterval   time.Duration
 	FinishedChannel string
-	Retry           *transport.RetryPolicy
+	Retry           *steps.RetryPolicy
 
 	// KeyTTL is how long finished idempotency keys are kept; a duplicate
 	// arriving later runs again. Default: KeyTTLDefault.
@@ -104,6 +105,13 @@ type ClientConfig struct {
 	// Logger. Default: slog.Default().
 	Logger *slog.Logger
 }
+
+// TransportConfig configures how a client delivers its messages: how many
+// consumers claim how large batches, the bounds of each transaction and
+// attempt, the retry policy, wake-ups, and where metrics (Metrics, a
+// prometheus.Registerer) and spans (TracerProvider) go. Zero values take
+// the defaults; its fields are documented where it is defined.
+type TransportConfig = transport.Config
 
 // Client is pgsaga in one process: the transport, the idempotency store, the
 // event store, the step runtime and the saga engine over one pool, the sagas,
@@ -194,7 +202,7 @@ func newClient(db *sql.DB, cfg ClientConfig) (*Client, error) {
 	if cfg.EventsTopic != nil {
 		ecfg.Topic, ecfg.Project = cfg.EventsTopic, c.project
 		if !cfg.EventsNotPublished {
-			ecfg.Publisher = func(tx events.DBTX) message.Publisher { return tr.Publisher(tx) }
+			ecfg.Publisher = func(tx steps.DBTX) message.Publisher { return tr.Publisher(tx) }
 		}
 	}
 	es, err := events.NewStore(ecfg)
@@ -252,9 +260,6 @@ func (cfg ClientConfig) validate() error {
 
 // DB is the client's database/sql handle.
 func (c *Client) DB() *sql.DB { return c.db }
-
-// Transport publishes and delivers the client's messages.
-func (c *Client) Transport() *transport.Transport { return c.transport }
 
 // Idempotency is the idempotency key store (steps' keys, HTTP keys,
 // leases of external calls).
@@ -349,7 +354,7 @@ func (c *Client) inlineByTopic() map[string][]events.Projection {
 
 // project runs the inline projections of topic on the event messages of
 // an append, in its transaction (events.Config.Project).
-func (c *Client) project(ctx context.Context, tx events.DBTX, topic string, msgs []*message.Message) error {
+func (c *Client) project(ctx context.Context, tx steps.DBTX, topic string, msgs []*message.Message) error {
 	ps := c.inlineByTopic()[topic]
 	if len(ps) == 0 {
 		return nil
@@ -358,12 +363,24 @@ func (c *Client) project(ctx context.Context, tx events.DBTX, topic string, msgs
 		// Its context is the append's, with what the event store adds.
 		m.SetContext(transport.ContextWithTx(m.Context(), tx))
 		for _, p := range ps {
-			if err := p.Handle(m); err != nil {
+			if err := p.Handle(m.Context(), tx, m); err != nil {
 				return fmt.Errorf("saga: inline projection %s: %w", p.Name, err)
 			}
 		}
 	}
 	return nil
+}
+
+// projectionHandler runs an asynchronous projection in its delivery's
+// transaction.
+func projectionHandler(p events.Projection) transport.HandlerFunc {
+	return func(msg *message.Message) error {
+		tx, ok := transport.TxFromContext(msg.Context())
+		if !ok {
+			return fmt.Errorf("saga: projection %s: no delivery transaction", p.Name)
+		}
+		return p.Handle(msg.Context(), tx, msg)
+	}
 }
 
 // beforeStart runs add unless the client started (or is starting, or was
@@ -449,7 +466,7 @@ func (c *Client) NewWorker() (*Worker, error) {
 		return nil, fmt.Errorf("saga: ClientConfig.InProcessSteps names %q, a step this client does not serve (AddSteps)", name)
 	}
 	for _, p := range projections {
-		if err := r.AddHandler(p.Name, p.Topic, p.Name, p.Handle); err != nil {
+		if err := r.AddHandler(p.Name, p.Topic, p.Name, projectionHandler(p)); err != nil {
 			return nil, fmt.Errorf("saga: registering projection %s: %w", p.Name, err)
 		}
 	}
@@ -637,7 +654,7 @@ func (c *Client) Migrate(ctx context.Context) ([]int64, error) { return migratio
 
 // PgxTx is a pgx transaction as the transaction StartTx and PublishTx
 // take: what they write goes in tx, and commits or rolls back with it.
-func PgxTx(tx pgx.Tx) transport.Tx { return dbtx.FromPgx(tx) }
+func PgxTx(tx pgx.Tx) steps.DBTX { return dbtx.FromPgx(tx) }
 
 // ErrTriggerType is returned by StartTx for a trigger that is not of the
 // saga's trigger type (its On).
@@ -654,7 +671,7 @@ var ErrTriggerType = errors.New("saga: the trigger is not of the saga's trigger 
 // starts it in tx instead (in a savepoint: the instance, its timeline and
 // its first command), saving that hop, and publishes the trigger only if
 // it cannot. The saga's correlation id is its key.
-func (c *Client) StartTx(ctx context.Context, tx transport.Tx, name string, trigger steps.Message) (uuid.UUID, error) {
+func (c *Client) StartTx(ctx context.Context, tx steps.DBTX, name string, trigger steps.Message) (uuid.UUID, error) {
 	c.engine.mu.RLock()
 	def := c.engine.latest[name]
 	c.engine.mu.RUnlock()
@@ -690,7 +707,7 @@ func (c *Client) StartTx(ctx context.Context, tx transport.Tx, name string, trig
 		// told by the worker that starts it. In a delivery attempt it is
 		// told when the attempt commits (transport.OnCommit); a caller's
 		// own commit is out of sight, so it is told when written.
-		err := transport.Savepoint(ctx, tx, func(tx transport.Tx) error {
+		err := transport.Savepoint(ctx, tx, func(tx steps.DBTX) error {
 			m := msg.Copy()
 			m.SetContext(transport.ContextWithTx(ctx, tx))
 			return c.engine.handleTrigger(name, m)
@@ -710,7 +727,7 @@ func (c *Client) StartTx(ctx context.Context, tx transport.Tx, name string, trig
 // PublishTx publishes msgs to topic in the caller's transaction tx (a
 // *sql.Tx, or a pgx.Tx through PgxTx): they are delivered if, and only if,
 // tx commits.
-func (c *Client) PublishTx(ctx context.Context, tx transport.Tx, topic string, msgs ...*message.Message) error {
+func (c *Client) PublishTx(ctx context.Context, tx steps.DBTX, topic string, msgs ...*message.Message) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("saga: publishing to %s: %w", topic, context.Cause(ctx))
 	}

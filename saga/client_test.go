@@ -14,9 +14,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/steps"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // newSignupClient is a client serving a one-step signup saga whose step
@@ -417,12 +417,14 @@ func TestClientStartTxInAPgxTx(t *testing.T) {
 				require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_queue WHERE topic = 'signup-notes'`).Scan(&n))
 				return n
 			}
-			require.NoError(t, c.Transport().Subscribe(ctx, transport.Subscription{Topic: "signup-notes", ConsumerGroup: "notes"}))
+			tr, err := transport.New(transport.Config{DB: db.SQL})
+			require.NoError(t, err)
+			require.NoError(t, tr.Subscribe(ctx, transport.Subscription{Topic: "signup-notes", ConsumerGroup: "notes"}))
 			ghost := start("ghost@example.com", false)
 			assert.Zero(t, notes(), "a rolled-back pgx transaction publishes nothing")
 			id := start("ada@example.com", true)
 			assert.Equal(t, 1, notes(), "published at the pgx transaction's commit")
-			_, err := c.Engine().Get(ctx, id)
+			_, err = c.Engine().Get(ctx, id)
 			if inProcess {
 				require.NoError(t, err, "the engine started it in the pgx transaction, with no worker running")
 			} else {

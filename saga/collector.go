@@ -8,11 +8,12 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/pgsaga/pgsaga/steps/telemetry"
-	"github.com/pgsaga/pgsaga/steps/transport"
+	"github.com/pgsaga/pgsaga/internal/telemetry"
+	"github.com/pgsaga/pgsaga/internal/transport"
 )
 
-// CollectTimeoutDefault bounds the queries of one scrape of a Collector.
+// CollectTimeoutDefault bounds the queries of one scrape of a
+// Client.Collector.
 const CollectTimeoutDefault = 5 * time.Second
 
 // inFlightSQL counts the instances that are not finished, and the parked
@@ -47,7 +48,7 @@ var (
 		nil, nil)
 )
 
-// Collector exports what the database holds, read at every scrape: sagas
+// collector exports what the database holds, read at every scrape: sagas
 // in flight and parked, each consumer group's depth and the age of its
 // oldest message, and dead letters not replayed. Every process reading one
 // database reports the same values: aggregate them with max, not sum, or
@@ -55,30 +56,38 @@ var (
 // is down, or slower than CollectTimeoutDefault) leaves its values out,
 // rather than report stale ones, sets pgsaga_database_up to 0 and is
 // logged; the scrape goes on, so the process's own metrics are served.
-type Collector struct {
+type collector struct {
 	tr      *transport.Transport
 	timeout time.Duration
 }
 
-var _ prometheus.Collector = (*Collector)(nil)
+var _ prometheus.Collector = (*collector)(nil)
 
-// NewCollector returns a Collector of the database tr delivers through.
-func NewCollector(tr *transport.Transport) *Collector {
-	return &Collector{tr: tr, timeout: CollectTimeoutDefault}
+// newCollector returns a collector of the database tr delivers through.
+func newCollector(tr *transport.Transport) *collector {
+	return &collector{tr: tr, timeout: CollectTimeoutDefault}
 }
 
-// Collector returns a Collector of the client's database.
-func (c *Client) Collector() *Collector { return NewCollector(c.transport) }
+// Collector returns a Prometheus collector of what the client's database
+// holds, read at every scrape: sagas in flight and parked, each consumer
+// group's depth and the age of its oldest message, and dead letters not
+// replayed. Every process reading one database reports the same values:
+// aggregate them with max, not sum, or register the collector in one
+// process. A query that fails (the database is down, or slower than
+// CollectTimeoutDefault) leaves its values out, rather than report stale
+// ones, sets pgsaga_database_up to 0 and is logged; the scrape goes on, so
+// the process's own metrics are served. The client need not be started.
+func (c *Client) Collector() prometheus.Collector { return newCollector(c.transport) }
 
 // Describe implements prometheus.Collector.
-func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
+func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{inFlightDesc, parkedDesc, depthDesc, retryingDesc, oldestDesc, lastSeenDesc, deadWaitingDesc, upDesc} {
 		ch <- d
 	}
 }
 
 // Collect implements prometheus.Collector.
-func (c *Collector) Collect(ch chan<- prometheus.Metric) {
+func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
 	defer cancel()
 	var errs []error
@@ -119,7 +128,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
-func (c *Collector) collectSagas(ctx context.Context, ch chan<- prometheus.Metric) error {
+func (c *collector) collectSagas(ctx context.Context, ch chan<- prometheus.Metric) error {
 	rows, err := c.tr.DB().QueryContext(ctx, inFlightSQL)
 	if err != nil {
 		return err

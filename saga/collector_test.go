@@ -15,7 +15,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/saga"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // The collector reads a running saga, and every consumer group, from the
@@ -40,10 +39,10 @@ func TestCollectorWithoutADatabase(t *testing.T) {
 	require.NoError(t, err)
 	db := stdlib.OpenDB(*cfg)
 	t.Cleanup(func() { _ = db.Close() })
-	tr, err := transport.New(transport.Config{DB: db, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	client, err := saga.NewClientFromDB(db, saga.ClientConfig{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	require.NoError(t, err)
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(saga.NewCollector(tr))
+	reg.MustRegister(client.Collector())
 	start := time.Now()
 	fams, err := reg.Gather()
 	require.NoError(t, err, "the scrape itself does not fail")

@@ -19,9 +19,9 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
+	"github.com/pgsaga/pgsaga/internal/telemetry"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps"
-	"github.com/pgsaga/pgsaga/steps/telemetry"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Status of an instance, as stored in saga_instances.status.
@@ -126,7 +126,7 @@ func NewEngine(cfg Config) (*Engine, error) {
 	if cfg.Retry != nil {
 		retry = *cfg.Retry
 	}
-	return &Engine{cfg: cfg, log: cfg.Logger, retry: retry, metrics: cfg.Transport.Config().Metrics, trace: cfg.Transport.Tracing(),
+	return &Engine{cfg: cfg, log: cfg.Logger, retry: retry, metrics: cfg.Transport.Metrics(), trace: cfg.Transport.Tracing(),
 		defs: map[string]map[int]*Definition{}, latest: map[string]*Definition{}}, nil
 }
 
@@ -454,7 +454,7 @@ func (e *Engine) handleReply(msg *message.Message) (err error) {
 // parkMismatched parks instance id, which its definition cannot read, in
 // the transaction of reply msg, which it consumes: nothing it could do
 // with the reply would be right.
-func (e *Engine) parkMismatched(ctx context.Context, tx transport.Tx, id uuid.UUID, msg *message.Message) (err error) {
+func (e *Engine) parkMismatched(ctx context.Context, tx steps.DBTX, id uuid.UUID, msg *message.Message) (err error) {
 	inst, def, err := e.replyInstance(ctx, tx, id, msg, true)
 	if err != nil {
 		return err
@@ -475,7 +475,7 @@ func (e *Engine) parkMismatched(ctx context.Context, tx transport.Tx, id uuid.UU
 
 // replyInstance loads the instance reply msg is for, locking it if lock,
 // and its definition.
-func (e *Engine) replyInstance(ctx context.Context, tx transport.Tx, id uuid.UUID, msg *message.Message, lock bool) (*instance, *Definition, error) {
+func (e *Engine) replyInstance(ctx context.Context, tx steps.DBTX, id uuid.UUID, msg *message.Message, lock bool) (*instance, *Definition, error) {
 	inst, err := loadInstance(ctx, tx, id, lock)
 	if errors.Is(err, ErrNotFound) {
 		return nil, nil, transport.Permanent(fmt.Errorf("saga: reply %s for unknown saga %s", msg.UUID, id))
@@ -491,7 +491,7 @@ func (e *Engine) replyInstance(ctx context.Context, tx transport.Tx, id uuid.UUI
 // (the reply's causation); nil if it is not (or there is no such
 // instance, or no command named). An instance the batch loaded for the
 // reply (see instanceLoad) is taken unlocked instead.
-func (e *Engine) replyInstanceByCommand(ctx context.Context, tx transport.Tx, id uuid.UUID, command string, msg *message.Message) (*instance, *Definition, error) {
+func (e *Engine) replyInstanceByCommand(ctx context.Context, tx steps.DBTX, id uuid.UUID, command string, msg *message.Message) (*instance, *Definition, error) {
 	if command == "" {
 		return nil, nil, nil
 	}
@@ -706,7 +706,7 @@ func (inst *instance) mismatch(def *Definition) error {
 
 // save writes an existing instance's new state, its timeline and its
 // commands in tx.
-func (e *Engine) save(ctx context.Context, tx transport.Tx, inst *instance) error {
+func (e *Engine) save(ctx context.Context, tx steps.DBTX, inst *instance) error {
 	if err := updateInstance(ctx, tx, inst); err != nil {
 		return err
 	}
@@ -715,7 +715,7 @@ func (e *Engine) save(ctx context.Context, tx transport.Tx, inst *instance) erro
 
 // flush writes the queued timeline entries and publishes the queued
 // commands in tx.
-func (e *Engine) flush(ctx context.Context, tx transport.Tx, inst *instance) error {
+func (e *Engine) flush(ctx context.Context, tx steps.DBTX, inst *instance) error {
 	if err := appendHistory(ctx, tx, inst.ID, inst.history); err != nil {
 		return err
 	}
@@ -799,7 +799,7 @@ func (e *Engine) tell(inst *instance) func() {
 // cancel, a sweep): what its work is to tell (see tell) waits for its
 // commit.
 type heldTx struct {
-	transport.Tx
+	steps.DBTX
 	hooks []func()
 }
 
@@ -818,7 +818,7 @@ func (h *heldTx) commit(tx *sql.Tx) error {
 // afterCommit runs fn once tx commits: a delivery attempt's transaction
 // (transport.OnCommit) or one the engine holds (heldTx). In a caller's
 // transaction, whose commit the engine cannot see, fn runs at once.
-func afterCommit(tx transport.Tx, fn func()) {
+func afterCommit(tx steps.DBTX, fn func()) {
 	if transport.OnCommit(tx, fn) {
 		return
 	}

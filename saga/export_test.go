@@ -3,7 +3,7 @@ package saga
 import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/pgsaga/pgsaga/steps/transport"
+	"github.com/pgsaga/pgsaga/internal/transport"
 )
 
 // The engine's handlers, for the tests that drive an Engine directly

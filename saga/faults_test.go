@@ -11,9 +11,9 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/steps"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // overdue makes the command in flight of saga id overdue now.

@@ -12,8 +12,8 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 type noted struct {
@@ -30,7 +30,7 @@ func newNotesClient(t *testing.T, notPublished bool) (*saga.Client, *testdb.DB) 
 	_, err := db.SQL.Exec(`CREATE TABLE notes_view (stream text PRIMARY KEY, text text NOT NULL, version int NOT NULL)`)
 	require.NoError(t, err)
 	c, err := saga.NewClient(db.Pool, saga.ClientConfig{
-		Transport:          transport.Config{IdlePollInterval: testdb.NoSafetyPoll},
+		Transport:          saga.TransportConfig{IdlePollInterval: testdb.NoSafetyPoll},
 		RegisterEvents:     []func(*events.Registry) error{events.Register[noted]},
 		EventsTopic:        func(string) string { return "notes" },
 		EventsNotPublished: notPublished,
@@ -41,16 +41,12 @@ func newNotesClient(t *testing.T, notPublished bool) (*saga.Client, *testdb.DB) 
 }
 
 // projectNote is the notes_view projection.
-func projectNote(msg *message.Message) error {
-	tx, ok := transport.TxFromContext(msg.Context())
-	if !ok {
-		return errors.New("no transaction")
-	}
+func projectNote(ctx context.Context, tx steps.DBTX, msg *message.Message) error {
 	var ev noted
 	if err := json.Unmarshal(msg.Payload, &ev); err != nil {
 		return err
 	}
-	_, err := tx.ExecContext(msg.Context(), `INSERT INTO notes_view VALUES ($1, $2, $3)
+	_, err := tx.ExecContext(ctx, `INSERT INTO notes_view VALUES ($1, $2, $3)
 ON CONFLICT (stream) DO UPDATE SET text = excluded.text, version = excluded.version`,
 		msg.Metadata.Get(events.MetaStreamID), ev.Text, msg.Metadata.Get(events.MetaVersion))
 	return err
@@ -97,8 +93,8 @@ func TestInlineProjectionFailureFailsTheAppend(t *testing.T) {
 	c, db := newNotesClient(t, true)
 	boom := errors.New("view refused")
 	require.NoError(t, c.AddProjections(events.Projection{Name: "notes.view", Topic: "notes", Inline: true,
-		Handle: func(msg *message.Message) error {
-			if err := projectNote(msg); err != nil {
+		Handle: func(ctx context.Context, tx steps.DBTX, msg *message.Message) error {
+			if err := projectNote(ctx, tx, msg); err != nil {
 				return err
 			}
 			return boom
@@ -118,8 +114,8 @@ func TestInlineProjectionBesideConsumers(t *testing.T) {
 	other := 0
 	require.NoError(t, c.AddProjections(
 		events.Projection{Name: "notes.view", Topic: "notes", Handle: projectNote, Inline: true},
-		events.Projection{Name: "other.view", Topic: "other", Inline: true, Handle: func(*message.Message) error { other++; return nil }},
-		events.Projection{Name: "notes.search", Topic: "notes", Handle: func(*message.Message) error { return nil }},
+		events.Projection{Name: "other.view", Topic: "other", Inline: true, Handle: func(context.Context, steps.DBTX, *message.Message) error { other++; return nil }},
+		events.Projection{Name: "notes.search", Topic: "notes", Handle: func(context.Context, steps.DBTX, *message.Message) error { return nil }},
 	))
 	require.NoError(t, c.Setup(context.Background()))
 	require.NoError(t, appendNote(t, c, db, "note-1", 0, "first"))

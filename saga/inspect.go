@@ -11,7 +11,7 @@ import (
 
 	"github.com/google/uuid"
 
-	"github.com/pgsaga/pgsaga/steps/transport"
+	"github.com/pgsaga/pgsaga/steps"
 )
 
 // Instance is a saga instance as operators see it.
@@ -266,17 +266,17 @@ func (e *Engine) UnknownDefinitions(ctx context.Context) ([]UnknownDefinition, e
 // Completed and compensated instances are ErrNotRetryable, and so is an
 // instance its definition cannot read (ErrDefinitionMismatch too).
 func (e *Engine) Retry(ctx context.Context, id uuid.UUID) error {
-	return e.inTx(ctx, "retrying "+id.String(), func(tx transport.Tx) error { return e.RetryTx(ctx, tx, id) })
+	return e.inTx(ctx, "retrying "+id.String(), func(tx steps.DBTX) error { return e.RetryTx(ctx, tx, id) })
 }
 
 // inTx runs fn in a READ COMMITTED transaction of its own.
-func (e *Engine) inTx(ctx context.Context, what string, fn func(tx transport.Tx) error) error {
+func (e *Engine) inTx(ctx context.Context, what string, fn func(tx steps.DBTX) error) error {
 	tx, err := e.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return fmt.Errorf("saga: %s: %w", what, err)
 	}
 	defer tx.Rollback() //nolint:errcheck // no-op after Commit
-	held := &heldTx{Tx: tx}
+	held := &heldTx{DBTX: tx}
 	if err := fn(held); err != nil {
 		return err
 	}
@@ -287,7 +287,7 @@ func (e *Engine) inTx(ctx context.Context, what string, fn func(tx transport.Tx)
 }
 
 // RetryTx is Retry in the caller's transaction.
-func (e *Engine) RetryTx(ctx context.Context, tx transport.Tx, id uuid.UUID) (err error) {
+func (e *Engine) RetryTx(ctx context.Context, tx steps.DBTX, id uuid.UUID) (err error) {
 	inst, err := loadInstance(ctx, tx, id, true)
 	if err != nil {
 		return err
@@ -334,11 +334,11 @@ func (e *Engine) RetryTx(ctx context.Context, tx transport.Tx, id uuid.UUID) (er
 // ErrNotCancellable, and so is one its definition cannot read
 // (ErrDefinitionMismatch too).
 func (e *Engine) Cancel(ctx context.Context, id uuid.UUID, reason string) error {
-	return e.inTx(ctx, "cancelling "+id.String(), func(tx transport.Tx) error { return e.CancelTx(ctx, tx, id, reason) })
+	return e.inTx(ctx, "cancelling "+id.String(), func(tx steps.DBTX) error { return e.CancelTx(ctx, tx, id, reason) })
 }
 
 // CancelTx is Cancel in the caller's transaction.
-func (e *Engine) CancelTx(ctx context.Context, tx transport.Tx, id uuid.UUID, reason string) (err error) {
+func (e *Engine) CancelTx(ctx context.Context, tx steps.DBTX, id uuid.UUID, reason string) (err error) {
 	inst, err := loadInstance(ctx, tx, id, true)
 	if err != nil {
 		return err

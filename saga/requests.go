@@ -11,7 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
-	"github.com/pgsaga/pgsaga/steps/transport"
+	"github.com/pgsaga/pgsaga/internal/transport"
 )
 
 // RequestTopic is the topic that carries operators' requests (Ask) for

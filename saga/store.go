@@ -11,8 +11,8 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 const instanceColumns = `id, saga_type, definition_version, status, data, current_step, phase, attempt,
@@ -142,7 +142,7 @@ LIMIT $4`
 WHERE status IN ('running', 'compensating') GROUP BY 1, 2, 3`
 )
 
-func insertInstance(ctx context.Context, tx transport.Tx, inst *instance) (bool, error) {
+func insertInstance(ctx context.Context, tx steps.DBTX, inst *instance) (bool, error) {
 	res, err := tx.ExecContext(ctx, insertInstanceSQL, inst.ID, inst.Type, inst.DefVersion, string(inst.Status), []byte(inst.Data),
 		inst.Step, string(inst.Phase), inst.Attempt, inst.Generation, inst.Version, inst.CorrelationID, inst.FailureReason,
 		inst.DeadlineAt, inst.FinishedAt, inst.TraceParent, inst.CommandTopic, inst.CommandID, inst.ExpiresAt, inst.Fingerprint)
@@ -157,7 +157,7 @@ func insertInstance(ctx context.Context, tx transport.Tx, inst *instance) (bool,
 // instance's row lock (it loaded it FOR UPDATE in tx), so inside a delivery
 // attempt the statement is queued with the attempt's other writes (see
 // transport.Queuer); elsewhere it runs at once and checks the version.
-func updateInstance(ctx context.Context, tx transport.Tx, inst *instance) error {
+func updateInstance(ctx context.Context, tx steps.DBTX, inst *instance) error {
 	args := []any{inst.ID.String(), string(inst.Status), string(inst.Data), inst.Step, string(inst.Phase),
 		inst.Attempt, inst.Generation, inst.FailureReason, inst.DeadlineAt, inst.FinishedAt, inst.Version,
 		inst.CommandTopic, inst.CommandID, inst.CommandWaiting, inst.ExpiresAt}
@@ -203,7 +203,7 @@ func scanInstance(row scanner, more ...any) (*instance, error) {
 
 // loadInstanceForCommand loads and locks instance id if its command in
 // flight is message command; ErrNotFound otherwise.
-func loadInstanceForCommand(ctx context.Context, tx transport.Tx, id uuid.UUID, command string) (*instance, error) {
+func loadInstanceForCommand(ctx context.Context, tx steps.DBTX, id uuid.UUID, command string) (*instance, error) {
 	inst, err := scanInstance(tx.QueryRowContext(ctx, loadInstanceForCommandSQL, id, command))
 	if errors.Is(err, sql.ErrNoRows) {
 		return nil, fmt.Errorf("%w: %s", ErrNotFound, id)
@@ -214,7 +214,7 @@ func loadInstanceForCommand(ctx context.Context, tx transport.Tx, id uuid.UUID, 
 	return inst, nil
 }
 
-func loadInstance(ctx context.Context, tx transport.Tx, id uuid.UUID, lock bool) (*instance, error) {
+func loadInstance(ctx context.Context, tx steps.DBTX, id uuid.UUID, lock bool) (*instance, error) {
 	q := loadInstanceSQL
 	if lock {
 		q = loadInstanceLockedSQL
@@ -232,7 +232,7 @@ func loadInstance(ctx context.Context, tx transport.Tx, id uuid.UUID, lock bool)
 // appendHistory appends entries to the instance's timeline: written with
 // the batch's other timelines inside a delivery attempt, in one statement
 // at once otherwise.
-func appendHistory(ctx context.Context, tx transport.Tx, id uuid.UUID, entries []historyEntry) error {
+func appendHistory(ctx context.Context, tx steps.DBTX, id uuid.UUID, entries []historyEntry) error {
 	rows := make([][]any, len(entries))
 	for i, h := range entries {
 		rows[i] = []any{id.String(), h.Kind, h.Step, string(h.Phase), int32(h.Attempt), h.MessageID, h.Detail, h.CommandKey}
@@ -306,7 +306,7 @@ func preloadKey(id uuid.UUID, command string) string { return id.String() + " " 
 // locked), if its command in flight was command when the batch began; nil
 // if the batch did not load it. Its saving locks it, and fails should it
 // have changed since (updateInstanceCheckedSQL).
-func preloadedInstance(tx transport.Tx, id uuid.UUID, command string) *instance {
+func preloadedInstance(tx steps.DBTX, id uuid.UUID, command string) *instance {
 	v, ok := transport.Preloaded(tx, preloadKey(id, command))
 	if !ok {
 		return nil

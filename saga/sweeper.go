@@ -11,7 +11,8 @@ import (
 	"strings"
 	"time"
 
-	"github.com/pgsaga/pgsaga/steps/transport"
+	"github.com/pgsaga/pgsaga/internal/transport"
+	"github.com/pgsaga/pgsaga/steps"
 )
 
 // SweepResult says what one sweep did.
@@ -102,7 +103,7 @@ func (e *Engine) sweepOne(ctx context.Context, known knownDefinitions, res *Swee
 		return false, fmt.Errorf("saga: sweeping: %w", err)
 	}
 	def, _ := e.definitionOf(inst)
-	held := &heldTx{Tx: tx}
+	held := &heldTx{DBTX: tx}
 	outcome, what, err := e.overdue(ctx, held, inst, def, res)
 	if err == nil {
 		err = e.save(ctx, held, inst)
@@ -133,7 +134,7 @@ func (e *Engine) sweepOne(ctx context.Context, known knownDefinitions, res *Swee
 // overdue decides what becomes of inst, whose command's deadline passed,
 // and says which result counts it and what to log. A panic is inst's
 // failure (errDecisionPanicked), its stack logged.
-func (e *Engine) overdue(ctx context.Context, tx transport.Tx, inst *instance, def *Definition, res *SweepResult) (outcome *int, what string, err error) {
+func (e *Engine) overdue(ctx context.Context, tx steps.DBTX, inst *instance, def *Definition, res *SweepResult) (outcome *int, what string, err error) {
 	ctx, span := e.decide(ctx, "deadline", inst)
 	defer func() {
 		if p := recover(); p != nil {

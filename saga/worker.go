@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"sync"
 
-	"github.com/pgsaga/pgsaga/steps/transport"
+	"github.com/pgsaga/pgsaga/internal/transport"
 )
 
 // Worker is one router with every handler of a Client (its steps,

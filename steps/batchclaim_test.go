@@ -15,8 +15,8 @@ import (
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // claimCounter counts (its note, a testdb.Tracer) the statements that

@@ -9,8 +9,8 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // ReserveSeat and SeatReserved are a command and its reply.
@@ -66,7 +66,7 @@ func ExampleDefine() {
 	// Whoever sent the command reads the replies.
 	got := make(chan string, 2)
 	if err := router.AddHandler("reader-"+suffix, replies, "", func(msg *message.Message) error {
-		got <- fmt.Sprintf("%s replayed=%t", msg.Payload, msg.Metadata.Get(idempotency.ReplayedMetadata) == "true")
+		got <- fmt.Sprintf("%s replayed=%t", msg.Payload, msg.Metadata.Get(steps.MetaReplayed) == "true")
 		return nil
 	}); err != nil {
 		panic(err)

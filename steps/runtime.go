@@ -58,9 +58,9 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/outcome"
+	"github.com/pgsaga/pgsaga/internal/telemetry"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps/events"
-	"github.com/pgsaga/pgsaga/steps/telemetry"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Handler handles one command of type C in the step's transaction. It
@@ -70,24 +70,28 @@ import (
 // idempotency.Reject, which a step does not answer) dead-letter the command.
 type Handler[C Message] func(ctx context.Context, tx *Tx, cmd C) (Message, error)
 
-// BusinessError is a final business outcome: the command was understood and
-// refused (insufficient funds, an order already cancelled). The key is
-// stored failed and Reply is published and replayed as the answer.
-type BusinessError struct {
+// businessError is a final business outcome (Fail): the command was
+// understood and refused (insufficient funds, an order already cancelled).
+// The key is stored failed and Reply is published and replayed as the
+// answer.
+type businessError struct {
 	Reply  Message
 	Reason string
 }
 
 // Error implements error.
-func (e *BusinessError) Error() string { return "business failure: " + e.Reason }
+func (e *businessError) Error() string { return "business failure: " + e.Reason }
 
 // Outcome implements outcome.Classifier: a business failure.
-func (e *BusinessError) Outcome() outcome.Kind { return outcome.BusinessFailure }
+func (e *businessError) Outcome() outcome.Kind { return outcome.BusinessFailure }
 
-// Fail returns a BusinessError. reply may be nil: a command that expects
-// a reply (a saga's) is then answered with a FailureReply carrying reason,
-// so the failure, and why, always reaches the sender.
-func Fail(reply Message, reason string) error { return &BusinessError{Reply: reply, Reason: reason} }
+// Fail refuses the command: a final business outcome (insufficient funds,
+// an order already cancelled). The key is stored failed, without the
+// handler's writes, and reply is published and replayed as the answer.
+// reply may be nil: a command that expects a reply (a saga's) is then
+// answered with a FailureReply carrying reason, so the failure, and why,
+// always reaches the sender.
+func Fail(reply Message, reason string) error { return &businessError{Reply: reply, Reason: reason} }
 
 // FailureReply is the reply to a command that expects one (its reply_to
 // is set) when its handler failed it (Fail) without a reply of its own.
@@ -228,7 +232,7 @@ func New(cfg Config) (*Runtime, error) {
 		retry = *cfg.Retry
 	}
 	return &Runtime{tr: cfg.Transport, store: cfg.Store, events: cfg.Events, retry: retry, log: cfg.Logger,
-		metrics: cfg.Transport.Config().Metrics, trace: cfg.Transport.Tracing()}, nil
+		metrics: cfg.Transport.Metrics(), trace: cfg.Transport.Tracing()}, nil
 }
 
 // Subscriptions lists what the steps consume, for Transport.Subscribe: each
@@ -272,7 +276,7 @@ func (rt *Runtime) keysConfig(s core) idempotency.MiddlewareConfig {
 		Fingerprint: func(m *message.Message) []byte {
 			return idempotency.Fingerprint([]byte(m.Metadata.Get(MetaType)), m.Payload)
 		},
-		Publisher: func(tx idempotency.DBTX) message.Publisher { return rt.tr.Publisher(tx) },
+		Publisher: func(tx DBTX) message.Publisher { return rt.tr.Publisher(tx) },
 	}
 }
 
@@ -303,7 +307,7 @@ func (rt *Runtime) handler(s core) transport.HandlerFunc {
 	return func(msg *message.Message) (err error) {
 		start := time.Now()
 		ctx, span := rt.startSpan(s, msg)
-		var biz *BusinessError
+		var biz *businessError
 		defer func() {
 			if p := recover(); p != nil {
 				rt.attemptPanicked(s, span, start, ctx, p)
@@ -333,7 +337,7 @@ func (rt *Runtime) handler(s core) transport.HandlerFunc {
 			rt.observe(ctx, ttx, s, env, key, telemetry.StepReplayed, start, "")
 			return nil
 		}
-		reply, err := s.handle(ctx, &Tx{Tx: ttx, rt: rt, step: s, env: env, key: key}, msg)
+		reply, err := s.handle(ctx, &Tx{DBTX: ttx, rt: rt, step: s, env: env, key: key}, msg)
 		switch {
 		case errors.As(err, &biz):
 			// The attempt, the handler's writes and the claim with it, is
@@ -389,7 +393,7 @@ func withContext(ctx context.Context, msgs []*message.Message) {
 // observe counts a step attempt that answered its command (completed,
 // failed or replayed) and logs it, once its transaction commits (see
 // transport.OnCommit).
-func (rt *Runtime) observe(ctx context.Context, tx transport.Tx, s core, env Envelope, key, outcome string, start time.Time, detail string) {
+func (rt *Runtime) observe(ctx context.Context, tx DBTX, s core, env Envelope, key, outcome string, start time.Time, detail string) {
 	took := time.Since(start)
 	attempt := transport.AttemptFromContext(ctx)
 	done := func() {
@@ -411,7 +415,7 @@ func (rt *Runtime) observe(ctx context.Context, tx transport.Tx, s core, env Env
 // recordFailure stores a business failure for the command and publishes its
 // reply, without running the handler again. A duplicate handled meanwhile
 // has its stored reply published again instead.
-func (rt *Runtime) recordFailure(s core, keys *idempotency.MessageKeys, biz *BusinessError, start time.Time) transport.HandlerFunc {
+func (rt *Runtime) recordFailure(s core, keys *idempotency.MessageKeys, biz *businessError, start time.Time) transport.HandlerFunc {
 	return func(msg *message.Message) (err error) {
 		ctx, span := rt.startSpan(s, msg)
 		defer func() {
@@ -450,7 +454,7 @@ func (rt *Runtime) recordFailure(s core, keys *idempotency.MessageKeys, biz *Bus
 }
 
 // claimIn claims msg's key in the transaction of its attempt.
-func claimIn(s core, keys *idempotency.MessageKeys, msg *message.Message) (transport.Tx, *idempotency.MessageClaim, error) {
+func claimIn(s core, keys *idempotency.MessageKeys, msg *message.Message) (DBTX, *idempotency.MessageClaim, error) {
 	ttx, ok := transport.TxFromContext(msg.Context())
 	if !ok {
 		return nil, nil, fmt.Errorf("steps: %s: message %s carries no transaction", s.Name, msg.UUID)
@@ -496,10 +500,10 @@ func idempotencyKey(msg *message.Message) string {
 }
 
 // Tx is a handler's view of its step: the transaction its writes go through
-// (the methods of transport.Tx), the command's envelope, and an outbox for
+// (the methods of DBTX), the command's envelope, and an outbox for
 // further messages.
 type Tx struct {
-	transport.Tx
+	DBTX
 	rt   *Runtime
 	step core
 	env  Envelope
@@ -526,7 +530,7 @@ func (t *Tx) Append(ctx context.Context, stream string, expected int, evs ...eve
 	if t.rt.events == nil {
 		return nil, ErrNoEventStore
 	}
-	return t.rt.events.AppendTx(ctx, t.Tx, stream, expected, events.Metadata{
+	return t.rt.events.AppendTx(ctx, t.DBTX, stream, expected, events.Metadata{
 		CorrelationID: t.env.CorrelationID, CausationID: t.env.ID, SagaID: t.env.SagaID, IdempotencyKey: t.key,
 	}, evs...)
 }
@@ -536,7 +540,7 @@ func (t *Tx) Version(ctx context.Context, stream string) (int, error) {
 	if t.rt.events == nil {
 		return 0, ErrNoEventStore
 	}
-	return t.rt.events.VersionTx(ctx, t.Tx, stream)
+	return t.rt.events.VersionTx(ctx, t.DBTX, stream)
 }
 
 // Fold loads stream in the step's transaction and applies it to agg,
@@ -545,7 +549,7 @@ func (t *Tx) Fold(ctx context.Context, stream string, agg events.Aggregate) (int
 	if t.rt.events == nil {
 		return 0, ErrNoEventStore
 	}
-	return t.rt.events.FoldTx(ctx, t.Tx, stream, 0, agg)
+	return t.rt.events.FoldTx(ctx, t.DBTX, stream, 0, agg)
 }
 
 // Savepoint runs fn in a savepoint of the step's transaction: if fn fails,
@@ -553,9 +557,9 @@ func (t *Tx) Fold(ctx context.Context, stream string, agg events.Aggregate) (int
 // transport.Savepoint). A handler must not run SAVEPOINT, ROLLBACK or
 // COMMIT itself.
 func (t *Tx) Savepoint(ctx context.Context, fn func(tx *Tx) error) error {
-	return transport.Savepoint(ctx, t.Tx, func(inner transport.Tx) error {
+	return transport.Savepoint(ctx, t.DBTX, func(inner DBTX) error {
 		nested := *t
-		nested.Tx = inner
+		nested.DBTX = inner
 		err := fn(&nested)
 		t.sent = nested.sent
 		return err
@@ -577,5 +581,5 @@ func (t *Tx) Publish(topic string, m Message) error {
 	if err != nil {
 		return err
 	}
-	return t.rt.tr.Publisher(t.Tx).Publish(topic, msg)
+	return t.rt.tr.Publisher(t.DBTX).Publish(topic, msg)
 }

@@ -17,9 +17,9 @@ import (
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 func TestMain(m *testing.M) { testdb.Main(m) }

@@ -16,10 +16,10 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/telemetry"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps"
-	"github.com/pgsaga/pgsaga/steps/telemetry"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // A step whose handler panics fails its attempt: the attempt is counted as
@@ -31,9 +31,7 @@ func TestPanickingStepIsCountedAndTraced(t *testing.T) {
 	exp := tracetest.NewInMemoryExporter()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
 	reg := prometheus.NewRegistry()
-	m, err := telemetry.NewMetrics(reg)
-	require.NoError(t, err)
-	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: logger(), Metrics: m, TracerProvider: tp,
+	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: logger(), Metrics: reg, TracerProvider: tp,
 		Retry: transport.RetryPolicy{MaxAttempts: 3, InitialBackoff: time.Millisecond}})
 	require.NoError(t, err)
 	store, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})

@@ -25,6 +25,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/obs"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/pgerr"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"
@@ -33,8 +34,6 @@ import (
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
 	"github.com/pgsaga/pgsaga/steps/broker"
-	"github.com/pgsaga/pgsaga/steps/telemetry"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 type demo struct {
@@ -201,9 +200,7 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 	var reg *prometheus.Registry
 	if d.opts.metricsAddr != "" {
 		reg = obs.NewRegistry()
-		if tcfg.Metrics, err = telemetry.NewMetrics(reg); err != nil {
-			return nil, err
-		}
+		tcfg.Metrics = reg
 	}
 	cfg := orderpayment.Config{
 		DB:            d.db.SQL,
@@ -270,7 +267,10 @@ func (d *demo) forgetOtherMode(ctx context.Context) error {
 		groups = []string{transport.RelayGroup, transport.RelayGroup}
 		why, other = "the payment step runs here (no -payments-service)", "with -payments-service"
 	}
-	tr := d.app.Client.Transport()
+	tr, err := transport.New(transport.Config{DB: d.db.SQL, Logger: d.log})
+	if err != nil {
+		return err
+	}
 	var drop []int
 	for i, topic := range topics {
 		recorded, err := tr.SubscribedGroups(ctx, topic)

@@ -10,8 +10,8 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testnats"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/payments"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // -payments-service runs the payment step as a service of its own, on a

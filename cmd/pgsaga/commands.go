@@ -16,9 +16,9 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/termsafe"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/saga"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // sagaJSON is a saga in --json listings. Its field names are a contract.

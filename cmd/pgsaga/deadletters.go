@@ -14,7 +14,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/pgsaga/pgsaga/internal/termsafe"
-	"github.com/pgsaga/pgsaga/steps/transport"
+	"github.com/pgsaga/pgsaga/internal/transport"
 )
 
 // deadLetterJSON is a dead letter in `dead-letters --json` (a bounded part

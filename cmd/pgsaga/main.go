@@ -53,8 +53,8 @@ import (
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/termsafe"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/migrations"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Exit statuses.

@@ -20,11 +20,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 func TestMain(m *testing.M) {
@@ -84,10 +84,12 @@ func sampleRunOn(t *testing.T, db *testdb.DB) (paid, unpaid uuid.UUID) {
 			time.Sleep(20 * time.Millisecond)
 		}
 	}
-	require.NoError(t, app.Transport.Publisher(db.SQL).Publish("nobody.reads", message.NewMessage(uuid.NewString(), []byte("lost"))))
+	tr, err := transport.New(transport.Config{DB: db.SQL})
+	require.NoError(t, err)
+	require.NoError(t, tr.Publisher(db.SQL).Publish("nobody.reads", message.NewMessage(uuid.NewString(), []byte("lost"))))
 	// A group that was set up and never ran, with a message waiting.
-	require.NoError(t, app.Transport.Subscribe(ctx, transport.Subscription{Topic: "old.topic", ConsumerGroup: "old-group"}))
-	require.NoError(t, app.Transport.Publisher(db.SQL).Publish("old.topic", message.NewMessage(uuid.NewString(), []byte("waits"))))
+	require.NoError(t, tr.Subscribe(ctx, transport.Subscription{Topic: "old.topic", ConsumerGroup: "old-group"}))
+	require.NoError(t, tr.Publisher(db.SQL).Publish("old.topic", message.NewMessage(uuid.NewString(), []byte("waits"))))
 	return paid, unpaid
 }
 

@@ -12,8 +12,8 @@ import (
 	"github.com/pgsaga/pgsaga/internal/brokers/brokerurl"
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps/broker"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 func relayCmd() *cobra.Command {

@@ -19,8 +19,8 @@ import (
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testnats"
 	"github.com/pgsaga/pgsaga/internal/testout"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps/broker/natsjs"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // relayProcess starts `pgsaga relay` as a process of its own and waits

@@ -13,8 +13,8 @@ import (
 	"github.com/google/uuid"
 	"github.com/spf13/cobra"
 
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // requestJSON is the outcome of `retry` and `cancel` with --json. Its field

@@ -15,9 +15,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/steps"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 type jobStarted struct {
@@ -83,7 +83,7 @@ func jobSagaVersion(t *testing.T, db *testdb.DB, refuseUndo *atomic.Bool, versio
 	return client, func(job string) uuid.UUID {
 		msg, err := steps.NewMessage(jobStarted{Job: job}, steps.Envelope{})
 		require.NoError(t, err)
-		require.NoError(t, client.Transport().Publisher(client.DB()).Publish("jobs.start", msg))
+		require.NoError(t, client.PublishTx(context.Background(), client.DB(), "jobs.start", msg))
 		id := saga.ID("job", job)
 		waitStatus(t, client, id, saga.StatusRunning)
 		return id

@@ -21,7 +21,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/pgsaga/pgsaga/internal/termsafe"
-	"github.com/pgsaga/pgsaga/steps/transport"
+	"github.com/pgsaga/pgsaga/internal/transport"
 )
 
 // The environment variables that give the web view its login. A secret is

@@ -20,8 +20,8 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Secrets the tests log in with.

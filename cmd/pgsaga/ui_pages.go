@@ -23,8 +23,8 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/metadata"
 	"github.com/pgsaga/pgsaga/internal/termsafe"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // pageTimeout bounds what one page reads.

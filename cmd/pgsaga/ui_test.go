@@ -33,8 +33,8 @@ import (
 	"github.com/pgsaga/pgsaga/internal/metadata"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // uiWorld is a database filled by real runs, and the web view serving it
@@ -68,7 +68,9 @@ func newUIWorld(t *testing.T, cfg uiConfig, opts ...uiServing) *uiWorld {
 	w.refuseUndo.Store(true)
 	w.jobs, w.start = jobSagaOn(t, db, w.refuseUndo)
 	w.parked = w.start("parked")
-	_, err := saga.Ask(ctx, w.jobs.Transport(), db.SQL, w.parked, saga.RequestCancel, "wrong customer")
+	tr, err := transport.New(transport.Config{DB: db.SQL})
+	require.NoError(t, err)
+	_, err = saga.Ask(ctx, tr, db.SQL, w.parked, saga.RequestCancel, "wrong customer")
 	require.NoError(t, err)
 	waitStatus(t, w.jobs, w.parked, saga.StatusFailed)
 	w.running = w.start("running")

@@ -28,6 +28,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/internal/pglisten"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"
@@ -35,8 +36,6 @@ import (
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
 	"github.com/pgsaga/pgsaga/steps/broker"
-	"github.com/pgsaga/pgsaga/steps/telemetry"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Defaults of the tuning flags: consumers per handler and batch size (see
@@ -195,9 +194,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	var reg *prometheus.Registry
 	if opts.metricsAddr != "" {
 		reg = obs.NewRegistry()
-		if tcfg.Metrics, err = telemetry.NewMetrics(reg); err != nil {
-			return nil, err
-		}
+		tcfg.Metrics = reg
 	}
 	cfg := orderpayment.Config{DB: b.db.SQL, GatewayURL: b.gateway.URL(), Transport: tcfg,
 		AsyncProjection: opts.asyncProjection, QueueEveryHop: opts.queueEveryHop, FinishedChannel: finishedChannel, Logger: b.log}

@@ -20,9 +20,8 @@ import (
 	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/obs"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
-	"github.com/pgsaga/pgsaga/steps/telemetry"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // workerEnv, set in a process's environment, makes sagabench run one
@@ -99,10 +98,7 @@ func runWorkerProcess(raw string, stdout, stderr io.Writer) int {
 	var reg *prometheus.Registry
 	if spec.Metrics {
 		reg = obs.NewRegistry()
-		if tcfg.Metrics, err = telemetry.NewMetrics(reg); err != nil {
-			fmt.Fprintln(stderr, "sagabench worker:", err)
-			return exitNoService
-		}
+		tcfg.Metrics = reg
 	}
 	app, err := orderpayment.New(orderpayment.Config{DB: db.SQL, GatewayURL: spec.GatewayURL,
 		Transport:       tcfg,

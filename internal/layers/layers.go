@@ -26,7 +26,14 @@ type Layer struct {
 	// TestOnly: its packages support tests; library packages (all but
 	// cmd/ and other test support) must not import them.
 	TestOnly bool
+	// Sample: its packages are the sample, written as a user of the
+	// module would write them: of internal/, they import only SampleMay.
+	Sample bool
 }
+
+// SampleMay is what the sample imports of internal/: helpers a user would
+// find elsewhere (pgerrcode's classes, a table check), nothing of delivery.
+var SampleMay = []string{"internal/pgerr", "internal/sqlcheck"}
 
 // Layers is pgsaga's layout, bottom up (docs/DESIGN.md §2).
 var Layers = []Layer{
@@ -38,15 +45,15 @@ var Layers = []Layer{
 	{Dir: "internal/testlost", Rank: 3, TestOnly: true}, // lost connections, on testdb's
 	{Dir: "idempotency", Rank: 2},
 	{Dir: "steps/events", Rank: 2},
-	{Dir: "steps/telemetry", Rank: 2},
-	{Dir: "steps/transport", Rank: 3},
+	{Dir: "internal/telemetry", Rank: 2},
+	{Dir: "internal/transport", Rank: 3},
 	{Dir: "steps/broker", Rank: 4},
 	{Dir: "steps", Rank: 5},
-	{Dir: "saga", Rank: 6},     // the engine
-	{Dir: "orders", Rank: 6},   // the sample's domains: participants, beside the engine
-	{Dir: "payments", Rank: 6}, //
+	{Dir: "saga", Rank: 6},                   // the engine
+	{Dir: "orders", Rank: 6, Sample: true},   // the sample's domains: participants, beside the engine
+	{Dir: "payments", Rank: 6, Sample: true}, //
 	{Dir: "saga/sagatest", Rank: 7, TestOnly: true},
-	{Dir: "saga/orderpayment", Rank: 7}, // the sample saga, over the engine and the domains
+	{Dir: "saga/orderpayment", Rank: 7, Sample: true}, // the sample saga, over the engine and the domains
 	{Dir: "cmd", Rank: 8},
 }
 
@@ -84,6 +91,8 @@ func Check(layers []Layer, imports []Import) []string {
 			bad = append(bad, fmt.Sprintf("%s (%s, rank %d) imports %s (%s, rank %d): upward", im.From, from.Dir, from.Rank, im.To, to.Dir, to.Rank))
 		case to.TestOnly && !from.TestOnly && from.Dir != "cmd":
 			bad = append(bad, fmt.Sprintf("%s imports %s, which supports tests only", im.From, im.To))
+		case from.Sample && strings.HasPrefix(im.To, "internal/") && !slices.Contains(SampleMay, im.To):
+			bad = append(bad, fmt.Sprintf("%s imports %s: the sample uses the public API", im.From, im.To))
 		}
 	}
 	slices.Sort(bad)

@@ -35,14 +35,15 @@ func TestCheckReportsWhatRunsUpward(t *testing.T) {
 		"the sample importing the test kit": {Import{"saga/orderpayment", "saga/sagatest"}, "saga/orderpayment (saga/orderpayment, rank 7) imports saga/sagatest (saga/sagatest, rank 7): upward"},
 		"a library importing test support":  {Import{"saga", "internal/testout"}, "saga imports internal/testout, which supports tests only"},
 		"a package in no layer":             {Import{"tools/x", "internal/pgdb"}, "tools/x: in no layer"},
+		"the sample reaching past the API":  {Import{"orders", "internal/transport"}, "orders imports internal/transport: the sample uses the public API"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			assert.Equal(t, []string{tc.want}, Check(Layers, []Import{tc.imp}))
 		})
 	}
 	assert.Empty(t, Check(Layers, []Import{
-		{"saga/orderpayment", "orders"}, {"saga", "steps/transport"}, {"steps/transport", "internal/dbtx"},
+		{"saga/orderpayment", "orders"}, {"saga", "internal/transport"}, {"internal/transport", "internal/dbtx"},
 		{"cmd/orderdemo", "cmd/internal/workerwatch"}, {"cmd/orderdemo", "saga/sagatest"}, {"internal/testdb", "migrations"},
-		{"steps/broker/natsjs", "steps/broker"},
+		{"steps/broker/natsjs", "steps/broker"}, {"payments", "internal/pgerr"},
 	}), "downward and same-layer imports pass")
 }

@@ -5,8 +5,8 @@ import (
 	"fmt"
 
 	"github.com/pgsaga/pgsaga/internal/outcome"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Whatever package an error comes from, Of says how handling ended, and so

@@ -16,7 +16,6 @@ import (
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/events"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Config configures an App.
@@ -30,8 +29,8 @@ type Config struct {
 	// GatewayLease is how long a gateway call is held before another worker
 	// may take it over. Default: 10s.
 	GatewayLease time.Duration
-	// Transport configures the transport; DB and Logger are filled in.
-	Transport transport.Config
+	// Transport configures delivery; DB and Logger are filled in.
+	Transport saga.TransportConfig
 	// Timeouts of the saga's steps.
 	Timeouts StepTimeouts
 	// Steps of the saga. Default: Steps(Timeouts). Extend the saga by
@@ -99,7 +98,6 @@ const (
 type App struct {
 	Client      *saga.Client
 	DB          *sql.DB
-	Transport   *transport.Transport
 	Idempotency *idempotency.Store
 	Events      *events.Store
 	Runtime     *steps.Runtime
@@ -153,8 +151,8 @@ func New(cfg Config) (*App, error) {
 	if err != nil {
 		return nil, err
 	}
-	ord, err := orders.New(orders.Config{DB: cfg.DB, Transport: c.Transport(), Idempotency: c.Idempotency(), Events: c.Events(), Logger: cfg.Logger,
-		Trigger: func(ctx context.Context, tx transport.Tx, created orders.OrderCreated) error {
+	ord, err := orders.New(orders.Config{DB: cfg.DB, Idempotency: c.Idempotency(), Events: c.Events(), Logger: cfg.Logger,
+		Trigger: func(ctx context.Context, tx steps.DBTX, created orders.OrderCreated) error {
 			_, err := c.StartTx(ctx, tx, Name, created)
 			return err
 		}})
@@ -180,13 +178,9 @@ func New(cfg Config) (*App, error) {
 	if err := c.AddProjections(projection); err != nil {
 		return nil, err
 	}
-	return &App{Client: c, DB: cfg.DB, Transport: c.Transport(), Idempotency: c.Idempotency(), Events: c.Events(), Runtime: c.Runtime(),
+	return &App{Client: c, DB: cfg.DB, Idempotency: c.Idempotency(), Events: c.Events(), Runtime: c.Runtime(),
 		Orders: ord, Payments: pay, Engine: c.Engine(), Definition: def, participants: participants, log: cfg.Logger}, nil
 }
-
-// Subscriptions lists what the App's workers consume: the participants'
-// steps, the order projection and the saga engine.
-func (a *App) Subscriptions() []transport.Subscription { return a.Client.Subscriptions() }
 
 // StepNames lists the sample participants' step names (their idempotency
 // scopes); steps added to the Client later are not among them.

@@ -61,7 +61,7 @@ func TestMalformedMessagesOnEveryTopicAreDeadLettered(t *testing.T) {
 	_, before := e.placeAndWait(customer, 10)
 
 	var topics []string
-	for _, s := range e.app.Subscriptions() {
+	for _, s := range e.app.Client.Subscriptions() {
 		topics = append(topics, s.Topic)
 	}
 	require.Len(t, topics, 8, "trigger, charge, refund, confirm, cancel, replies, order events, operator requests")
@@ -69,7 +69,7 @@ func TestMalformedMessagesOnEveryTopicAreDeadLettered(t *testing.T) {
 	ctx := context.Background()
 	// Rows another writer stored with metadata nobody can read (they wake
 	// nobody; the publishes below do).
-	for _, s := range e.app.Subscriptions() {
+	for _, s := range e.app.Client.Subscriptions() {
 		id := "unreadable-" + s.Topic + "-" + uuid.NewString()[:6]
 		_, err := e.db.SQL.ExecContext(ctx, `INSERT INTO pgsaga_queue (topic, consumer_group, uuid, payload, metadata) VALUES ($1, $2, $3, '\x00', '{"type": 1}')`,
 			s.Topic, s.ConsumerGroup, id)
@@ -90,7 +90,7 @@ func TestMalformedMessagesOnEveryTopicAreDeadLettered(t *testing.T) {
 			for k, v := range m.meta {
 				msg.Metadata.Set(k, v)
 			}
-			require.NoError(t, e.app.Transport.Publisher(e.db.SQL).Publish(topic, msg))
+			require.NoError(t, e.app.Client.PublishTx(ctx, e.db.SQL, topic, msg))
 			malformed = append(malformed, msg.UUID)
 		}
 	}

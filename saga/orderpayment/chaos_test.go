@@ -14,12 +14,12 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // DomainInvariants adapts the sample's checker to the kit.

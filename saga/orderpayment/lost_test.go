@@ -19,7 +19,7 @@ func TestSetupRetriesALostConnection(t *testing.T) {
 	db := testdb.Fresh(t)
 	app, err := orderpayment.New(orderpayment.Config{DB: db.SQL, GatewayURL: "http://127.0.0.1:1", Logger: logger()})
 	require.NoError(t, err)
-	subs := app.Subscriptions()
+	subs := app.Client.Subscriptions()
 	err = testlost.Terminated(t, db, `INSERT INTO pgsaga_subscriptions (topic, consumer_group) VALUES ($1, $2)`,
 		[]any{subs[0].Topic, subs[0].ConsumerGroup}, func() error { return app.Setup(context.Background()) })
 	require.NoError(t, err)

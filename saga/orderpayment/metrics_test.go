@@ -24,11 +24,11 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgsaga/pgsaga/internal/telemetry"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
-	"github.com/pgsaga/pgsaga/steps/telemetry"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // records is a slog.Handler that keeps every record, for tests that read
@@ -147,11 +147,9 @@ func histogramSum(fams map[string]*dto.MetricFamily, name string, labels ...stri
 func TestMetricsMatchTheDatabase(t *testing.T) {
 	t.Parallel()
 	reg := prometheus.NewRegistry()
-	m, err := telemetry.NewMetrics(reg)
-	require.NoError(t, err)
 	logs := &records{}
 	e := newEnv(t, 0, func(c *orderpayment.Config) {
-		c.Transport.Metrics = m
+		c.Transport.Metrics = reg
 		c.Logger = slog.New(logs)
 		c.Transport.Intercept = func(handler string, h transport.HandlerFunc) transport.HandlerFunc {
 			if handler != "payments.charge" {
@@ -170,7 +168,7 @@ func TestMetricsMatchTheDatabase(t *testing.T) {
 	t.Cleanup(srv.Close)
 
 	// Record each charge command as queued, to send copies of it later.
-	_, err = e.db.SQL.Exec(`
+	_, err := e.db.SQL.Exec(`
 CREATE TABLE charge_log (uuid text, payload bytea, metadata jsonb);
 CREATE FUNCTION log_charge() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -292,11 +290,9 @@ SELECT 'payments.charge', 'payments.charge', uuid, payload, metadata FROM (SELEC
 func TestStartRolledBackInPlaceIsToldOnce(t *testing.T) {
 	t.Parallel()
 	reg := prometheus.NewRegistry()
-	m, err := telemetry.NewMetrics(reg)
-	require.NoError(t, err)
 	logs := &records{}
-	e := newEnv(t, 0, func(c *orderpayment.Config) { c.Transport.Metrics = m; c.Logger = slog.New(logs) })
-	_, err = e.db.SQL.Exec(`
+	e := newEnv(t, 0, func(c *orderpayment.Config) { c.Transport.Metrics = reg; c.Logger = slog.New(logs) })
+	_, err := e.db.SQL.Exec(`
 CREATE SEQUENCE charge_inserts;
 CREATE FUNCTION fail_first_charge() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN

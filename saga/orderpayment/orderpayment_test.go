@@ -13,12 +13,12 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // The sample's tests run many workers at once, each with its pools: on a

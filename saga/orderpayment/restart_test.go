@@ -11,13 +11,13 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // PostgreSQL itself goes down in the middle of a run (once stopped cleanly,

@@ -12,7 +12,6 @@ import (
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/events"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // PaymentServiceConfig configures the payment service of the split sample.
@@ -36,7 +35,7 @@ type PaymentServiceConfig struct {
 	BrokerConsumers int
 	// Transport configures the service's transport; DB and Logger are
 	// filled in.
-	Transport transport.Config
+	Transport saga.TransportConfig
 	// ReplyTopic is the saga's reply topic, where the replies go (a command
 	// names it too). Default: that of the sample's definition.
 	ReplyTopic string

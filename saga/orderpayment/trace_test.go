@@ -14,11 +14,11 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/pgsaga/pgsaga/internal/telemetry"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
-	"github.com/pgsaga/pgsaga/steps/telemetry"
 )
 
 // spans indexes the spans an in-memory exporter holds.

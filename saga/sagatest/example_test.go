@@ -9,10 +9,10 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
 	"github.com/pgsaga/pgsaga/steps"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Your saga: reserve a room, then send a confirmation.
@@ -97,7 +97,7 @@ func Example() {
 		if err != nil {
 			panic(err)
 		}
-		if err := client.Transport().Publisher(db).Publish(def.Trigger, msg); err != nil {
+		if err := client.PublishTx(context.Background(), db, def.Trigger, msg); err != nil {
 			panic(err)
 		}
 		ids = append(ids, saga.ID(def.Name, guest))

@@ -53,8 +53,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/pgsaga/pgsaga/idempotency"
-	"github.com/pgsaga/pgsaga/steps/transport"
+	"github.com/pgsaga/pgsaga/internal/transport"
+	"github.com/pgsaga/pgsaga/steps"
 )
 
 // Faults says what to inject. Rates are probabilities from 0 to 1.
@@ -151,7 +151,7 @@ type Stats struct {
 	ConnectionsKilled int
 	Delays            int
 	// Replayed counts deliveries of replies a participant published again
-	// for a duplicate command (idempotency.ReplayedMetadata), first attempts
+	// for a duplicate command (steps.MetaReplayed), first attempts
 	// only.
 	Replayed int
 }
@@ -255,7 +255,7 @@ func (i *Injector) Intercept(handler string, h transport.HandlerFunc) transport.
 		}
 		firstSight := !i.first[topic+"\x00"+msg.UUID] && msg.Metadata.Get(CopyMetadata) == ""
 		i.first[topic+"\x00"+msg.UUID] = true
-		if msg.Metadata.Get(idempotency.ReplayedMetadata) == "true" && transport.AttemptFromContext(ctx) == 1 {
+		if msg.Metadata.Get(steps.MetaReplayed) == "true" && transport.AttemptFromContext(ctx) == 1 {
 			i.stats.Replayed++
 		}
 		i.mu.Unlock()

@@ -12,7 +12,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/pgsaga/pgsaga/steps/transport"
+	"github.com/pgsaga/pgsaga/internal/transport"
 )
 
 // Defaults of Config.

@@ -18,9 +18,9 @@ import (
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testnats"
 	"github.com/pgsaga/pgsaga/internal/testout"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/broker/natsjs"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 func TestMain(m *testing.M) { testdb.Main(m) }

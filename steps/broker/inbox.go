@@ -10,7 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/pgsaga/pgsaga/internal/pgerr"
-	"github.com/pgsaga/pgsaga/steps/transport"
+	"github.com/pgsaga/pgsaga/internal/transport"
 )
 
 // ReceiveHandler names the bridge's receiving side in the dead letters it
@@ -116,7 +116,7 @@ func (b *Bridge) receive(topic string, msg *message.Message) {
 	case err != nil:
 		log.Warn("could not queue a message from the broker; it will be delivered again", "err", err)
 		b.handedBack.Add(1)
-		tc.Metrics.ReceiveFailed(topic)
+		b.t.Metrics().ReceiveFailed(topic)
 		msg.Nack()
 		return
 	case reason != "":
@@ -124,7 +124,7 @@ func (b *Bridge) receive(topic string, msg *message.Message) {
 		if err := b.t.StoreDeadLetter(ctx, topic, b.cfg.Group, ReceiveHandler, in, reason); err != nil {
 			log.Warn("could not dead-letter a message from the broker; it will be delivered again", "reason", reason, "err", err)
 			b.handedBack.Add(1)
-			tc.Metrics.ReceiveFailed(topic)
+			b.t.Metrics().ReceiveFailed(topic)
 			msg.Nack()
 			return
 		}
@@ -134,7 +134,7 @@ func (b *Bridge) receive(topic string, msg *message.Message) {
 		return
 	}
 	b.received.Add(1)
-	tc.Metrics.Received(topic)
+	b.t.Metrics().Received(topic)
 	if f := b.cfg.Faults; f != nil && f.RedeliverAfterStore(topic, msg) {
 		msg.Nack()
 		return

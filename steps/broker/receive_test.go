@@ -17,9 +17,9 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testnats"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/broker/natsjs"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // A message another service published to the broker is queued here for

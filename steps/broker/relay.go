@@ -8,7 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/pgsaga/pgsaga/steps/transport"
+	"github.com/pgsaga/pgsaga/internal/transport"
 )
 
 // heldRecheck is how soon a relay looks again while another holds its
@@ -53,7 +53,7 @@ func (r *relay) run(ctx context.Context) {
 			}
 			level("relay stopped at a message it could not relay; trying again", "topic", r.topic, "wait", wait, "err", err)
 			failing = true
-			tc.Metrics.RelayFailed(r.topic)
+			r.b.t.Metrics().RelayFailed(r.topic)
 		case more:
 			errWait = 0
 			if failing {
@@ -153,7 +153,7 @@ func (r *relay) batch(ctx context.Context) (more bool, err error) {
 	}
 	r.b.relayed.Add(int64(relayed))
 	r.b.deadLettered.Add(int64(dead))
-	r.b.t.Config().Metrics.Relayed(r.topic, relayed)
+	r.b.t.Metrics().Relayed(r.topic, relayed)
 	if relayed > 0 {
 		r.b.log.Debug("relayed", "topic", r.topic, "messages", relayed)
 	}

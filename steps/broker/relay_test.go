@@ -20,10 +20,9 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testnats"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/broker/natsjs"
-	"github.com/pgsaga/pgsaga/steps/telemetry"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // Messages published one after the other reach the stream in that order,
@@ -223,10 +222,8 @@ func TestBridgeCounts(t *testing.T) {
 	url := testnats.URL(t)
 	db := testdb.Shared(t)
 	reg := prometheus.NewRegistry()
-	m, err := telemetry.NewMetrics(reg)
-	require.NoError(t, err)
 	cfg := transportConfig(db)
-	cfg.Metrics = m
+	cfg.Metrics = reg
 	tr, err := transport.New(cfg)
 	require.NoError(t, err)
 	f := newFixture(t, url, db)

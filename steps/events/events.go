@@ -42,8 +42,10 @@ type Projection struct {
 	Name string
 	// Topic whose events it applies (saga.ClientConfig.EventsTopic).
 	Topic string
-	// Handle applies one event message.
-	Handle func(msg *message.Message) error
+	// Handle applies one event message in tx, the transaction of the append
+	// (inline) or of the message's delivery (asynchronous): writes through
+	// tx commit with it. Its dbtx.DBTX is steps.DBTX.
+	Handle func(ctx context.Context, tx dbtx.DBTX, msg *message.Message) error
 	// Inline runs Handle in the appending transaction, in every process
 	// that appends to the topic through the client's event store: the view
 	// is current when the append commits, and costs no message, delivery
@@ -60,11 +62,6 @@ type Projection struct {
 type Event interface {
 	EventType() string
 }
-
-// DBTX is the transaction events are read and written in: ExecContext,
-// QueryContext and QueryRowContext, as *sql.Tx, *sql.Conn and *sql.DB have
-// them. It is the same interface as transport.Tx and idempotency.DBTX.
-type DBTX = dbtx.DBTX
 
 // Errors callers can branch on.
 var (
@@ -190,13 +187,13 @@ type Config struct {
 	// Publisher publishes a stream's events to its topic through the
 	// appending transaction (the outbox), for asynchronous projections and
 	// other consumers. Nil: events are not published.
-	Publisher func(tx DBTX) message.Publisher
+	Publisher func(tx dbtx.DBTX) message.Publisher
 	// Project runs inline projections: it is given the event messages of
 	// each append (as they would be published) in the appending
 	// transaction, after the insert, so its statements see the new events
 	// and commit or roll back with them. Its error fails the append (the
 	// caller must roll back). Nil: none. Needs Topic.
-	Project func(ctx context.Context, tx DBTX, topic string, msgs []*message.Message) error
+	Project func(ctx context.Context, tx dbtx.DBTX, topic string, msgs []*message.Message) error
 }
 
 // Store appends and loads events.
@@ -221,7 +218,7 @@ func (s *Store) Registry() *Registry { return s.cfg.Registry }
 // AppendTx appends evs to stream in tx, as versions expected+1…, provided the
 // stream is at version expected (0: the stream must not exist). It returns
 // the recorded events, or a *VersionConflictError and appends nothing.
-func (s *Store) AppendTx(ctx context.Context, tx DBTX, stream string, expected int, md Metadata, evs ...Event) ([]Recorded, error) {
+func (s *Store) AppendTx(ctx context.Context, tx dbtx.DBTX, stream string, expected int, md Metadata, evs ...Event) ([]Recorded, error) {
 	if stream == "" || len(stream) > 200 {
 		return nil, fmt.Errorf("%w: stream id must be 1 to 200 bytes", ErrInvalidAppend)
 	}
@@ -282,7 +279,7 @@ func (s *Store) AppendTx(ctx context.Context, tx DBTX, stream string, expected i
 
 // project hands the appended events to the inline projections and the
 // publisher, as messages of the stream's topic.
-func (s *Store) project(ctx context.Context, tx DBTX, recorded []Recorded, payloads []string) error {
+func (s *Store) project(ctx context.Context, tx dbtx.DBTX, recorded []Recorded, payloads []string) error {
 	if s.cfg.Topic == nil || (s.cfg.Publisher == nil && s.cfg.Project == nil) {
 		return nil
 	}
@@ -342,7 +339,7 @@ func messages(recorded []Recorded, payloads []string) []*message.Message {
 }
 
 // LoadTx reads stream's events in version order, up to version upTo (0: all).
-func (s *Store) LoadTx(ctx context.Context, q DBTX, stream string, upTo int) ([]Recorded, error) {
+func (s *Store) LoadTx(ctx context.Context, q dbtx.DBTX, stream string, upTo int) ([]Recorded, error) {
 	if upTo <= 0 {
 		upTo = int(^uint32(0) >> 1)
 	}
@@ -377,7 +374,7 @@ func (s *Store) LoadTx(ctx context.Context, q DBTX, stream string, upTo int) ([]
 }
 
 // VersionTx returns the current version of stream (0 if it has no events).
-func (s *Store) VersionTx(ctx context.Context, q DBTX, stream string) (int, error) {
+func (s *Store) VersionTx(ctx context.Context, q dbtx.DBTX, stream string) (int, error) {
 	var v int
 	if err := q.QueryRowContext(ctx, versionSQL, stream).Scan(&v); err != nil {
 		return 0, fmt.Errorf("events: reading the version of %s: %w", stream, err)
@@ -387,7 +384,7 @@ func (s *Store) VersionTx(ctx context.Context, q DBTX, stream string) (int, erro
 
 // FoldTx applies stream's events (up to version upTo; 0: all) to agg in
 // order and returns the version reached (0 for an empty stream).
-func (s *Store) FoldTx(ctx context.Context, q DBTX, stream string, upTo int, agg Aggregate) (int, error) {
+func (s *Store) FoldTx(ctx context.Context, q dbtx.DBTX, stream string, upTo int, agg Aggregate) (int, error) {
 	recs, err := s.LoadTx(ctx, q, stream, upTo)
 	if err != nil {
 		return 0, err

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
 
@@ -244,7 +245,7 @@ func TestAppendPublishesThroughTransaction(t *testing.T) {
 	s, err := events.NewStore(events.Config{
 		Registry:  reg,
 		Topic:     func(stream string) string { return "topic-of-" + stream[:4] },
-		Publisher: func(events.DBTX) message.Publisher { return pub },
+		Publisher: func(steps.DBTX) message.Publisher { return pub },
 	})
 	require.NoError(t, err)
 	db := testdb.Shared(t)

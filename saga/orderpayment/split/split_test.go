@@ -21,6 +21,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testnats"
 	"github.com/pgsaga/pgsaga/internal/testout"
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
@@ -29,7 +30,6 @@ import (
 	"github.com/pgsaga/pgsaga/saga/sagatest"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/broker/natsjs"
-	"github.com/pgsaga/pgsaga/steps/transport"
 )
 
 // The sample with its payment step in a database of its own, over

@@ -1,0 +1,226 @@
+// Package telemetry holds what pgsaga tells the outside about its work:
+// Prometheus metrics (Metrics) and OpenTelemetry traces (see Tracing).
+// Both are off until a program asks: a nil *Metrics records nothing, and
+// spans go to the global tracer provider, which exports nothing unless one
+// is installed.
+package telemetry
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Namespace prefixes every metric pgsaga exports.
+const Namespace = "pgsaga"
+
+// Outcomes of a step attempt, the outcome label of
+// pgsaga_step_duration_seconds.
+const (
+	StepCompleted = "completed" // the handler answered; the key is stored completed
+	StepFailed    = "failed"    // a business failure, stored and answered
+	StepReplayed  = "replayed"  // a duplicate answered from the store
+	StepError     = "error"     // the attempt failed and was rolled back (retried or dead-lettered)
+)
+
+// Metrics are the counters and histograms a pgsaga process keeps of its own
+// work. Everything is counted when the transaction that did it commits (see
+// transport.OnCommit), so a rolled-back attempt counts only as an error;
+// work done in a caller's own transaction (Client.StartTx, Engine.RetryTx
+// and CancelTx with a caller's transaction) is counted when pgsaga returns,
+// as pgsaga cannot see that commit. A nil *Metrics records nothing.
+//
+// Build one with NewMetrics and set it in transport.Config.Metrics (for a
+// saga.Client: ClientConfig.Transport.Metrics). What is in the database
+// rather than in one process's memory (sagas in flight, what waits in each
+// consumer group) is read at scrape time by saga.NewCollector.
+type Metrics struct {
+	sagasStarted  *prometheus.CounterVec
+	sagasFinished *prometheus.CounterVec
+	resent        *prometheus.CounterVec
+	stepDuration  *prometheus.HistogramVec
+	stepAttempts  *prometheus.HistogramVec
+	replays       *prometheus.CounterVec
+	deadLetters   *prometheus.CounterVec
+	retries       *prometheus.CounterVec
+	relayed       *prometheus.CounterVec
+	relayFailures *prometheus.CounterVec
+	received      *prometheus.CounterVec
+	receiveErrors *prometheus.CounterVec
+}
+
+// NewMetrics builds the metrics and registers them with reg
+// (prometheus.DefaultRegisterer, or a registry of your own). Metrics reg
+// already holds (registered by another transport of the process) are
+// shared: both count into them.
+func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
+	if reg == nil {
+		return nil, errors.New("telemetry: NewMetrics needs a Registerer")
+	}
+	m := &Metrics{
+		sagasStarted: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "sagas_started_total",
+			Help: "Saga instances started by this process.",
+		}, []string{"saga"}),
+		sagasFinished: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "sagas_finished_total",
+			Help: "Saga instances this process brought to a terminal state, by outcome (completed, compensated, failed: parked for an operator). A parked saga retried by an operator counts again when it ends.",
+		}, []string{"saga", "outcome"}),
+		resent: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "saga_commands_resent_total",
+			Help: "Saga commands sent again because their reply was overdue (the deadline sweeper) or an operator retried them.",
+		}, []string{"saga", "step"}),
+		stepDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: Namespace, Name: "step_duration_seconds",
+			Help:    "Time a step attempt took, from its claim of the command's key to its reply, by outcome (completed, failed, replayed, error).",
+			Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30},
+		}, []string{"step", "outcome"}),
+		stepAttempts: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: Namespace, Name: "step_attempts",
+			Help:    "Delivery attempts a step's command took until it was answered (1: the first).",
+			Buckets: []float64{1, 2, 3, 4, 5, 7, 10, 15, 20},
+		}, []string{"step"}),
+		replays: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "idempotent_replays_total",
+			Help: "Duplicate commands answered from the idempotency store instead of running again.",
+		}, []string{"step"}),
+		deadLetters: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "dead_letters_total",
+			Help: "Messages this process moved to pgsaga_dead_letters, by topic and handler.",
+		}, []string{"topic", "handler"}),
+		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "delivery_retries_total",
+			Help: "Failed delivery attempts scheduled to be tried again after their backoff, by topic and handler.",
+		}, []string{"topic", "handler"}),
+		relayed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "broker_relayed_total",
+			Help: "Messages this process relayed from the outbox to the message broker, by topic, counted when the relay's batch committed.",
+		}, []string{"topic"}),
+		relayFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "broker_relay_failures_total",
+			Help: "Relay batches of a topic that stopped at a publish the broker did not take (or could not commit); the head is tried again after a backoff.",
+		}, []string{"topic"}),
+		received: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "broker_received_total",
+			Help: "Messages this process took in from the message broker and queued in its database, by topic (a broker's redelivery counts again).",
+		}, []string{"topic"}),
+		receiveErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "broker_receive_errors_total",
+			Help: "Messages from the broker this process could not queue and handed back for redelivery (the database did not take them), by topic.",
+		}, []string{"topic"}),
+	}
+	for _, c := range []**prometheus.CounterVec{&m.sagasStarted, &m.sagasFinished, &m.resent, &m.replays, &m.deadLetters, &m.retries,
+		&m.relayed, &m.relayFailures, &m.received, &m.receiveErrors} {
+		if err := register(reg, c); err != nil {
+			return nil, err
+		}
+	}
+	for _, h := range []**prometheus.HistogramVec{&m.stepDuration, &m.stepAttempts} {
+		if err := register(reg, h); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+// register registers *c with reg or, if reg holds the same metric already,
+// points *c at the one registered.
+func register[C prometheus.Collector](reg prometheus.Registerer, c *C) error {
+	err := reg.Register(*c)
+	var dup prometheus.AlreadyRegisteredError
+	if errors.As(err, &dup) {
+		if existing, ok := dup.ExistingCollector.(C); ok {
+			*c = existing
+			return nil
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("telemetry: registering metrics: %w", err)
+	}
+	return nil
+}
+
+// SagaStarted counts an instance of saga started.
+func (m *Metrics) SagaStarted(saga string) {
+	if m != nil {
+		m.sagasStarted.WithLabelValues(saga).Inc()
+	}
+}
+
+// SagaFinished counts an instance of saga that reached a terminal state.
+func (m *Metrics) SagaFinished(saga, outcome string) {
+	if m != nil {
+		m.sagasFinished.WithLabelValues(saga, outcome).Inc()
+	}
+}
+
+// CommandResent counts a saga command sent again.
+func (m *Metrics) CommandResent(saga, step string) {
+	if m != nil {
+		m.resent.WithLabelValues(saga, step).Inc()
+	}
+}
+
+// StepAttempt records one attempt of step: how long it took and how it
+// ended (StepCompleted, StepFailed, StepReplayed, StepError). attempt is
+// the delivery attempt's number; it goes to pgsaga_step_attempts when the
+// command was answered by running the step (completed or failed).
+func (m *Metrics) StepAttempt(step, outcome string, took time.Duration, attempt int) {
+	if m == nil {
+		return
+	}
+	m.stepDuration.WithLabelValues(step, outcome).Observe(took.Seconds())
+	switch outcome {
+	case StepCompleted, StepFailed:
+		if attempt > 0 {
+			m.stepAttempts.WithLabelValues(step).Observe(float64(attempt))
+		}
+	case StepReplayed:
+		m.replays.WithLabelValues(step).Inc()
+	}
+}
+
+// DeadLettered counts a message moved to pgsaga_dead_letters.
+func (m *Metrics) DeadLettered(topic, handler string) {
+	if m != nil {
+		m.deadLetters.WithLabelValues(topic, handler).Inc()
+	}
+}
+
+// Retrying counts a failed attempt whose message will be tried again.
+func (m *Metrics) Retrying(topic, handler string) {
+	if m != nil {
+		m.retries.WithLabelValues(topic, handler).Inc()
+	}
+}
+
+// Relayed counts n messages of topic relayed to the broker.
+func (m *Metrics) Relayed(topic string, n int) {
+	if m != nil && n > 0 {
+		m.relayed.WithLabelValues(topic).Add(float64(n))
+	}
+}
+
+// RelayFailed counts a relay batch of topic stopped by a failure.
+func (m *Metrics) RelayFailed(topic string) {
+	if m != nil {
+		m.relayFailures.WithLabelValues(topic).Inc()
+	}
+}
+
+// Received counts a message of topic taken in from the broker.
+func (m *Metrics) Received(topic string) {
+	if m != nil {
+		m.received.WithLabelValues(topic).Inc()
+	}
+}
+
+// ReceiveFailed counts a message of topic handed back to the broker
+// because it could not be queued.
+func (m *Metrics) ReceiveFailed(topic string) {
+	if m != nil {
+		m.receiveErrors.WithLabelValues(topic).Inc()
+	}
+}

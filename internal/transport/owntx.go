@@ -1,0 +1,101 @@
+package transport
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// HandleInTx handles msg outside a consumer, each attempt in a READ
+// COMMITTED transaction of its own that commits when the attempt succeeds:
+// the counterpart of a Router handler for messages that arrive another way
+// (an HTTP request, another transport). The attempt runs as a Router's does
+// (deadline, queued writes, commit guard, Instead); failed attempts are
+// retried after their backoff with no transaction open, and a message whose
+// attempts ran out, or that failed permanently, is stored in
+// pgsaga_dead_letters and returned as ErrDeadLettered with the cause. name
+// and topic label the dead letter; name is also its consumer group.
+func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *message.Message, h HandlerFunc, opts ...HandlerOption) error {
+	h = t.wrap(name, name, topic, h)
+	o := handlerOptions{retry: t.cfg.Retry}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	o.retry.setDefaults()
+	if err := o.retry.validate(); err != nil {
+		return fmt.Errorf("transport: %s: %w", name, err)
+	}
+	if o.inProcess {
+		return fmt.Errorf("transport: %s: %w", name, errInProcessRouterOnly)
+	}
+	if err := t.checkServer(ctx); err != nil {
+		return err
+	}
+	log := t.log.With("handler", name, "message_uuid", msg.UUID)
+	for n := 1; ; n++ {
+		err := t.ownAttempt(ctx, msg, n, name, topic, h)
+		if err == nil {
+			return nil
+		}
+		if ctx.Err() != nil {
+			return err
+		}
+		permanent := IsPermanent(err)
+		if !o.retry.final(n, err) {
+			wait := o.retry.backoff(n)
+			log.Warn("attempt failed; retrying", append([]any{"attempt", n, "retry_in", wait, "err", err}, panicStack(err)...)...)
+			t.metrics.Retrying(topic, name)
+			select {
+			case <-time.After(wait):
+				continue
+			case <-ctx.Done():
+				return err
+			}
+		}
+		md, merr := json.Marshal(msg.Metadata)
+		if merr != nil {
+			return errors.Join(err, merr)
+		}
+		if _, derr := t.db.ExecContext(ctx, deadLetterMessageSQL, msg.UUID, topic, name, name, []byte(msg.Payload), string(md), reason(err), n); derr != nil {
+			return errors.Join(err, fmt.Errorf("transport: dead-lettering %s: %w", msg.UUID, derr))
+		}
+		t.metrics.DeadLettered(topic, name)
+		log.Error("message dead-lettered", append([]any{"attempts", n, "permanent", permanent, "reason", err}, panicStack(err)...)...)
+		return fmt.Errorf("%w: %w", ErrDeadLettered, err)
+	}
+}
+
+// ownAttempt runs h in a transaction of its own, with Instead, and commits
+// what it kept.
+func (t *Transport) ownAttempt(ctx context.Context, msg *message.Message, n int, name, topic string, h HandlerFunc) error {
+	c, err := t.acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer c.release()
+	txCtx, cancel := context.WithTimeout(ctx, t.cfg.MaxTransactionDuration())
+	defer cancel()
+	tx, err := c.sql.BeginTx(txCtx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return fmt.Errorf("transport: beginning a transaction: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
+	if err := c.send(ctx, stmt{"bounding the transaction", beginOwnSQL, []any{t.statementTimeout, t.lockTimeout, t.idleTimeout}}); err != nil {
+		return fmt.Errorf("transport: %w", err)
+	}
+	d := &deliveryTx{c: c, tx: tx, own: true, topic: topic, more: func() bool { return false }, expired: func() bool { return txCtx.Err() != nil }}
+	out, herr := t.handle(d, nil, msg, 0, n, name, h)
+	if out != kept {
+		return herr
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("transport: committing: %w", err)
+	}
+	t.runHooks(d.hooks)
+	return nil
+}

@@ -1,0 +1,56 @@
+package steps
+
+import (
+	"context"
+	"time"
+
+	"github.com/pgsaga/pgsaga/internal/dbtx"
+	"github.com/pgsaga/pgsaga/internal/transport"
+)
+
+// What a step's handler touches of delivery. Delivery itself (queues,
+// consumers, attempts, dead letters) is the client's, behind its config
+// (saga.ClientConfig.Transport).
+
+// DBTX is the one database interface of pgsaga: ExecContext, QueryContext
+// and QueryRowContext, as *sql.Tx, *sql.Conn and *sql.DB have them, and a
+// pgx.Tx wrapped by saga.PgxTx. A step's Tx embeds the step's transaction
+// as one; Client.StartTx and PublishTx take the caller's; the idempotency
+// and event stores take one too.
+type DBTX = dbtx.DBTX
+
+// RetryPolicy says how often and how soon a failed delivery is tried again
+// before it is dead-lettered (saga.ClientConfig.Transport.Retry for every
+// handler; Config.Retry and saga.ClientConfig.Retry for steps' and sagas').
+type RetryPolicy = transport.RetryPolicy
+
+// Permanent marks err as permanent: the command is dead-lettered at once
+// instead of retried. Permanent(nil) is nil. For a refusal the sender must
+// hear of (insufficient funds), use Fail: a business failure is answered.
+func Permanent(err error) error { return transport.Permanent(err) }
+
+// IsPermanent reports whether no retry can change how err ended a
+// delivery: a permanent error (Permanent), a business failure (Fail), a
+// command that cannot be decoded, a key reused for another command, or
+// bytes PostgreSQL can never store.
+func IsPermanent(err error) bool { return transport.IsPermanent(err) }
+
+// Await is what a handler returns when its work must wait on something
+// outside the database, such as a call to a payment gateway, that must not
+// hold a transaction open. The step's writes so far are rolled back, call
+// runs outside any transaction within the given bound, and then the
+// handler runs again (Awaited reports true) and finds what call recorded.
+//
+// A queued command is handed back meanwhile, so its batch goes on; a call
+// that fails counts as a failed attempt (retried, then dead-lettered); if
+// the process dies the command comes back after within. A command awaited
+// more times than its retry policy's attempts ends in a dead letter. A
+// call with no function or no positive bound is a permanent failure.
+func Await(within time.Duration, call func(ctx context.Context) error) error {
+	return transport.Await(within, call)
+}
+
+// Awaited reports whether the handler runs right after its awaited call
+// returned (see Await): what the call recorded is there to read, and the
+// handler can answer from it without doing again what led to the call.
+func Awaited(ctx context.Context) bool { return transport.AwaitedFromContext(ctx) }
