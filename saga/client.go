@@ -56,7 +56,7 @@ type ClientConfig struct {
 	EventsNotPublished bool
 
 	// InProcessSteps names steps this client serves (AddSteps) that take
-	// in-process deliveries (transport.InProcess): a command for one of
+	// in-process deliveries: a command for one of
 	// them published from a delivery attempt of this process (the
 	// engine's, typically) runs at once in that attempt, with the same
 	// idempotency key, stored reply and saga timeline as through the

@@ -41,7 +41,7 @@ type SweepResult struct {
 
 // Sweep handles instances whose in-flight command is overdue, each in a
 // transaction of its own. A command that has not left this database yet
-// (transport.Departed: the broker or every participant is down, or
+// (it is still queued for its consumer group or the relay: the broker or every participant is down, or
 // behind) is not overdue: its deadline starts again once it leaves. One
 // that left and got no reply is sent again with the same key until the
 // step's MaxAttempts, then given up on (an action: the saga compensates; a

@@ -65,8 +65,8 @@ import (
 
 // Handler handles one command of type C in the step's transaction. It
 // returns the reply, Fail for a business failure (stored and answered), or
-// another error: transient ones are retried, final ones (outcome.Final:
-// transport.Permanent, and the other packages' business failures such as
+// another error: transient ones are retried, final ones (IsPermanent:
+// Permanent, and the other packages' business failures such as
 // idempotency.Reject, which a step does not answer) dead-letter the command.
 type Handler[C Message] func(ctx context.Context, tx *Tx, cmd C) (Message, error)
 

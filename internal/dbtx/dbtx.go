@@ -1,7 +1,6 @@
 // Package dbtx holds the one database interface pgsaga's packages take:
-// what *sql.Tx, *sql.Conn and *sql.DB have in common. The public packages
-// name it by aliases (transport.Tx, idempotency.DBTX, events.DBTX), so
-// one value passes through all of them.
+// what *sql.Tx, *sql.Conn and *sql.DB have in common. Users name it
+// steps.DBTX (an alias), and one value passes through every package.
 package dbtx
 
 import (

@@ -1,10 +1,9 @@
 // Package metadata names every Watermill metadata key pgsaga reads or
 // writes, in one place: the contract between the transport, the
 // idempotency middleware, the step runtime, the event store, the saga
-// engine and anything else that reads the topics. The packages that use a
-// key re-export it under their own names (steps.MetaType,
-// idempotency.ReplyToMetadata, events.MetaStreamID,
-// transport.DeadLetterReason, …); the strings are fixed here.
+// engine and anything else that reads the topics. The public packages
+// export the keys users read, one name each (steps.MetaType,
+// steps.MetaReplyTo, events.MetaStreamID, …); the strings are fixed here.
 package metadata
 
 // The envelope: every message pgsaga sends carries these.

@@ -49,7 +49,7 @@ type Run struct {
 
 // New starts a run that injects faults into the deliveries of a client on
 // db. Build the client with Intercept as its transport's
-// (transport.Config.Intercept), register what it serves, then Start.
+// (saga.TransportConfig.Intercept), register what it serves, then Start.
 func New(t testing.TB, db *sql.DB, faults Faults) *Run {
 	t.Helper()
 	log := slog.New(slog.DiscardHandler)
@@ -63,7 +63,7 @@ func New(t testing.TB, db *sql.DB, faults Faults) *Run {
 }
 
 // Intercept injects the run's faults into a handler: the client's
-// transport.Config.Intercept.
+// saga.TransportConfig.Intercept.
 func (r *Run) Intercept(handler string, h transport.HandlerFunc) transport.HandlerFunc {
 	return r.injector.Intercept(handler, h)
 }

@@ -7,7 +7,7 @@
 //
 //   - Relay: every message published to a relayed topic in this database
 //     (through the outbox, in the publisher's transaction) is queued for
-//     the relay's consumer group (transport.RelayGroup) and published to
+//     the relay's consumer group ("pgsaga.relay") and published to
 //     the broker, at least once and in the order it was queued: one relay
 //     per topic at a time on the database, messages taken from the head of
 //     the queue, each published and stored by the broker before the next,

@@ -14,7 +14,7 @@ import (
 )
 
 // ReceiveHandler names the bridge's receiving side in the dead letters it
-// leaves; they cannot be replayed (transport.ErrNotReplayable).
+// leaves; they cannot be replayed (pgsaga dead-letters replay refuses them).
 const ReceiveHandler = transport.ReceiveHandler
 
 // startInbox subscribes Consumers consumers to each received topic.

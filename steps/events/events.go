@@ -33,8 +33,8 @@ import (
 )
 
 // Projection is a handler that keeps a read model (a view table) from the
-// events of a topic, in a transaction the transport hands it
-// (transport.TxFromContext): asynchronous, in the transaction of each
+// events of a topic, in a transaction it is handed (Handle's tx):
+// asynchronous, in the transaction of each
 // delivery of the event (the default), or inline, in the transaction that
 // appends it. Register it with saga.Client.AddProjections.
 type Projection struct {
