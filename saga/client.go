@@ -73,11 +73,21 @@ type ClientConfig struct {
 	// trigger and reply is queued.
 	InProcessEngine bool
 
-	// SweepInterval, FinishedChannel and Retry configure the engine (see
-	// Config).
-	SweepInterval   time.Duration
+	// SweepInterval is how often the sweeper looks for overdue commands.
+	// Default: 1s.
+	SweepInterval time.Duration
+	// FinishedChannel, if set, is a PostgreSQL notification channel: every
+	// saga that ends (completed, compensated, failed) sends a notification
+	// on it, with its id as the payload, in the transaction that ends it,
+	// so it is delivered when, and only if, that transaction commits.
+	// WaitFinished and ListenFinished wait on it. Each notification adds a
+	// little to the finishing commit, so it is off by default. Default: ""
+	// (none).
 	FinishedChannel string
-	Retry           *steps.RetryPolicy
+	// Retry is the retry policy of the engine's handlers (triggers,
+	// replies, operator requests). Default: Transport.Retry. A trigger or
+	// reply the engine cannot use is dead-lettered, with the reason.
+	Retry *steps.RetryPolicy
 
 	// KeyTTL is how long finished idempotency keys are kept; a duplicate
 	// arriving later runs again. Default: KeyTTLDefault.
@@ -124,7 +134,7 @@ type Client struct {
 	idempotency *idempotency.Store
 	events      *events.Store
 	runtime     *steps.Runtime
-	engine      *Engine
+	engine      *engine
 	bridge      *broker.Bridge // nil without a broker
 	cfg         ClientConfig
 	log         *slog.Logger
@@ -213,7 +223,7 @@ func newClient(db *sql.DB, cfg ClientConfig) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	engine, err := NewEngine(Config{DB: db, Transport: tr, Retry: cfg.Retry, SweepInterval: cfg.SweepInterval,
+	engine, err := newEngine(engineConfig{DB: db, Transport: tr, Retry: cfg.Retry, SweepInterval: cfg.SweepInterval,
 		FinishedChannel: cfg.FinishedChannel, Logger: cfg.Logger})
 	if err != nil {
 		return nil, err
@@ -270,9 +280,6 @@ func (c *Client) Events() *events.Store { return c.events }
 
 // Runtime runs the client's steps.
 func (c *Client) Runtime() *steps.Runtime { return c.runtime }
-
-// Engine drives the client's sagas: inspect, list and retry them there.
-func (c *Client) Engine() *Engine { return c.engine }
 
 // Bridge is the client's bridge to its message broker (ClientConfig.Broker),
 // nil without one. Start and Stop run it; a test that runs workers of its
@@ -411,7 +418,7 @@ func (c *Client) Subscriptions() []transport.Subscription {
 
 // Setup records the step lists of the client's saga definitions (refusing
 // one whose steps changed without a new Version while instances of it are
-// unfinished: ErrDefinitionChanged, see Engine.RecordDefinitions) and its
+// unfinished: ErrDefinitionChanged) and its
 // subscriptions, so that nothing published
 // before its first worker starts goes unrouted (a message reaches the
 // consumer groups its topic had when it was published). Start does it;

@@ -146,7 +146,7 @@ func TestClientStartTxFollowsTheCallersTransaction(t *testing.T) {
 	}
 	require.NoError(t, rows.Err())
 	assert.Equal(t, []string{"ada@example.com"}, emails, "the rolled-back start started nothing")
-	_, err = c.Engine().Get(ctx, saga.ID(def.Name, "ghost@example.com"))
+	_, err = c.Get(ctx, saga.ID(def.Name, "ghost@example.com"))
 	require.ErrorIs(t, err, saga.ErrNotFound)
 }
 
@@ -357,11 +357,11 @@ func TestClientStartTxInProcessStartsInTheCallersTransaction(t *testing.T) {
 	}
 	signUp(t, c, def, "ghost@example.com", false)
 	signUp(t, c, def, "ada@example.com", true)
-	inst, err := c.Engine().Get(context.Background(), saga.ID(def.Name, "ada@example.com"))
+	inst, err := c.Get(context.Background(), saga.ID(def.Name, "ada@example.com"))
 	require.NoError(t, err, "started at commit, with no worker running")
 	assert.Equal(t, saga.StatusRunning, inst.Status)
 	assert.Equal(t, "account", inst.Step)
-	_, err = c.Engine().Get(context.Background(), saga.ID(def.Name, "ghost@example.com"))
+	_, err = c.Get(context.Background(), saga.ID(def.Name, "ghost@example.com"))
 	require.ErrorIs(t, err, saga.ErrNotFound)
 	assert.Zero(t, queued(def.Trigger), "no trigger queued")
 	assert.Equal(t, 1, queued("accounts.open"), "the first command is queued")
@@ -424,7 +424,7 @@ func TestClientStartTxInAPgxTx(t *testing.T) {
 			assert.Zero(t, notes(), "a rolled-back pgx transaction publishes nothing")
 			id := start("ada@example.com", true)
 			assert.Equal(t, 1, notes(), "published at the pgx transaction's commit")
-			_, err = c.Engine().Get(ctx, id)
+			_, err = c.Get(ctx, id)
 			if inProcess {
 				require.NoError(t, err, "the engine started it in the pgx transaction, with no worker running")
 			} else {
@@ -435,7 +435,7 @@ func TestClientStartTxInAPgxTx(t *testing.T) {
 			assert.Equal(t, saga.StatusCompleted, done.Status)
 			assert.Equal(t, "ada@example.com", done.CorrelationID, "the saga's correlation id is its key")
 			assert.Equal(t, saga.ID(def.Name, "ada@example.com"), id)
-			_, err = c.Engine().Get(ctx, ghost)
+			_, err = c.Get(ctx, ghost)
 			require.ErrorIs(t, err, saga.ErrNotFound, "a rolled-back pgx transaction starts nothing")
 		})
 	}

@@ -37,7 +37,7 @@
 // the participant, and a duplicate or late reply changes nothing. A failed
 // step compensates the completed ones in reverse order; the deadline
 // sweeper re-sends overdue commands and gives up on them in the end.
-// Client.Engine().Get, List and Retry inspect and repair instances.
+// Client.Get, List and Retry inspect and repair instances.
 package saga
 
 import (
@@ -199,7 +199,7 @@ func OnReply[D any, R steps.Message](c *Command[D], update func(data *D, reply R
 	return c
 }
 
-// Definition is a Spec ready for an Engine: build it with Define.
+// Definition is a Spec ready for a Client (Register): build it with Define.
 type Definition struct {
 	Name       string
 	Version    int

@@ -27,7 +27,7 @@ var ErrDefinitionChanged = errors.New("saga: a definition's steps changed withou
 // compensation: Definition.Fingerprint); deadlines, attempts and topics
 // may change freely. Client.Setup (so Start) calls it; safe in several
 // processes at once.
-func (e *Engine) RecordDefinitions(ctx context.Context) error {
+func (e *engine) RecordDefinitions(ctx context.Context) error {
 	e.mu.RLock()
 	var defs []*Definition
 	for _, vs := range e.defs {
@@ -48,7 +48,7 @@ func (e *Engine) RecordDefinitions(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
-func (e *Engine) recordDefinition(ctx context.Context, d *Definition) error {
+func (e *engine) recordDefinition(ctx context.Context, d *Definition) error {
 	shape, _ := json.Marshal(d.shape())
 	fp := d.Fingerprint()
 	tx, err := e.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})

@@ -62,8 +62,8 @@ var (
 	ErrConcurrentChange  = errors.New("saga: instance changed concurrently")
 )
 
-// Config configures an Engine.
-type Config struct {
+// engineConfig configures an Engine.
+type engineConfig struct {
 	// DB is required (the sweeper and the operator API open their own
 	// transactions).
 	DB *sql.DB
@@ -93,8 +93,8 @@ type Config struct {
 }
 
 // Engine drives saga instances.
-type Engine struct {
-	cfg     Config
+type engine struct {
+	cfg     engineConfig
 	log     *slog.Logger
 	retry   transport.RetryPolicy
 	metrics *telemetry.Metrics
@@ -106,7 +106,7 @@ type Engine struct {
 }
 
 // NewEngine validates cfg and returns an Engine.
-func NewEngine(cfg Config) (*Engine, error) {
+func newEngine(cfg engineConfig) (*engine, error) {
 	if cfg.DB == nil || cfg.Transport == nil {
 		return nil, errors.New("saga: Config.DB and Config.Transport are required")
 	}
@@ -126,13 +126,13 @@ func NewEngine(cfg Config) (*Engine, error) {
 	if cfg.Retry != nil {
 		retry = *cfg.Retry
 	}
-	return &Engine{cfg: cfg, log: cfg.Logger, retry: retry, metrics: cfg.Transport.Metrics(), trace: cfg.Transport.Tracing(),
+	return &engine{cfg: cfg, log: cfg.Logger, retry: retry, metrics: cfg.Transport.Metrics(), trace: cfg.Transport.Tracing(),
 		defs: map[string]map[int]*Definition{}, latest: map[string]*Definition{}}, nil
 }
 
 // Register adds a definition. Several versions of one saga may be registered:
 // new instances start with the highest, running ones continue with theirs.
-func (e *Engine) Register(d *Definition) error {
+func (e *engine) Register(d *Definition) error {
 	if d == nil || d.start == nil {
 		return errors.New("saga: register a definition built with Define")
 	}
@@ -154,7 +154,7 @@ func (e *Engine) Register(d *Definition) error {
 	return nil
 }
 
-func (e *Engine) definition(name string, version int) (*Definition, bool) {
+func (e *engine) definition(name string, version int) (*Definition, bool) {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
 	d, ok := e.defs[name][version]
@@ -162,7 +162,7 @@ func (e *Engine) definition(name string, version int) (*Definition, bool) {
 }
 
 // unknown is ErrUnknownDefinition for inst, saying which.
-func (e *Engine) unknown(inst *instance) error {
+func (e *engine) unknown(inst *instance) error {
 	if _, ok := e.definition(inst.Type, inst.DefVersion); ok {
 		return fmt.Errorf("%w: %s version %d with the steps the instance started with (this process has other steps under that version)",
 			ErrUnknownDefinition, inst.Type, inst.DefVersion)
@@ -173,7 +173,7 @@ func (e *Engine) unknown(inst *instance) error {
 // definitionOf is inst's definition, if this process knows it: its
 // version, with the step list inst started with (a process whose
 // definition of the version has other steps would misread it).
-func (e *Engine) definitionOf(inst *instance) (*Definition, bool) {
+func (e *engine) definitionOf(inst *instance) (*Definition, bool) {
 	d, ok := e.definition(inst.Type, inst.DefVersion)
 	if !ok || inst.Fingerprint != "" && inst.Fingerprint != d.fingerprint {
 		return nil, false
@@ -184,7 +184,7 @@ func (e *Engine) definitionOf(inst *instance) (*Definition, bool) {
 // Subscriptions lists what the engine consumes, for Transport.Subscribe:
 // the trigger and reply topics of every registered saga, each under the
 // consumer group of its handler.
-func (e *Engine) Subscriptions() []transport.Subscription {
+func (e *engine) Subscriptions() []transport.Subscription {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
 	names := make([]string, 0, len(e.latest))
@@ -209,7 +209,7 @@ func replyHandler(saga string) string   { return "saga." + saga + ".replies" }
 // addHandlers subscribes the engine to the trigger and reply topics of every
 // registered saga on r. opts add to the handlers' options
 // (transport.InProcess, say); their retry policy is the engine's.
-func (e *Engine) addHandlers(r *transport.Router, opts ...transport.HandlerOption) error {
+func (e *engine) addHandlers(r *transport.Router, opts ...transport.HandlerOption) error {
 	e.mu.RLock()
 	latest := make([]*Definition, 0, len(e.latest))
 	for _, d := range e.latest {
@@ -306,7 +306,7 @@ type pendingCommand struct {
 
 // handleTrigger starts an instance of saga name from a trigger message, in
 // the message's transaction. A second trigger with the same key does nothing.
-func (e *Engine) handleTrigger(name string, msg *message.Message) (err error) {
+func (e *engine) handleTrigger(name string, msg *message.Message) (err error) {
 	ctx := msg.Context()
 	tx, ok := transport.TxFromContext(ctx)
 	if !ok {
@@ -358,7 +358,7 @@ func (e *Engine) handleTrigger(name string, msg *message.Message) (err error) {
 // changes nothing. A reply for an unknown saga, or for an instance of a
 // definition version this process does not know, is dead-lettered with the
 // reason.
-func (e *Engine) handleReply(msg *message.Message) (err error) {
+func (e *engine) handleReply(msg *message.Message) (err error) {
 	ctx := msg.Context()
 	tx, ok := transport.TxFromContext(ctx)
 	if !ok {
@@ -454,7 +454,7 @@ func (e *Engine) handleReply(msg *message.Message) (err error) {
 // parkMismatched parks instance id, which its definition cannot read, in
 // the transaction of reply msg, which it consumes: nothing it could do
 // with the reply would be right.
-func (e *Engine) parkMismatched(ctx context.Context, tx steps.DBTX, id uuid.UUID, msg *message.Message) (err error) {
+func (e *engine) parkMismatched(ctx context.Context, tx steps.DBTX, id uuid.UUID, msg *message.Message) (err error) {
 	inst, def, err := e.replyInstance(ctx, tx, id, msg, true)
 	if err != nil {
 		return err
@@ -475,7 +475,7 @@ func (e *Engine) parkMismatched(ctx context.Context, tx steps.DBTX, id uuid.UUID
 
 // replyInstance loads the instance reply msg is for, locking it if lock,
 // and its definition.
-func (e *Engine) replyInstance(ctx context.Context, tx steps.DBTX, id uuid.UUID, msg *message.Message, lock bool) (*instance, *Definition, error) {
+func (e *engine) replyInstance(ctx context.Context, tx steps.DBTX, id uuid.UUID, msg *message.Message, lock bool) (*instance, *Definition, error) {
 	inst, err := loadInstance(ctx, tx, id, lock)
 	if errors.Is(err, ErrNotFound) {
 		return nil, nil, transport.Permanent(fmt.Errorf("saga: reply %s for unknown saga %s", msg.UUID, id))
@@ -491,7 +491,7 @@ func (e *Engine) replyInstance(ctx context.Context, tx steps.DBTX, id uuid.UUID,
 // (the reply's causation); nil if it is not (or there is no such
 // instance, or no command named). An instance the batch loaded for the
 // reply (see instanceLoad) is taken unlocked instead.
-func (e *Engine) replyInstanceByCommand(ctx context.Context, tx steps.DBTX, id uuid.UUID, command string, msg *message.Message) (*instance, *Definition, error) {
+func (e *engine) replyInstanceByCommand(ctx context.Context, tx steps.DBTX, id uuid.UUID, command string, msg *message.Message) (*instance, *Definition, error) {
 	if command == "" {
 		return nil, nil, nil
 	}
@@ -512,7 +512,7 @@ func (e *Engine) replyInstanceByCommand(ctx context.Context, tx steps.DBTX, id u
 // withDefinition returns inst with its definition; a reply msg for an
 // instance of a definition this process does not know is refused
 // permanently.
-func (e *Engine) withDefinition(inst *instance, msg *message.Message) (*instance, *Definition, error) {
+func (e *engine) withDefinition(inst *instance, msg *message.Message) (*instance, *Definition, error) {
 	def, ok := e.definitionOf(inst)
 	if !ok {
 		return nil, nil, transport.Permanent(fmt.Errorf("reply %s for saga %s: %w", msg.UUID, inst.ID, e.unknown(inst)))
@@ -545,7 +545,7 @@ func CommandKey(id uuid.UUID, step string, phase Phase, generation int) string {
 
 // advance moves past the current step to the next one with an action and
 // sends it, or completes the saga.
-func (e *Engine) advance(inst *instance, def *Definition, cause string) error {
+func (e *engine) advance(inst *instance, def *Definition, cause string) error {
 	for i := inst.Step + 1; i < len(def.steps); i++ {
 		if def.steps[i].action == nil {
 			continue // done by the trigger
@@ -560,7 +560,7 @@ func (e *Engine) advance(inst *instance, def *Definition, cause string) error {
 
 // compensate undoes the steps before step `from`, last first: it sends the
 // next compensation, or ends the saga compensated.
-func (e *Engine) compensate(inst *instance, def *Definition, from int, cause string) error {
+func (e *engine) compensate(inst *instance, def *Definition, from int, cause string) error {
 	inst.Status = StatusCompensating
 	for i := from - 1; i >= 0; i-- {
 		if def.steps[i].compensation == nil {
@@ -576,7 +576,7 @@ func (e *Engine) compensate(inst *instance, def *Definition, from int, cause str
 
 // park ends the saga as failed: a compensation could not be done. The
 // reason follows the original failure's, after parkSeparator.
-func (e *Engine) park(inst *instance, def *Definition, reason string) {
+func (e *engine) park(inst *instance, def *Definition, reason string) {
 	if inst.FailureReason != "" {
 		reason = inst.FailureReason + parkSeparator + reason
 	}
@@ -586,7 +586,7 @@ func (e *Engine) park(inst *instance, def *Definition, reason string) {
 
 const parkSeparator = "; then "
 
-func (e *Engine) finish(inst *instance, status Status, reason string) {
+func (e *engine) finish(inst *instance, status Status, reason string) {
 	inst.Status = status
 	if reason != "" {
 		inst.FailureReason = reason
@@ -600,7 +600,7 @@ func (e *Engine) finish(inst *instance, status Status, reason string) {
 
 // send queues the in-flight command (again, on a re-send) and sets its
 // deadline.
-func (e *Engine) send(inst *instance, def *Definition, cause string) error {
+func (e *engine) send(inst *instance, def *Definition, cause string) error {
 	step := def.steps[inst.Step]
 	cmd := step.action
 	if inst.Phase == PhaseCompensation {
@@ -669,7 +669,7 @@ func stepName(def *Definition, i int) string {
 // Version. The sweeper and the reply handler park such an instance with
 // the reason; an operator's retry or cancel of it is refused. Refused at
 // start: a definition whose steps changed while instances of its version
-// are unfinished (see Engine.RecordDefinitions).
+// are unfinished (ErrDefinitionChanged).
 var ErrDefinitionMismatch = errors.New("saga: instance does not match its definition")
 
 // mismatchReason is the failure reason of an instance parked for m.
@@ -706,7 +706,7 @@ func (inst *instance) mismatch(def *Definition) error {
 
 // save writes an existing instance's new state, its timeline and its
 // commands in tx.
-func (e *Engine) save(ctx context.Context, tx steps.DBTX, inst *instance) error {
+func (e *engine) save(ctx context.Context, tx steps.DBTX, inst *instance) error {
 	if err := updateInstance(ctx, tx, inst); err != nil {
 		return err
 	}
@@ -715,7 +715,7 @@ func (e *Engine) save(ctx context.Context, tx steps.DBTX, inst *instance) error 
 
 // flush writes the queued timeline entries and publishes the queued
 // commands in tx.
-func (e *Engine) flush(ctx context.Context, tx steps.DBTX, inst *instance) error {
+func (e *engine) flush(ctx context.Context, tx steps.DBTX, inst *instance) error {
 	if err := appendHistory(ctx, tx, inst.ID, inst.history); err != nil {
 		return err
 	}
@@ -747,7 +747,7 @@ func (e *Engine) flush(ctx context.Context, tx steps.DBTX, inst *instance) error
 // pgsaga_sagas_finished_total) and the commands it sent again
 // (pgsaga_saga_commands_resent_total). Call it before the reaction's
 // timeline is written.
-func (e *Engine) tell(inst *instance) func() {
+func (e *engine) tell(inst *instance) func() {
 	from, to := inst.told, inst.Status
 	var resent []string
 	for _, h := range inst.history {
@@ -836,7 +836,7 @@ func afterCommit(tx steps.DBTX, fn func()) {
 // the saga led to (the sweeper's, an operator's, whose request is then a
 // link), a child of the saga's trace as stored with the instance, so that
 // one saga is one trace.
-func (e *Engine) decide(ctx context.Context, decision string, inst *instance) (context.Context, trace.Span) {
+func (e *engine) decide(ctx context.Context, decision string, inst *instance) (context.Context, trace.Span) {
 	var opts []trace.SpanStartOption
 	own := decision != "start" && decision != "reply"
 	if parent := trace.SpanContextFromContext(ctx); inst.TraceParent != "" && (own || !parent.IsValid()) {
@@ -851,7 +851,7 @@ func (e *Engine) decide(ctx context.Context, decision string, inst *instance) (c
 }
 
 // decided ends a decision's span with the state it left inst in.
-func (e *Engine) decided(span trace.Span, inst *instance, err error) {
+func (e *engine) decided(span trace.Span, inst *instance, err error) {
 	attrs := []attribute.KeyValue{telemetry.AttrStatus.String(string(inst.Status))}
 	if inst.Step >= 0 {
 		if def, ok := e.definitionOf(inst); ok && inst.Step < len(def.steps) {

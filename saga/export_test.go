@@ -14,3 +14,22 @@ func (e *Engine) AddHandlers(r *transport.Router, opts ...transport.HandlerOptio
 }
 
 func (e *Engine) HandleReply(msg *message.Message) error { return e.handleReply(msg) }
+
+// The engine and the operator calls the Client wraps, for the tests that
+// drive them directly.
+type (
+	Engine            = engine
+	Config            = engineConfig
+	SweepResult       = sweepResult
+	PruneResult       = pruneResult
+	UnknownDefinition = unknownDefinition
+)
+
+var (
+	NewEngine       = newEngine
+	Ask             = ask
+	RequestStatus   = requestStatus
+	RequestStatuses = requestStatuses
+	CountSelected   = countSelected
+	SelectedIDs     = selectedIDs
+)

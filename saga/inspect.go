@@ -50,7 +50,7 @@ type HistoryEntry struct {
 	Detail    string
 }
 
-func (e *Engine) public(inst *instance) Instance {
+func (e *engine) public(inst *instance) Instance {
 	return publicInstance(inst, func(step int) (string, bool) {
 		def, ok := e.definitionOf(inst)
 		if !ok || step >= len(def.steps) {
@@ -79,13 +79,25 @@ func publicInstance(inst *instance, name func(step int) (string, bool)) Instance
 	return out
 }
 
-// Get returns an instance with its timeline.
-func (e *Engine) Get(ctx context.Context, id uuid.UUID) (Instance, error) {
+// Get returns an instance with its timeline (Client.Get).
+func (e *engine) Get(ctx context.Context, id uuid.UUID) (Instance, error) {
 	inst, err := loadInstance(ctx, e.cfg.DB, id, false)
 	if err != nil {
 		return Instance{}, err
 	}
-	return withHistory(ctx, e.cfg.DB, e.public(inst))
+	timeline, err := withHistory(ctx, e.cfg.DB, Instance{ID: id})
+	if err != nil {
+		return Instance{}, err
+	}
+	for _, h := range slices.Backward(timeline.History) {
+		if h.Step != "" {
+			inst.lastStep = h.Step // its name, if the definition is not known here
+			break
+		}
+	}
+	out := e.public(inst)
+	out.History = timeline.History
+	return out, nil
 }
 
 // withHistory adds its timeline to out.
@@ -120,8 +132,8 @@ type Filter struct {
 	Limit int
 }
 
-// List returns instances by status and age, least recently updated first.
-func (e *Engine) List(ctx context.Context, f Filter) ([]Instance, error) {
+// List is Client.List.
+func (e *engine) List(ctx context.Context, f Filter) ([]Instance, error) {
 	return list(ctx, e.cfg.DB, f, e.public)
 }
 
@@ -149,49 +161,8 @@ func list(ctx context.Context, db *sql.DB, f Filter, public func(*instance) Inst
 	return out, rows.Err()
 }
 
-// Inspector reads saga instances and their timelines without their
-// definitions: what an operator's tool, which runs no saga, needs. A
-// step is named as the instance's timeline last named it.
-type Inspector struct {
-	db *sql.DB
-}
-
-// NewInspector returns an Inspector of the sagas in db.
-func NewInspector(db *sql.DB) *Inspector { return &Inspector{db: db} }
-
-// List returns instances by status and age, least recently updated first.
-func (i *Inspector) List(ctx context.Context, f Filter) ([]Instance, error) {
-	return list(ctx, i.db, f, inspected)
-}
-
-// Get returns an instance with its timeline; ErrNotFound if there is none.
-func (i *Inspector) Get(ctx context.Context, id uuid.UUID) (Instance, error) {
-	inst, err := loadInstance(ctx, i.db, id, false)
-	if err != nil {
-		return Instance{}, err
-	}
-	timeline, err := withHistory(ctx, i.db, Instance{ID: id})
-	if err != nil {
-		return Instance{}, err
-	}
-	for _, h := range slices.Backward(timeline.History) {
-		if h.Step != "" {
-			inst.lastStep = h.Step
-			break
-		}
-	}
-	out := inspected(inst)
-	out.History = timeline.History
-	return out, nil
-}
-
-// inspected is inst made public without its definition.
-func inspected(inst *instance) Instance {
-	return publicInstance(inst, func(int) (string, bool) { return inst.lastStep, inst.lastStep != "" })
-}
-
-// Counts returns how many instances each saga type has in each status.
-func (e *Engine) Counts(ctx context.Context) (map[string]map[Status]int, error) {
+// Counts is Client.Counts.
+func (e *engine) Counts(ctx context.Context) (map[string]map[Status]int, error) {
 	rows, err := e.cfg.DB.QueryContext(ctx, countsSQL)
 	if err != nil {
 		return nil, fmt.Errorf("saga: counting instances: %w", err)
@@ -212,11 +183,11 @@ func (e *Engine) Counts(ctx context.Context) (map[string]map[Status]int, error) 
 	return out, rows.Err()
 }
 
-// UnknownDefinition counts running instances of a definition version this
+// unknownDefinition counts running instances of a definition version this
 // process does not know, or knows with other steps than they started
 // with (OtherSteps: a definition changed without a new version, in
 // another process).
-type UnknownDefinition struct {
+type unknownDefinition struct {
 	Name       string
 	Version    int
 	Instances  int
@@ -227,16 +198,16 @@ type UnknownDefinition struct {
 // this process does not know, or knows with other steps: they are not
 // driven (a reply for them is dead-lettered with the reason) until a
 // process that knows it runs.
-func (e *Engine) UnknownDefinitions(ctx context.Context) ([]UnknownDefinition, error) {
+func (e *engine) UnknownDefinitions(ctx context.Context) ([]unknownDefinition, error) {
 	rows, err := e.cfg.DB.QueryContext(ctx, activeDefinitionsSQL)
 	if err != nil {
 		return nil, fmt.Errorf("saga: reading definitions in use: %w", err)
 	}
 	defer rows.Close()
-	var out []UnknownDefinition
+	var out []unknownDefinition
 	for rows.Next() {
 		var (
-			u  UnknownDefinition
+			u  unknownDefinition
 			fp string
 		)
 		if err := rows.Scan(&u.Name, &u.Version, &fp, &u.Instances); err != nil {
@@ -253,24 +224,13 @@ func (e *Engine) UnknownDefinitions(ctx context.Context) ([]UnknownDefinition, e
 	return out, rows.Err()
 }
 
-// Retry gets a stuck or parked instance moving again:
-//
-//   - failed (a compensation could not be done): its compensation is sent
-//     again under a fresh key (a new generation), so a participant that
-//     stored a failure for the old key runs it anew; on success the saga
-//     compensates on;
-//   - running or compensating: the in-flight command is sent again now, with
-//     its key, and its attempts start over (a running saga's own deadline,
-//     Spec.Timeout, too).
-//
-// Completed and compensated instances are ErrNotRetryable, and so is an
-// instance its definition cannot read (ErrDefinitionMismatch too).
-func (e *Engine) Retry(ctx context.Context, id uuid.UUID) error {
+// Retry is Client.Retry.
+func (e *engine) Retry(ctx context.Context, id uuid.UUID) error {
 	return e.inTx(ctx, "retrying "+id.String(), func(tx steps.DBTX) error { return e.RetryTx(ctx, tx, id) })
 }
 
 // inTx runs fn in a READ COMMITTED transaction of its own.
-func (e *Engine) inTx(ctx context.Context, what string, fn func(tx steps.DBTX) error) error {
+func (e *engine) inTx(ctx context.Context, what string, fn func(tx steps.DBTX) error) error {
 	tx, err := e.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return fmt.Errorf("saga: %s: %w", what, err)
@@ -286,8 +246,8 @@ func (e *Engine) inTx(ctx context.Context, what string, fn func(tx steps.DBTX) e
 	return nil
 }
 
-// RetryTx is Retry in the caller's transaction.
-func (e *Engine) RetryTx(ctx context.Context, tx steps.DBTX, id uuid.UUID) (err error) {
+// RetryTx is Client.RetryTx.
+func (e *engine) RetryTx(ctx context.Context, tx steps.DBTX, id uuid.UUID) (err error) {
 	inst, err := loadInstance(ctx, tx, id, true)
 	if err != nil {
 		return err
@@ -325,20 +285,13 @@ func (e *Engine) RetryTx(ctx context.Context, tx steps.DBTX, id uuid.UUID) (err 
 	return e.save(ctx, tx, inst)
 }
 
-// Cancel compensates a running saga on purpose: the step in flight is
-// compensated too (its action may have happened, or happen later: its
-// compensation must be fenced, as after a deadline the engine gave up on),
-// then the steps before it, last first; the saga ends compensated. The
-// timeline says "cancelled" with reason. A saga compensating or
-// compensated already is left as it is (nil); a completed or parked one is
-// ErrNotCancellable, and so is one its definition cannot read
-// (ErrDefinitionMismatch too).
-func (e *Engine) Cancel(ctx context.Context, id uuid.UUID, reason string) error {
+// Cancel is Client.Cancel.
+func (e *engine) Cancel(ctx context.Context, id uuid.UUID, reason string) error {
 	return e.inTx(ctx, "cancelling "+id.String(), func(tx steps.DBTX) error { return e.CancelTx(ctx, tx, id, reason) })
 }
 
-// CancelTx is Cancel in the caller's transaction.
-func (e *Engine) CancelTx(ctx context.Context, tx steps.DBTX, id uuid.UUID, reason string) (err error) {
+// CancelTx is Client.CancelTx.
+func (e *engine) CancelTx(ctx context.Context, tx steps.DBTX, id uuid.UUID, reason string) (err error) {
 	inst, err := loadInstance(ctx, tx, id, true)
 	if err != nil {
 		return err

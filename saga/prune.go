@@ -8,7 +8,7 @@ import (
 	"time"
 )
 
-// PruneConfig says what Engine.Prune deletes. Zero durations keep
+// PruneConfig says what the retention job (ClientConfig.Prune) deletes. Zero durations keep
 // everything of their kind.
 type PruneConfig struct {
 	// History deletes the timelines of sagas that completed or compensated
@@ -42,8 +42,8 @@ func (c *PruneConfig) setDefaults() error {
 	return nil
 }
 
-// PruneResult says what one pass deleted.
-type PruneResult struct {
+// pruneResult says what one pass deleted.
+type pruneResult struct {
 	HistoryEntries int
 	Instances      int
 }
@@ -51,8 +51,8 @@ type PruneResult struct {
 // Prune deletes what cfg says, batch by batch, each batch its own
 // transaction, skipping rows another pruner or a reaction holds: several
 // processes may prune at once.
-func (e *Engine) Prune(ctx context.Context, cfg PruneConfig) (PruneResult, error) {
-	var res PruneResult
+func (e *engine) Prune(ctx context.Context, cfg PruneConfig) (pruneResult, error) {
+	var res pruneResult
 	if err := cfg.setDefaults(); err != nil {
 		return res, err
 	}
@@ -83,7 +83,7 @@ func (e *Engine) Prune(ctx context.Context, cfg PruneConfig) (PruneResult, error
 }
 
 // RunPrune prunes every cfg.Interval until ctx is done.
-func (e *Engine) RunPrune(ctx context.Context, cfg PruneConfig) error {
+func (e *engine) RunPrune(ctx context.Context, cfg PruneConfig) error {
 	if err := cfg.setDefaults(); err != nil {
 		return err
 	}
@@ -94,7 +94,7 @@ func (e *Engine) RunPrune(ctx context.Context, cfg PruneConfig) error {
 		switch {
 		case err != nil && ctx.Err() == nil:
 			e.log.Error("pruning finished sagas", "err", err)
-		case res != (PruneResult{}):
+		case res != (pruneResult{}):
 			e.log.Log(ctx, slog.LevelDebug, "pruned finished sagas", "history_entries", res.HistoryEntries, "instances", res.Instances)
 		}
 		select {

@@ -25,8 +25,8 @@ type RequestKind string
 
 // Kinds of request.
 const (
-	RequestRetry  RequestKind = "retry"  // Engine.Retry
-	RequestCancel RequestKind = "cancel" // Engine.Cancel
+	RequestRetry  RequestKind = "retry"  // Client.Retry
+	RequestCancel RequestKind = "cancel" // Client.Cancel
 )
 
 // Outcomes of a request carried out.
@@ -62,16 +62,8 @@ func (r Request) Lost() bool { return r.DoneAt == nil && !r.Queued }
 // ErrInvalidRequest: a request kind Ask does not know.
 var ErrInvalidRequest = errors.New("saga: invalid request")
 
-// Ask records an operator's request for saga id and publishes it to the
-// workers, in one transaction: a worker whose engine knows the saga's
-// definition carries it out at once (it is woken, not polled), in the
-// delivery's transaction, and records the outcome (RequestStatus). A tool
-// that runs no saga can ask. Asking again before the saga changed is the
-// same request: it is carried out once. While its message is queued,
-// asking again publishes nothing; once it is not (it was dead-lettered:
-// no worker that knew the saga carried it out in its attempts), asking
-// again publishes it again. A saga that does not exist is ErrNotFound.
-func Ask(ctx context.Context, tr *transport.Transport, db *sql.DB, id uuid.UUID, kind RequestKind, reason string) (Request, error) {
+// ask is Client.Ask.
+func ask(ctx context.Context, tr *transport.Transport, db *sql.DB, id uuid.UUID, kind RequestKind, reason string) (Request, error) {
 	if kind != RequestRetry && kind != RequestCancel {
 		return Request{}, fmt.Errorf("%w: kind %q (retry or cancel)", ErrInvalidRequest, kind)
 	}
@@ -111,7 +103,7 @@ func Ask(ctx context.Context, tr *transport.Transport, db *sql.DB, id uuid.UUID,
 	if err := tx.Commit(); err != nil {
 		return Request{}, fmt.Errorf("saga %s: asking for a %s: %w", id, kind, err)
 	}
-	return RequestStatus(ctx, db, reqID)
+	return requestStatus(ctx, db, reqID)
 }
 
 var requestSpace = uuid.MustParse("0b6c1e9e-8a55-4c8e-a7c2-7067736167a2")
@@ -121,8 +113,8 @@ type requestMessage struct {
 }
 
 // RequestStatus reads a request and its outcome.
-func RequestStatus(ctx context.Context, db *sql.DB, id uuid.UUID) (Request, error) {
-	got, err := RequestStatuses(ctx, db, []uuid.UUID{id})
+func requestStatus(ctx context.Context, db *sql.DB, id uuid.UUID) (Request, error) {
+	got, err := requestStatuses(ctx, db, []uuid.UUID{id})
 	if err != nil {
 		return Request{}, err
 	}
@@ -133,9 +125,8 @@ func RequestStatus(ctx context.Context, db *sql.DB, id uuid.UUID) (Request, erro
 	return r, nil
 }
 
-// RequestStatuses reads requests and their outcomes, by id, in one query;
-// an id with no request is left out.
-func RequestStatuses(ctx context.Context, db *sql.DB, ids []uuid.UUID) (map[uuid.UUID]Request, error) {
+// requestStatuses is Client.RequestStatuses.
+func requestStatuses(ctx context.Context, db *sql.DB, ids []uuid.UUID) (map[uuid.UUID]Request, error) {
 	s := make([]string, len(ids))
 	for i, id := range ids {
 		s[i] = id.String()
@@ -163,9 +154,8 @@ func RequestStatuses(ctx context.Context, db *sql.DB, ids []uuid.UUID) (map[uuid
 	return out, nil
 }
 
-// CountSelected counts the instances f selects, its Limit aside: those a
-// request of each (Ask) would be asked of.
-func CountSelected(ctx context.Context, db *sql.DB, f Filter) (int, error) {
+// countSelected is Client.CountSelected.
+func countSelected(ctx context.Context, db *sql.DB, f Filter) (int, error) {
 	var n int
 	if err := db.QueryRowContext(ctx, countSelectedSQL, selectArgs(f)...).Scan(&n); err != nil {
 		return 0, fmt.Errorf("saga: counting instances: %w", err)
@@ -173,10 +163,8 @@ func CountSelected(ctx context.Context, db *sql.DB, f Filter) (int, error) {
 	return n, nil
 }
 
-// SelectedIDs lists the ids of the instances f selects that sort after
-// after (uuid.Nil: from the first), in order, at most f.Limit (100 by
-// default): the next batch of those to ask a request of.
-func SelectedIDs(ctx context.Context, db *sql.DB, f Filter, after uuid.UUID) ([]uuid.UUID, error) {
+// selectedIDs is Client.SelectedIDs.
+func selectedIDs(ctx context.Context, db *sql.DB, f Filter, after uuid.UUID) ([]uuid.UUID, error) {
 	if f.Limit <= 0 {
 		f.Limit = 100
 	}
@@ -214,7 +202,7 @@ func selectArgs(f Filter) []any {
 // refused when the saga was in no state for it. A request for a
 // definition this process does not know fails the attempt (transient): a
 // worker that knows it may take it.
-func (e *Engine) handleRequest(msg *message.Message) error {
+func (e *engine) handleRequest(msg *message.Message) error {
 	ctx := msg.Context()
 	tx, ok := transport.TxFromContext(ctx)
 	if !ok {

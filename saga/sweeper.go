@@ -15,8 +15,8 @@ import (
 	"github.com/pgsaga/pgsaga/steps"
 )
 
-// SweepResult says what one sweep did.
-type SweepResult struct {
+// sweepResult says what one sweep did.
+type sweepResult struct {
 	// Resent commands whose deadline passed, with the same key.
 	Resent int
 	// GaveUp on actions whose attempts ran out: their sagas compensate.
@@ -51,10 +51,10 @@ type SweepResult struct {
 // LOCKED), so any number of processes may sweep. Instances of definition
 // versions this process does not know are left alone: a process that
 // knows them sweeps them (see Register and ErrUnknownDefinition). An
-// instance that cannot be handled (see SweepResult.SetAside) never holds
+// instance that cannot be handled (see sweepResult.SetAside) never holds
 // up the others, and a panic deciding it is its failure alone.
-func (e *Engine) Sweep(ctx context.Context) (SweepResult, error) {
-	var res SweepResult
+func (e *engine) Sweep(ctx context.Context) (sweepResult, error) {
+	var res sweepResult
 	known := e.knownDefinitions()
 	for range e.cfg.SweepBatch {
 		did, err := e.sweepOne(ctx, known, &res)
@@ -70,7 +70,7 @@ func (e *Engine) Sweep(ctx context.Context) (SweepResult, error) {
 // started with another step list are left alone).
 type knownDefinitions struct{ versions, fingerprints []string }
 
-func (e *Engine) knownDefinitions() knownDefinitions {
+func (e *engine) knownDefinitions() knownDefinitions {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
 	var out knownDefinitions
@@ -87,7 +87,7 @@ func (e *Engine) knownDefinitions() knownDefinitions {
 // panicked (a command's Build, say); the stack is logged.
 var errDecisionPanicked = errors.New("saga: deciding panicked")
 
-func (e *Engine) sweepOne(ctx context.Context, known knownDefinitions, res *SweepResult) (bool, error) {
+func (e *engine) sweepOne(ctx context.Context, known knownDefinitions, res *sweepResult) (bool, error) {
 	tx, err := e.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return false, fmt.Errorf("saga: sweeping: %w", err)
@@ -134,7 +134,7 @@ func (e *Engine) sweepOne(ctx context.Context, known knownDefinitions, res *Swee
 // overdue decides what becomes of inst, whose command's deadline passed,
 // and says which result counts it and what to log. A panic is inst's
 // failure (errDecisionPanicked), its stack logged.
-func (e *Engine) overdue(ctx context.Context, tx steps.DBTX, inst *instance, def *Definition, res *SweepResult) (outcome *int, what string, err error) {
+func (e *engine) overdue(ctx context.Context, tx steps.DBTX, inst *instance, def *Definition, res *sweepResult) (outcome *int, what string, err error) {
 	ctx, span := e.decide(ctx, "deadline", inst)
 	defer func() {
 		if p := recover(); p != nil {
@@ -198,7 +198,7 @@ func (e *Engine) overdue(ctx context.Context, tx steps.DBTX, inst *instance, def
 // or whose decision panicked is parked as failed with the cause; after any
 // other error (the database, say) its deadline moves a minute on, so the
 // sweeper moves on to the others.
-func (e *Engine) setAside(ctx context.Context, inst *instance, def *Definition, cause error) {
+func (e *engine) setAside(ctx context.Context, inst *instance, def *Definition, cause error) {
 	step := stepName(def, inst.Step)
 	if errors.Is(cause, errBadCommand) || errors.Is(cause, transport.ErrInvalidTopic) || transport.IsPermanent(cause) ||
 		errors.Is(cause, ErrDefinitionMismatch) || errors.Is(cause, errDecisionPanicked) {
@@ -229,18 +229,18 @@ func (e *Engine) setAside(ctx context.Context, inst *instance, def *Definition, 
 
 // RunSweeper sweeps every Config.SweepInterval until ctx is done, and reports
 // instances of definition versions this process does not know.
-func (e *Engine) RunSweeper(ctx context.Context) error {
+func (e *engine) RunSweeper(ctx context.Context) error {
 	t := time.NewTicker(e.cfg.SweepInterval)
 	defer t.Stop()
 	lastReport := time.Time{}
 	for {
 		if res, err := e.Sweep(ctx); err != nil && ctx.Err() == nil {
 			e.log.Error("sweeping sagas", "err", err)
-		} else if res != (SweepResult{}) {
+		} else if res != (sweepResult{}) {
 			// Commands that only wait (an outage) are found again every
 			// deadline: that alone is not news.
 			level := slog.LevelInfo
-			if res == (SweepResult{Waiting: res.Waiting}) {
+			if res == (sweepResult{Waiting: res.Waiting}) {
 				level = slog.LevelDebug
 			}
 			e.log.Log(ctx, level, "swept sagas", "resent", res.Resent, "gave_up", res.GaveUp, "parked", res.Parked,

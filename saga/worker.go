@@ -13,7 +13,7 @@ import (
 // process or many, share the work: the consumers of a handler's group
 // claim different messages. Build one with Client.NewWorker.
 type Worker struct {
-	engine *Engine
+	engine *engine
 	router *transport.Router
 
 	mu      sync.Mutex

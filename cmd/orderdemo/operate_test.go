@@ -20,7 +20,6 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
-	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
@@ -149,7 +148,7 @@ func TestDeclinedRefundsParkSagas(t *testing.T) {
 }
 
 // A saga parked by a declined refund is retried through the operator's
-// path (saga.Ask, as pgsaga retry does) while `orderdemo -orders 0 -serve`
+// path (saga.Client.Ask, as pgsaga retry does) while `orderdemo -orders 0 -serve`
 // runs in another process, without -decline-refunds: its worker carries
 // the request out, the refund now goes through a gateway that process
 // started (the charge was made by an earlier one), and the saga ends
@@ -182,9 +181,7 @@ func TestParkedSagaRetriedAgainstServingDemo(t *testing.T) {
 	out.WaitFor(bound, t, "serving operator requests")
 	assert.NotContains(t, out.String(), "sagas ", "-orders 0 -serve serves only: no run, no report")
 
-	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: slog.New(slog.DiscardHandler)})
-	require.NoError(t, err)
-	req, err := saga.Ask(bound, tr, db.SQL, id, saga.RequestRetry, "")
+	req, err := operator(t, db).Ask(bound, id, saga.RequestRetry, "")
 	require.NoError(t, err)
 	req = awaitDone(bound, t, db, req.ID)
 	require.Equal(t, saga.RequestDone, req.Outcome, "detail: %s\noutput:\n%s", req.Detail, out.String())
@@ -224,9 +221,9 @@ func awaitDone(ctx context.Context, t *testing.T, db *testdb.DB, id uuid.UUID) s
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()
 	for {
-		req, err := saga.RequestStatus(ctx, db.SQL, id)
+		reqs, err := operator(t, db).RequestStatuses(ctx, []uuid.UUID{id})
 		require.NoError(t, err)
-		if req.DoneAt != nil {
+		if req := reqs[id]; req.DoneAt != nil {
 			return req
 		}
 		select {
@@ -243,7 +240,7 @@ func awaitStatus(ctx context.Context, t *testing.T, db *testdb.DB, id uuid.UUID,
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()
 	for {
-		inst, err := saga.NewInspector(db.SQL).Get(ctx, id)
+		inst, err := operator(t, db).Get(ctx, id)
 		require.NoError(t, err)
 		if inst.Status == want {
 			return inst
@@ -329,4 +326,12 @@ func TestDeclineRefundsFaults(t *testing.T) {
 	slow := declineRefunds(func(fakegateway.Call) fakegateway.Fault { return fakegateway.Slow })
 	assert.Equal(t, fakegateway.Decline, slow(refund))
 	assert.Equal(t, fakegateway.Slow, slow(charge))
+}
+
+// operator is an unstarted client over db, as pgsaga's commands use.
+func operator(t *testing.T, db *testdb.DB) *saga.Client {
+	t.Helper()
+	c, err := saga.NewClientFromDB(db.SQL, saga.ClientConfig{Logger: slog.New(slog.DiscardHandler)})
+	require.NoError(t, err)
+	return c
 }

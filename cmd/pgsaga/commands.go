@@ -98,8 +98,8 @@ func sagasCmd() *cobra.Command {
 			if err != nil {
 				return usagef("--%v", err)
 			}
-			return withSchema(cmd.Context(), func(db *pgdb.DB) error {
-				list, err := saga.NewInspector(db.SQL).List(cmd.Context(), f)
+			return withClient(cmd.Context(), func(c *saga.Client) error {
+				list, err := c.List(cmd.Context(), f)
 				if err != nil {
 					return err
 				}
@@ -230,8 +230,8 @@ func showCmd() *cobra.Command {
 			if err != nil {
 				return usagef("%q is not a saga id (a UUID)", args[0])
 			}
-			return withSchema(cmd.Context(), func(db *pgdb.DB) error {
-				in, err := saga.NewInspector(db.SQL).Get(cmd.Context(), id)
+			return withClient(cmd.Context(), func(c *saga.Client) error {
+				in, err := c.Get(cmd.Context(), id)
 				if err != nil {
 					return err
 				}

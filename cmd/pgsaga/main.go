@@ -40,6 +40,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"io"
@@ -55,6 +56,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/migrations"
+	"github.com/pgsaga/pgsaga/saga"
 )
 
 // Exit statuses.
@@ -174,6 +176,28 @@ func withTransport(ctx context.Context, fn func(tr *transport.Transport) error) 
 		}
 		return fn(tr)
 	})
+}
+
+// withClient runs fn with an unstarted saga client on the workers'
+// database, once it is known to hold pgsaga's tables: the operator calls
+// (saga.Client.Get, List, Ask, …) need no worker of their own.
+func withClient(ctx context.Context, fn func(c *saga.Client) error) error {
+	return withSchema(ctx, func(db *pgdb.DB) error {
+		c, err := operatorClient(db.SQL, nil)
+		if err != nil {
+			return err
+		}
+		return fn(c)
+	})
+}
+
+// operatorClient is a saga client over db that is never started: it runs
+// no worker and registers no saga.
+func operatorClient(db *sql.DB, log *slog.Logger) (*saga.Client, error) {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return saga.NewClientFromDB(db, saga.ClientConfig{Logger: log})
 }
 
 func onDB(ctx context.Context, needSchema bool, fn func(db *pgdb.DB) error) error {

@@ -76,7 +76,7 @@ func sampleRunOn(t *testing.T, db *testdb.DB) (paid, unpaid uuid.UUID) {
 	deadline := time.Now().Add(30 * time.Second)
 	for _, id := range []uuid.UUID{paid, unpaid} {
 		for {
-			in, err := app.Engine.Get(ctx, id)
+			in, err := app.Client.Get(ctx, id)
 			if err == nil && in.Status.Terminal() {
 				break
 			}
@@ -297,4 +297,12 @@ func TestDatabaseWithoutTheSchema(t *testing.T) {
 func sqlDB(t *testing.T) *sql.DB {
 	t.Helper()
 	return testdb.Open(t, os.Getenv("DATABASE_URL"), 2).SQL
+}
+
+// mustOperator is an unstarted client over db, as the commands use.
+func mustOperator(t testing.TB, db *sql.DB) *saga.Client {
+	t.Helper()
+	c, err := operatorClient(db, nil)
+	require.NoError(t, err)
+	return c
 }

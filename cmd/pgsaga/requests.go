@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"io"
@@ -13,7 +12,6 @@ import (
 	"github.com/google/uuid"
 	"github.com/spf13/cobra"
 
-	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
 )
 
@@ -94,35 +92,34 @@ func requestCmd(kind saga.RequestKind, use, short string) *cobra.Command {
 					return usagef("--%v", err)
 				}
 				b := bulkRequest{kind: kind, reason: reason, filter: f, noWait: noWait, timeout: timeout, asJSON: asJSON}
-				return withTransport(cmd.Context(), func(tr *transport.Transport) error {
+				return withClient(cmd.Context(), func(c *saga.Client) error {
 					if !yes {
-						n, err := saga.CountSelected(cmd.Context(), tr.DB(), f)
+						n, err := c.CountSelected(cmd.Context(), f)
 						if err != nil {
 							return err
 						}
 						return usagef("%s would be asked of %d saga%s (%s); repeat with --yes to ask", kind, n, plural(n), describeFilter(f))
 					}
-					return askEach(cmd, tr, b)
+					return askEach(cmd, c, b)
 				})
 			}
 			id, err := uuid.Parse(args[0])
 			if err != nil {
 				return usagef("%q is not a saga id (a UUID)", args[0])
 			}
-			return withTransport(cmd.Context(), func(tr *transport.Transport) error {
-				db := tr.Config().DB
-				req, err := saga.Ask(cmd.Context(), tr, db, id, kind, reason)
+			return withClient(cmd.Context(), func(c *saga.Client) error {
+				req, err := c.Ask(cmd.Context(), id, kind, reason)
 				if err != nil {
 					return err
 				}
 				if !noWait && req.DoneAt == nil {
 					fmt.Fprintf(cmd.ErrOrStderr(), "%s of %s requested (request %s); waiting for a worker…\n", kind, id, req.ID)
-					req, err = awaitRequest(cmd.Context(), db, req, timeout)
+					req, err = awaitRequest(cmd.Context(), c, req, timeout)
 					if err != nil {
 						return err
 					}
 				}
-				return report(cmd, db, req, noWait, timeout, asJSON)
+				return report(cmd, c, req, noWait, timeout, asJSON)
 			})
 		},
 	}
@@ -142,18 +139,18 @@ func requestCmd(kind saga.RequestKind, use, short string) *cobra.Command {
 // awaitRequest waits until a worker carried req out, or timeout; then
 // it returns the request as last read (pending, with no DoneAt, after
 // timeout).
-func awaitRequest(ctx context.Context, db *sql.DB, req saga.Request, timeout time.Duration) (saga.Request, error) {
-	got, err := awaitRequests(ctx, db, []saga.Request{req}, timeout, nil)
+func awaitRequest(ctx context.Context, c *saga.Client, req saga.Request, timeout time.Duration) (saga.Request, error) {
+	got, err := awaitRequests(ctx, c, []saga.Request{req}, timeout, nil)
 	if err != nil {
 		return saga.Request{}, err
 	}
 	return got[0], nil
 }
 
-func report(cmd *cobra.Command, db *sql.DB, req saga.Request, noWait bool, timeout time.Duration, asJSON bool) error {
+func report(cmd *cobra.Command, c *saga.Client, req saga.Request, noWait bool, timeout time.Duration, asJSON bool) error {
 	out := toRequestJSON(req)
 	name := ""
-	if in, err := saga.NewInspector(db).Get(cmd.Context(), req.SagaID); err == nil {
+	if in, err := c.Get(cmd.Context(), req.SagaID); err == nil {
 		out.Status, name = string(in.Status), in.Type
 	}
 	if asJSON {
@@ -222,9 +219,9 @@ type refusalJSON struct {
 
 // askEach asks b of every saga b.filter selects, a batch at a time, waits
 // for the outcomes unless b.noWait, and reports them.
-func askEach(cmd *cobra.Command, tr *transport.Transport, b bulkRequest) error {
-	ctx, db := cmd.Context(), tr.DB()
-	selected, err := saga.CountSelected(ctx, db, b.filter)
+func askEach(cmd *cobra.Command, c *saga.Client, b bulkRequest) error {
+	ctx := cmd.Context()
+	selected, err := c.CountSelected(ctx, b.filter)
 	if err != nil {
 		return err
 	}
@@ -239,7 +236,7 @@ func askEach(cmd *cobra.Command, tr *transport.Transport, b bulkRequest) error {
 	progress := newProgress(cmd.ErrOrStderr())
 	var asked []saga.Request
 	for after := uuid.Nil; ; {
-		ids, err := saga.SelectedIDs(ctx, db, b.filter, after)
+		ids, err := c.SelectedIDs(ctx, b.filter, after)
 		if err != nil {
 			return interrupted(err, b.kind, len(asked))
 		}
@@ -247,7 +244,7 @@ func askEach(cmd *cobra.Command, tr *transport.Transport, b bulkRequest) error {
 			break
 		}
 		for _, id := range ids {
-			req, err := saga.Ask(ctx, tr, db, id, b.kind, b.reason)
+			req, err := c.Ask(ctx, id, b.kind, b.reason)
 			if errors.Is(err, saga.ErrNotFound) {
 				out.NotFound++
 				continue
@@ -261,7 +258,7 @@ func askEach(cmd *cobra.Command, tr *transport.Transport, b bulkRequest) error {
 		progress.say("%s: asked %d of %d sagas", b.kind, len(asked), selected)
 	}
 	if !b.noWait {
-		if asked, err = awaitRequests(ctx, db, asked, b.timeout, progress); err != nil {
+		if asked, err = awaitRequests(ctx, c, asked, b.timeout, progress); err != nil {
 			return interrupted(err, b.kind, len(asked))
 		}
 	}
@@ -277,7 +274,7 @@ func interrupted(err error, kind saga.RequestKind, n int) error {
 // dead-lettered (saga.Request.Lost), or timeout; it returns them as last
 // read, saying how far it got on progress (if not nil). A tool's wait for
 // rows: a short poll, not a worker's.
-func awaitRequests(ctx context.Context, db *sql.DB, reqs []saga.Request, timeout time.Duration, progress *progress) ([]saga.Request, error) {
+func awaitRequests(ctx context.Context, c *saga.Client, reqs []saga.Request, timeout time.Duration, progress *progress) ([]saga.Request, error) {
 	wait, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	tick := time.NewTicker(100 * time.Millisecond)
@@ -295,7 +292,7 @@ func awaitRequests(ctx context.Context, db *sql.DB, reqs []saga.Request, timeout
 			return reqs, nil
 		}
 		for chunk := range slices.Chunk(pending, 1000) {
-			got, err := saga.RequestStatuses(wait, db, chunk)
+			got, err := c.RequestStatuses(wait, chunk)
 			if err != nil {
 				if ctx.Err() == nil && wait.Err() != nil {
 					return reqs, nil // the time is up: reported as pending

@@ -94,7 +94,7 @@ func waitStatus(t *testing.T, client *saga.Client, id uuid.UUID, want saga.Statu
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		in, err := saga.NewInspector(client.DB()).Get(context.Background(), id)
+		in, err := client.Get(context.Background(), id)
 		if err == nil && in.Status == want {
 			return
 		}

@@ -165,14 +165,13 @@ type uiConfig struct {
 
 // webUI is the web view: an http.Handler.
 type webUI struct {
-	cfg       uiConfig
-	log       *slog.Logger
-	inspector *saga.Inspector
-	engine    *saga.Engine // counts instances; drives none
-	pages     map[string]*template.Template
-	flashKey  []byte
-	handler   http.Handler
-	cssHash   string
+	cfg      uiConfig
+	log      *slog.Logger
+	client   *saga.Client // never started: reads sagas, asks the workers
+	pages    map[string]*template.Template
+	flashKey []byte
+	handler  http.Handler
+	cssHash  string
 }
 
 const (
@@ -197,11 +196,11 @@ func newUI(cfg uiConfig) (*webUI, error) {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
-	engine, err := saga.NewEngine(saga.Config{DB: cfg.DB, Transport: cfg.Transport, Logger: cfg.Logger})
+	client, err := operatorClient(cfg.DB, cfg.Logger)
 	if err != nil {
 		return nil, err
 	}
-	u := &webUI{cfg: cfg, log: cfg.Logger, inspector: saga.NewInspector(cfg.DB), engine: engine, pages: map[string]*template.Template{}}
+	u := &webUI{cfg: cfg, log: cfg.Logger, client: client, pages: map[string]*template.Template{}}
 	u.flashKey = make([]byte, 32)
 	if _, err := rand.Read(u.flashKey); err != nil {
 		return nil, err

@@ -231,7 +231,7 @@ func TestUIInABrowser(t *testing.T) {
 		require.NoError(t, w.db.QueryRow(`SELECT count(*) FROM saga_requests`).Scan(&n))
 		assert.Equal(t, requestsBefore, n, "%s: nothing was asked", what)
 		assert.False(t, replayed(t, w.db, w.hostile), "%s: nothing was replayed", what)
-		in, err := saga.NewInspector(w.db).Get(context.Background(), w.running)
+		in, err := mustOperator(t, w.db).Get(context.Background(), w.running)
 		require.NoError(t, err)
 		assert.Equal(t, saga.StatusRunning, in.Status, what)
 	}

@@ -96,11 +96,11 @@ func (u *webUI) sagas(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return badRequest("Bad filter: %v.", err)
 	}
-	list, err := u.inspector.List(ctx, f)
+	list, err := u.client.List(ctx, f)
 	if err != nil {
 		return err
 	}
-	counts, err := u.engine.Counts(ctx)
+	counts, err := u.client.Counts(ctx)
 	if err != nil {
 		return err
 	}
@@ -205,8 +205,9 @@ func (u *webUI) saga(w http.ResponseWriter, r *http.Request) error {
 		if err != nil {
 			return badRequest("%q is not a request id (a UUID).", raw)
 		}
-		got, err := saga.RequestStatus(ctx, u.cfg.DB, reqID)
-		if errors.Is(err, saga.ErrNotFound) || err == nil && got.SagaID != id {
+		statuses, err := u.client.RequestStatuses(ctx, []uuid.UUID{reqID})
+		got, found := statuses[reqID]
+		if err == nil && (!found || got.SagaID != id) {
 			return notFound("No request %s was made for saga %s.", reqID, id)
 		}
 		if err != nil {
@@ -218,7 +219,7 @@ func (u *webUI) saga(w http.ResponseWriter, r *http.Request) error {
 			req.DoneAt = stamp(*got.DoneAt)
 		}
 	}
-	in, err := u.inspector.Get(ctx, id)
+	in, err := u.client.Get(ctx, id)
 	if errors.Is(err, saga.ErrNotFound) {
 		return noSuchSaga(id)
 	}
@@ -370,7 +371,7 @@ func (u *webUI) ask(w http.ResponseWriter, r *http.Request, kind saga.RequestKin
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), pageTimeout+u.cfg.RequestWait)
 	defer cancel()
-	req, err := saga.Ask(ctx, u.cfg.Transport, u.cfg.DB, id, kind, reason)
+	req, err := u.client.Ask(ctx, id, kind, reason)
 	if errors.Is(err, saga.ErrNotFound) {
 		u.redirect(w, r, "/sagas", flash{"error", fmt.Sprintf("No saga has the id %s: nothing was asked.", id)})
 		return nil
@@ -379,7 +380,7 @@ func (u *webUI) ask(w http.ResponseWriter, r *http.Request, kind saga.RequestKin
 		return err
 	}
 	if req.DoneAt == nil {
-		req, err = awaitRequest(ctx, u.cfg.DB, req, u.cfg.RequestWait)
+		req, err = awaitRequest(ctx, u.client, req, u.cfg.RequestWait)
 		if err != nil {
 			return err
 		}
@@ -393,7 +394,7 @@ func (u *webUI) ask(w http.ResponseWriter, r *http.Request, kind saga.RequestKin
 		f = flash{"error", fmt.Sprintf("%s refused: %s", what, req.Detail)}
 	default:
 		status := "?"
-		if in, err := u.inspector.Get(ctx, id); err == nil {
+		if in, err := u.client.Get(ctx, id); err == nil {
 			status = string(in.Status)
 		}
 		f = flash{"ok", fmt.Sprintf("%s done; the saga is %s.", what, status)}

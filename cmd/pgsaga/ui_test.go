@@ -68,9 +68,7 @@ func newUIWorld(t *testing.T, cfg uiConfig, opts ...uiServing) *uiWorld {
 	w.refuseUndo.Store(true)
 	w.jobs, w.start = jobSagaOn(t, db, w.refuseUndo)
 	w.parked = w.start("parked")
-	tr, err := transport.New(transport.Config{DB: db.SQL})
-	require.NoError(t, err)
-	_, err = saga.Ask(ctx, tr, db.SQL, w.parked, saga.RequestCancel, "wrong customer")
+	_, err := mustOperator(t, db.SQL).Ask(ctx, w.parked, saga.RequestCancel, "wrong customer")
 	require.NoError(t, err)
 	waitStatus(t, w.jobs, w.parked, saga.StatusFailed)
 	w.running = w.start("running")
@@ -293,7 +291,7 @@ func flashOf(t *testing.T, body string) (kind, msg string) {
 // names them: the lanes its picture must have.
 func stepsOf(t *testing.T, db *sql.DB, id uuid.UUID) []string {
 	t.Helper()
-	in, err := saga.NewInspector(db).Get(context.Background(), id)
+	in, err := mustOperator(t, db).Get(context.Background(), id)
 	require.NoError(t, err)
 	var out []string
 	seen := map[string]bool{}
@@ -499,7 +497,7 @@ func TestUIButtons(t *testing.T) {
 	}
 	assert.False(t, replayed())
 	assert.Zero(t, queued())
-	in, err := saga.NewInspector(w.db).Get(ctx, w.running)
+	in, err := mustOperator(t, w.db).Get(ctx, w.running)
 	require.NoError(t, err)
 	assert.Equal(t, saga.StatusRunning, in.Status, "the refused cancel did nothing")
 	rebound := b.do(http.MethodGet, "/sagas", nil, map[string]string{"Host": "evil.example"})

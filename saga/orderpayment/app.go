@@ -103,7 +103,6 @@ type App struct {
 	Runtime     *steps.Runtime
 	Orders      *orders.Service
 	Payments    *payments.Service
-	Engine      *saga.Engine
 	Definition  *saga.Definition
 
 	participants []steps.AnyStep
@@ -179,7 +178,7 @@ func New(cfg Config) (*App, error) {
 		return nil, err
 	}
 	return &App{Client: c, DB: cfg.DB, Idempotency: c.Idempotency(), Events: c.Events(), Runtime: c.Runtime(),
-		Orders: ord, Payments: pay, Engine: c.Engine(), Definition: def, participants: participants, log: cfg.Logger}, nil
+		Orders: ord, Payments: pay, Definition: def, participants: participants, log: cfg.Logger}, nil
 }
 
 // StepNames lists the sample participants' step names (their idempotency

@@ -345,16 +345,16 @@ END$$;
 CREATE CONSTRAINT TRIGGER cancel_trap AFTER UPDATE ON saga_instances DEFERRABLE INITIALLY DEFERRED
     FOR EACH ROW EXECUTE FUNCTION cancel_trap()`)
 	require.NoError(t, err)
-	err = e.app.Engine.Cancel(context.Background(), id, "test")
+	err = e.app.Client.Cancel(context.Background(), id, "test")
 	require.ErrorContains(t, err, "the commit fails")
-	inst, err := e.app.Engine.Get(context.Background(), id)
+	inst, err := e.app.Client.Get(context.Background(), id)
 	require.NoError(t, err)
 	require.Equal(t, saga.StatusRunning, inst.Status, "nothing of the cancel committed")
 	assert.Zero(t, logs.count("saga compensating", "saga_id", id.String()), "nor was it told")
 
 	_, err = e.db.SQL.Exec(`UPDATE cancel_trap SET armed = false`)
 	require.NoError(t, err)
-	require.NoError(t, e.app.Engine.Cancel(context.Background(), id, "test"))
+	require.NoError(t, e.app.Client.Cancel(context.Background(), id, "test"))
 	assert.Equal(t, 1, logs.count("saga compensating", "saga_id", id.String()), "told once it committed")
 }
 

@@ -113,7 +113,7 @@ func (e *env) terminal(id uuid.UUID) saga.Instance {
 	e.t.Helper()
 	deadline := time.Now().Add(60 * time.Second)
 	for {
-		inst, err := e.app.Engine.Get(context.Background(), id)
+		inst, err := e.app.Client.Get(context.Background(), id)
 		if err == nil && inst.Status.Terminal() {
 			return inst
 		}

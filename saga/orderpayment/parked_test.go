@@ -81,7 +81,7 @@ func TestDeclinedRefundParksTheSaga(t *testing.T) {
 	e.mu.Lock()
 	e.faults = nil
 	e.mu.Unlock()
-	require.NoError(t, e.app.Engine.Retry(ctx, sagaID))
+	require.NoError(t, e.app.Client.Retry(ctx, sagaID))
 	inst = e.terminal(sagaID)
 	require.Equal(t, saga.StatusCompensated, inst.Status)
 	assert.Equal(t, int64(10_000), e.balance(cust), "refunded")

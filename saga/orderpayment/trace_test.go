@@ -144,7 +144,7 @@ func TestOneSagaIsOneTrace(t *testing.T) {
 				// Started in Place's transaction, its charge queued: an
 				// operator cancels it before any worker runs.
 				_, operatorCancelled = e.place(cust, 1_000)
-				require.NoError(t, e.app.Engine.Cancel(context.Background(), operatorCancelled, "test"))
+				require.NoError(t, e.app.Client.Cancel(context.Background(), operatorCancelled, "test"))
 			}
 			e.startWorker()
 			e.terminal(paid)
