@@ -608,7 +608,12 @@ func TestUnknownDefinitionVersionIsReported(t *testing.T) {
 	inst, err := e.engine.Get(context.Background(), id)
 	require.NoError(t, err)
 	assert.Equal(t, saga.StatusRunning, inst.Status)
-	assert.Equal(t, "#0", inst.Step, "the step is named by its index: the definition is unknown")
+	assert.Equal(t, "book", inst.Step, "the definition is unknown: the step is named as its timeline named it")
+	_, err = e.db.SQL.Exec(`DELETE FROM saga_history WHERE saga_id = $1`, id)
+	require.NoError(t, err)
+	inst, err = e.engine.Get(context.Background(), id)
+	require.NoError(t, err)
+	assert.Equal(t, "#0", inst.Step, "no definition and no timeline: the step is named by its index")
 	require.ErrorIs(t, e.engine.Retry(context.Background(), id), saga.ErrUnknownDefinition)
 }
 
