@@ -7,10 +7,5 @@ import (
 
 // ApplyTo applies the migrations up to version, for tests of upgrades.
 func ApplyTo(ctx context.Context, db *sql.DB, version int64) error {
-	p, err := provider(db)
-	if err != nil {
-		return err
-	}
-	_, err = p.UpTo(ctx, version)
-	return err
+	return set.ApplyTo(ctx, db, version)
 }

@@ -145,3 +145,29 @@ func TestTemplateIsMigrated(t *testing.T) {
 	require.NoError(t, db.SQL.QueryRow(`SELECT to_regclass('idempotency_keys') IS NOT NULL`).Scan(&exists))
 	assert.True(t, exists)
 }
+
+// pgsaga's migrations create pgsaga's tables only: the sample's come from
+// the sample's own migrations (orders.Migrate, payments.Migrate), not into
+// every user's database.
+func TestTheLibraryCreatesNoSampleTable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.Empty(t)
+	_, err := migrations.Apply(ctx, db.SQL)
+	require.NoError(t, err)
+	var found []string
+	rows, err := db.SQL.QueryContext(ctx, `SELECT t FROM unnest($1::text[]) AS t WHERE to_regclass(t) IS NOT NULL`,
+		[]string{"customers", "order_views", "accounts", "account_postings", "charge_fences"})
+	require.NoError(t, err)
+	defer rows.Close()
+	for rows.Next() {
+		var name string
+		require.NoError(t, rows.Scan(&name))
+		found = append(found, name)
+	}
+	require.NoError(t, rows.Err())
+	assert.Empty(t, found, "the library's migrations created the sample's tables")
+	var queue bool
+	require.NoError(t, db.SQL.QueryRowContext(ctx, `SELECT to_regclass('pgsaga_queue') IS NOT NULL`).Scan(&queue))
+	assert.True(t, queue, "pgsaga's own tables are there")
+}

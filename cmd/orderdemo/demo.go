@@ -26,7 +26,6 @@ import (
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/internal/transport"
-	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
@@ -123,7 +122,7 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 	if err != nil {
 		return nil, err
 	}
-	applied, err := migrations.Apply(ctx, d.db.SQL)
+	applied, err := orderpayment.Migrate(ctx, d.db.SQL)
 	if err != nil {
 		return nil, err
 	}
@@ -328,7 +327,7 @@ func (d *demo) openPaymentsDB(ctx context.Context, opts options) (string, error)
 	if err != nil {
 		return "", err
 	}
-	applied, err := migrations.Apply(ctx, d.payDB.SQL)
+	applied, err := orderpayment.Migrate(ctx, d.payDB.SQL)
 	if err != nil {
 		return "", fmt.Errorf("the payment service's database: %w", err)
 	}

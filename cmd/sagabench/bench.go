@@ -29,7 +29,6 @@ import (
 	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/internal/pglisten"
 	"github.com/pgsaga/pgsaga/internal/transport"
-	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
@@ -162,7 +161,7 @@ func newBench(ctx context.Context, opts options, stdout, stderr io.Writer) (*ben
 	if b.db, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: maxConns, ApplicationName: "sagabench", Tracer: &b.statements}); err != nil {
 		return nil, err
 	}
-	if _, err := migrations.Apply(ctx, b.db.SQL); err != nil {
+	if _, err := orderpayment.Migrate(ctx, b.db.SQL); err != nil {
 		return nil, err
 	}
 	if b.clients, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: int32(opts.placers()), ApplicationName: "sagabench-clients", Tracer: &b.statements}); err != nil {
@@ -327,7 +326,7 @@ func (b *bench) openPaymentsDB(ctx context.Context, maxConns int32) (string, err
 	if b.payDB, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: maxConns, ApplicationName: "sagabench-payments", Tracer: &b.statements}); err != nil {
 		return "", err
 	}
-	if _, err := migrations.Apply(ctx, b.payDB.SQL); err != nil {
+	if _, err := orderpayment.Migrate(ctx, b.payDB.SQL); err != nil {
 		return "", err
 	}
 	if b.payClients, err = pgdb.Open(ctx, pgdb.Config{URL: url, MaxConns: paySeedConns, ApplicationName: "sagabench-payments-clients"}); err != nil {

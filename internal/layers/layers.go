@@ -32,8 +32,9 @@ type Layer struct {
 }
 
 // SampleMay is what the sample imports of internal/: helpers a user would
-// find elsewhere (pgerrcode's classes, a table check), nothing of delivery.
-var SampleMay = []string{"internal/pgerr", "internal/sqlcheck"}
+// find elsewhere (pgerrcode's classes, a table check, goose with an
+// advisory lock), nothing of delivery.
+var SampleMay = []string{"internal/pgerr", "internal/sqlcheck", "internal/pgmigrate"}
 
 // Layers is pgsaga's layout, bottom up (docs/DESIGN.md §2).
 var Layers = []Layer{
@@ -53,7 +54,8 @@ var Layers = []Layer{
 	{Dir: "orders", Rank: 6, Sample: true},   // the sample's domains: participants, beside the engine
 	{Dir: "payments", Rank: 6, Sample: true}, //
 	{Dir: "saga/sagatest", Rank: 7, TestOnly: true},
-	{Dir: "saga/orderpayment", Rank: 7, Sample: true}, // the sample saga, over the engine and the domains
+	{Dir: "internal/testsample", Rank: 7, TestOnly: true}, // the sample's tables in test databases
+	{Dir: "saga/orderpayment", Rank: 7, Sample: true},     // the sample saga, over the engine and the domains
 	{Dir: "cmd", Rank: 8},
 }
 

@@ -96,12 +96,38 @@ var (
 
 	tplMu    sync.Mutex
 	template string // name of the migrated template, once known
+
+	schemas []Schema // the applications' tables, set by Main
 )
 
+// Schema is an application's tables (the sample's, a user's), migrated
+// into every test database besides pgsaga's own.
+type Schema struct {
+	// Files are its migrations: their content names the template that
+	// holds them.
+	Files fs.FS
+	// Migrate applies them to a database.
+	Migrate func(context.Context, *sql.DB) ([]int64, error)
+}
+
 // Main runs the package's tests with a database server and exits. Call it
-// from TestMain.
-func Main(m *testing.M) {
+// from TestMain. Every migrated database (Shared, Fresh, ForExample) holds
+// pgsaga's tables and those of schemas.
+func Main(m *testing.M, schemas ...Schema) {
+	setSchemas(schemas)
 	os.Exit(run(m, false))
+}
+
+func setSchemas(s []Schema) {
+	for _, sc := range s {
+		if sc.Files == nil || sc.Migrate == nil {
+			fmt.Fprintln(os.Stderr, "testdb: a Schema needs Files and Migrate")
+			os.Exit(2)
+		}
+	}
+	tplMu.Lock()
+	schemas = s
+	tplMu.Unlock()
 }
 
 // MainOwnServer is Main for a package whose tests load a server as much as
@@ -114,7 +140,8 @@ func Main(m *testing.M) {
 // tests took turns, and the two packages together outlasted go test's
 // ten minutes at -count=3. Where no server can be started it says why, in
 // one line, and uses the run's server as Main does.
-func MainOwnServer(m *testing.M) {
+func MainOwnServer(m *testing.M, schemas ...Schema) {
+	setSchemas(schemas)
 	os.Exit(run(m, true))
 }
 
@@ -693,6 +720,11 @@ func buildTemplate(ctx context.Context, admin *pgx.Conn, hash string) (string, e
 		return "", err
 	}
 	_, err = migrations.Apply(ctx, db.SQL)
+	for _, sc := range schemas {
+		if err == nil {
+			_, err = sc.Migrate(ctx, db.SQL)
+		}
+	}
 	db.Close()
 	if err != nil {
 		return "", fmt.Errorf("migrating template %s: %w", building, err)
@@ -703,22 +735,29 @@ func buildTemplate(ctx context.Context, admin *pgx.Conn, hash string) (string, e
 	return name, nil
 }
 
-// migrationsHash names the template after the content of every migration file.
+// migrationsHash names the template after the content of every migration
+// file, pgsaga's and the schemas'.
 func migrationsHash() (string, error) {
-	fsys := migrations.FS()
-	names, err := fs.Glob(fsys, "*.sql")
-	if err != nil {
-		return "", err
-	}
-	sort.Strings(names)
 	h := sha256.New()
-	for _, n := range names {
-		b, err := fs.ReadFile(fsys, n)
+	sets := []fs.FS{migrations.FS()}
+	for _, sc := range schemas {
+		sets = append(sets, sc.Files)
+	}
+	for i, fsys := range sets {
+		names, err := fs.Glob(fsys, "*.sql")
 		if err != nil {
 			return "", err
 		}
-		fmt.Fprintf(h, "%s\x00%d\x00", n, len(b))
-		h.Write(b)
+		sort.Strings(names)
+		fmt.Fprintf(h, "set %d\x00", i)
+		for _, n := range names {
+			b, err := fs.ReadFile(fsys, n)
+			if err != nil {
+				return "", err
+			}
+			fmt.Fprintf(h, "%s\x00%d\x00", n, len(b))
+			h.Write(b)
+		}
 	}
 	return hex.EncodeToString(h.Sum(nil))[:16], nil
 }

@@ -4,12 +4,14 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/http"
 	"time"
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/pgerr"
+	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/saga"
@@ -212,4 +214,22 @@ func newPayments(c *saga.Client, db *sql.DB, gatewayURL string, timeout, lease t
 	return payments.New(payments.Config{DB: db, Events: c.Events(), Idempotency: c.Idempotency(), Logger: logger,
 		Gateway:      &payments.GatewayClient{BaseURL: gatewayURL, HTTP: &http.Client{Timeout: timeout}},
 		GatewayLease: lease})
+}
+
+// Migrate brings db up to date for the sample: pgsaga's tables
+// (migrations.Apply) and the domains' own (orders.Migrate,
+// payments.Migrate), which pgsaga's migrations do not create. It returns
+// the versions of pgsaga's migrations it applied.
+func Migrate(ctx context.Context, db *sql.DB) ([]int64, error) {
+	applied, err := migrations.Apply(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := orders.Migrate(ctx, db); err != nil {
+		return nil, fmt.Errorf("the orders tables: %w", err)
+	}
+	if _, err := payments.Migrate(ctx, db); err != nil {
+		return nil, fmt.Errorf("the payments tables: %w", err)
+	}
+	return applied, nil
 }

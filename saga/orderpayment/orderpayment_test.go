@@ -13,6 +13,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
+	"github.com/pgsaga/pgsaga/internal/testsample"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"
@@ -25,7 +26,7 @@ import (
 // server of their own (see testdb.MainOwnServer), as the run's server, its
 // connections shared with the other packages tested meanwhile, ran out of
 // them ("too many clients already").
-func TestMain(m *testing.M) { testdb.MainOwnServer(m) }
+func TestMain(m *testing.M) { testdb.MainOwnServer(m, testsample.Schemas()...) }
 
 // logger is the tests' logger (PGSAGA_TEST_LOG shows it).
 var logger = testout.Logger

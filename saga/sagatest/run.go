@@ -19,15 +19,22 @@ import (
 // pgsaga's own tests do: TEST_DATABASE_URL, else DATABASE_URL, else one on
 // 127.0.0.1:5432, else an embedded PostgreSQL it starts (from the
 // machine's PostgreSQL binaries, else downloaded once) and that later runs
-// share.
-func Main(m *testing.M) { testdb.Main(m) }
+// share. Every database DB returns holds pgsaga's tables and those of
+// schemas: your application's, from its own migrations.
+func Main(m *testing.M, schemas ...Schema) { testdb.Main(m, schemas...) }
+
+// Schema is an application's tables, migrated into every test database
+// besides pgsaga's: its migration files (their content names the template
+// database the test databases are copied from, so a changed migration
+// builds a new one) and the function that applies them.
+type Schema = testdb.Schema
 
 // Database is a test's database: its name and URL, and a pgx pool with a
 // database/sql handle over it (Pool, SQL).
 type Database = testdb.DB
 
-// DB returns a database of the test's own, with pgsaga's migrations
-// applied, dropped when the test ends. The package's TestMain must call
+// DB returns a database of the test's own, with pgsaga's migrations and
+// the schemas given to Main applied, dropped when the test ends. The package's TestMain must call
 // Main.
 func DB(t testing.TB) *Database {
 	t.Helper()

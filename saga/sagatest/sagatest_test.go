@@ -2,6 +2,7 @@ package sagatest_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"io"
 	"log/slog"
@@ -9,6 +10,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/fstest"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -23,7 +25,28 @@ import (
 	"github.com/pgsaga/pgsaga/steps"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+// The kit's tests run with an application schema of their own, as a
+// user's would (TestDBHoldsTheApplicationsTables).
+func TestMain(m *testing.M) {
+	sagatest.Main(m, sagatest.Schema{Files: notesSchema, Migrate: func(ctx context.Context, db *sql.DB) ([]int64, error) {
+		_, err := db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS kit_notes (id int PRIMARY KEY)`)
+		return []int64{1}, err
+	}})
+}
+
+// notesSchema is the kit's tests' application schema.
+var notesSchema = fstest.MapFS{"00001_notes.sql": {Data: []byte(`CREATE TABLE kit_notes (id int PRIMARY KEY)`)}}
+
+// A test database holds the tables of the schemas given to Main.
+func TestDBHoldsTheApplicationsTables(t *testing.T) {
+	t.Parallel()
+	db := sagatest.DB(t)
+	_, err := db.SQL.Exec(`INSERT INTO kit_notes VALUES (1)`)
+	require.NoError(t, err, "the application's table is in the database")
+	var queue bool
+	require.NoError(t, db.SQL.QueryRow(`SELECT to_regclass('pgsaga_queue') IS NOT NULL`).Scan(&queue))
+	assert.True(t, queue, "pgsaga's are too")
+}
 
 var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 

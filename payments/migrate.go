@@ -1,0 +1,36 @@
+package payments
+
+import (
+	"context"
+	"database/sql"
+	"embed"
+	"io/fs"
+
+	"github.com/pgsaga/pgsaga/internal/pgmigrate"
+)
+
+//go:embed migrations/*.sql
+var migrationFiles embed.FS
+
+// MigrationsTable records the versions of the payments tables applied.
+const MigrationsTable = "payments_schema_version"
+
+// migrationSet is the domain's migrations.
+var migrationSet = pgmigrate.Set{Files: Migrations(), Table: MigrationsTable, Lock: 0x7067736167610003}
+
+// Migrations returns the domain's migration files: its tables (accounts,
+// account_postings, charge_fences), which pgsaga's own migrations do not
+// create.
+func Migrations() fs.FS {
+	sub, err := fs.Sub(migrationFiles, "migrations")
+	if err != nil {
+		panic(err) // the directory is embedded
+	}
+	return sub
+}
+
+// Migrate creates or updates the domain's tables in db and returns the
+// versions it applied. Safe to run from several processes at once, and
+// again: what is applied already is skipped. It adopts the tables a
+// database migrated by an earlier release of pgsaga holds.
+func Migrate(ctx context.Context, db *sql.DB) ([]int64, error) { return migrationSet.Apply(ctx, db) }
