@@ -300,8 +300,8 @@ func deadLettersCmd() *cobra.Command {
 			if err := checkText("--topic", topic); err != nil {
 				return err
 			}
-			return withTransport(cmd.Context(), func(tr *transport.Transport) error {
-				dl, err := tr.DeadLetters(cmd.Context(), transport.DeadLetterFilter{Topic: topic, Limit: limit})
+			return withClient(cmd.Context(), func(c *saga.Client) error {
+				dl, err := c.DeadLetters(cmd.Context(), saga.DeadLetterFilter{Topic: topic, Limit: limit})
 				if err != nil {
 					return err
 				}
@@ -340,10 +340,10 @@ func replayCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return withTransport(cmd.Context(), func(tr *transport.Transport) error {
+			return withClient(cmd.Context(), func(c *saga.Client) error {
 				var errs []error
 				for _, id := range ids {
-					done, err := replayDeadLetter(cmd.Context(), tr, id)
+					done, err := replayDeadLetter(cmd.Context(), c, id)
 					if err != nil {
 						errs = append(errs, err)
 						fmt.Fprintf(cmd.ErrOrStderr(), "dead letter %d: %s\n", id, cell(err.Error()))
@@ -362,8 +362,8 @@ func replayCmd() *cobra.Command {
 
 // replayDeadLetter sends dead letter id back to its queue, once (the
 // command's replay and the web view's), and says what it did.
-func replayDeadLetter(ctx context.Context, tr *transport.Transport, id int64) (string, error) {
-	n, err := tr.ReplayDeadLetter(ctx, id)
+func replayDeadLetter(ctx context.Context, c *saga.Client, id int64) (string, error) {
+	n, err := c.ReplayDeadLetter(ctx, id)
 	if err != nil {
 		return "", err
 	}

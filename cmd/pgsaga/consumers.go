@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/pgsaga/pgsaga/internal/transport"
+	"github.com/pgsaga/pgsaga/saga"
 )
 
 // groupJSON is a consumer group in `consumers --json`. Its field names are
@@ -38,8 +39,8 @@ func consumersCmd() *cobra.Command {
 			if err := checkStale(stale); err != nil {
 				return err
 			}
-			return withTransport(cmd.Context(), func(tr *transport.Transport) error {
-				groups, err := tr.ConsumerGroups(cmd.Context())
+			return withClient(cmd.Context(), func(c *saga.Client) error {
+				groups, err := c.ConsumerGroups(cmd.Context())
 				if err != nil {
 					return err
 				}
@@ -119,13 +120,13 @@ func dropGroupCmd(stale *time.Duration) *cobra.Command {
 			if err := checkStale(*stale); err != nil {
 				return err
 			}
-			return withTransport(cmd.Context(), func(tr *transport.Transport) error {
-				groups, err := tr.ConsumerGroups(cmd.Context())
+			return withClient(cmd.Context(), func(c *saga.Client) error {
+				groups, err := c.ConsumerGroups(cmd.Context())
 				if err != nil {
 					return err
 				}
 				now := time.Now()
-				waiting, alive := 0, &transport.ConsumerGroupAliveError{ConsumerGroup: group}
+				waiting, alive := 0, &saga.ConsumerGroupAliveError{ConsumerGroup: group}
 				found := false
 				for _, g := range groups {
 					if g.ConsumerGroup != group || topic != "" && g.Topic != topic {
@@ -154,7 +155,7 @@ func dropGroupCmd(stale *time.Duration) *cobra.Command {
 				if force {
 					window = 0
 				}
-				dropped, err := tr.DropConsumerGroups(cmd.Context(), transport.GroupDrop{ConsumerGroup: group, Topic: topic, UnlessSeenWithin: window})
+				dropped, err := c.DropConsumerGroups(cmd.Context(), saga.GroupDrop{ConsumerGroup: group, Topic: topic, UnlessSeenWithin: window})
 				if errors.As(err, &alive) {
 					return refuseRunning(alive, *stale)
 				}
@@ -176,7 +177,7 @@ func dropGroupCmd(stale *time.Duration) *cobra.Command {
 
 // refuseRunning is the refusal to drop a group a worker showed alive
 // within stale.
-func refuseRunning(alive *transport.ConsumerGroupAliveError, stale time.Duration) error {
+func refuseRunning(alive *saga.ConsumerGroupAliveError, stale time.Duration) error {
 	return fmt.Errorf("consumer group %s of %s runs: a worker showed it alive %s ago (%s), within --stale %s; dropping it would delete "+
 		"what waits for its workers. Stop them first, or repeat with --force", alive.ConsumerGroup, strings.Join(alive.Topics, ", "),
 		age(alive.Ago), alive.LastSeen.Format(time.RFC3339), stale)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/internal/transport"
+	"github.com/pgsaga/pgsaga/saga"
 )
 
 // deadLetterJSON is a dead letter in `dead-letters --json` (a bounded part
@@ -26,7 +27,7 @@ type deadLetterJSON struct {
 	Topic         string     `json:"topic"`
 	ConsumerGroup string     `json:"consumer_group"`
 	Handler       string     `json:"handler"`
-	Reason        string     `json:"reason"` // in a listing, its first transport.DeadLetterListText characters
+	Reason        string     `json:"reason"` // in a listing, its first saga.DeadLetterListText characters
 	ReasonLength  int        `json:"reason_length"`
 	Attempts      int        `json:"attempts"`
 	CreatedAt     time.Time  `json:"created_at"`
@@ -36,7 +37,7 @@ type deadLetterJSON struct {
 	// queue: replay refuses it, the sender must send it again.
 	Replayable bool `json:"replayable"`
 	// Metadata is null when it is not a JSON object of strings, and in a
-	// listing when its text is longer than transport.DeadLetterListText
+	// listing when its text is longer than saga.DeadLetterListText
 	// bytes; MetadataSize is that length.
 	Metadata     map[string]string `json:"metadata"`
 	MetadataSize int               `json:"metadata_size"`
@@ -45,7 +46,7 @@ type deadLetterJSON struct {
 	Payload         *string `json:"payload"`
 	PayloadSize     int     `json:"payload_size"`
 	PayloadComplete bool    `json:"payload_complete"`
-	// PayloadPreview is its first transport.DeadLetterPreviewBytes bytes as
+	// PayloadPreview is its first saga.DeadLetterPreviewBytes bytes as
 	// text (a character they cut in two left out), null if they are not
 	// UTF-8; PayloadPreviewBase64 the same bytes as they are.
 	PayloadPreview       *string `json:"payload_preview"`
@@ -54,7 +55,7 @@ type deadLetterJSON struct {
 	PayloadBase64 *string `json:"payload_base64,omitempty"`
 }
 
-func toDeadLetterJSON(d transport.DeadLetter) deadLetterJSON {
+func toDeadLetterJSON(d saga.DeadLetter) deadLetterJSON {
 	out := deadLetterJSON{ID: d.ID, UUID: d.UUID, Topic: d.Topic, ConsumerGroup: d.ConsumerGroup, Handler: d.Handler,
 		Reason: d.Reason, ReasonLength: d.ReasonLength, Attempts: d.Attempts, CreatedAt: d.CreatedAt, DeadAt: d.DeadAt,
 		ReplayedAt: d.ReplayedAt, Replayable: d.Replayable(), Metadata: d.Metadata, MetadataSize: d.MetadataSize,
@@ -93,7 +94,7 @@ func utf8Text(b []byte, cut bool) *string {
 }
 
 // replayedCell says whether d was replayed, when, or that it cannot be.
-func replayedCell(d transport.DeadLetter, now time.Time) string {
+func replayedCell(d saga.DeadLetter, now time.Time) string {
 	switch {
 	case d.ReplayedAt != nil:
 		return age(now.Sub(*d.ReplayedAt)) + " ago"
@@ -150,8 +151,8 @@ func showDeadLetterCmd() *cobra.Command {
 			if payloadOut == "-" && isTerminal(cmd.OutOrStdout()) {
 				return usagef("--payload-out - would write the payload's bytes as they are to a terminal: redirect stdout, or name a file")
 			}
-			return withTransport(cmd.Context(), func(tr *transport.Transport) error {
-				d, err := tr.DeadLetter(cmd.Context(), ids[0])
+			return withClient(cmd.Context(), func(c *saga.Client) error {
+				d, err := c.DeadLetter(cmd.Context(), ids[0])
 				if err != nil {
 					return err
 				}
@@ -202,7 +203,7 @@ func writeNewFile(path string, b []byte) error {
 
 // printDeadLetter shows d whole, for people; its payload went to
 // payloadOut if that is not "".
-func printDeadLetter(w io.Writer, d transport.DeadLetter, payloadOut string) error {
+func printDeadLetter(w io.Writer, d saga.DeadLetter, payloadOut string) error {
 	now := time.Now()
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "dead letter\t%d\n", d.ID)
@@ -268,7 +269,7 @@ func deleteDeadLettersCmd() *cobra.Command {
 				return err
 			}
 			ids = slices.Compact(slices.Sorted(slices.Values(ids)))
-			sel := transport.DeadLetterDeletion{IDs: ids, Topic: topic, OlderThan: olderThan}
+			sel := saga.DeadLetterDeletion{IDs: ids, Topic: topic, OlderThan: olderThan}
 			what := fmt.Sprintf("dead letters %s", joinIDs(ids))
 			switch {
 			case len(ids) > 0 && (topic != "" || olderThan != 0):
@@ -281,15 +282,15 @@ func deleteDeadLettersCmd() *cobra.Command {
 				}
 				what = fmt.Sprintf("the dead letters of %s dead for longer than %s", topic, olderThan)
 			}
-			return withTransport(cmd.Context(), func(tr *transport.Transport) error {
+			return withClient(cmd.Context(), func(c *saga.Client) error {
 				if !yes {
-					n, err := tr.CountDeadLetters(cmd.Context(), sel)
+					n, err := c.CountDeadLetters(cmd.Context(), sel)
 					if err != nil {
 						return err
 					}
 					return usagef("deleting %s deletes %d dead letter%s; repeat with --yes to do it", what, n, plural(int(n)))
 				}
-				n, err := tr.DeleteDeadLetters(cmd.Context(), sel)
+				n, err := c.DeleteDeadLetters(cmd.Context(), sel)
 				if err != nil {
 					return err
 				}

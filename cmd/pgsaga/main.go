@@ -54,7 +54,6 @@ import (
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/termsafe"
-	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/saga"
 )
@@ -164,18 +163,6 @@ func withDB(ctx context.Context, fn func(db *pgdb.DB) error) error {
 // pgsaga's tables.
 func withSchema(ctx context.Context, fn func(db *pgdb.DB) error) error {
 	return onDB(ctx, true, fn)
-}
-
-// withTransport runs fn with a transport on the workers' database, once
-// it is known to hold pgsaga's tables.
-func withTransport(ctx context.Context, fn func(tr *transport.Transport) error) error {
-	return withSchema(ctx, func(db *pgdb.DB) error {
-		tr, err := transport.New(transport.Config{DB: db.SQL})
-		if err != nil {
-			return err
-		}
-		return fn(tr)
-	})
 }
 
 // withClient runs fn with an unstarted saga client on the workers'

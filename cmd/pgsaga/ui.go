@@ -35,7 +35,6 @@ import (
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/termsafe"
-	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
 )
 
@@ -85,10 +84,6 @@ func uiCmd() *cobra.Command {
 			log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
 			ctx := cmd.Context()
 			return onFound(ctx, true, commandConns, func(db *pgdb.DB, found *finddb.Found) error {
-				tr, err := transport.New(transport.Config{DB: db.SQL})
-				if err != nil {
-					return err
-				}
 				ln, err := net.Listen("tcp", addr)
 				if err != nil {
 					return fmt.Errorf("cannot listen on %s: %w", addr, err)
@@ -99,7 +94,7 @@ func uiCmd() *cobra.Command {
 					fmt.Fprintf(stderr, "pgsaga ui: reachable from other machines; it answers to %s, with the login. It speaks plain HTTP: "+
 						"put a proxy that speaks HTTPS in front, or the login crosses the network readable.\n", strings.Join(hosts, ", "))
 				}
-				h, err := newUI(uiConfig{DB: db.SQL, Transport: tr, Logger: log, Where: found.Describe(), Hosts: hosts, Auth: auth})
+				h, err := newUI(uiConfig{DB: db.SQL, Logger: log, Where: found.Describe(), Hosts: hosts, Auth: auth})
 				if err != nil {
 					_ = ln.Close()
 					return err
@@ -146,9 +141,8 @@ func serveUI(ctx context.Context, ln net.Listener, h http.Handler, stderr io.Wri
 
 // uiConfig configures the web view's handler.
 type uiConfig struct {
-	DB        *sql.DB
-	Transport *transport.Transport
-	Logger    *slog.Logger
+	DB     *sql.DB
+	Logger *slog.Logger
 	// Where says where the database is, for the pages' header.
 	Where string
 	// Hosts are the Host headers answered, and the hosts of the origins a
@@ -184,8 +178,8 @@ const (
 )
 
 func newUI(cfg uiConfig) (*webUI, error) {
-	if cfg.DB == nil || cfg.Transport == nil || len(cfg.Hosts) == 0 {
-		return nil, errors.New("ui: DB, Transport and Hosts are required")
+	if cfg.DB == nil || len(cfg.Hosts) == 0 {
+		return nil, errors.New("ui: DB and Hosts are required")
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))

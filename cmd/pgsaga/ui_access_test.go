@@ -20,7 +20,6 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
-	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
 )
 
@@ -290,9 +289,7 @@ func TestUIExposedAnswersOnlyItsNames(t *testing.T) {
 	b := s.browser(t)
 	b.authorization = "Bearer " + testToken
 	port := s.port
-	tr, err := transport.New(transport.Config{DB: db.SQL})
-	require.NoError(t, err)
-	_, err = newUI(uiConfig{DB: db.SQL, Transport: tr})
+	_, err := newUI(uiConfig{DB: db.SQL})
 	assert.ErrorContains(t, err, "Hosts are required", "no view answers to any name")
 
 	// Reading.

@@ -23,7 +23,6 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/metadata"
 	"github.com/pgsaga/pgsaga/internal/termsafe"
-	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
 )
 
@@ -275,7 +274,7 @@ func (u *webUI) saga(w http.ResponseWriter, r *http.Request) error {
 	}
 	if unknown > 0 {
 		v.DeadLettersNote = strings.TrimSpace(v.DeadLettersNote + fmt.Sprintf(" %d dead letter%s searched had metadata too large to list (over %s bytes), so whether they name this saga is not known: the Dead letters page links to each.",
-			unknown, plural(unknown), thousands(transport.DeadLetterListText)))
+			unknown, plural(unknown), thousands(saga.DeadLetterListText)))
 	}
 	u.render(w, r, http.StatusOK, pageSaga, "sagas", v)
 	return nil
@@ -288,11 +287,11 @@ const deadLetterScan = 10_000
 // oldest first, from the oldest deadLetterScan (scannedAll false if there
 // are more), each as a listing has it: a bounded part. unknown counts
 // those whose metadata was too large to list, which may name it.
-func (u *webUI) sagaDeadLetters(ctx context.Context, id uuid.UUID) (found []transport.DeadLetter, scannedAll bool, unknown int, err error) {
+func (u *webUI) sagaDeadLetters(ctx context.Context, id uuid.UUID) (found []saga.DeadLetter, scannedAll bool, unknown int, err error) {
 	const page = 500
 	var after int64
 	for scanned := 0; scanned < deadLetterScan; scanned += page {
-		list, err := u.cfg.Transport.DeadLetters(ctx, transport.DeadLetterFilter{AfterID: after, Limit: page})
+		list, err := u.client.DeadLetters(ctx, saga.DeadLetterFilter{AfterID: after, Limit: page})
 		if err != nil {
 			return nil, false, 0, err
 		}
@@ -314,7 +313,7 @@ func (u *webUI) sagaDeadLetters(ctx context.Context, id uuid.UUID) (found []tran
 
 // metadataLeftOut reports whether a listing left d's metadata out for its
 // size.
-func metadataLeftOut(d transport.DeadLetter) bool { return d.RawMetadata == nil && d.MetadataSize > 0 }
+func metadataLeftOut(d saga.DeadLetter) bool { return d.RawMetadata == nil && d.MetadataSize > 0 }
 
 func kindClass(kind string) string {
 	switch kind {
@@ -452,7 +451,7 @@ const pageShowBytes = 1 << 20
 
 // deadLetterRowOf shows d with shown, the part of its payload a page shows;
 // ret is the page its Replay button returns to.
-func deadLetterRowOf(d transport.DeadLetter, shown []byte, now time.Time, ret string) deadLetterRow {
+func deadLetterRowOf(d saga.DeadLetter, shown []byte, now time.Time, ret string) deadLetterRow {
 	row := deadLetterRow{ID: d.ID, UUID: d.UUID, Topic: d.Topic, Group: dash(d.ConsumerGroup), Handler: dash(d.Handler),
 		Reason: d.Reason, Attempts: d.Attempts, Dead: age(now.Sub(d.DeadAt)) + " ago", DeadAt: stamp(d.DeadAt),
 		PublishedAt: stamp(d.CreatedAt), IsReplayed: d.ReplayedAt != nil, PayloadSize: thousands(d.PayloadSize) + " bytes",
@@ -556,11 +555,11 @@ func (u *webUI) deadLetters(w http.ResponseWriter, r *http.Request) error {
 		}
 		v.After = n
 	}
-	list, err := u.cfg.Transport.DeadLetters(ctx, transport.DeadLetterFilter{Topic: v.Topic, AfterID: v.After, Limit: v.Limit})
+	list, err := u.client.DeadLetters(ctx, saga.DeadLetterFilter{Topic: v.Topic, AfterID: v.After, Limit: v.Limit})
 	if err != nil {
 		return err
 	}
-	groups, err := u.cfg.Transport.ConsumerGroups(ctx)
+	groups, err := u.client.ConsumerGroups(ctx)
 	if err != nil {
 		return err
 	}
@@ -596,15 +595,15 @@ func deadLetterID(r *http.Request) (int64, error) {
 
 // wholeDeadLetter reads the dead letter the request's path names, whole:
 // the only page that reads a whole payload.
-func (u *webUI) wholeDeadLetter(r *http.Request) (transport.DeadLetter, error) {
+func (u *webUI) wholeDeadLetter(r *http.Request) (saga.DeadLetter, error) {
 	id, err := deadLetterID(r)
 	if err != nil {
-		return transport.DeadLetter{}, err
+		return saga.DeadLetter{}, err
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), pageTimeout)
 	defer cancel()
-	d, err := u.cfg.Transport.DeadLetter(ctx, id)
-	if errors.Is(err, transport.ErrDeadLetterNotFound) {
+	d, err := u.client.DeadLetter(ctx, id)
+	if errors.Is(err, saga.ErrDeadLetterNotFound) {
 		return d, notFound("No dead letter has the id %d in this database.", id)
 	}
 	return d, err
@@ -651,13 +650,13 @@ func (u *webUI) replay(w http.ResponseWriter, r *http.Request) error {
 	}
 	back := localPath(r.PostFormValue("return"), "/dead-letters")
 	back = strings.SplitN(back, "#", 2)[0] + fmt.Sprintf("#dl-%d", id)
-	done, err := replayDeadLetter(r.Context(), u.cfg.Transport, id)
+	done, err := replayDeadLetter(r.Context(), u.client, id)
 	switch {
 	case err == nil:
 		u.redirect(w, r, back, flash{"ok", strings.ToUpper(done[:1]) + done[1:] + "."})
-	case errors.Is(err, transport.ErrDeadLetterNotFound):
+	case errors.Is(err, saga.ErrDeadLetterNotFound):
 		u.redirect(w, r, back, flash{"error", fmt.Sprintf("No dead letter has the id %d: nothing was replayed.", id)})
-	case errors.Is(err, transport.ErrAlreadyReplayed), errors.Is(err, transport.ErrNoConsumerGroup), errors.Is(err, transport.ErrNotReplayable):
+	case errors.Is(err, saga.ErrAlreadyReplayed), errors.Is(err, saga.ErrNoConsumerGroup), errors.Is(err, saga.ErrNotReplayable):
 		u.redirect(w, r, back, flash{"error", fmt.Sprintf("Dead letter %d not replayed: %s.", id, strings.TrimPrefix(err.Error(), "transport: "))})
 	default:
 		return err
@@ -693,7 +692,7 @@ func (u *webUI) consumers(w http.ResponseWriter, r *http.Request) error {
 		}
 		stale, v.Stale = d, s
 	}
-	groups, err := u.cfg.Transport.ConsumerGroups(ctx)
+	groups, err := u.client.ConsumerGroups(ctx)
 	if err != nil {
 		return err
 	}
