@@ -294,6 +294,23 @@ func (rt *Runtime) Execute(ctx context.Context, step AnyStep, msg *message.Messa
 	return rt.tr.HandleInTx(ctx, s.Name, s.Topic, msg, rt.handler(s), transport.WithRetry(rt.retry))
 }
 
+// Try runs step s once for msg, as Execute's first attempt would (claim,
+// handler, reply, key), in a transaction it rolls back once inspect has
+// seen what the step did there: nothing stays, nothing is retried or
+// dead-lettered. It returns the attempt's error (inspect is not called
+// then), or inspect's. The test kit's unit tier (sagatest.Step) is built
+// on it.
+func (rt *Runtime) Try(ctx context.Context, step AnyStep, msg *message.Message, inspect func(tx DBTX) error) error {
+	if step == nil {
+		return errors.New("steps: trying a nil step")
+	}
+	s := step.stepCore()
+	if err := s.validate(); err != nil {
+		return err
+	}
+	return rt.tr.TryInTx(ctx, s.Name, s.Topic, msg, rt.handler(s), inspect)
+}
+
 // handler composes the step in the attempt's transaction: claim the
 // command's key (a duplicate gets its stored reply again), run the handler,
 // publish the reply and finish the key, calling the idempotency store

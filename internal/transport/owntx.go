@@ -38,7 +38,7 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 	}
 	log := t.log.With("handler", name, "message_uuid", msg.UUID)
 	for n := 1; ; n++ {
-		err := t.ownAttempt(ctx, msg, n, name, topic, h)
+		err := t.ownAttempt(ctx, msg, n, name, topic, h, commit)
 		if err == nil {
 			return nil
 		}
@@ -70,9 +70,39 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 	}
 }
 
-// ownAttempt runs h in a transaction of its own, with Instead, and commits
-// what it kept.
-func (t *Transport) ownAttempt(ctx context.Context, msg *message.Message, n int, name, topic string, h HandlerFunc) error {
+// TryInTx runs h once for msg, as the first attempt of HandleInTx would
+// (its deadline, queued writes, Instead), in a transaction of its own that
+// it rolls back at the end: inspect is called in that transaction once the
+// attempt kept its work, sees what it did, and then all of it is undone.
+// Nothing is retried, dead-lettered, counted or logged. It returns the
+// attempt's error (inspect is not called then), or inspect's. For unit
+// tests of one handler.
+func (t *Transport) TryInTx(ctx context.Context, name, topic string, msg *message.Message, h HandlerFunc, inspect func(tx Tx) error) error {
+	if err := t.checkServer(ctx); err != nil {
+		return err
+	}
+	h = t.wrap(name, name, topic, h)
+	return t.ownAttempt(ctx, msg, 1, name, topic, h, func(tx *sql.Tx) (bool, error) {
+		if inspect == nil {
+			return false, nil
+		}
+		return false, inspect(tx) // then rolled back
+	})
+}
+
+// commit ends an attempt of HandleInTx that kept its work.
+func commit(tx *sql.Tx) (bool, error) {
+	if err := tx.Commit(); err != nil {
+		return false, fmt.Errorf("transport: committing: %w", err)
+	}
+	return true, nil
+}
+
+// ownAttempt runs h in a transaction of its own, with Instead, and ends it
+// with end if the attempt kept its work: the transaction is rolled back
+// unless end commits it (and says so), and the attempt's hooks run after
+// a commit only.
+func (t *Transport) ownAttempt(ctx context.Context, msg *message.Message, n int, name, topic string, h HandlerFunc, end func(*sql.Tx) (committed bool, err error)) error {
 	c, err := t.acquire(ctx)
 	if err != nil {
 		return err
@@ -93,9 +123,9 @@ func (t *Transport) ownAttempt(ctx context.Context, msg *message.Message, n int,
 	if out != kept {
 		return herr
 	}
-	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("transport: committing: %w", err)
+	committed, err := end(tx)
+	if committed {
+		t.runHooks(d.hooks)
 	}
-	t.runHooks(d.hooks)
-	return nil
+	return err
 }
