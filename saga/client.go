@@ -679,35 +679,13 @@ var ErrTriggerType = errors.New("saga: the trigger is not of the saga's trigger 
 // its first command), saving that hop, and publishes the trigger only if
 // it cannot. The saga's correlation id is its key.
 func (c *Client) StartTx(ctx context.Context, tx steps.DBTX, name string, trigger steps.Message) (uuid.UUID, error) {
-	c.engine.mu.RLock()
-	def := c.engine.latest[name]
-	c.engine.mu.RUnlock()
-	if def == nil {
-		return uuid.Nil, fmt.Errorf("%w: %s", ErrUnknownDefinition, name)
-	}
-	if isNil(trigger) || trigger.MessageType() != def.triggerType {
-		got := "nil"
-		if !isNil(trigger) {
-			got = trigger.MessageType()
-		}
-		return uuid.Nil, fmt.Errorf("%w: %s takes %s, not %s", ErrTriggerType, name, def.triggerType, got)
-	}
 	if err := ctx.Err(); err != nil {
 		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, context.Cause(ctx))
 	}
-	msg, err := steps.NewMessage(trigger, steps.Envelope{})
+	msg, def, id, err := c.triggerMessage(name, trigger)
 	if err != nil {
-		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
+		return uuid.Nil, err
 	}
-	key, _, err := def.start(msg)
-	if err != nil {
-		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
-	}
-	id := ID(name, key)
-	// The trigger message's id is the instance's: every start of one
-	// instance sends the same message. Its correlation id is the key.
-	msg.UUID = uuid.NewSHA1(id, []byte("trigger")).String()
-	msg.Metadata.Set(steps.MetaCorrelationID, key)
 	if c.cfg.InProcessEngine {
 		// The start is told (metrics, its log line) once it is written in
 		// full: a start that cannot be is rolled back here, queued, and
@@ -729,6 +707,38 @@ func (c *Client) StartTx(ctx context.Context, tx steps.DBTX, name string, trigge
 		return uuid.Nil, fmt.Errorf("saga: starting %s: publishing to %s: %w", name, def.Trigger, err)
 	}
 	return id, nil
+}
+
+// triggerMessage is the message that starts saga name from trigger, the
+// saga's definition and the instance's id: the same message for every
+// start of one instance (its id is derived from the instance's, its
+// correlation id is the key).
+func (c *Client) triggerMessage(name string, trigger steps.Message) (*message.Message, *Definition, uuid.UUID, error) {
+	c.engine.mu.RLock()
+	def := c.engine.latest[name]
+	c.engine.mu.RUnlock()
+	if def == nil {
+		return nil, nil, uuid.Nil, fmt.Errorf("%w: %s", ErrUnknownDefinition, name)
+	}
+	if isNil(trigger) || trigger.MessageType() != def.triggerType {
+		got := "nil"
+		if !isNil(trigger) {
+			got = trigger.MessageType()
+		}
+		return nil, nil, uuid.Nil, fmt.Errorf("%w: %s takes %s, not %s", ErrTriggerType, name, def.triggerType, got)
+	}
+	msg, err := steps.NewMessage(trigger, steps.Envelope{})
+	if err != nil {
+		return nil, nil, uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
+	}
+	key, _, err := def.start(msg)
+	if err != nil {
+		return nil, nil, uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
+	}
+	id := ID(name, key)
+	msg.UUID = uuid.NewSHA1(id, []byte("trigger")).String()
+	msg.Metadata.Set(steps.MetaCorrelationID, key)
+	return msg, def, id, nil
 }
 
 // PublishTx publishes msgs to topic in the caller's transaction tx (a

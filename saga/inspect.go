@@ -101,7 +101,7 @@ func (e *engine) Get(ctx context.Context, id uuid.UUID) (Instance, error) {
 }
 
 // withHistory adds its timeline to out.
-func withHistory(ctx context.Context, db *sql.DB, out Instance) (Instance, error) {
+func withHistory(ctx context.Context, db steps.DBTX, out Instance) (Instance, error) {
 	id := out.ID
 	rows, err := db.QueryContext(ctx, historySQL, id)
 	if err != nil {

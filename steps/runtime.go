@@ -308,7 +308,12 @@ func (rt *Runtime) Try(ctx context.Context, step AnyStep, msg *message.Message, 
 	if err := s.validate(); err != nil {
 		return err
 	}
-	return rt.tr.TryInTx(ctx, s.Name, s.Topic, msg, rt.handler(s), inspect)
+	return rt.tr.TryInTx(ctx, s.Name, s.Topic, msg, rt.handler(s), func(tx DBTX) (*message.Message, error) {
+		if inspect == nil {
+			return nil, nil
+		}
+		return nil, inspect(tx)
+	})
 }
 
 // handler composes the step in the attempt's transaction: claim the

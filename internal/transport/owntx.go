@@ -38,7 +38,7 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 	}
 	log := t.log.With("handler", name, "message_uuid", msg.UUID)
 	for n := 1; ; n++ {
-		err := t.ownAttempt(ctx, msg, n, name, topic, h, commit)
+		err := t.ownAttempt(ctx, msg, n, name, topic, h)
 		if err == nil {
 			return nil
 		}
@@ -70,39 +70,56 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 	}
 }
 
-// TryInTx runs h once for msg, as the first attempt of HandleInTx would
-// (its deadline, queued writes, Instead), in a transaction of its own that
-// it rolls back at the end: inspect is called in that transaction once the
-// attempt kept its work, sees what it did, and then all of it is undone.
-// Nothing is retried, dead-lettered, counted or logged. It returns the
-// attempt's error (inspect is not called then), or inspect's. For unit
-// tests of one handler.
-func (t *Transport) TryInTx(ctx context.Context, name, topic string, msg *message.Message, h HandlerFunc, inspect func(tx Tx) error) error {
+// TryInTx runs h for msg as one attempt of HandleInTx would (its deadline,
+// queued writes, Instead), in a transaction of its own that it rolls back
+// at the end. Once the attempt kept its work, next is called in that
+// transaction: it sees what the attempt did, and returns the message h
+// handles next, in a fresh attempt of the same transaction, or nil to
+// stop. Nothing is retried, dead-lettered, counted or committed. It
+// returns the first attempt's error that stopped it (next is not called
+// then), or next's. For unit tests of handlers (the test kit's).
+func (t *Transport) TryInTx(ctx context.Context, name, topic string, msg *message.Message, h HandlerFunc, next func(tx Tx) (*message.Message, error)) error {
 	if err := t.checkServer(ctx); err != nil {
 		return err
 	}
 	h = t.wrap(name, name, topic, h)
-	return t.ownAttempt(ctx, msg, 1, name, topic, h, func(tx *sql.Tx) (bool, error) {
-		if inspect == nil {
-			return false, nil
+	return t.ownTx(ctx, topic, func(d *deliveryTx, tx *sql.Tx) (bool, error) {
+		for msg != nil {
+			if out, herr := t.handle(d, nil, msg, 0, 1, name, h); out != kept {
+				return false, herr
+			}
+			if next == nil {
+				return false, nil
+			}
+			m, err := next(tx)
+			if err != nil {
+				return false, err
+			}
+			msg = m
 		}
-		return false, inspect(tx) // then rolled back
+		return false, nil // rolled back
 	})
 }
 
-// commit ends an attempt of HandleInTx that kept its work.
-func commit(tx *sql.Tx) (bool, error) {
-	if err := tx.Commit(); err != nil {
-		return false, fmt.Errorf("transport: committing: %w", err)
-	}
-	return true, nil
+// ownAttempt runs h in a transaction of its own, with Instead, and commits
+// what it kept.
+func (t *Transport) ownAttempt(ctx context.Context, msg *message.Message, n int, name, topic string, h HandlerFunc) error {
+	return t.ownTx(ctx, topic, func(d *deliveryTx, tx *sql.Tx) (bool, error) {
+		if out, herr := t.handle(d, nil, msg, 0, n, name, h); out != kept {
+			return false, herr
+		}
+		if err := tx.Commit(); err != nil {
+			return false, fmt.Errorf("transport: committing: %w", err)
+		}
+		return true, nil
+	})
 }
 
-// ownAttempt runs h in a transaction of its own, with Instead, and ends it
-// with end if the attempt kept its work: the transaction is rolled back
-// unless end commits it (and says so), and the attempt's hooks run after
-// a commit only.
-func (t *Transport) ownAttempt(ctx context.Context, msg *message.Message, n int, name, topic string, h HandlerFunc, end func(*sql.Tx) (committed bool, err error)) error {
+// ownTx runs run in a bounded READ COMMITTED transaction of its own, as a
+// delivery of topic; the transaction is rolled back unless run commits it
+// (and says so), and the hooks of the attempts it kept run after a commit
+// only.
+func (t *Transport) ownTx(ctx context.Context, topic string, run func(d *deliveryTx, tx *sql.Tx) (committed bool, err error)) error {
 	c, err := t.acquire(ctx)
 	if err != nil {
 		return err
@@ -119,11 +136,7 @@ func (t *Transport) ownAttempt(ctx context.Context, msg *message.Message, n int,
 		return fmt.Errorf("transport: %w", err)
 	}
 	d := &deliveryTx{c: c, tx: tx, own: true, topic: topic, more: func() bool { return false }, expired: func() bool { return txCtx.Err() != nil }}
-	out, herr := t.handle(d, nil, msg, 0, n, name, h)
-	if out != kept {
-		return herr
-	}
-	committed, err := end(tx)
+	committed, err := run(d, tx)
 	if committed {
 		t.runHooks(d.hooks)
 	}

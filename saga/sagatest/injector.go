@@ -3,7 +3,16 @@
 // lost when messages are duplicated, processes crash at commit boundaries,
 // connections die mid-step and workers come and go.
 //
-// In a test, New starts a Run on a database (DB gives the test one of its
+// Its unit tier runs one step (Step), or a saga's reactions one at a time
+// (Transitions: its start, then the engine's answer to each reply), in a
+// transaction rolled back at the end, with no worker:
+//
+//	res := sagatest.Step(t, client, reserve, ReserveRoom{Guest: "ada"}, nil)
+//	reply, err := steps.Decode[RoomReserved](res.Reply)
+//	run := sagatest.Transitions(t, client, "stay", Booked{Guest: "ada"}, nil, sagatest.Refuse(nil, "no room"))
+//	last := run.Last().Instance // compensated
+//
+// Its failure tier: in a test, New starts a Run on a database (DB gives the test one of its
 // own; the package's TestMain calls Main): install Run.Intercept as the
 // client's saga.TransportConfig.Intercept, register what the client serves,
 // Start churning its workers, start sagas, and Finish, which waits for

@@ -11,6 +11,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/internal/unittier"
 	"github.com/pgsaga/pgsaga/steps"
 )
 
@@ -98,4 +99,84 @@ func readReply(tx steps.DBTX, replyTo string, res *StepResult) error {
 	}
 	res.Reply, res.Envelope = reply, steps.EnvelopeOf(reply)
 	return nil
+}
+
+// Reply is a participant's answer to a saga's command in flight, for
+// Transitions: Answer or Refuse.
+type Reply struct{ r unittier.Reply }
+
+// Answer is the step's reply m (nil: the step answered with nothing, a
+// steps.DoneReply).
+func Answer(m steps.Message) Reply { return Reply{unittier.Reply{Message: m}} }
+
+// Refuse is the step's refusal (steps.Fail): reply m (nil: a
+// steps.FailureReply) with reason.
+func Refuse(m steps.Message, reason string) Reply {
+	return Reply{unittier.Reply{Message: m, Failed: true, Reason: reason}}
+}
+
+// Transition is a saga after one reaction of the engine (to its trigger,
+// or to a reply), as it would commit.
+type Transition struct {
+	// Instance is the saga: its status, step, phase, data and timeline.
+	Instance saga.Instance
+	// Command is the command the reaction sent (decode it with
+	// steps.Decode; its envelope names the step and the key); nil if it
+	// sent none (the saga ended, or the reply changed nothing).
+	Command *message.Message
+}
+
+// TransitionsResult is what Transitions saw.
+type TransitionsResult struct {
+	// Transitions are the saga after its start, then after each reply.
+	Transitions []Transition
+	// Err is the reaction's error that stopped the run (a reply of
+	// another type than its step's, say): the saga, as it was before it,
+	// is in Transitions.
+	Err error
+}
+
+// Last is the saga after the last reaction that ran.
+func (r TransitionsResult) Last() Transition {
+	if len(r.Transitions) == 0 {
+		return Transition{}
+	}
+	return r.Transitions[len(r.Transitions)-1]
+}
+
+// Transitions starts saga name from trigger and answers its command in
+// flight with each of replies in turn, as a worker of client would react
+// (the instance, its timeline, the next command), in one transaction
+// that is rolled back at the end: the saga's reactions, one at a time,
+// with no step running and nothing left behind. inspect, if not nil, is
+// called in that transaction after each reaction. The client needs the
+// saga registered (Register); it need not be started. A failure of the
+// kit or of inspect fails the test; the engine's is the result's Err.
+func Transitions(t testing.TB, client *saga.Client, name string, trigger steps.Message, inspect func(tx steps.DBTX, t Transition) error,
+	replies ...Reply) TransitionsResult {
+	t.Helper()
+	if client == nil {
+		t.Fatalf("sagatest: Transitions of %s: a nil client", name)
+	}
+	rs := make([]unittier.Reply, len(replies))
+	for i, r := range replies {
+		rs[i] = r.r
+	}
+	var res TransitionsResult
+	var inspectErr error
+	err := unittier.Transitions(context.Background(), client, name, trigger, rs, func(tx steps.DBTX, u unittier.Transition) error {
+		tr := Transition{Instance: u.Instance.(saga.Instance), Command: u.Command}
+		res.Transitions = append(res.Transitions, tr)
+		if inspect != nil {
+			if inspectErr = inspect(tx, tr); inspectErr != nil {
+				return inspectErr
+			}
+		}
+		return nil
+	})
+	if inspectErr != nil {
+		t.Fatalf("sagatest: Transitions of %s: inspect: %v", name, inspectErr)
+	}
+	res.Err = err
+	return res
 }

@@ -123,3 +123,117 @@ func TestStepReportsAnErrorWithoutRetrying(t *testing.T) {
 	}
 	assert.Zero(t, count(t, db.SQL, `SELECT (SELECT count(*) FROM kit_notes) + (SELECT count(*) FROM pgsaga_dead_letters) + (SELECT count(*) FROM idempotency_keys)`))
 }
+
+type tripBooked struct {
+	Trip string `json:"trip"`
+	Seat string `json:"seat"`
+}
+
+func (tripBooked) MessageType() string { return "test.TripBooked" }
+
+type chargeCard struct {
+	Trip string `json:"trip"`
+}
+
+func (chargeCard) MessageType() string { return "test.ChargeCard" }
+
+type releaseSeat struct {
+	Seat string `json:"seat"`
+}
+
+func (releaseSeat) MessageType() string { return "test.ReleaseSeat" }
+
+type trip struct {
+	Trip, Seat, Reserved string
+}
+
+// tripClient has the trip saga: reserve a seat (released if the card is
+// declined), then charge the card. No step runs.
+func tripClient(t *testing.T) (*saga.Client, *sagatest.Database) {
+	t.Helper()
+	reserve := steps.Define[reserveSeat]("trip.reserve", "trip.reserve", nil)
+	release := steps.Define[releaseSeat]("trip.release", "trip.release", nil)
+	charge := steps.Define[chargeCard]("trip.charge", "trip.charge", nil)
+	def := saga.MustDefine(saga.Spec[trip]{Name: "trip",
+		Trigger: saga.On("trips", func(b tripBooked) (string, trip, error) { return b.Trip, trip{Trip: b.Trip, Seat: b.Seat}, nil }),
+		Steps: []saga.Step[trip]{
+			{Name: "reserve",
+				Action: saga.OnReply(saga.Send(reserve, func(d trip) reserveSeat { return reserveSeat{Seat: d.Seat} }),
+					func(d *trip, r seatReserved) error { d.Reserved = r.Seat; return nil }),
+				Compensation: saga.Send(release, func(d trip) releaseSeat { return releaseSeat{Seat: d.Seat} })},
+			{Name: "charge", Action: saga.Send(charge, func(d trip) chargeCard { return chargeCard{Trip: d.Trip} })},
+		}})
+	client, db := unitClient(t)
+	require.NoError(t, client.Register(def))
+	return client, db
+}
+
+// The start: the instance and its first command, then nothing left.
+func TestTransitionsStartASaga(t *testing.T) {
+	t.Parallel()
+	client, db := tripClient(t)
+	calls := 0
+	res := sagatest.Transitions(t, client, "trip", tripBooked{Trip: "t-1", Seat: "3C"}, func(tx steps.DBTX, tr sagatest.Transition) error {
+		calls++
+		assert.Equal(t, 1, count(t, tx, `SELECT count(*) FROM saga_instances`), "the instance, in the transaction")
+		return nil
+	})
+	require.NoError(t, res.Err)
+	require.Len(t, res.Transitions, 1)
+	assert.Equal(t, 1, calls)
+	first := res.Last()
+	assert.Equal(t, saga.StatusRunning, first.Instance.Status)
+	assert.Equal(t, "reserve", first.Instance.Step)
+	assert.Equal(t, saga.ID("trip", "t-1"), first.Instance.ID)
+	require.NotNil(t, first.Command)
+	cmd, err := steps.Decode[reserveSeat](first.Command)
+	require.NoError(t, err)
+	assert.Equal(t, reserveSeat{Seat: "3C"}, cmd)
+	assert.Equal(t, "reserve", steps.EnvelopeOf(first.Command).Step)
+	assert.Empty(t, first.Command.Metadata.Get("dead_letter_reason"), "the command as the step would receive it")
+	assert.Zero(t, count(t, db.SQL, `SELECT (SELECT count(*) FROM saga_instances) + (SELECT count(*) FROM pgsaga_dead_letters) + (SELECT count(*) FROM pgsaga_queue)`),
+		"rolled back: nothing stays")
+}
+
+// Each reply is one reaction: the data it brings, the next command, the
+// end.
+func TestTransitionsFollowTheReplies(t *testing.T) {
+	t.Parallel()
+	client, _ := tripClient(t)
+	res := sagatest.Transitions(t, client, "trip", tripBooked{Trip: "t-2", Seat: "4D"}, nil,
+		sagatest.Answer(seatReserved{Seat: "4D"}), sagatest.Answer(nil))
+	require.NoError(t, res.Err)
+	require.Len(t, res.Transitions, 3)
+	second := res.Transitions[1]
+	assert.Equal(t, "charge", second.Instance.Step)
+	assert.JSONEq(t, `{"Trip":"t-2","Seat":"4D","Reserved":"4D"}`, string(second.Instance.Data), "OnReply read the reply")
+	charge, err := steps.Decode[chargeCard](second.Command)
+	require.NoError(t, err)
+	assert.Equal(t, chargeCard{Trip: "t-2"}, charge)
+	last := res.Last()
+	assert.Equal(t, saga.StatusCompleted, last.Instance.Status)
+	assert.Nil(t, last.Command, "a completed saga sends nothing")
+}
+
+// A refusal compensates the steps before it; an answer of another type
+// than the step's stops the run with the engine's error.
+func TestTransitionsCompensateARefusal(t *testing.T) {
+	t.Parallel()
+	client, _ := tripClient(t)
+	res := sagatest.Transitions(t, client, "trip", tripBooked{Trip: "t-3", Seat: "5E"}, nil,
+		sagatest.Answer(seatReserved{Seat: "5E"}), sagatest.Refuse(nil, "card declined"), sagatest.Answer(nil))
+	require.NoError(t, res.Err)
+	require.Len(t, res.Transitions, 4)
+	declined := res.Transitions[2]
+	assert.Equal(t, saga.StatusCompensating, declined.Instance.Status)
+	assert.Equal(t, "charge: card declined", declined.Instance.FailureReason)
+	release, err := steps.Decode[releaseSeat](declined.Command)
+	require.NoError(t, err, "the reservation is released")
+	assert.Equal(t, releaseSeat{Seat: "5E"}, release)
+	assert.Equal(t, saga.StatusCompensated, res.Last().Instance.Status)
+
+	wrong := sagatest.Transitions(t, client, "trip", tripBooked{Trip: "t-4", Seat: "6F"}, nil, sagatest.Answer(chargeCard{Trip: "t-4"}))
+	require.Error(t, wrong.Err, "a reply of another type than the step's")
+	assert.True(t, steps.IsPermanent(wrong.Err), "%v", wrong.Err)
+	require.Len(t, wrong.Transitions, 1, "the saga as it was before the reply")
+}

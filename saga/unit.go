@@ -1,0 +1,128 @@
+package saga
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/pgsaga/pgsaga/saga/internal/unittier"
+	"github.com/pgsaga/pgsaga/steps"
+)
+
+func init() { unittier.Transitions = tryTransitions }
+
+// tryTransitions is unittier.Transitions: the engine's reactions to a
+// trigger and to replies, as a worker would run them, in one delivery
+// attempt (transport.TryInTx) that is rolled back.
+func tryTransitions(ctx context.Context, client any, name string, trigger steps.Message, replies []unittier.Reply,
+	observe func(tx steps.DBTX, t unittier.Transition) error) error {
+	c, ok := client.(*Client)
+	if !ok || c == nil {
+		return errors.New("saga: transitions need a *saga.Client")
+	}
+	msg, def, id, err := c.triggerMessage(name, trigger)
+	if err != nil {
+		return err
+	}
+	// Each reaction is an attempt of its own in the transaction: the
+	// trigger's first, then each reply's. After each, the saga is read as
+	// it stands, and the next reply answers the command in flight.
+	started := false
+	h := func(msg *message.Message) error {
+		if !started {
+			started = true
+			return c.engine.handleTrigger(name, msg)
+		}
+		return c.engine.handleReply(msg)
+	}
+	var observeErr error
+	var inFlight *message.Message
+	next := func(tx steps.DBTX) (*message.Message, error) {
+		inst, err := loadInstance(ctx, tx, id, false)
+		if err != nil {
+			return nil, err
+		}
+		public, err := withHistory(ctx, tx, c.engine.public(inst))
+		if err != nil {
+			return nil, err
+		}
+		var sent *message.Message
+		if inst.CommandID != "" && (inFlight == nil || inst.CommandID != inFlight.UUID) {
+			if sent, err = sentCommand(ctx, tx, inst.CommandID); err != nil {
+				return nil, err
+			}
+			inFlight = sent
+		} else if inst.Status.Terminal() {
+			inFlight = nil
+		}
+		if observeErr = observe(tx, unittier.Transition{Instance: public, Command: sent}); observeErr != nil {
+			return nil, observeErr
+		}
+		if len(replies) == 0 {
+			return nil, nil
+		}
+		r := replies[0]
+		replies = replies[1:]
+		if inFlight == nil {
+			return nil, fmt.Errorf("saga %s: a reply answers nothing: no command is in flight", id)
+		}
+		return replyTo(inFlight, r)
+	}
+	err = c.transport.TryInTx(ctx, "saga."+name+".transitions", def.Trigger, msg, h, next)
+	if observeErr != nil {
+		return observeErr
+	}
+	return err
+}
+
+// sentCommand reads the command a reaction sent (uuid), in its
+// transaction: queued for the step's consumer groups, or, for a topic no
+// group reads, kept as a dead letter.
+func sentCommand(ctx context.Context, tx steps.DBTX, id string) (*message.Message, error) {
+	var payload []byte
+	var meta []byte
+	err := tx.QueryRowContext(ctx, `SELECT payload, metadata FROM (
+    SELECT payload, metadata::text AS metadata, 1 AS o FROM pgsaga_queue WHERE uuid = $1
+    UNION ALL
+    SELECT payload, metadata::text, 2 FROM pgsaga_dead_letters WHERE uuid = $1 AND replayed_at IS NULL
+) m ORDER BY o LIMIT 1`, id).Scan(&payload, &meta)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, fmt.Errorf("saga: the command sent (%s) is not in the database", id)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("saga: reading the command sent (%s): %w", id, err)
+	}
+	msg := message.NewMessage(id, payload)
+	if err := json.Unmarshal(meta, &msg.Metadata); err != nil {
+		return nil, fmt.Errorf("saga: reading the command sent (%s): %w", id, err)
+	}
+	for k := range msg.Metadata {
+		if strings.HasPrefix(k, "dead_letter_") { // a dead letter's own entries
+			delete(msg.Metadata, k)
+		}
+	}
+	return msg, nil
+}
+
+// replyTo is r as the step's reply to cmd.
+func replyTo(cmd *message.Message, r unittier.Reply) (*message.Message, error) {
+	env := steps.EnvelopeOf(cmd)
+	m := r.Message
+	outcome := steps.OutcomeOK
+	if r.Failed {
+		outcome = steps.OutcomeFailed
+		if m == nil {
+			m = steps.FailureReply{Reason: r.Reason}
+		}
+	}
+	if m == nil {
+		m = steps.DoneReply{}
+	}
+	return steps.NewMessage(m, steps.Envelope{CorrelationID: env.CorrelationID, CausationID: cmd.UUID, SagaID: env.SagaID,
+		Step: env.Step, Key: env.Key, Outcome: outcome, Reason: r.Reason})
+}
