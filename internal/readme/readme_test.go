@@ -69,3 +69,150 @@ func TestTheREADMEProgramRunsInAModuleOfItsOwn(t *testing.T) {
 	require.NoError(t, err, "%s", out)
 	assert.Contains(t, string(out), "compensated ship: no courier\n", "the saga compensated its first step after the second failed")
 }
+
+// userProgram uses what a user of the module touches beyond the README's
+// program, from a module of its own: delivery settings, metrics, an
+// interceptor, a step that awaits a call, a projection, the idempotency
+// store, the operator calls, and the test kit. It is built and vetted, not
+// run: every name in it must be usable outside the module (none may need
+// an internal package to be written).
+const userProgram = `package main
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/events"
+)
+
+type Charge struct{ ID string }
+
+func (Charge) MessageType() string { return "shop.Charge" }
+
+func charge(ctx context.Context, tx *steps.Tx, c Charge) (steps.Message, error) {
+	if steps.Awaited(ctx) {
+		return nil, nil
+	}
+	if c.ID == "" {
+		return nil, steps.Permanent(errors.New("no id"))
+	}
+	return nil, steps.Await(time.Second, func(ctx context.Context) error { return nil })
+}
+
+func project(ctx context.Context, tx steps.DBTX, msg *message.Message) error {
+	_, err := tx.ExecContext(ctx, "SELECT 1")
+	return err
+}
+
+func build(ctx context.Context, client *saga.Client, store *idempotency.Store) error {
+	if err := client.AddSteps(steps.Define("shop.charge", "shop.charge", charge)); err != nil {
+		return err
+	}
+	if err := client.AddProjections(events.Projection{Name: "view", Topic: "shop.events", Handle: project}); err != nil {
+		return err
+	}
+	for _, s := range client.Subscriptions() {
+		_, _ = s.Topic, s.ConsumerGroup
+	}
+	if _, err := store.Do(ctx, idempotency.Request{Scope: "api", Key: "k"}, func(ctx context.Context, tx steps.DBTX) (idempotency.Response, error) {
+		return idempotency.Response{}, &idempotency.Failure{Reason: "no"}
+	}); err != nil {
+		return err
+	}
+	letters, err := client.DeadLetters(ctx, saga.DeadLetterFilter{Limit: 10})
+	for _, d := range letters {
+		_, _ = client.ReplayDeadLetter(ctx, d.ID)
+	}
+	groups, err := client.ConsumerGroups(ctx)
+	for _, g := range groups {
+		_, err = client.DropConsumerGroups(ctx, saga.GroupDrop{ConsumerGroup: g.ConsumerGroup, UnlessSeenWithin: time.Minute})
+		var alive *saga.ConsumerGroupAliveError
+		_ = errors.As(err, &alive) || errors.Is(err, saga.ErrConsumerGroupAlive)
+	}
+	_, err = client.List(ctx, saga.Filter{Statuses: []saga.Status{saga.StatusFailed}})
+	return err
+}
+
+func main() {
+	cfg := saga.ClientConfig{
+		Transport: saga.TransportConfig{BatchSize: 10, Metrics: prometheus.NewRegistry(),
+			Intercept: func(handler string, h message.NoPublishHandlerFunc) message.NoPublishHandlerFunc { return h }},
+		Retry: &steps.RetryPolicy{MaxAttempts: 3},
+	}
+	client, err := saga.NewClientFromDB(nil, cfg)
+	if err == nil {
+		_ = build(context.Background(), client, nil)
+	}
+}
+`
+
+// userTest is the test kit, used from that module's tests.
+const userTest = `package main
+
+import (
+	"context"
+	"database/sql"
+	"testing"
+	"testing/fstest"
+
+	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/sagatest"
+	"github.com/pgsaga/pgsaga/steps"
+)
+
+func TestMain(m *testing.M) {
+	sagatest.Main(m, sagatest.Schema{Files: fstest.MapFS{}, Migrate: func(context.Context, *sql.DB) ([]int64, error) { return nil, nil }})
+}
+
+func TestCharge(t *testing.T) {
+	db := sagatest.DB(t)
+	run := sagatest.New(t, db.SQL, sagatest.Faults{Seed: 1})
+	client, err := saga.NewClientFromDB(db.SQL, saga.ClientConfig{Transport: saga.TransportConfig{Intercept: run.Intercept}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	step := steps.Define("shop.charge", "shop.charge", charge)
+	res := sagatest.Step(t, client, step, Charge{ID: "c"}, func(tx steps.DBTX) error { return nil })
+	_, _ = res.Failed(), res.Err
+	tr := sagatest.Transitions(t, client, "order", Charge{ID: "c"}, nil, sagatest.Answer(nil), sagatest.Refuse(nil, "no"))
+	_ = tr.Last().Instance.Status
+}
+`
+
+// Every name a user touches is usable from a module of its own: the
+// program and its test above build and pass go vet there, with a replace
+// line. (An exported name whose type is internal fails this: a field of
+// an internal named type cannot be set, nor an internal type written.)
+func TestThePublicSurfaceServesAModuleOfItsOwn(t *testing.T) {
+	t.Parallel()
+	gobin, err := exec.LookPath("go")
+	if err != nil {
+		t.Skip("no go tool on PATH")
+	}
+	wd, err := os.Getwd()
+	require.NoError(t, err)
+	root, module, err := layers.ModuleRoot(wd)
+	require.NoError(t, err)
+	dir := t.TempDir()
+	gomod := "module example.com/shop\n\ngo 1.26\n\nrequire " + module + " v0.0.0\n\nreplace " + module + " => " + root + "\n"
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "go.mod"), []byte(gomod), 0o644))
+	sums, err := os.ReadFile(filepath.Join(root, "go.sum"))
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "go.sum"), sums, 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "main.go"), []byte(userProgram), 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "main_test.go"), []byte(userTest), 0o644))
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, gobin, "vet", ".")
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "GOFLAGS=-mod=mod")
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "%s", out)
+}

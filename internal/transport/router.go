@@ -19,7 +19,7 @@ import (
 // the attempt back; the message is retried after its backoff, or
 // dead-lettered (see RetryPolicy). msg.Context() is done when the attempt
 // runs out of time (Config.AttemptTimeout).
-type HandlerFunc func(msg *message.Message) error
+type HandlerFunc = message.NoPublishHandlerFunc
 
 // Router is a Watermill router whose handlers consume queues: each runs
 // Config.Consumers consumers, every delivery attempt in a savepoint of its
