@@ -16,7 +16,7 @@ var migrationFiles embed.FS
 const MigrationsTable = "orders_schema_version"
 
 // migrationSet is the domain's migrations.
-var migrationSet = pgmigrate.Set{Files: Migrations(), Table: MigrationsTable, Lock: 0x7067736167610002}
+var migrationSet = pgmigrate.Set{Files: Migrations(), Table: MigrationsTable, Lock: 0x7067736167610010}
 
 // Migrations returns the domain's migration files: its tables (customers,
 // order_views), which pgsaga's own migrations do not create.

@@ -16,7 +16,7 @@ var migrationFiles embed.FS
 const MigrationsTable = "payments_schema_version"
 
 // migrationSet is the domain's migrations.
-var migrationSet = pgmigrate.Set{Files: Migrations(), Table: MigrationsTable, Lock: 0x7067736167610003}
+var migrationSet = pgmigrate.Set{Files: Migrations(), Table: MigrationsTable, Lock: 0x7067736167610011}
 
 // Migrations returns the domain's migration files: its tables (accounts,
 // account_postings, charge_fences), which pgsaga's own migrations do not

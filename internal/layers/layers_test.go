@@ -1,7 +1,11 @@
 package layers
 
 import (
+	"io/fs"
 	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -46,4 +50,42 @@ func TestCheckReportsWhatRunsUpward(t *testing.T) {
 		{"cmd/orderdemo", "cmd/internal/workerwatch"}, {"cmd/orderdemo", "saga/sagatest"}, {"internal/testdb", "migrations"},
 		{"steps/broker/natsjs", "steps/broker"}, {"payments", "internal/pgerr"},
 	}), "downward and same-layer imports pass")
+}
+
+// The advisory lock keys the module's code takes (0x706773616761…,
+// "pgsaga" and a number) are distinct: two owners of one key would wait
+// on each other (the payments migrations and the test template builds
+// once did, on one database).
+func TestAdvisoryLockKeysAreDistinct(t *testing.T) {
+	t.Parallel()
+	wd, err := os.Getwd()
+	require.NoError(t, err)
+	root, _, err := ModuleRoot(wd)
+	require.NoError(t, err)
+	key := regexp.MustCompile(`0x706773616761[0-9a-fA-F]{4}`)
+	owners := map[string][]string{}
+	require.NoError(t, filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && strings.HasPrefix(d.Name(), ".") && p != root {
+			return filepath.SkipDir
+		}
+		if d.IsDir() || !strings.HasSuffix(p, ".go") || strings.HasSuffix(p, "_test.go") {
+			return nil
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(root, p)
+		for _, k := range key.FindAllString(string(b), -1) {
+			owners[strings.ToLower(k)] = append(owners[strings.ToLower(k)], rel)
+		}
+		return nil
+	}))
+	require.GreaterOrEqual(t, len(owners), 5, "the keys were found: %v", owners)
+	for k, files := range owners {
+		assert.Len(t, files, 1, "advisory lock key %s is taken in %v", k, files)
+	}
 }

@@ -8,6 +8,8 @@ package telemetry
 import (
 	"errors"
 	"fmt"
+	"reflect"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -56,7 +58,7 @@ type Metrics struct {
 // already holds (registered by another transport of the process) are
 // shared: both count into them.
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
-	if reg == nil {
+	if reg == nil || isNilPointer(reg) {
 		return nil, errors.New("telemetry: NewMetrics needs a Registerer")
 	}
 	m := &Metrics{
@@ -111,35 +113,73 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Messages from the broker this process could not queue and handed back for redelivery (the database did not take them), by topic.",
 		}, []string{"topic"}),
 	}
+	// What this call registered, unregistered again if a later one fails:
+	// a refused NewMetrics leaves reg as it was.
+	var added []prometheus.Collector
+	fail := func(err error) (*Metrics, error) {
+		for _, c := range added {
+			reg.Unregister(c)
+		}
+		return nil, err
+	}
 	for _, c := range []**prometheus.CounterVec{&m.sagasStarted, &m.sagasFinished, &m.resent, &m.replays, &m.deadLetters, &m.retries,
 		&m.relayed, &m.relayFailures, &m.received, &m.receiveErrors} {
-		if err := register(reg, c); err != nil {
-			return nil, err
+		if err := register(reg, c, &added); err != nil {
+			return fail(err)
 		}
 	}
 	for _, h := range []**prometheus.HistogramVec{&m.stepDuration, &m.stepAttempts} {
-		if err := register(reg, h); err != nil {
-			return nil, err
+		if err := register(reg, h, &added); err != nil {
+			return fail(err)
 		}
 	}
 	return m, nil
 }
 
-// register registers *c with reg or, if reg holds the same metric already,
-// points *c at the one registered.
-func register[C prometheus.Collector](reg prometheus.Registerer, c *C) error {
+// register registers *c with reg, adding it to added, or, if reg holds
+// the same metric already (same kind, name, help and labels in the same
+// order, as another NewMetrics registered it), points *c at that one.
+// Labels in another order are refused: values would land under the wrong
+// names.
+func register[C prometheus.Collector](reg prometheus.Registerer, c *C, added *[]prometheus.Collector) error {
 	err := reg.Register(*c)
 	var dup prometheus.AlreadyRegisteredError
 	if errors.As(err, &dup) {
-		if existing, ok := dup.ExistingCollector.(C); ok {
+		if existing, ok := dup.ExistingCollector.(C); ok && sameDescs(existing, *c) {
 			*c = existing
 			return nil
 		}
+		err = fmt.Errorf("%w: %s is registered already, otherwise", err, describe(*c))
 	}
 	if err != nil {
 		return fmt.Errorf("telemetry: registering metrics: %w", err)
 	}
+	*added = append(*added, *c)
 	return nil
+}
+
+// sameDescs reports whether a and b describe the same metrics, variable
+// labels in the same order.
+func sameDescs(a, b prometheus.Collector) bool {
+	return describe(a) == describe(b)
+}
+
+// describe is c's descriptions, in order.
+func describe(c prometheus.Collector) string {
+	ch := make(chan *prometheus.Desc, 4)
+	go func() { c.Describe(ch); close(ch) }()
+	var out []string
+	for d := range ch {
+		out = append(out, d.String())
+	}
+	return strings.Join(out, "; ")
+}
+
+// isNilPointer reports whether reg is a typed nil pointer (a nil
+// *prometheus.Registry, say), which would panic when used.
+func isNilPointer(reg prometheus.Registerer) bool {
+	v := reflect.ValueOf(reg)
+	return v.Kind() == reflect.Pointer && v.IsNil()
 }
 
 // SagaStarted counts an instance of saga started.

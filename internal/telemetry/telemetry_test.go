@@ -63,6 +63,34 @@ func TestNewMetricsSharesARegistry(t *testing.T) {
 	require.ErrorContains(t, err, "registering metrics", "a metric of another kind under our name is refused")
 }
 
+// A metric registered already under our name with the same labels in
+// another order is refused (sharing it would put values under the wrong
+// labels), and so is a typed nil registry (it would panic); a refused
+// NewMetrics leaves the registry as it was.
+func TestNewMetricsRefusesWhatItCannotShare(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	swapped := prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "pgsaga", Name: "sagas_finished_total",
+		Help: "Saga instances this process brought to a terminal state, by outcome (completed, compensated, failed: parked for an operator). A parked saga retried by an operator counts again when it ends.",
+	}, []string{"outcome", "saga"})
+	reg.MustRegister(swapped)
+	_, err := telemetry.NewMetrics(reg)
+	require.ErrorContains(t, err, "registering metrics")
+	swapped.WithLabelValues("completed", "order").Inc()
+	fams, err := reg.Gather()
+	require.NoError(t, err)
+	var names []string
+	for _, f := range fams {
+		names = append(names, f.GetName())
+	}
+	assert.Equal(t, []string{"pgsaga_sagas_finished_total"}, names, "what the refused call registered is gone")
+
+	var nilRegistry *prometheus.Registry
+	assert.NotPanics(t, func() {
+		_, err = telemetry.NewMetrics(nilRegistry)
+	})
+	require.Error(t, err)
+}
+
 // A replayed step counts as a replay and an attempt of that outcome, but
 // not in the attempts histogram (it ran nothing).
 func TestStepAttemptOutcomes(t *testing.T) {

@@ -103,8 +103,9 @@ var (
 // Schema is an application's tables (the sample's, a user's), migrated
 // into every test database besides pgsaga's own.
 type Schema struct {
-	// Files are its migrations: their content names the template that
-	// holds them.
+	// Files are its migrations: the content of every file in it, at any
+	// depth, names the template that holds them, so a change to any
+	// builds a new one.
 	Files fs.FS
 	// Migrate applies them to a database.
 	Migrate func(context.Context, *sql.DB) ([]int64, error)
@@ -647,7 +648,7 @@ func templateName(ctx context.Context, admin *pgx.Conn) (string, error) {
 // be testing on the same server right now, so another's template is dropped
 // only once it is older than staleAfter.
 func ensureTemplate(ctx context.Context, admin *pgx.Conn) (string, error) {
-	hash, err := migrationsHash()
+	hash, err := migrationsHash(schemas)
 	if err != nil {
 		return "", err
 	}
@@ -737,14 +738,23 @@ func buildTemplate(ctx context.Context, admin *pgx.Conn, hash string) (string, e
 
 // migrationsHash names the template after the content of every migration
 // file, pgsaga's and the schemas'.
-func migrationsHash() (string, error) {
+func migrationsHash(schemas []Schema) (string, error) {
 	h := sha256.New()
 	sets := []fs.FS{migrations.FS()}
 	for _, sc := range schemas {
 		sets = append(sets, sc.Files)
 	}
 	for i, fsys := range sets {
-		names, err := fs.Glob(fsys, "*.sql")
+		// Every file, wherever it is: a schema's files need not be SQL at
+		// the root (Go migrations, a subdirectory), and any change to them
+		// must build a new template.
+		var names []string
+		err := fs.WalkDir(fsys, ".", func(p string, d fs.DirEntry, err error) error {
+			if err == nil && !d.IsDir() {
+				names = append(names, p)
+			}
+			return err
+		})
 		if err != nil {
 			return "", err
 		}

@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"testing/fstest"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -33,7 +34,7 @@ func TestOtherCheckoutsTemplateSurvives(t *testing.T) {
 	}
 	name, err := ensureTemplate(ctx, admin)
 	require.NoError(t, err)
-	hash, err := migrationsHash()
+	hash, err := migrationsHash(schemas)
 	require.NoError(t, err)
 	h, _, ok := parseTemplateName(name)
 	require.True(t, ok, name)
@@ -62,7 +63,7 @@ func TestVanishedTemplateIsFoundAgain(t *testing.T) {
 	defer tplMu.Unlock()
 	h, _, ok := parseTemplateName(template)
 	require.True(t, ok)
-	hash, err := migrationsHash()
+	hash, err := migrationsHash(schemas)
 	require.NoError(t, err)
 	assert.Equal(t, hash, h)
 }
@@ -119,4 +120,21 @@ func TestOrphanedPrivateServersAreRemoved(t *testing.T) {
 	assert.NoDirExists(t, orphan)
 	assert.DirExists(t, alive)
 	assert.DirExists(t, fresh)
+}
+
+// A template is named after every file of every schema, at any depth: a
+// change to a migration in a subdirectory builds a new one.
+func TestTemplateNameCoversEverySchemaFile(t *testing.T) {
+	t.Parallel()
+	schema := func(sql string) []Schema {
+		return []Schema{{Files: fstest.MapFS{"migrations/00001_app.sql": {Data: []byte(sql)}}, Migrate: nil}}
+	}
+	a, err := migrationsHash(schema("CREATE TABLE a (x int)"))
+	require.NoError(t, err)
+	b, err := migrationsHash(schema("CREATE TABLE b (x int)"))
+	require.NoError(t, err)
+	none, err := migrationsHash(nil)
+	require.NoError(t, err)
+	assert.NotEqual(t, a, b, "a changed migration names another template")
+	assert.NotEqual(t, a, none, "a schema names another template than none")
 }
