@@ -296,8 +296,9 @@ func (rt *Runtime) Execute(ctx context.Context, step AnyStep, msg *message.Messa
 
 // Try runs step s once for msg, as Execute's first attempt would (claim,
 // handler, reply, key), in a transaction it rolls back once inspect has
-// seen what the step did there: nothing stays, nothing is retried or
-// dead-lettered. It returns the attempt's error (inspect is not called
+// seen what the step did there: nothing of that transaction stays, nothing
+// is retried or dead-lettered. An awaited call (Await) runs at once, and
+// what it commits on its own stays. It returns the attempt's error (inspect is not called
 // then), or inspect's. The test kit's unit tier (sagatest.Step) is built
 // on it.
 func (rt *Runtime) Try(ctx context.Context, step AnyStep, msg *message.Message, inspect func(tx DBTX) error) error {

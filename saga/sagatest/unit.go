@@ -15,9 +15,11 @@ import (
 	"github.com/pgsaga/pgsaga/steps"
 )
 
-// The unit tier: one step, run once, in a transaction that is rolled back
-// when the test has looked at what it did. No worker runs, nothing is
-// queued or committed, and tests of it share a database freely.
+// The unit tier: one step, run once, or a saga's reactions, in a
+// transaction that is rolled back when the test has looked at what it
+// did. No worker runs and nothing is queued or committed in it, so tests
+// of it share a database freely (what a step commits on its own, an
+// awaited call's record say, is the exception: see Step).
 
 // StepResult is what one run of a step did (Step).
 type StepResult struct {
@@ -43,6 +45,12 @@ func (r StepResult) Failed() bool { return r.Envelope.Outcome == steps.OutcomeFa
 // transaction after the step, to read what it wrote; then everything is
 // rolled back. A failure to run at all (the database, an inspect that
 // returns an error) fails the test; the step's own error is in the result.
+//
+// A step that awaits a call (steps.Await) has the call run at once, as an
+// in-process delivery would, and then runs again (steps.Awaited): only
+// the step's transaction is rolled back, so what the call, or the step in
+// a transaction of its own, commits (a lease, the call's record, a
+// request to a fake service) stays.
 //
 // The client needs the step's event types (ClientConfig.RegisterEvents);
 // it need not be started, nor serve the step.

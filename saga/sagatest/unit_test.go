@@ -5,6 +5,7 @@ import (
 	"errors"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -236,4 +237,26 @@ func TestTransitionsCompensateARefusal(t *testing.T) {
 	require.Error(t, wrong.Err, "a reply of another type than the step's")
 	assert.True(t, steps.IsPermanent(wrong.Err), "%v", wrong.Err)
 	require.Len(t, wrong.Transitions, 1, "the saga as it was before the reply")
+}
+
+// A step that awaits a call: the call runs, the step runs again and
+// answers from what it recorded, all in one Step.
+func TestStepRunsAnAwaitedCall(t *testing.T) {
+	t.Parallel()
+	client, _ := unitClient(t)
+	var calls, runs atomic.Int32
+	step := steps.Define("seats.hold", "seats.hold", func(ctx context.Context, tx *steps.Tx, cmd reserveSeat) (steps.Message, error) {
+		runs.Add(1)
+		if !steps.Awaited(ctx) {
+			return nil, steps.Await(time.Second, func(context.Context) error { calls.Add(1); return nil })
+		}
+		return seatReserved(cmd), nil
+	})
+	res := sagatest.Step(t, client, step, reserveSeat{Seat: "7G"}, nil)
+	require.NoError(t, res.Err)
+	reply, err := steps.Decode[seatReserved](res.Reply)
+	require.NoError(t, err)
+	assert.Equal(t, seatReserved{Seat: "7G"}, reply)
+	assert.Equal(t, int32(1), calls.Load(), "the call ran once")
+	assert.Equal(t, int32(2), runs.Load(), "the step ran, awaited, and ran again")
 }
