@@ -3,14 +3,15 @@ package steps_test
 import (
 	"context"
 	"fmt"
+	"log/slog"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
-	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/testdb"
-	"github.com/pgsaga/pgsaga/internal/transport"
+	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/steps/events"
 )
 
 // ReserveSeat and SeatReserved are a command and its reply.
@@ -32,15 +33,7 @@ func (SeatReserved) MessageType() string { return "example.SeatReserved" }
 func ExampleDefine() {
 	db := testdb.ForExample().SQL
 	ctx := context.Background()
-	tr, err := transport.New(transport.Config{DB: db})
-	if err != nil {
-		panic(err)
-	}
-	store, err := idempotency.NewStore(idempotency.Config{DB: db})
-	if err != nil {
-		panic(err)
-	}
-	rt, err := steps.New(steps.Config{Transport: tr, Store: store})
+	client, err := saga.NewClientFromDB(db, saga.ClientConfig{Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		panic(err)
 	}
@@ -54,38 +47,35 @@ func ExampleDefine() {
 			}
 			return SeatReserved(cmd), nil
 		})
+	if err := client.AddSteps(reserve); err != nil {
+		panic(err)
+	}
+	// Whoever sent the command reads the replies (here, a handler of the
+	// reply topic, in its delivery's transaction).
 	replies := "seat_replies_" + suffix
-
-	router, err := tr.NewRouter()
-	if err != nil {
-		panic(err)
-	}
-	if err := rt.Register(router, reserve); err != nil {
-		panic(err)
-	}
-	// Whoever sent the command reads the replies.
 	got := make(chan string, 2)
-	if err := router.AddHandler("reader-"+suffix, replies, "", func(msg *message.Message) error {
-		got <- fmt.Sprintf("%s replayed=%t", msg.Payload, msg.Metadata.Get(steps.MetaReplayed) == "true")
-		return nil
-	}); err != nil {
+	if err := client.AddProjections(events.Projection{Name: "reader-" + suffix, Topic: replies,
+		Handle: func(_ context.Context, _ steps.DBTX, msg *message.Message) error {
+			got <- fmt.Sprintf("%s replayed=%t", msg.Payload, msg.Metadata.Get(steps.MetaReplayed) == "true")
+			return nil
+		}}); err != nil {
 		panic(err)
 	}
-	if err := router.Start(ctx); err != nil {
+	if err := client.Start(ctx); err != nil {
 		panic(err)
 	}
-	defer router.Stop() //nolint:errcheck
+	defer client.Stop() //nolint:errcheck
 
 	cmd, err := steps.NewMessage(ReserveSeat{Seat: "12A"}, steps.Envelope{Key: "booking-7:reserve", ReplyTo: replies})
 	if err != nil {
 		panic(err)
 	}
-	if err := tr.Publisher(db).Publish(reserve.Topic(), cmd); err != nil {
+	if err := client.PublishTx(ctx, db, reserve.Topic(), cmd); err != nil {
 		panic(err)
 	}
 	fmt.Println(<-got)
 	// The same command again: answered from the store, not run again.
-	if err := tr.Publisher(db).Publish(reserve.Topic(), cmd); err != nil {
+	if err := client.PublishTx(ctx, db, reserve.Topic(), cmd); err != nil {
 		panic(err)
 	}
 	fmt.Println(<-got)

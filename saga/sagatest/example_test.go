@@ -9,7 +9,6 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
-	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
 	"github.com/pgsaga/pgsaga/steps"
@@ -60,7 +59,7 @@ func Example() {
 
 	// 2. Your app, as you build it, with the injector installed.
 	client, err := saga.NewClientFromDB(db, saga.ClientConfig{
-		Transport: transport.Config{Intercept: injector.Intercept}, Logger: quiet})
+		Transport: saga.TransportConfig{Intercept: injector.Intercept}, Logger: quiet})
 	if err != nil {
 		panic(err)
 	}
