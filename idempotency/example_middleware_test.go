@@ -2,40 +2,53 @@ package idempotency_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 
+	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/testdb"
-	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps"
 )
 
-// The Watermill middleware runs a handler once per key, in the subscriber's
-// transaction, and answers a duplicate with the stored reply, same UUID.
+// The Watermill middleware runs a handler of your own Watermill router
+// once per key, in the watermill-sql subscriber's transaction, and
+// answers a duplicate with the stored reply, same UUID.
 func ExampleStore_Middleware() {
 	db := testdb.ForExample().SQL
 	ctx := context.Background()
-	tr, err := transport.New(transport.Config{DB: db})
+	logger := watermill.NopLogger{}
+	suffix := uuid.NewString()[:8]
+	commands, replies := "greet_"+suffix, "greeted_"+suffix
+	schema := wsql.DefaultPostgreSQLSchema{}
+	sub, err := wsql.NewSubscriber(db, wsql.SubscriberConfig{ConsumerGroup: "greeter", SchemaAdapter: schema,
+		OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true}, logger)
 	if err != nil {
 		panic(err)
 	}
-	suffix := uuid.NewString()[:8]
-	commands, replies := "greet_"+suffix, "greeted_"+suffix
-	// Replies stay queued for a reader that does not run here.
-	if err := tr.Subscribe(ctx, transport.Subscription{Topic: replies, ConsumerGroup: "reader"}); err != nil {
-		panic(err)
+	for _, topic := range []string{commands, replies} {
+		if err := sub.SubscribeInitialize(topic); err != nil {
+			panic(err)
+		}
 	}
 	store, err := idempotency.NewStore(idempotency.Config{DB: db})
 	if err != nil {
 		panic(err)
 	}
 	once, err := store.Middleware(idempotency.MiddlewareConfig{
-		Scope:         "greeter",
-		TxFromContext: func(ctx context.Context) (steps.DBTX, bool) { return transport.TxFromContext(ctx) },
-		Publisher:     func(tx steps.DBTX) message.Publisher { return tr.Publisher(tx) },
+		Scope: "greeter",
+		// Replies go out through the subscriber's transaction: the outbox.
+		Publisher: func(tx steps.DBTX) message.Publisher {
+			pub, err := wsql.NewPublisher(tx.(*sql.Tx), wsql.PublisherConfig{SchemaAdapter: schema}, logger)
+			if err != nil {
+				panic(err)
+			}
+			return pub
+		},
 	})
 	if err != nil {
 		panic(err)
@@ -45,41 +58,43 @@ func ExampleStore_Middleware() {
 		return []*message.Message{message.NewMessage(uuid.NewString(), []byte(`"hello"`))}, nil
 	})
 
-	router, err := tr.NewRouter()
+	router, err := message.NewRouter(message.RouterConfig{}, logger)
 	if err != nil {
 		panic(err)
 	}
-	handled := make(chan struct{}, 2)
-	if err := router.AddHandler("greeter", commands, "", func(msg *message.Message) error {
+	router.AddConsumerHandler("greeter", commands, sub, func(msg *message.Message) error {
 		_, err := greet(msg)
-		if err == nil { // a delivery may be attempted more than once
-			handled <- struct{}{}
-		}
 		return err
-	}); err != nil {
+	})
+	// Whoever sent the command reads the replies, once they are committed.
+	readerSub, err := wsql.NewSubscriber(db, wsql.SubscriberConfig{ConsumerGroup: "reader", SchemaAdapter: schema,
+		OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true}, logger)
+	if err != nil {
 		panic(err)
 	}
-	if err := router.Start(ctx); err != nil {
-		panic(err)
-	}
+	got := make(chan string, 2)
+	router.AddConsumerHandler("reader", replies, readerSub, func(msg *message.Message) error {
+		got <- msg.UUID
+		return nil
+	})
+	go func() { _ = router.Run(ctx) }()
+	<-router.Running()
 
+	pub, err := wsql.NewPublisher(db, wsql.PublisherConfig{SchemaAdapter: schema}, logger)
+	if err != nil {
+		panic(err)
+	}
 	cmd := message.NewMessage(uuid.NewString(), []byte(`"world"`))
 	cmd.Metadata.Set(steps.MetaReplyTo, replies)
-	if err := tr.Publisher(db).Publish(commands, cmd, cmd); err != nil { // delivered twice
+	if err := pub.Publish(commands, cmd, cmd); err != nil { // delivered twice
 		panic(err)
 	}
-	<-handled
-	<-handled
-	if err := router.Stop(); err != nil {
+	first, second := <-got, <-got
+	if err := router.Close(); err != nil {
 		panic(err)
 	}
-
-	var n, ids int
-	if err := db.QueryRow(`SELECT count(*), count(DISTINCT uuid) FROM pgsaga_queue WHERE topic = $1`, replies).Scan(&n, &ids); err != nil {
-		panic(err)
-	}
-	fmt.Println(n, "replies,", ids, "distinct id")
+	fmt.Println("2 replies, the same id:", first == second)
 	// Output:
 	// greeting "world"
-	// 2 replies, 1 distinct id
+	// 2 replies, the same id: true
 }
