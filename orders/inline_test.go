@@ -14,6 +14,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/stepsrt"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/orders"
@@ -63,7 +64,7 @@ func TestInlineProjectionAppliesTheAppendersState(t *testing.T) {
 			return nil
 		}})
 	require.NoError(t, err)
-	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Events: es, Logger: logger()})
+	rt, err := stepsrt.New(stepsrt.Config{Transport: tr, Store: store, Events: es, Logger: logger()})
 	require.NoError(t, err)
 	svc, err = orders.New(orders.Config{DB: pool.SQL, Publish: publish(tr), Idempotency: store, Events: es, Logger: logger()})
 	require.NoError(t, err)

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/stepsrt"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/internal/testsample"
@@ -34,7 +35,7 @@ type env struct {
 	db      *testdb.DB
 	tr      *transport.Transport
 	es      *events.Store
-	rt      *steps.Runtime
+	rt      stepsrt.Runtime
 	svc     *orders.Service
 	replies string
 }
@@ -51,7 +52,7 @@ func newEnv(t *testing.T, db *testdb.DB) *env {
 	es, err := events.NewStore(events.Config{Registry: reg, Topic: orders.StreamTopic,
 		Publisher: func(tx steps.DBTX) message.Publisher { return tr.Publisher(tx) }})
 	require.NoError(t, err)
-	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Events: es, Logger: logger()})
+	rt, err := stepsrt.New(stepsrt.Config{Transport: tr, Store: store, Events: es, Logger: logger()})
 	require.NoError(t, err)
 	svc, err := orders.New(orders.Config{DB: db.SQL, Publish: publish(tr), Idempotency: store, Events: es, Logger: logger()})
 	require.NoError(t, err)

@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
@@ -47,16 +48,33 @@ func Example() {
 		panic(err)
 	}
 
-	// run executes a step for cmd under key, in transactions of its own,
-	// and prints the balance after it.
+	// The client serves the steps; the replies go to a topic this example
+	// reads, as a saga reads its own.
+	replies := "payment_replies_" + account
+	answered := make(chan struct{}, 1)
+	if err := client.AddSteps(pay.ChargeStep(), pay.RefundStep()); err != nil {
+		panic(err)
+	}
+	if err := client.AddProjections(events.Projection{Name: "reader-" + account, Topic: replies,
+		Handle: func(context.Context, steps.DBTX, *message.Message) error { answered <- struct{}{}; return nil }}); err != nil {
+		panic(err)
+	}
+	if err := client.Start(ctx); err != nil {
+		panic(err)
+	}
+	defer client.Stop() //nolint:errcheck
+
+	// run sends cmd to step under key, waits for the answer, and prints the
+	// balance after it.
 	run := func(what string, step steps.AnyStep, cmd steps.Message, key string) {
-		msg, err := steps.NewMessage(cmd, steps.Envelope{Key: key})
+		msg, err := steps.NewMessage(cmd, steps.Envelope{Key: key, ReplyTo: replies})
 		if err != nil {
 			panic(err)
 		}
-		if err := client.Runtime().Execute(ctx, step, msg); err != nil {
+		if err := client.PublishTx(ctx, db, step.Topic(), msg); err != nil {
 			panic(err)
 		}
+		<-answered
 		balance, err := pay.Balance(ctx, account)
 		if err != nil {
 			panic(err)

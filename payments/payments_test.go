@@ -19,6 +19,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/stepsrt"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/internal/testsample"
@@ -39,7 +40,7 @@ type env struct {
 	db      *testdb.DB
 	tr      *transport.Transport
 	store   *idempotency.Store
-	rt      *steps.Runtime
+	rt      stepsrt.Runtime
 	gw      *fakegateway.Gateway
 	svc     *payments.Service
 	replies string
@@ -100,7 +101,7 @@ func newEnvWith(t *testing.T, opts envOptions) *env {
 	require.NoError(t, payments.RegisterEvents(reg))
 	es, err := events.NewStore(events.Config{Registry: reg})
 	require.NoError(t, err)
-	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Events: es, Logger: logger(), Retry: opts.retry})
+	rt, err := stepsrt.New(stepsrt.Config{Transport: tr, Store: store, Events: es, Logger: logger(), Retry: opts.retry})
 	require.NoError(t, err)
 	// The gateway is another service: it gets a pool of its own.
 	gwPool := testdb.Open(t, db.URL, 4)

@@ -19,6 +19,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/dbtx"
+	"github.com/pgsaga/pgsaga/internal/stepsrt"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/steps"
@@ -133,7 +134,7 @@ type Client struct {
 	transport   *transport.Transport
 	idempotency *idempotency.Store
 	events      *events.Store
-	runtime     *steps.Runtime
+	runtime     stepsrt.Runtime
 	engine      *engine
 	bridge      *broker.Bridge // nil without a broker
 	cfg         ClientConfig
@@ -219,7 +220,7 @@ func newClient(db *sql.DB, cfg ClientConfig) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Events: es, Retry: cfg.Retry, Logger: cfg.Logger})
+	rt, err := stepsrt.New(stepsrt.Config{Transport: tr, Store: store, Events: es, Retry: cfg.Retry, Logger: cfg.Logger})
 	if err != nil {
 		return nil, err
 	}
@@ -277,9 +278,6 @@ func (c *Client) Idempotency() *idempotency.Store { return c.idempotency }
 
 // Events is the event store steps append to.
 func (c *Client) Events() *events.Store { return c.events }
-
-// Runtime runs the client's steps.
-func (c *Client) Runtime() *steps.Runtime { return c.runtime }
 
 // Bridge is the client's bridge to its message broker (ClientConfig.Broker),
 // nil without one. Start and Stop run it; a test that runs workers of its
@@ -404,11 +402,18 @@ func (c *Client) beforeStart(add func() error) error {
 	return add()
 }
 
+// Subscription is a topic and a consumer group that reads it.
+type Subscription = transport.Subscription
+
 // Subscriptions lists what the client's workers consume: its steps, its
-// projections and its sagas' triggers and replies.
-func (c *Client) Subscriptions() []transport.Subscription {
+// projections and its sagas' triggers and replies (Setup records them).
+func (c *Client) Subscriptions() []Subscription {
 	c.mu.Lock()
-	subs := c.runtime.Subscriptions(c.steps...)
+	served := make([]any, len(c.steps))
+	for i, s := range c.steps {
+		served[i] = s
+	}
+	subs := c.runtime.Subscriptions(served...)
 	for _, p := range c.projections {
 		subs = append(subs, transport.Subscription{Topic: p.Topic, ConsumerGroup: p.Name})
 	}

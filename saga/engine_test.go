@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/stepsrt"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/internal/transport"
@@ -66,7 +67,7 @@ type env struct {
 	t      *testing.T
 	db     *testdb.DB
 	tr     *transport.Transport
-	rt     *steps.Runtime
+	rt     stepsrt.Runtime
 	engine *saga.Engine
 	def    *saga.Definition
 	router *transport.Router
@@ -121,7 +122,7 @@ func newEnv(t *testing.T, o options) *env {
 	require.NoError(t, err)
 	store, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})
 	require.NoError(t, err)
-	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Logger: logger()})
+	rt, err := stepsrt.New(stepsrt.Config{Transport: tr, Store: store, Logger: logger()})
 	require.NoError(t, err)
 	engine, err := saga.NewEngine(saga.Config{DB: db.SQL, Transport: tr, Logger: logger(), SweepInterval: 20 * time.Millisecond,
 		FinishedChannel: o.finished})

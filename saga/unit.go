@@ -14,7 +14,16 @@ import (
 	"github.com/pgsaga/pgsaga/steps"
 )
 
-func init() { unittier.Transitions = tryTransitions }
+func init() {
+	unittier.Transitions = tryTransitions
+	unittier.Step = func(ctx context.Context, client any, step any, msg *message.Message, inspect func(tx steps.DBTX) error) error {
+		c, ok := client.(*Client)
+		if !ok || c == nil {
+			return errors.New("saga: a step's run needs a *saga.Client")
+		}
+		return c.runtime.Try(ctx, step, msg, inspect)
+	}
+}
 
 // tryTransitions is unittier.Transitions: the engine's reactions to a
 // trigger and to replies, as a worker would run them, in one delivery

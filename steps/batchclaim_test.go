@@ -14,6 +14,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/stepsrt"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps"
@@ -58,7 +59,7 @@ func batchWorldWith(t *testing.T, e *env, maxAttempts int, mw []message.HandlerM
 	require.NoError(t, err)
 	store, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})
 	require.NoError(t, err)
-	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Events: e.es, Logger: logger()})
+	rt, err := stepsrt.New(stepsrt.Config{Transport: tr, Store: store, Events: e.es, Logger: logger()})
 	require.NoError(t, err)
 	tx, err := e.db.SQL.Begin()
 	require.NoError(t, err)

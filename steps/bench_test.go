@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/stepsrt"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps"
@@ -41,7 +42,7 @@ func benchStepLane(b *testing.B, variant string) {
 	require.NoError(b, err)
 	store, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})
 	require.NoError(b, err)
-	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Logger: logger()})
+	rt, err := stepsrt.New(stepsrt.Config{Transport: tr, Store: store, Logger: logger()})
 	require.NoError(b, err)
 	cmds, replies := "bench_cmds", "bench_replies"
 	_, err = db.SQL.Exec(`CREATE TABLE bench_ledger (account text, amount int)`)

@@ -58,6 +58,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/outcome"
+	"github.com/pgsaga/pgsaga/internal/stepsrt"
 	"github.com/pgsaga/pgsaga/internal/telemetry"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps/events"
@@ -192,24 +193,8 @@ func (s core) validate() error {
 	return nil
 }
 
-// Config configures a Runtime.
-type Config struct {
-	// Transport publishes and subscribes. Required.
-	Transport *transport.Transport
-	// Store holds the steps' idempotency keys. Required.
-	Store *idempotency.Store
-	// Events is the event store behind Tx.Append and Tx.Fold. Optional.
-	Events *events.Store
-	// Retry is the steps' retry policy. Default: the transport's. A command
-	// whose attempts run out, or that fails permanently, goes to
-	// pgsaga_dead_letters.
-	Retry *transport.RetryPolicy
-	// Logger. Default: slog.Default().
-	Logger *slog.Logger
-}
-
-// Runtime runs steps.
-type Runtime struct {
+// runtime runs steps: the saga client's (internal/stepsrt is its door).
+type runtime struct {
 	tr      *transport.Transport
 	store   *idempotency.Store
 	events  *events.Store
@@ -219,8 +204,10 @@ type Runtime struct {
 	trace   *telemetry.Tracing
 }
 
-// New validates cfg and returns a Runtime.
-func New(cfg Config) (*Runtime, error) {
+func init() { stepsrt.New = newRuntime }
+
+// newRuntime validates cfg and returns a runtime (stepsrt.New).
+func newRuntime(cfg stepsrt.Config) (stepsrt.Runtime, error) {
 	if cfg.Transport == nil || cfg.Store == nil {
 		return nil, errors.New("steps: Config.Transport and Config.Store are required")
 	}
@@ -231,13 +218,67 @@ func New(cfg Config) (*Runtime, error) {
 	if cfg.Retry != nil {
 		retry = *cfg.Retry
 	}
-	return &Runtime{tr: cfg.Transport, store: cfg.Store, events: cfg.Events, retry: retry, log: cfg.Logger,
-		metrics: cfg.Transport.Metrics(), trace: cfg.Transport.Tracing()}, nil
+	return door{&runtime{tr: cfg.Transport, store: cfg.Store, events: cfg.Events, retry: retry, log: cfg.Logger,
+		metrics: cfg.Transport.Metrics(), trace: cfg.Transport.Tracing()}}, nil
+}
+
+// door is a runtime as stepsrt.Runtime: its steps are any.
+type door struct{ rt *runtime }
+
+func anyStep(step any) (AnyStep, error) {
+	s, ok := step.(AnyStep)
+	if !ok || s == nil {
+		return nil, fmt.Errorf("steps: %T is not a step", step)
+	}
+	return s, nil
+}
+
+func (d door) Register(r *transport.Router, step any, opts ...transport.HandlerOption) error {
+	if step == nil {
+		return errors.New("steps: registering a nil step")
+	}
+	s, err := anyStep(step)
+	if err != nil {
+		return err
+	}
+	return d.rt.Register(r, s, opts...)
+}
+
+func (d door) Subscriptions(steps ...any) []transport.Subscription {
+	var out []AnyStep
+	for _, st := range steps {
+		if s, err := anyStep(st); err == nil {
+			out = append(out, s)
+		}
+	}
+	return d.rt.Subscriptions(out...)
+}
+
+func (d door) Execute(ctx context.Context, step any, msg *message.Message) error {
+	if step == nil {
+		return errors.New("steps: executing a nil step")
+	}
+	s, err := anyStep(step)
+	if err != nil {
+		return err
+	}
+	return d.rt.Execute(ctx, s, msg)
+}
+
+func (d door) Try(ctx context.Context, step any, msg *message.Message, inspect func(tx DBTX) error) error {
+	if step == nil {
+		return errors.New("steps: trying a nil step")
+	}
+	s, err := anyStep(step)
+	if err != nil {
+		return err
+	}
+	return d.rt.Try(ctx, s, msg, inspect)
 }
 
 // Subscriptions lists what the steps consume, for Transport.Subscribe: each
 // step's topic, as a consumer group named after the step.
-func (rt *Runtime) Subscriptions(steps ...AnyStep) []transport.Subscription {
+func (rt *runtime) Subscriptions(steps ...AnyStep) []transport.Subscription {
 	out := make([]transport.Subscription, 0, len(steps))
 	for _, s := range steps {
 		if s != nil {
@@ -250,7 +291,7 @@ func (rt *Runtime) Subscriptions(steps ...AnyStep) []transport.Subscription {
 // Register subscribes step s to its topic on r, under the consumer group
 // s.Name. opts add to the handler's options (transport.InProcess, say);
 // its retry policy is the runtime's.
-func (rt *Runtime) Register(r *transport.Router, step AnyStep, opts ...transport.HandlerOption) error {
+func (rt *runtime) Register(r *transport.Router, step AnyStep, opts ...transport.HandlerOption) error {
 	if step == nil {
 		return errors.New("steps: registering a nil step")
 	}
@@ -269,7 +310,7 @@ func (rt *Runtime) Register(r *transport.Router, step AnyStep, opts ...transport
 }
 
 // keysConfig is how step s claims its commands' keys.
-func (rt *Runtime) keysConfig(s core) idempotency.MiddlewareConfig {
+func (rt *runtime) keysConfig(s core) idempotency.MiddlewareConfig {
 	return idempotency.MiddlewareConfig{
 		Scope:       s.Name,
 		KeyMetadata: MetaKey,
@@ -283,7 +324,7 @@ func (rt *Runtime) keysConfig(s core) idempotency.MiddlewareConfig {
 // Execute runs step s for msg outside a subscriber, each attempt in a READ
 // COMMITTED transaction of its own, with the same retries and dead-lettering
 // as a registered step.
-func (rt *Runtime) Execute(ctx context.Context, step AnyStep, msg *message.Message) error {
+func (rt *runtime) Execute(ctx context.Context, step AnyStep, msg *message.Message) error {
 	if step == nil {
 		return errors.New("steps: executing a nil step")
 	}
@@ -301,7 +342,7 @@ func (rt *Runtime) Execute(ctx context.Context, step AnyStep, msg *message.Messa
 // what it commits on its own stays. It returns the attempt's error (inspect is not called
 // then), or inspect's. The test kit's unit tier (sagatest.Step) is built
 // on it.
-func (rt *Runtime) Try(ctx context.Context, step AnyStep, msg *message.Message, inspect func(tx DBTX) error) error {
+func (rt *runtime) Try(ctx context.Context, step AnyStep, msg *message.Message, inspect func(tx DBTX) error) error {
 	if step == nil {
 		return errors.New("steps: trying a nil step")
 	}
@@ -321,7 +362,7 @@ func (rt *Runtime) Try(ctx context.Context, step AnyStep, msg *message.Message, 
 // command's key (a duplicate gets its stored reply again), run the handler,
 // publish the reply and finish the key, calling the idempotency store
 // directly.
-func (rt *Runtime) handler(s core) transport.HandlerFunc {
+func (rt *runtime) handler(s core) transport.HandlerFunc {
 	keys, err := rt.store.MessageKeys(rt.keysConfig(s))
 	if err != nil {
 		// Scope was validated with the step; this cannot happen.
@@ -385,7 +426,7 @@ func (rt *Runtime) handler(s core) transport.HandlerFunc {
 
 // startSpan starts the span of a step attempt on msg, a child of its
 // delivery's: "step <name>".
-func (rt *Runtime) startSpan(s core, msg *message.Message) (context.Context, trace.Span) {
+func (rt *runtime) startSpan(s core, msg *message.Message) (context.Context, trace.Span) {
 	ctx := msg.Context()
 	attrs := []attribute.KeyValue{telemetry.AttrHandler.String(s.Name), telemetry.AttrKey.String(idempotencyKey(msg)),
 		telemetry.AttrAttempt.Int(transport.AttemptFromContext(ctx))}
@@ -400,7 +441,7 @@ func (rt *Runtime) startSpan(s core, msg *message.Message) (context.Context, tra
 
 // attemptPanicked counts and ends the span of a step attempt whose handler
 // panicked (the transport recovers it: a failed attempt).
-func (rt *Runtime) attemptPanicked(s core, span trace.Span, start time.Time, ctx context.Context, p any) {
+func (rt *runtime) attemptPanicked(s core, span trace.Span, start time.Time, ctx context.Context, p any) {
 	rt.metrics.StepAttempt(s.Name, telemetry.StepError, time.Since(start), transport.AttemptFromContext(ctx))
 	span.SetAttributes(telemetry.AttrOutcome.String(telemetry.StepError))
 	telemetry.End(span, fmt.Errorf("%w: %v", transport.ErrHandlerPanicked, p))
@@ -416,7 +457,7 @@ func withContext(ctx context.Context, msgs []*message.Message) {
 // observe counts a step attempt that answered its command (completed,
 // failed or replayed) and logs it, once its transaction commits (see
 // transport.OnCommit).
-func (rt *Runtime) observe(ctx context.Context, tx DBTX, s core, env Envelope, key, outcome string, start time.Time, detail string) {
+func (rt *runtime) observe(ctx context.Context, tx DBTX, s core, env Envelope, key, outcome string, start time.Time, detail string) {
 	took := time.Since(start)
 	attempt := transport.AttemptFromContext(ctx)
 	done := func() {
@@ -438,7 +479,7 @@ func (rt *Runtime) observe(ctx context.Context, tx DBTX, s core, env Envelope, k
 // recordFailure stores a business failure for the command and publishes its
 // reply, without running the handler again. A duplicate handled meanwhile
 // has its stored reply published again instead.
-func (rt *Runtime) recordFailure(s core, keys *idempotency.MessageKeys, biz *businessError, start time.Time) transport.HandlerFunc {
+func (rt *runtime) recordFailure(s core, keys *idempotency.MessageKeys, biz *businessError, start time.Time) transport.HandlerFunc {
 	return func(msg *message.Message) (err error) {
 		ctx, span := rt.startSpan(s, msg)
 		defer func() {
@@ -489,7 +530,7 @@ func claimIn(s core, keys *idempotency.MessageKeys, msg *message.Message) (DBTX,
 // replies builds the reply to a command; none when the command names no
 // reply topic. A command that names one is always answered, with
 // FailureReply or DoneReply when the handler gave no reply of its own.
-func (rt *Runtime) replies(s core, cmd Envelope, key string, reply Message, outcome, reason string) ([]*message.Message, error) {
+func (rt *runtime) replies(s core, cmd Envelope, key string, reply Message, outcome, reason string) ([]*message.Message, error) {
 	if cmd.ReplyTo == "" {
 		return nil, nil
 	}
@@ -527,7 +568,7 @@ func idempotencyKey(msg *message.Message) string {
 // further messages.
 type Tx struct {
 	DBTX
-	rt   *Runtime
+	rt   *runtime
 	step core
 	env  Envelope
 	key  string

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/stepsrt"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/internal/transport"
@@ -60,7 +61,7 @@ type env struct {
 	t       *testing.T
 	db      *testdb.DB
 	tr      *transport.Transport
-	rt      *steps.Runtime
+	rt      stepsrt.Runtime
 	es      *events.Store
 	step    steps.AnyStep
 	id      string
@@ -91,7 +92,7 @@ func newEnv(t *testing.T) *env {
 	events.MustRegister[deposit](reg)
 	es, err := events.NewStore(events.Config{Registry: reg})
 	require.NoError(t, err)
-	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Events: es, Logger: logger()})
+	rt, err := stepsrt.New(stepsrt.Config{Transport: tr, Store: store, Events: es, Logger: logger()})
 	require.NoError(t, err)
 	e.tr, e.rt, e.es = tr, rt, es
 	e.step = steps.Define("add-"+id, e.cmds, e.handle)
@@ -458,7 +459,7 @@ func TestDuplicatesInOneBatch(t *testing.T) {
 	require.NoError(t, err)
 	store, err := idempotency.NewStore(idempotency.Config{DB: e.db.SQL})
 	require.NoError(t, err)
-	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Events: e.es, Logger: logger()})
+	rt, err := stepsrt.New(stepsrt.Config{Transport: tr, Store: store, Events: e.es, Logger: logger()})
 	require.NoError(t, err)
 	msg := e.command("acct", 100)
 	tx, err := e.db.SQL.Begin()

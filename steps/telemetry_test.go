@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/stepsrt"
 	"github.com/pgsaga/pgsaga/internal/telemetry"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/transport"
@@ -36,7 +37,7 @@ func TestPanickingStepIsCountedAndTraced(t *testing.T) {
 	require.NoError(t, err)
 	store, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})
 	require.NoError(t, err)
-	rt, err := steps.New(steps.Config{Transport: tr, Store: store, Logger: logger()})
+	rt, err := stepsrt.New(stepsrt.Config{Transport: tr, Store: store, Logger: logger()})
 	require.NoError(t, err)
 	name := "panicky-" + uuid.NewString()[:8]
 	var calls atomic.Int32

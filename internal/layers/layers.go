@@ -49,6 +49,7 @@ var Layers = []Layer{
 	{Dir: "internal/telemetry", Rank: 2},
 	{Dir: "internal/transport", Rank: 3},
 	{Dir: "steps/broker", Rank: 4},
+	{Dir: "internal/stepsrt", Rank: 4}, // the step runtime's door, for the client
 	{Dir: "steps", Rank: 5},
 	{Dir: "saga", Rank: 6},                   // the engine
 	{Dir: "orders", Rank: 6, Sample: true},   // the sample's domains: participants, beside the engine

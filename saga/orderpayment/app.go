@@ -102,7 +102,6 @@ type App struct {
 	DB          *sql.DB
 	Idempotency *idempotency.Store
 	Events      *events.Store
-	Runtime     *steps.Runtime
 	Orders      *orders.Service
 	Payments    *payments.Service
 	Definition  *saga.Definition
@@ -179,7 +178,7 @@ func New(cfg Config) (*App, error) {
 	if err := c.AddProjections(projection); err != nil {
 		return nil, err
 	}
-	return &App{Client: c, DB: cfg.DB, Idempotency: c.Idempotency(), Events: c.Events(), Runtime: c.Runtime(),
+	return &App{Client: c, DB: cfg.DB, Idempotency: c.Idempotency(), Events: c.Events(),
 		Orders: ord, Payments: pay, Definition: def, participants: participants, log: cfg.Logger}, nil
 }
 

@@ -67,7 +67,7 @@ func Step[C steps.Message](t testing.TB, client *saga.Client, step steps.Step[C]
 	}
 	var res StepResult
 	var kitErr error // ours or inspect's, not the step's
-	err = client.Runtime().Try(context.Background(), step, msg, func(tx steps.DBTX) error {
+	err = unittier.Step(context.Background(), client, step, msg, func(tx steps.DBTX) error {
 		if kitErr = readReply(tx, replyTo, &res); kitErr == nil && inspect != nil {
 			if kitErr = inspect(tx); kitErr != nil {
 				kitErr = fmt.Errorf("inspect: %w", kitErr)

@@ -25,6 +25,10 @@ type Transition struct {
 	Command  *message.Message // the command the reaction sent; nil if none
 }
 
+// Step runs step (a steps.AnyStep) once for msg through client's step
+// runtime, in a transaction it rolls back once inspect has seen it.
+var Step func(ctx context.Context, client any, step any, msg *message.Message, inspect func(tx steps.DBTX) error) error
+
 // Transitions starts saga name from trigger, then answers its command in
 // flight with each of replies in turn, in one transaction of client's that
 // it rolls back; observe sees the saga after each reaction, in that
