@@ -118,10 +118,15 @@ type ClientConfig struct {
 }
 
 // TransportConfig configures how a client delivers its messages: how many
-// consumers claim how large batches, the bounds of each transaction and
-// attempt, the retry policy, wake-ups, and where metrics (Metrics, a
-// prometheus.Registerer) and spans (TracerProvider) go. Zero values take
-// the defaults; its fields are documented where it is defined.
+// consumers claim how large batches (BatchSize, Consumers), the bounds of
+// each transaction and attempt (AttemptTimeout, BatchTimeout,
+// StatementTimeout, LockTimeout), the retry policy (Retry), wake-ups
+// (DisableNotify, NotifyChannel, PollInterval, IdlePollInterval), where
+// metrics (Metrics, a prometheus.Registerer) and spans (TracerProvider)
+// go, and a wrapper of every handler (Intercept, the test kit's). Zero
+// values take the defaults. docs/operating.md lists every field with its
+// default; go doc github.com/pgsaga/pgsaga/internal/transport.Config
+// prints their comments.
 type TransportConfig = transport.Config
 
 // Client is pgsaga in one process: the transport, the idempotency store, the
