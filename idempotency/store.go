@@ -1,6 +1,10 @@
 // Package idempotency stores idempotency keys in PostgreSQL and decides, for
 // each request carrying one, whether to execute it or replay what it stored.
 //
+// A tx argument (dbtx.DBTX) is pgsaga's one database interface, named
+// steps.DBTX for users: a *sql.Tx, *sql.Conn or *sql.DB, or a pgx.Tx
+// wrapped by saga.PgxTx.
+//
 // The claim follows docs/DESIGN.md ("The step transaction"), verified on PostgreSQL 15: insert first with
 // INSERT … ON CONFLICT DO NOTHING (a missing row cannot be locked, so
 // SELECT … FOR UPDATE first lets two racers through), then lock the existing

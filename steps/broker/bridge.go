@@ -25,7 +25,9 @@ const (
 // Config configures a Bridge. Zero values take the defaults.
 type Config struct {
 	// Transport is the database's transport: its outbox is relayed, its
-	// queues take what is received. Required.
+	// queues take what is received. A saga.Client fills it in
+	// (ClientConfig.Broker), which is how a bridge is run; it is set here
+	// only inside this module (pgsaga's relay command).
 	Transport *transport.Transport
 	// Broker is the message broker. Required. The bridge does not close
 	// it.

@@ -4,7 +4,9 @@
 //
 // It lives under steps because a step's events are part of its transaction
 // (steps.Tx.Append), yet domains use it directly too (an order is placed
-// outside any step). It knows nothing of sagas.
+// outside any step). It knows nothing of sagas. A tx argument (dbtx.DBTX)
+// is pgsaga's one database interface, named steps.DBTX for users: a
+// *sql.Tx, *sql.Conn or *sql.DB, or a pgx.Tx wrapped by saga.PgxTx.
 //
 // Appends are optimistic: AppendTx writes versions expected+1… only if the
 // stream is still at the expected version, in one statement. A racing writer
