@@ -306,21 +306,28 @@ type pendingCommand struct {
 
 // handleTrigger starts an instance of saga name from a trigger message, in
 // the message's transaction. A second trigger with the same key does nothing.
-func (e *engine) handleTrigger(name string, msg *message.Message) (err error) {
+func (e *engine) handleTrigger(name string, msg *message.Message) error {
+	_, err := e.startFrom(name, msg)
+	return err
+}
+
+// startFrom is handleTrigger, reporting whether it inserted the instance
+// (false: one with the key exists already).
+func (e *engine) startFrom(name string, msg *message.Message) (started bool, err error) {
 	ctx := msg.Context()
 	tx, ok := transport.TxFromContext(ctx)
 	if !ok {
-		return errors.New("saga: trigger needs a transaction in the message context")
+		return false, errors.New("saga: trigger needs a transaction in the message context")
 	}
 	e.mu.RLock()
 	def := e.latest[name]
 	e.mu.RUnlock()
 	if def == nil {
-		return transport.Permanent(fmt.Errorf("%w: %s", ErrUnknownDefinition, name))
+		return false, transport.Permanent(fmt.Errorf("%w: %s", ErrUnknownDefinition, name))
 	}
 	key, data, err := def.start(msg)
 	if err != nil {
-		return transport.Permanent(fmt.Errorf("saga %s: bad trigger %s: %w", name, msg.UUID, err))
+		return false, transport.Permanent(fmt.Errorf("saga %s: bad trigger %s: %w", name, msg.UUID, err))
 	}
 	env := steps.EnvelopeOf(msg)
 	inst := &instance{
@@ -337,18 +344,18 @@ func (e *engine) handleTrigger(name string, msg *message.Message) (err error) {
 	inst.ExpiresAt, inst.Fingerprint = &expires, def.fingerprint
 	inst.note("started", -1, def, msg.UUID, "trigger "+key)
 	if err := e.advance(inst, def, msg.UUID); err != nil {
-		return transport.Permanent(err)
+		return false, transport.Permanent(err)
 	}
 	inserted, err := insertInstance(ctx, tx, inst)
 	if err != nil {
-		return err
+		return false, err
 	}
 	if !inserted {
 		span.SetAttributes(telemetry.AttrOutcome.String("ignored: already started"))
 		e.log.Debug("saga already started; trigger ignored", "saga", name, "id", inst.ID, "message_uuid", msg.UUID)
-		return nil
+		return false, nil
 	}
-	return e.flush(ctx, tx, inst)
+	return true, e.flush(ctx, tx, inst)
 }
 
 // handleReply applies a participant's reply to its instance, in the

@@ -10,16 +10,17 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga/internal/unittier"
 	"github.com/pgsaga/pgsaga/steps"
 )
 
 func init() {
 	unittier.Transitions = tryTransitions
-	unittier.Step = func(ctx context.Context, client any, step any, msg *message.Message, inspect func(tx steps.DBTX) error) error {
+	unittier.Step = func(ctx context.Context, client any, step any, msg *message.Message, inspect func(tx steps.DBTX) error) (error, error) {
 		c, ok := client.(*Client)
 		if !ok || c == nil {
-			return errors.New("saga: a step's run needs a *saga.Client")
+			return nil, errors.New("saga: a step's run needs a *saga.Client")
 		}
 		return c.runtime.Try(ctx, step, msg, inspect)
 	}
@@ -29,25 +30,44 @@ func init() {
 // trigger and to replies, as a worker would run them, in one delivery
 // attempt (transport.TryInTx) that is rolled back.
 func tryTransitions(ctx context.Context, client any, name string, trigger steps.Message, replies []unittier.Reply,
-	observe func(tx steps.DBTX, t unittier.Transition) error) error {
+	observe func(tx steps.DBTX, t unittier.Transition) error) (reactionErr, err error) {
 	c, ok := client.(*Client)
 	if !ok || c == nil {
-		return errors.New("saga: transitions need a *saga.Client")
+		return nil, errors.New("saga: transitions need a *saga.Client")
 	}
 	msg, def, id, err := c.triggerMessage(name, trigger)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	// Each reaction is an attempt of its own in the transaction: the
 	// trigger's first, then each reply's. After each, the saga is read as
 	// it stands, and the next reply answers the command in flight.
-	started := false
+	// The instance's id comes from the trigger's key: a saga of that key
+	// committed in the database, or in another run's transaction now,
+	// would be reported instead, or waited for. Neither is a reaction's
+	// doing: the run stops, saying so.
+	var kitErr error
+	triggered := false
 	h := func(msg *message.Message) error {
-		if !started {
-			started = true
-			return c.engine.handleTrigger(name, msg)
+		if triggered {
+			return c.engine.handleReply(msg)
 		}
-		return c.engine.handleReply(msg)
+		triggered = true
+		tx, _ := transport.TxFromContext(msg.Context())
+		var mine bool
+		if err := tx.QueryRowContext(msg.Context(), `SELECT pg_try_advisory_xact_lock(hashtextextended('pgsaga.unit/' || $1, 0))`, id.String()).Scan(&mine); err != nil {
+			return err
+		}
+		if !mine {
+			kitErr = fmt.Errorf("saga %s: another run of saga %s with this key is under way: give each test a key of its own", id, name)
+			return kitErr
+		}
+		started, err := c.engine.startFrom(name, msg)
+		if err == nil && !started {
+			kitErr = fmt.Errorf("saga %s: a saga %s with this key exists in the database already: give the run a key no saga has", id, name)
+			return kitErr
+		}
+		return err
 	}
 	var observeErr error
 	var inFlight *message.Message
@@ -82,11 +102,14 @@ func tryTransitions(ctx context.Context, client any, name string, trigger steps.
 		}
 		return replyTo(inFlight, r)
 	}
-	err = c.transport.TryInTx(ctx, "saga."+name+".transitions", def.Trigger, msg, h, next)
-	if observeErr != nil {
-		return observeErr
+	reactionErr, err = c.transport.TryInTx(ctx, "saga."+name+".transitions", def.Trigger, msg, h, next)
+	switch {
+	case observeErr != nil:
+		return nil, observeErr
+	case kitErr != nil:
+		return nil, kitErr
 	}
-	return err
+	return reactionErr, err
 }
 
 // sentCommand reads the command a reaction sent (uuid), in its

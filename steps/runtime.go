@@ -265,13 +265,13 @@ func (d door) Execute(ctx context.Context, step any, msg *message.Message) error
 	return d.rt.Execute(ctx, s, msg)
 }
 
-func (d door) Try(ctx context.Context, step any, msg *message.Message, inspect func(tx DBTX) error) error {
+func (d door) Try(ctx context.Context, step any, msg *message.Message, inspect func(tx DBTX) error) (stepErr, err error) {
 	if step == nil {
-		return errors.New("steps: trying a nil step")
+		return nil, errors.New("steps: trying a nil step")
 	}
 	s, err := anyStep(step)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	return d.rt.Try(ctx, s, msg, inspect)
 }
@@ -339,16 +339,17 @@ func (rt *runtime) Execute(ctx context.Context, step AnyStep, msg *message.Messa
 // handler, reply, key), in a transaction it rolls back once inspect has
 // seen what the step did there: nothing of that transaction stays, nothing
 // is retried or dead-lettered. An awaited call (Await) runs at once, and
-// what it commits on its own stays. It returns the attempt's error (inspect is not called
+// what it commits on its own stays. The step's failure is stepErr;
+// anything else that stopped it (the database, inspect) is err. It returns the attempt's error (inspect is not called
 // then), or inspect's. The test kit's unit tier (sagatest.Step) is built
 // on it.
-func (rt *runtime) Try(ctx context.Context, step AnyStep, msg *message.Message, inspect func(tx DBTX) error) error {
+func (rt *runtime) Try(ctx context.Context, step AnyStep, msg *message.Message, inspect func(tx DBTX) error) (stepErr, err error) {
 	if step == nil {
-		return errors.New("steps: trying a nil step")
+		return nil, errors.New("steps: trying a nil step")
 	}
 	s := step.stepCore()
 	if err := s.validate(); err != nil {
-		return err
+		return nil, err
 	}
 	return rt.tr.TryInTx(ctx, s.Name, s.Topic, msg, rt.handler(s), func(tx DBTX) (*message.Message, error) {
 		if inspect == nil {

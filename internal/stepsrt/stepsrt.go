@@ -46,8 +46,9 @@ type Runtime interface {
 	// registered step.
 	Execute(ctx context.Context, step any, msg *message.Message) error
 	// Try runs step once for msg in a transaction it rolls back once
-	// inspect has seen what the step did (the test kit's unit tier).
-	Try(ctx context.Context, step any, msg *message.Message, inspect func(tx dbtx.DBTX) error) error
+	// inspect has seen what the step did (the test kit's unit tier): the
+	// attempt's failure is stepErr, anything else err.
+	Try(ctx context.Context, step any, msg *message.Message, inspect func(tx dbtx.DBTX) error) (stepErr, err error)
 }
 
 // New validates cfg and returns a Runtime. Package steps sets it.

@@ -75,17 +75,25 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 // at the end. Once the attempt kept its work, next is called in that
 // transaction: it sees what the attempt did, and returns the message h
 // handles next, in a fresh attempt of the same transaction, or nil to
-// stop. Nothing is retried, dead-lettered, counted or committed. It
-// returns the first attempt's error that stopped it (next is not called
-// then), or next's. For unit tests of handlers (the test kit's).
-func (t *Transport) TryInTx(ctx context.Context, name, topic string, msg *message.Message, h HandlerFunc, next func(tx Tx) (*message.Message, error)) error {
+// stop. Nothing is retried, dead-lettered, counted or committed. An
+// attempt that failed stops it with its error as attemptErr (next is not
+// called then); what kept the run from going on otherwise (the database, a
+// transaction that broke, next's own error) is err. For unit tests of
+// handlers (the test kit's), which tell the two apart.
+func (t *Transport) TryInTx(ctx context.Context, name, topic string, msg *message.Message, h HandlerFunc,
+	next func(tx Tx) (*message.Message, error)) (attemptErr, err error) {
 	if err := t.checkServer(ctx); err != nil {
-		return err
+		return nil, err
 	}
 	h = t.wrap(name, name, topic, h)
-	return t.ownTx(ctx, topic, func(d *deliveryTx, tx *sql.Tx) (bool, error) {
+	err = t.ownTx(ctx, topic, func(d *deliveryTx, tx *sql.Tx) (bool, error) {
 		for msg != nil {
-			if out, herr := t.handle(d, nil, msg, 0, 1, name, h); out != kept {
+			switch out, herr := t.handle(d, nil, msg, 0, 1, name, h); out {
+			case kept:
+			case failed:
+				attemptErr = herr
+				return false, nil
+			default: // broken, refused: not the handler's doing alone
 				return false, herr
 			}
 			if next == nil {
@@ -99,6 +107,7 @@ func (t *Transport) TryInTx(ctx context.Context, name, topic string, msg *messag
 		}
 		return false, nil // rolled back
 	})
+	return attemptErr, err
 }
 
 // ownAttempt runs h in a transaction of its own, with Instead, and commits

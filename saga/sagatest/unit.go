@@ -18,8 +18,9 @@ import (
 // The unit tier: one step, run once, or a saga's reactions, in a
 // transaction that is rolled back when the test has looked at what it
 // did. No worker runs and nothing is queued or committed in it, so tests
-// of it share a database freely (what a step commits on its own, an
-// awaited call's record say, is the exception: see Step).
+// of it share a database (what a step commits on its own, an awaited
+// call's record say, is the exception: see Step; and a saga's key must be
+// the test's own: see Transitions).
 
 // StepResult is what one run of a step did (Step).
 type StepResult struct {
@@ -43,8 +44,9 @@ func (r StepResult) Failed() bool { return r.Envelope.Outcome == steps.OutcomeFa
 // key claimed, the handler, its events, its reply, the key stored), in a
 // transaction of its own. inspect, if not nil, is called in that
 // transaction after the step, to read what it wrote; then everything is
-// rolled back. A failure to run at all (the database, an inspect that
-// returns an error) fails the test; the step's own error is in the result.
+// rolled back. Anything but the step that stops it (the database, an
+// inspect that returns an error) fails the test; the step's own error is
+// the result's Err.
 //
 // A step that awaits a call (steps.Await) has the call run at once, as an
 // in-process delivery would, and then runs again (steps.Awaited): only
@@ -66,21 +68,21 @@ func Step[C steps.Message](t testing.TB, client *saga.Client, step steps.Step[C]
 		t.Fatalf("sagatest: Step of %s: encoding the command: %v", step.Name(), err)
 	}
 	var res StepResult
-	var kitErr error // ours or inspect's, not the step's
-	err = unittier.Step(context.Background(), client, step, msg, func(tx steps.DBTX) error {
-		if kitErr = readReply(tx, replyTo, &res); kitErr == nil && inspect != nil {
-			if kitErr = inspect(tx); kitErr != nil {
-				kitErr = fmt.Errorf("inspect: %w", kitErr)
+	stepErr, err := unittier.Step(context.Background(), client, step, msg, func(tx steps.DBTX) error {
+		if err := readReply(tx, replyTo, &res); err != nil {
+			return err
+		}
+		if inspect != nil {
+			if err := inspect(tx); err != nil {
+				return fmt.Errorf("inspect: %w", err)
 			}
 		}
-		return kitErr
+		return nil
 	})
-	switch {
-	case kitErr != nil:
-		t.Fatalf("sagatest: Step of %s: %v", step.Name(), kitErr)
-	case err != nil:
-		res.Err = err
+	if err != nil { // the kit's, the database's or inspect's: not the step's
+		t.Fatalf("sagatest: Step of %s: %v", step.Name(), err)
 	}
+	res.Err = stepErr
 	return res
 }
 
@@ -158,8 +160,11 @@ func (r TransitionsResult) Last() Transition {
 // that is rolled back at the end: the saga's reactions, one at a time,
 // with no step running and nothing left behind. inspect, if not nil, is
 // called in that transaction after each reaction. The client needs the
-// saga registered (Register); it need not be started. A failure of the
-// kit or of inspect fails the test; the engine's is the result's Err.
+// saga registered (Register); it need not be started. The trigger's key
+// must be the run's own: a saga of that key committed in the database, or
+// another run of it under way, fails the test (say so, at once), as do a
+// reply with no command left to answer, a failure of the kit, of the
+// database or of inspect; the engine's failure is the result's Err.
 func Transitions(t testing.TB, client *saga.Client, name string, trigger steps.Message, inspect func(tx steps.DBTX, t Transition) error,
 	replies ...Reply) TransitionsResult {
 	t.Helper()
@@ -171,20 +176,19 @@ func Transitions(t testing.TB, client *saga.Client, name string, trigger steps.M
 		rs[i] = r.r
 	}
 	var res TransitionsResult
-	var inspectErr error
-	err := unittier.Transitions(context.Background(), client, name, trigger, rs, func(tx steps.DBTX, u unittier.Transition) error {
+	reactionErr, err := unittier.Transitions(context.Background(), client, name, trigger, rs, func(tx steps.DBTX, u unittier.Transition) error {
 		tr := Transition{Instance: u.Instance.(saga.Instance), Command: u.Command}
 		res.Transitions = append(res.Transitions, tr)
 		if inspect != nil {
-			if inspectErr = inspect(tx, tr); inspectErr != nil {
-				return inspectErr
+			if err := inspect(tx, tr); err != nil {
+				return fmt.Errorf("inspect: %w", err)
 			}
 		}
 		return nil
 	})
-	if inspectErr != nil {
-		t.Fatalf("sagatest: Transitions of %s: inspect: %v", name, inspectErr)
+	if err != nil { // the kit's, the database's, inspect's, or the test's (a reply too many): not the engine's
+		t.Fatalf("sagatest: Transitions of %s: %v", name, err)
 	}
-	res.Err = err
+	res.Err = reactionErr
 	return res
 }

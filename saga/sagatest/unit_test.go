@@ -3,10 +3,15 @@ package sagatest_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"runtime"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -152,6 +157,12 @@ type trip struct {
 // declined), then charge the card. No step runs.
 func tripClient(t *testing.T) (*saga.Client, *sagatest.Database) {
 	t.Helper()
+	client, db := unitClient(t)
+	require.NoError(t, client.Register(tripDef()))
+	return client, db
+}
+
+func tripDef() *saga.Definition {
 	reserve := steps.Define[reserveSeat]("trip.reserve", "trip.reserve", nil)
 	release := steps.Define[releaseSeat]("trip.release", "trip.release", nil)
 	charge := steps.Define[chargeCard]("trip.charge", "trip.charge", nil)
@@ -164,9 +175,7 @@ func tripClient(t *testing.T) (*saga.Client, *sagatest.Database) {
 				Compensation: saga.Send(release, func(d trip) releaseSeat { return releaseSeat{Seat: d.Seat} })},
 			{Name: "charge", Action: saga.Send(charge, func(d trip) chargeCard { return chargeCard{Trip: d.Trip} })},
 		}})
-	client, db := unitClient(t)
-	require.NoError(t, client.Register(def))
-	return client, db
+	return def
 }
 
 // The start: the instance and its first command, then nothing left.
@@ -259,4 +268,106 @@ func TestStepRunsAnAwaitedCall(t *testing.T) {
 	assert.Equal(t, seatReserved{Seat: "7G"}, reply)
 	assert.Equal(t, int32(1), calls.Load(), "the call ran once")
 	assert.Equal(t, int32(2), runs.Load(), "the step ran, awaited, and ran again")
+}
+
+// fatals records a test's Fatalf instead of failing it, and stops the
+// goroutine as Fatalf does: run the call in run.
+type fatals struct {
+	testing.TB
+	mu  sync.Mutex
+	msg string
+}
+
+func (f *fatals) Helper() {}
+
+func (f *fatals) Fatalf(format string, args ...any) {
+	f.mu.Lock()
+	f.msg = fmt.Sprintf(format, args...)
+	f.mu.Unlock()
+	runtime.Goexit()
+}
+
+// run calls fn with f as its test and returns what it failed with ("" if
+// nothing).
+func (f *fatals) run(fn func(testing.TB)) string {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		fn(f)
+	}()
+	<-done
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.msg
+}
+
+// A saga of the trigger's key committed in the database is not reported
+// as the run's start: the run fails the test, saying why.
+func TestTransitionsRefuseAKeyCommittedAlready(t *testing.T) {
+	t.Parallel()
+	client, db := tripClient(t)
+	// A worker's client, which starts sagas in the caller's transaction.
+	worker, err := saga.NewClientFromDB(db.SQL, saga.ClientConfig{InProcessEngine: true, Logger: quiet})
+	require.NoError(t, err)
+	require.NoError(t, worker.Register(tripDef()))
+	tx, err := db.SQL.Begin()
+	require.NoError(t, err)
+	_, err = worker.StartTx(context.Background(), tx, "trip", tripBooked{Trip: "t-10", Seat: "1A"})
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit())
+
+	f := &fatals{TB: t}
+	msg := f.run(func(tb testing.TB) {
+		sagatest.Transitions(tb, client, "trip", tripBooked{Trip: "t-10", Seat: "2B"}, nil, sagatest.Answer(seatReserved{Seat: "2B"}))
+	})
+	assert.Contains(t, msg, "exists in the database already")
+}
+
+// Two runs of one key at once: the second fails the test at once, saying
+// so, instead of waiting on the first's row and failing as the engine.
+func TestTransitionsRefuseASecondRunOfOneKey(t *testing.T) {
+	t.Parallel()
+	client, _ := tripClient(t)
+	firstIn, secondDone := make(chan struct{}), make(chan struct{})
+	first := make(chan sagatest.TransitionsResult, 1)
+	go func() {
+		first <- sagatest.Transitions(t, client, "trip", tripBooked{Trip: "t-11", Seat: "3C"}, func(steps.DBTX, sagatest.Transition) error {
+			close(firstIn)
+			<-secondDone // holds its transaction while the second runs
+			return nil
+		})
+	}()
+	<-firstIn
+	f := &fatals{TB: t}
+	msg := f.run(func(tb testing.TB) {
+		sagatest.Transitions(tb, client, "trip", tripBooked{Trip: "t-11", Seat: "3C"}, nil)
+	})
+	close(secondDone)
+	assert.Contains(t, msg, "another run of saga trip with this key is under way")
+	require.NoError(t, (<-first).Err, "the first run is not disturbed")
+}
+
+// What is not the step's or the engine's doing fails the test: a database
+// that cannot be reached, a reply with no command left to answer.
+func TestKitFailuresFailTheTest(t *testing.T) {
+	t.Parallel()
+	cfg, err := pgx.ParseConfig("postgres://nobody@127.0.0.1:1/none?connect_timeout=1")
+	require.NoError(t, err)
+	gone := stdlib.OpenDB(*cfg)
+	t.Cleanup(func() { _ = gone.Close() })
+	nowhere, err := saga.NewClientFromDB(gone, saga.ClientConfig{Logger: quiet})
+	require.NoError(t, err)
+	var calls atomic.Int32
+	f := &fatals{TB: t}
+	msg := f.run(func(tb testing.TB) { sagatest.Step(tb, nowhere, seatStep(&calls), reserveSeat{Seat: "1A"}, nil) })
+	assert.NotEmpty(t, msg, "an unreachable database fails the test; it is not the step's error")
+	assert.Zero(t, calls.Load())
+
+	client, _ := tripClient(t)
+	f = &fatals{TB: t}
+	msg = f.run(func(tb testing.TB) {
+		sagatest.Transitions(tb, client, "trip", tripBooked{Trip: "t-12", Seat: "4D"}, nil,
+			sagatest.Answer(seatReserved{Seat: "4D"}), sagatest.Answer(nil), sagatest.Answer(nil))
+	})
+	assert.Contains(t, msg, "no command is in flight", "a reply too many is the test's mistake")
 }

@@ -26,12 +26,16 @@ type Transition struct {
 }
 
 // Step runs step (a steps.AnyStep) once for msg through client's step
-// runtime, in a transaction it rolls back once inspect has seen it.
-var Step func(ctx context.Context, client any, step any, msg *message.Message, inspect func(tx steps.DBTX) error) error
+// runtime, in a transaction it rolls back once inspect has seen it. The
+// step's failure is stepErr; anything else that stopped it is err.
+var Step func(ctx context.Context, client any, step any, msg *message.Message, inspect func(tx steps.DBTX) error) (stepErr, err error)
 
 // Transitions starts saga name from trigger, then answers its command in
 // flight with each of replies in turn, in one transaction of client's that
 // it rolls back; observe sees the saga after each reaction, in that
-// transaction. It returns the first reaction's error, or observe's.
+// transaction. A reaction's failure (the engine's) is reactionErr;
+// anything else that stopped the run (the database, observe, a reply
+// with no command to answer, a saga of that key existing or being run
+// already) is err.
 var Transitions func(ctx context.Context, client any, name string, trigger steps.Message, replies []Reply,
-	observe func(tx steps.DBTX, t Transition) error) error
+	observe func(tx steps.DBTX, t Transition) error) (reactionErr, err error)
