@@ -12,7 +12,6 @@ import (
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/transport"
-	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
 	"github.com/pgsaga/pgsaga/saga"
@@ -34,7 +33,7 @@ func TestDatabaseRestart(t *testing.T) {
 		return db
 	}
 	db := open(40)
-	_, err := migrations.Apply(ctx, db.SQL)
+	_, err := orderpayment.Migrate(ctx, db.SQL)
 	require.NoError(t, err)
 	gw, err := fakegateway.Start(ctx, fakegateway.Config{DB: open(4).SQL, Logger: logger()})
 	require.NoError(t, err)
