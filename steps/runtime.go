@@ -128,8 +128,8 @@ type core struct {
 	handle func(ctx context.Context, tx *Tx, msg *message.Message) (Message, error)
 }
 
-// AnyStep is a Step of any command type: what a Runtime and a
-// saga.Client register.
+// AnyStep is a Step of any command type: what a saga.Client serves
+// (AddSteps).
 type AnyStep interface {
 	// Name scopes the step's idempotency keys and names its handler and
 	// consumer group.
@@ -618,9 +618,10 @@ func (t *Tx) Fold(ctx context.Context, stream string, agg events.Aggregate) (int
 }
 
 // Savepoint runs fn in a savepoint of the step's transaction: if fn fails,
-// what it wrote and published is taken back and the step goes on (see
-// transport.Savepoint). A handler must not run SAVEPOINT, ROLLBACK or
-// COMMIT itself.
+// what it wrote and published is taken back (a queued write, a message
+// published from fn, an event appended) and the step goes on with its
+// work before it. A handler must not run SAVEPOINT, ROLLBACK or COMMIT
+// itself.
 func (t *Tx) Savepoint(ctx context.Context, fn func(tx *Tx) error) error {
 	return transport.Savepoint(ctx, t.DBTX, func(inner DBTX) error {
 		nested := *t
