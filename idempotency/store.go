@@ -284,9 +284,10 @@ func (s *Store) claimTx(ctx context.Context, tx dbtx.DBTX, req Request, lockTime
 
 // BatchKeyClaims are the statements with which pgsaga's delivery claims
 // the keys of a whole batch of messages in one statement, before their
-// attempts, and gives back those no attempt completed (see
-// steps.Runtime.Register). An attempt's ClaimTx then finds its key
-// claimed, with no statement of its own.
+// attempts, and gives back those no attempt completed: plumbing of the
+// step runtime, which sets them on each step's consumer; not for
+// applications. An attempt's ClaimTx then finds its key claimed, with no
+// statement of its own.
 func (s *Store) BatchKeyClaims() dbtx.KeyClaims {
 	return dbtx.KeyClaims{
 		Claim: func(scopes, keys []string, hashes [][]byte) (string, []any) {

@@ -30,14 +30,15 @@ const (
 // Metrics are the counters and histograms a pgsaga process keeps of its own
 // work. Everything is counted when the transaction that did it commits (see
 // transport.OnCommit), so a rolled-back attempt counts only as an error;
-// work done in a caller's own transaction (Client.StartTx, Engine.RetryTx
-// and CancelTx with a caller's transaction) is counted when pgsaga returns,
-// as pgsaga cannot see that commit. A nil *Metrics records nothing.
+// work done in a caller's own transaction (Client.StartTx, RetryTx and
+// CancelTx) is counted when pgsaga returns, as pgsaga cannot see that
+// commit. A nil *Metrics records nothing.
 //
-// Build one with NewMetrics and set it in transport.Config.Metrics (for a
-// saga.Client: ClientConfig.Transport.Metrics). What is in the database
-// rather than in one process's memory (sagas in flight, what waits in each
-// consumer group) is read at scrape time by saga.NewCollector.
+// The transport builds them (NewMetrics) from the registerer in
+// transport.Config.Metrics (for a saga.Client: ClientConfig.Transport.
+// Metrics). What is in the database rather than in one process's memory
+// (sagas in flight, what waits in each consumer group) is read at scrape
+// time by saga.Client.Collector.
 type Metrics struct {
 	sagasStarted  *prometheus.CounterVec
 	sagasFinished *prometheus.CounterVec

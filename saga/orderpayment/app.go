@@ -63,7 +63,7 @@ type Config struct {
 	// SweepInterval of the saga engine's deadline sweeper. Default: 1s.
 	SweepInterval time.Duration
 	// FinishedChannel is the saga engine's notification channel for
-	// finished sagas (saga.Config.FinishedChannel). Default: none.
+	// finished sagas (saga.ClientConfig.FinishedChannel). Default: none.
 	FinishedChannel string
 	// Retention of finished keys and sagas (App.RunRetention).
 	Retention Retention
