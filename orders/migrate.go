@@ -15,18 +15,11 @@ var migrationFiles embed.FS
 // MigrationsTable records the versions of the orders tables applied.
 const MigrationsTable = "orders_schema_version"
 
-// migrationSet is the domain's migrations.
-var migrationSet = pgmigrate.Set{Files: Migrations(), Table: MigrationsTable, Lock: 0x7067736167610010}
+var migrationSet = pgmigrate.Embedded(migrationFiles, "migrations", MigrationsTable, 0x7067736167610010)
 
 // Migrations returns the domain's migration files: its tables (customers,
 // order_views), which pgsaga's own migrations do not create.
-func Migrations() fs.FS {
-	sub, err := fs.Sub(migrationFiles, "migrations")
-	if err != nil {
-		panic(err) // the directory is embedded
-	}
-	return sub
-}
+func Migrations() fs.FS { return migrationSet.Files }
 
 // Migrate creates or updates the domain's tables in db and returns the
 // versions it applied. Safe to run from several processes at once, and

@@ -25,6 +25,16 @@ type Set struct {
 	Lock int64
 }
 
+// Embedded is the Set of the migrations in directory dir of fsys (a
+// package's embedded files).
+func Embedded(fsys fs.FS, dir, table string, lock int64) Set {
+	sub, err := fs.Sub(fsys, dir)
+	if err != nil {
+		panic(fmt.Sprintf("pgmigrate: %s: %v", dir, err)) // the directory is embedded
+	}
+	return Set{Files: sub, Table: table, Lock: lock}
+}
+
 // Apply applies what is pending of s and returns the versions it applied
 // (none when db was up to date).
 func (s Set) Apply(ctx context.Context, db *sql.DB) ([]int64, error) {

@@ -38,26 +38,12 @@ func program(t *testing.T, readme string) string {
 // in its own pgx transaction and waits for it; it is under 60 lines.
 func TestTheREADMEProgramRunsInAModuleOfItsOwn(t *testing.T) {
 	t.Parallel()
-	gobin, err := exec.LookPath("go")
-	if err != nil {
-		t.Skip("no go tool on PATH")
-	}
-	wd, err := os.Getwd()
-	require.NoError(t, err)
-	root, module, err := layers.ModuleRoot(wd)
-	require.NoError(t, err)
+	gobin, root := goAndRoot(t)
 	readme, err := os.ReadFile(filepath.Join(root, "README.md"))
 	require.NoError(t, err)
 	code := program(t, string(readme))
 	assert.Less(t, strings.Count(code, "\n"), 60, "the program is under 60 lines")
-
-	dir := t.TempDir()
-	gomod := "module example.com/shop\n\ngo 1.26\n\nrequire " + module + " v0.0.0\n\nreplace " + module + " => " + root + "\n"
-	require.NoError(t, os.WriteFile(filepath.Join(dir, "go.mod"), []byte(gomod), 0o644))
-	sums, err := os.ReadFile(filepath.Join(root, "go.sum"))
-	require.NoError(t, err)
-	require.NoError(t, os.WriteFile(filepath.Join(dir, "go.sum"), sums, 0o644))
-	require.NoError(t, os.WriteFile(filepath.Join(dir, "main.go"), []byte(code), 0o644))
+	dir := userModule(t, map[string]string{"main.go": code})
 
 	db := testdb.Fresh(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
@@ -192,22 +178,8 @@ func TestCharge(t *testing.T) {
 // an internal named type cannot be set, nor an internal type written.)
 func TestThePublicSurfaceServesAModuleOfItsOwn(t *testing.T) {
 	t.Parallel()
-	gobin, err := exec.LookPath("go")
-	if err != nil {
-		t.Skip("no go tool on PATH")
-	}
-	wd, err := os.Getwd()
-	require.NoError(t, err)
-	root, module, err := layers.ModuleRoot(wd)
-	require.NoError(t, err)
-	dir := t.TempDir()
-	gomod := "module example.com/shop\n\ngo 1.26\n\nrequire " + module + " v0.0.0\n\nreplace " + module + " => " + root + "\n"
-	require.NoError(t, os.WriteFile(filepath.Join(dir, "go.mod"), []byte(gomod), 0o644))
-	sums, err := os.ReadFile(filepath.Join(root, "go.sum"))
-	require.NoError(t, err)
-	require.NoError(t, os.WriteFile(filepath.Join(dir, "go.sum"), sums, 0o644))
-	require.NoError(t, os.WriteFile(filepath.Join(dir, "main.go"), []byte(userProgram), 0o644))
-	require.NoError(t, os.WriteFile(filepath.Join(dir, "main_test.go"), []byte(userTest), 0o644))
+	gobin, _ := goAndRoot(t)
+	dir := userModule(t, map[string]string{"main.go": userProgram, "main_test.go": userTest})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, gobin, "vet", ".")
@@ -215,4 +187,39 @@ func TestThePublicSurfaceServesAModuleOfItsOwn(t *testing.T) {
 	cmd.Env = append(os.Environ(), "GOFLAGS=-mod=mod")
 	out, err := cmd.CombinedOutput()
 	require.NoError(t, err, "%s", out)
+}
+
+// goAndRoot returns the go tool (the test is skipped without one) and the
+// module's root.
+func goAndRoot(t *testing.T) (gobin, root string) {
+	t.Helper()
+	gobin, err := exec.LookPath("go")
+	if err != nil {
+		t.Skip("no go tool on PATH")
+	}
+	wd, err := os.Getwd()
+	require.NoError(t, err)
+	root, _, err = layers.ModuleRoot(wd)
+	require.NoError(t, err)
+	return gobin, root
+}
+
+// userModule writes files into a new module outside the repository that
+// requires this one through a replace line, as the README says a user's
+// module does, and returns its directory.
+func userModule(t *testing.T, files map[string]string) string {
+	t.Helper()
+	wd, err := os.Getwd()
+	require.NoError(t, err)
+	root, module, err := layers.ModuleRoot(wd)
+	require.NoError(t, err)
+	dir := t.TempDir()
+	files["go.mod"] = "module example.com/shop\n\ngo 1.26\n\nrequire " + module + " v0.0.0\n\nreplace " + module + " => " + root + "\n"
+	sums, err := os.ReadFile(filepath.Join(root, "go.sum"))
+	require.NoError(t, err)
+	files["go.sum"] = string(sums)
+	for name, text := range files {
+		require.NoError(t, os.WriteFile(filepath.Join(dir, name), []byte(text), 0o644))
+	}
+	return dir
 }
