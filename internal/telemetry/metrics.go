@@ -48,6 +48,7 @@ type Metrics struct {
 	replays       *prometheus.CounterVec
 	deadLetters   *prometheus.CounterVec
 	retries       *prometheus.CounterVec
+	handedBack    *prometheus.CounterVec
 	relayed       *prometheus.CounterVec
 	relayFailures *prometheus.CounterVec
 	received      *prometheus.CounterVec
@@ -97,6 +98,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Namespace: Namespace, Name: "delivery_retries_total",
 			Help: "Failed delivery attempts scheduled to be tried again after their backoff, by topic and handler.",
 		}, []string{"topic", "handler"}),
+		handedBack: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "delivery_handed_back_total",
+			Help: "Messages a handler of this process handed back untouched, no attempt counted, for another process of its consumer group (a saga reply or request of a definition version this process does not know, during a rolling deploy), by topic and handler.",
+		}, []string{"topic", "handler"}),
 		relayed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: Namespace, Name: "broker_relayed_total",
 			Help: "Messages this process relayed from the outbox to the message broker, by topic, counted when the relay's batch committed.",
@@ -123,7 +128,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}
 		return nil, err
 	}
-	for _, c := range []**prometheus.CounterVec{&m.sagasStarted, &m.sagasFinished, &m.resent, &m.replays, &m.deadLetters, &m.retries,
+	for _, c := range []**prometheus.CounterVec{&m.sagasStarted, &m.sagasFinished, &m.resent, &m.replays, &m.deadLetters, &m.retries, &m.handedBack,
 		&m.relayed, &m.relayFailures, &m.received, &m.receiveErrors} {
 		if err := register(reg, c, &added); err != nil {
 			return fail(err)
@@ -234,6 +239,14 @@ func (m *Metrics) DeadLettered(topic, handler string) {
 func (m *Metrics) Retrying(topic, handler string) {
 	if m != nil {
 		m.retries.WithLabelValues(topic, handler).Inc()
+	}
+}
+
+// HandedBack counts a message of topic that handler handed back untouched
+// (transport.HandBack).
+func (m *Metrics) HandedBack(topic, handler string) {
+	if m != nil {
+		m.handedBack.WithLabelValues(topic, handler).Inc()
 	}
 }
 

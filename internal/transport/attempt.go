@@ -711,6 +711,9 @@ type deliveryTx struct {
 	// topic of the message of a transaction of the transport's own (a
 	// consumer's messages carry theirs in their context).
 	topic string
+	// clock is the server's, as the transaction's first statement read it
+	// (see DBNow); zero until then.
+	clock dbClock
 }
 
 // open starts the attempt: a savepoint (already open, if the previous step

@@ -209,7 +209,7 @@ func (c *consumer) await(b *batch, log *slog.Logger, d delivery, n int, aw *Awai
 	// the batch does not commit, the call goes on (the handler committed
 	// what it needs, a lease, say), and the message is delivered again.
 	b.d.batched = append(b.d.batched, batchedRow{w: parkWrite,
-		values: []any{d.id, aw.Within.Seconds(), strconv.Itoa(d.awaited + 1), reason(aw)}})
+		values: []any{d.id, aw.Within.Seconds(), strconv.Itoa(d.awaited + 1), reason(aw), metaAwaited}})
 	log.Debug("message handed back while its handler's call runs", "within", aw.Within)
 	return false
 }

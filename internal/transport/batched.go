@@ -89,14 +89,15 @@ var ackWrite = &dbtx.Batched{
 	},
 }
 
-// parkWrite hands messages back while their handlers' calls run: a row is
-// the queue id, the park in seconds, the count of awaits (text) and the
-// reason.
+// parkWrite hands messages back while their handlers' calls run, or
+// untouched (HandBack): a row is the queue id, the park in seconds, the
+// count of awaits or hand-backs (text), the reason and the metadata key
+// the count goes under (metaAwaited, metaHandedBack).
 var parkWrite = &dbtx.Batched{
-	Name: "handing messages back while their calls run",
+	Name: "handing messages back",
 	Statement: func(rows [][]any) (string, []any) {
 		return parkManySQL, []any{dbtx.Column[int64](rows, 0), dbtx.Column[float64](rows, 1),
-			dbtx.Column[string](rows, 2), dbtx.Column[string](rows, 3)}
+			dbtx.Column[string](rows, 2), dbtx.Column[string](rows, 3), dbtx.Column[string](rows, 4)}
 	},
 }
 

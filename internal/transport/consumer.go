@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -153,10 +154,11 @@ func (c *consumer) claimLimit() int {
 }
 
 // claimedOne counts msg, a message of the current batch's claim with
-// queue id id, and notes its key if the batch claims keys (on the
+// queue id id, read when the server's clock said dbNow (the batch's clock,
+// see DBNow, is its first message's), and notes its key if the batch claims keys (on the
 // subscriber's goroutine, before any middleware can touch the message), and
 // what its handler reads if the batch loads it.
-func (c *consumer) claimedOne(id int64, msg *message.Message) {
+func (c *consumer) claimedOne(id int64, msg *message.Message, dbNow time.Time) {
 	c.mu.Lock()
 	b := c.cur
 	c.mu.Unlock()
@@ -164,6 +166,7 @@ func (c *consumer) claimedOne(id int64, msg *message.Message) {
 		b.mu.Lock()
 		if b.claimed == 0 {
 			b.claimDone = time.Now()
+			b.d.clock = readClock(dbNow)
 		}
 		b.claimed++
 		if c.rt.keys != nil && msg.Metadata.Get(metaUnreadable) == "" {
@@ -512,6 +515,10 @@ func (c *consumer) deliver(msg *message.Message) error {
 				}
 				continue
 			}
+			if hb := (*HandBackError)(nil); errors.As(err, &hb) {
+				c.handBack(b, log, d, hb)
+				return nil
+			}
 			aw := (*AwaitError)(nil)
 			if !errors.As(err, &aw) {
 				c.fail(b, log, d, n, err)
@@ -534,6 +541,17 @@ func (c *consumer) release(b *batch) {
 	b.mu.Unlock()
 }
 
+// handBack hands a message of b back untouched (see HandBack): no attempt
+// is counted, and it is parked for handBackWait, with the batch's writes.
+func (c *consumer) handBack(b *batch, log *slog.Logger, d delivery, hb *HandBackError) {
+	n := d.handedBack + 1
+	wait := handBackWait(n)
+	b.d.batched = append(b.d.batched, batchedRow{w: parkWrite,
+		values: []any{d.id, wait.Seconds(), strconv.Itoa(n), reason(hb), metaHandedBack}})
+	b.d.hooks = append(b.d.hooks, func() { c.t.metrics.HandedBack(c.rt.topic, c.rt.name) })
+	log.Debug("message handed back untouched for another consumer of its group", "times", n, "again_in", wait, "reason", hb.Cause)
+}
+
 // fail records a failed attempt: the message is retried after its backoff,
 // or dead-lettered when it failed permanently or ran out of attempts.
 func (c *consumer) fail(b *batch, log *slog.Logger, d delivery, n int, cause error) {
@@ -549,7 +567,14 @@ func (c *consumer) fail(b *batch, log *slog.Logger, d delivery, n int, cause err
 		return
 	}
 	b.d.hooks = append(b.d.hooks, func() { c.t.metrics.Retrying(c.rt.topic, c.rt.name) })
-	log.Warn("attempt failed; the message will be retried", append([]any{"attempt", n, "of", c.rt.retry.MaxAttempts, "retry_in", wait, "err", cause}, panicStack(cause)...)...)
+	level, what := slog.LevelWarn, "attempt failed; the message will be retried"
+	if pgerr.Retryable(cause) {
+		// A conflict with concurrent work (a serialization failure, a
+		// deadlock, a saga instance saved meanwhile): expected under load,
+		// and the retry reads afresh.
+		level, what = slog.LevelInfo, "attempt conflicted with concurrent work; the message will be retried"
+	}
+	log.Log(context.Background(), level, what, append([]any{"attempt", n, "of", c.rt.retry.MaxAttempts, "retry_in", wait, "err", cause}, panicStack(cause)...)...)
 }
 
 // final reports whether failed attempt n is the message's last (see

@@ -23,6 +23,9 @@ var (
 	// ErrInvalidConsumerGroup is returned for a consumer group name outside
 	// [A-Za-z0-9-$:._]{1,255}.
 	ErrInvalidConsumerGroup = errors.New("transport: invalid consumer group name (1 to 255 characters from [A-Za-z0-9-$:._])")
+	// ErrInvalidChannel is returned for a notification channel's name
+	// outside [A-Za-z0-9-$:._]{1,63}.
+	ErrInvalidChannel = errors.New("transport: invalid notification channel name")
 	// ErrInvalidMessageID is returned for a message whose UUID is empty or
 	// longer than 255 bytes.
 	ErrInvalidMessageID = errors.New("transport: message UUID must be 1 to 255 bytes")
@@ -174,6 +177,49 @@ func Await(within time.Duration, call func(ctx context.Context) error) error {
 	return &AwaitError{Within: within, Call: call}
 }
 
+// HandBackError hands a message back to its queue untouched: the attempt
+// is rolled back, no attempt is counted, and the message becomes available
+// again after a short while (doubling with each hand-back, up to
+// maxHandBack), for whichever consumer of its group claims it then. For a
+// handler that cannot handle the message in this process but another
+// process of the group can: the saga engine of one release, during a
+// rolling deploy, given a reply for a definition version only the other
+// release knows. Build it with HandBack. Outside a queue (HandleInTx) it
+// is returned to the caller as it is, neither retried nor dead-lettered;
+// an in-process delivery that hands back is queued instead.
+type HandBackError struct{ Cause error }
+
+// Error implements error.
+func (e *HandBackError) Error() string { return "handed back: " + e.Cause.Error() }
+
+// Unwrap returns the cause.
+func (e *HandBackError) Unwrap() error { return e.Cause }
+
+// HandBack returns a HandBackError for cause. HandBack(nil) is nil.
+func HandBack(cause error) error {
+	if cause == nil {
+		return nil
+	}
+	return &HandBackError{Cause: cause}
+}
+
+// IsHandBack reports whether err hands its message back (HandBack).
+func IsHandBack(err error) bool {
+	var hb *HandBackError
+	return errors.As(err, &hb)
+}
+
+// handBackWait is how long a message handed back for the n-th time (from
+// 1) waits before it can be claimed again: 250ms doubling, at most
+// maxHandBack, so that a message nobody running can handle costs a claim
+// every half a minute, not a claim a poll.
+func handBackWait(n int) time.Duration {
+	return min(250*time.Millisecond<<min(max(n-1, 0), 8), maxHandBack)
+}
+
+// maxHandBack bounds handBackWait.
+const maxHandBack = 30 * time.Second
+
 // MaxTopicLen bounds a topic's name.
 const MaxTopicLen = 255
 
@@ -183,6 +229,17 @@ var namePattern = regexp.MustCompile(`^[A-Za-z0-9\-$:._]+$`)
 func ValidateTopic(topic string) error {
 	if topic == "" || len(topic) > MaxTopicLen || !namePattern.MatchString(topic) {
 		return fmt.Errorf("%w: %q (1 to %d characters from [A-Za-z0-9-$:._])", ErrInvalidTopic, topic, MaxTopicLen)
+	}
+	return nil
+}
+
+// ValidateChannel reports whether channel can name a PostgreSQL
+// notification channel pgsaga uses (NotifyChannel, a saga client's
+// FinishedChannel): 1 to 63 characters from [A-Za-z0-9-$:._]. The name is
+// not echoed.
+func ValidateChannel(channel string) error {
+	if channel == "" || len(channel) > 63 || !namePattern.MatchString(channel) {
+		return fmt.Errorf("%w: 1 to 63 characters from [A-Za-z0-9-$:._] (got %d bytes)", ErrInvalidChannel, len(channel))
 	}
 	return nil
 }

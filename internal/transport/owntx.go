@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 )
 
 // HandleInTx handles msg outside a consumer, each attempt in a READ
@@ -42,8 +43,8 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 		if err == nil {
 			return nil
 		}
-		if ctx.Err() != nil {
-			return err
+		if ctx.Err() != nil || IsHandBack(err) {
+			return err // a hand-back is the caller's: there is no queue here
 		}
 		permanent := IsPermanent(err)
 		if !o.retry.final(n, err) {
@@ -141,10 +142,19 @@ func (t *Transport) ownTx(ctx context.Context, topic string, run func(d *deliver
 		return fmt.Errorf("transport: beginning a transaction: %w", err)
 	}
 	defer tx.Rollback() //nolint:errcheck // a no-op after Commit
-	if err := c.send(ctx, stmt{"bounding the transaction", beginOwnSQL, []any{t.statementTimeout, t.lockTimeout, t.idleTimeout}}); err != nil {
+	var dbNow time.Time
+	readNow := func(rows pgx.Rows) error {
+		if !rows.Next() {
+			return errors.New("the statement returned no row")
+		}
+		return rows.Scan(&dbNow)
+	}
+	if err := c.sendReading(ctx, []stmt{{"bounding the transaction", beginOwnSQL, []any{t.statementTimeout, t.lockTimeout, t.idleTimeout}}},
+		map[int]func(pgx.Rows) error{0: readNow}); err != nil {
 		return fmt.Errorf("transport: %w", err)
 	}
-	d := &deliveryTx{c: c, tx: tx, own: true, topic: topic, more: func() bool { return false }, expired: func() bool { return txCtx.Err() != nil }}
+	d := &deliveryTx{c: c, tx: tx, own: true, topic: topic, more: func() bool { return false }, expired: func() bool { return txCtx.Err() != nil },
+		clock: readClock(dbNow)}
 	committed, err := run(d, tx)
 	if committed {
 		t.runHooks(d.hooks)

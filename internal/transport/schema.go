@@ -62,7 +62,10 @@ const (
 	metaUnreadable = "_pgsaga_unreadable"
 	// metaAwaited counts the times the message was handed back while its
 	// handler's call ran (see Await); it is kept in the queue row.
-	metaAwaited    = "_pgsaga_awaited"
+	metaAwaited = "_pgsaga_awaited"
+	// metaHandedBack counts the times the message was handed back
+	// untouched (see HandBack); it is kept in the queue row.
+	metaHandedBack = "_pgsaga_handed_back"
 	internalPrefix = "_pgsaga_"
 )
 
@@ -77,8 +80,9 @@ func (s schemaAdapter) UnmarshalMessage(row wsql.Scanner) (wsql.Row, error) {
 		attempts int
 		nextIn   sql.NullFloat64
 		held     bool
+		dbNow    time.Time
 	)
-	if err := row.Scan(&id, &r.UUID, &r.Payload, &r.Metadata, &attempts, &nextIn, &held); err != nil {
+	if err := row.Scan(&id, &r.UUID, &r.Payload, &r.Metadata, &attempts, &nextIn, &held, &dbNow); err != nil {
 		return wsql.Row{}, fmt.Errorf("transport: scanning a claimed message: %w", err)
 	}
 	if id < 0 {
@@ -102,7 +106,7 @@ func (s schemaAdapter) UnmarshalMessage(row wsql.Scanner) (wsql.Row, error) {
 	}
 	msg.Metadata.Set(metaDelivery, strconv.FormatInt(id, 10)+"/"+strconv.Itoa(attempts))
 	r.Offset, r.Msg = id, msg
-	s.c.claimedOne(id, msg)
+	s.c.claimedOne(id, msg, dbNow)
 	return r, nil
 }
 
@@ -119,6 +123,7 @@ type delivery struct {
 	id         int64
 	failed     int    // failed attempts before this delivery
 	awaited    int    // times handed back while its handler's call ran
+	handedBack int    // times handed back untouched (HandBack)
 	unreadable string // why the message cannot be read; "" if it can
 }
 
@@ -132,8 +137,10 @@ func deliveryOf(md message.Metadata) (delivery, error) {
 	if err1 != nil || err2 != nil {
 		return delivery{}, fmt.Errorf("transport: bad delivery metadata %q", md.Get(metaDelivery))
 	}
-	awaited, _ := strconv.Atoi(md.Get(metaAwaited)) // absent or garbled: none
-	return delivery{id: id, failed: failed, awaited: max(awaited, 0), unreadable: md.Get(metaUnreadable)}, nil
+	awaited, _ := strconv.Atoi(md.Get(metaAwaited))       // absent or garbled: none
+	handedBack, _ := strconv.Atoi(md.Get(metaHandedBack)) // likewise
+	return delivery{id: id, failed: failed, awaited: max(awaited, 0), handedBack: max(handedBack, 0),
+		unreadable: md.Get(metaUnreadable)}, nil
 }
 
 // handlerCopy is the message a handler gets: msg without the transport's

@@ -76,7 +76,10 @@ FROM (SELECT DISTINCT q.topic, m.channel FROM queued q JOIN msgs m ON m.topic = 
 	// consumers (held): the consumer sleeps until the next one is due, or
 	// looks again soon if others hold some (their transaction may end
 	// without handling them, if their process dies), unless woken earlier.
-	// $3, $4, $5: statement, lock and idle timeouts in milliseconds. From
+	// Every row carries the server's clock (db_now): the batch's attempts
+	// read the database's time from it (DBNow) without a statement of
+	// their own. $3, $4, $5: statement, lock and idle timeouts in
+	// milliseconds. From
 	// PostgreSQL 14 on, the server also checks every second, while a
 	// statement runs, that the consumer is still connected, so a killed
 	// worker's batch is rolled back, and its messages freed, at once rather
@@ -95,23 +98,27 @@ FROM (SELECT DISTINCT q.topic, m.channel FROM queued q JOIN msgs m ON m.topic = 
 ), guard AS (
     INSERT INTO pg_temp.pgsaga_commit_guard SELECT 1 FROM settings WHERE EXISTS (SELECT FROM batch)
 )
-SELECT id, uuid, payload, metadata, attempts, NULL::float8 AS next_in, false AS held FROM batch
+SELECT id, uuid, payload, metadata, attempts, NULL::float8 AS next_in, false AS held, clock_timestamp() AS db_now FROM batch
 UNION ALL
 SELECT -1, '', NULL, NULL, 0,
     (SELECT extract(epoch FROM min(available_at) - now())::float8 FROM pgsaga_queue
         WHERE topic = $1 AND consumer_group = $2 AND available_at > now()),
-    EXISTS (SELECT FROM pgsaga_queue WHERE topic = $1 AND consumer_group = $2 AND available_at <= now())
+    EXISTS (SELECT FROM pgsaga_queue WHERE topic = $1 AND consumer_group = $2 AND available_at <= now()),
+    clock_timestamp()
 WHERE NOT EXISTS (SELECT FROM batch)`
 
 	// beginOwnSQL opens a transaction of the transport's own (HandleInTx):
-	// the same bounds and guard as a delivery batch, no claim.
+	// the same bounds and guard as a delivery batch, no claim; it returns
+	// the server's clock (see DBNow).
 	beginOwnSQL = `WITH settings AS (
     SELECT set_config('statement_timeout', $1, true), set_config('lock_timeout', $2, true),
         set_config('idle_in_transaction_session_timeout', $3, true), set_config('pgsaga.commit_ok', 'off', true),
         CASE WHEN current_setting('server_version_num')::int >= 140000
             THEN set_config('client_connection_check_interval', '1000', true) END
+), guard AS (
+    INSERT INTO pg_temp.pgsaga_commit_guard SELECT 1 FROM settings
 )
-INSERT INTO pg_temp.pgsaga_commit_guard SELECT 1 FROM settings`
+SELECT clock_timestamp()`
 
 	// boundWaitSQL bounds the lock waits and statements of execWaiting's
 	// implicit transaction (its column names tell it apart in
@@ -166,14 +173,15 @@ END$$`
 WHERE id = $1 AND attempts < $2`
 
 	// parkManySQL hands messages back while their handlers' calls run (see
-	// Await and parkWrite), a row each of ids $1: available again after $2
-	// seconds, unless woken earlier, with the count of awaits ($3) in the
-	// metadata and $4 as the last error. No attempt is counted.
+	// Await and parkWrite), or untouched (HandBack), a row each of ids $1:
+	// available again after $2 seconds, unless woken earlier, with the
+	// count ($3) of awaits or hand-backs in the metadata under the key $5
+	// and $4 as the last error. No attempt is counted.
 	parkManySQL = `UPDATE pgsaga_queue AS q SET available_at = clock_timestamp() + make_interval(secs => p.secs),
     metadata = CASE WHEN jsonb_typeof(q.metadata) = 'object' THEN q.metadata ELSE '{}'::jsonb END
-        || jsonb_build_object('` + metaAwaited + `', p.awaited),
+        || jsonb_build_object(p.counter, p.count),
     last_error = p.reason
-FROM unnest($1::bigint[], $2::float8[], $3::text[], $4::text[]) AS p(id, secs, awaited, reason)
+FROM unnest($1::bigint[], $2::float8[], $3::text[], $4::text[], $5::text[]) AS p(id, secs, count, reason, counter)
 WHERE q.id = p.id`
 
 	// wakeSQL makes message $1, parked while its handler's call ran, available
