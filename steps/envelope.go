@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
@@ -47,7 +48,24 @@ const (
 	// MetaReplayed is "true" on a reply published again for a duplicate
 	// command; it keeps the original reply's UUID.
 	MetaReplayed = metadata.Replayed
+	// MetaNotAfter is when a command stops being worth running (RFC 3339,
+	// on the sender's database clock): the runtime refuses a command it
+	// gets later, never running its handler, and answers it as refused
+	// (MetaRefusal "expired"). A saga's actions carry it: the saga's own
+	// deadline (saga.Spec.Timeout); its compensations never do.
+	MetaNotAfter = metadata.NotAfter
+	// MetaReplyToken is the token a saga's command carries and its reply
+	// must carry back (the runtime copies it): the engine refuses a reply
+	// to the command in flight without it as forged.
+	MetaReplyToken = metadata.ReplyToken
+	// MetaRefusal, on a failed reply, says the command was refused without
+	// running: RefusalExpired.
+	MetaRefusal = metadata.Refusal
 )
+
+// RefusalExpired is MetaRefusal on the answer to a command that arrived
+// past its MetaNotAfter: its handler did not run.
+const RefusalExpired = metadata.RefusalExpired
 
 // Outcomes of a reply.
 const (
@@ -68,6 +86,12 @@ type Envelope struct {
 	Outcome       string
 	Reason        string
 	Replayed      bool
+	// NotAfter is when the command stops being worth running; zero for
+	// none (or one that cannot be read: the runtime refuses such a
+	// command).
+	NotAfter   time.Time
+	ReplyToken string
+	Refusal    string
 }
 
 // EnvelopeOf reads msg's envelope.
@@ -85,8 +109,24 @@ func EnvelopeOf(msg *message.Message) Envelope {
 		Outcome:       md.Get(MetaOutcome),
 		Reason:        md.Get(MetaReason),
 		Replayed:      md.Get(MetaReplayed) == "true",
+		NotAfter:      parseNotAfter(md.Get(MetaNotAfter)),
+		ReplyToken:    md.Get(MetaReplyToken),
+		Refusal:       md.Get(MetaRefusal),
 	}
 }
+
+// parseNotAfter reads a MetaNotAfter value; zero if it is absent or
+// cannot be read.
+func parseNotAfter(s string) time.Time {
+	t, err := time.Parse(time.RFC3339Nano, s)
+	if err != nil {
+		return time.Time{}
+	}
+	return t
+}
+
+// formatNotAfter writes a MetaNotAfter value.
+func formatNotAfter(t time.Time) string { return t.UTC().Format(time.RFC3339Nano) }
 
 // NewMessage encodes m as JSON in a message carrying env. env.Type is set
 // from m; an empty env.ID gets a random UUID; empty fields are left out.
@@ -104,10 +144,13 @@ func NewMessage(m Message, env Envelope) (*message.Message, error) {
 	}
 	msg := message.NewMessage(id, payload)
 	env.Type = m.MessageType()
+	if !env.NotAfter.IsZero() {
+		msg.Metadata.Set(MetaNotAfter, formatNotAfter(env.NotAfter))
+	}
 	for k, v := range map[string]string{
 		MetaType: env.Type, MetaCorrelationID: env.CorrelationID, MetaCausationID: env.CausationID,
 		MetaSagaID: env.SagaID, MetaStep: env.Step, MetaKey: env.Key, MetaReplyTo: env.ReplyTo,
-		MetaOutcome: env.Outcome, MetaReason: env.Reason,
+		MetaOutcome: env.Outcome, MetaReason: env.Reason, MetaReplyToken: env.ReplyToken, MetaRefusal: env.Refusal,
 	} {
 		if v != "" {
 			msg.Metadata.Set(k, v)

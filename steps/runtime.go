@@ -50,6 +50,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"reflect"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -78,6 +79,9 @@ type Handler[C Message] func(ctx context.Context, tx *Tx, cmd C) (Message, error
 type businessError struct {
 	Reply  Message
 	Reason string
+	// refusal, if set, says the command was refused without running
+	// (MetaRefusal): RefusalExpired.
+	refusal string
 }
 
 // Error implements error.
@@ -402,6 +406,17 @@ func (rt *runtime) handler(s core) transport.HandlerFunc {
 			rt.observe(ctx, ttx, s, env, key, telemetry.StepReplayed, start, "")
 			return nil
 		}
+		if !transport.AwaitedFromContext(ctx) {
+			// Past its not-after, a command is refused, never run. Not
+			// after an awaited call: the handler has acted already.
+			refusal, err := expired(ctx, ttx, msg)
+			if err != nil {
+				return err
+			}
+			if refusal != nil {
+				return transport.Instead(rt.recordFailure(s, keys, refusal, start), refusal)
+			}
+		}
 		reply, err := s.handle(ctx, &Tx{DBTX: ttx, rt: rt, step: s, env: env, key: key}, msg)
 		switch {
 		case errors.As(err, &biz):
@@ -411,7 +426,7 @@ func (rt *runtime) handler(s core) transport.HandlerFunc {
 		case err != nil:
 			return err
 		}
-		replies, err := rt.replies(s, env, key, reply, OutcomeOK, "")
+		replies, err := rt.replies(s, env, key, reply, OutcomeOK, "", "")
 		if err != nil {
 			return err
 		}
@@ -505,7 +520,7 @@ func (rt *runtime) recordFailure(s core, keys *idempotency.MessageKeys, biz *bus
 			rt.observe(ctx, ttx, s, env, key, telemetry.StepReplayed, start, "")
 			return nil
 		}
-		replies, err := rt.replies(s, env, key, biz.Reply, OutcomeFailed, biz.Reason)
+		replies, err := rt.replies(s, env, key, biz.Reply, OutcomeFailed, biz.Reason, biz.refusal)
 		if err != nil {
 			return err
 		}
@@ -530,8 +545,14 @@ func claimIn(s core, keys *idempotency.MessageKeys, msg *message.Message) (DBTX,
 
 // replies builds the reply to a command; none when the command names no
 // reply topic. A command that names one is always answered, with
-// FailureReply or DoneReply when the handler gave no reply of its own.
-func (rt *runtime) replies(s core, cmd Envelope, key string, reply Message, outcome, reason string) ([]*message.Message, error) {
+// FailureReply or DoneReply when the handler gave no reply of its own,
+// and the reply carries the command's reply token back. A reply that is
+// a nil pointer (var out *Out; return out, nil) is the handler's mistake:
+// permanent, nothing of the attempt is kept.
+func (rt *runtime) replies(s core, cmd Envelope, key string, reply Message, outcome, reason, refusal string) ([]*message.Message, error) {
+	if reply != nil && nilPointer(reply) {
+		return nil, transport.Permanent(fmt.Errorf("%w: %s (%T)", ErrNilReply, s.Name, reply))
+	}
 	if cmd.ReplyTo == "" {
 		return nil, nil
 	}
@@ -550,11 +571,55 @@ func (rt *runtime) replies(s core, cmd Envelope, key string, reply Message, outc
 		Key:           key,
 		Outcome:       outcome,
 		Reason:        reason,
+		ReplyToken:    cmd.ReplyToken,
+		Refusal:       refusal,
 	})
 	if err != nil {
 		return nil, transport.Permanent(err)
 	}
 	return []*message.Message{m}, nil
+}
+
+// ErrNilReply: a handler returned a nil pointer as its reply (return nil
+// for none, or a value). The command is dead-lettered, with nothing of its
+// attempt kept.
+var ErrNilReply = errors.New("steps: the handler returned a nil pointer as its reply")
+
+// nilPointer reports whether m is a nil pointer of some type, whose
+// methods may panic and which encodes as JSON null.
+func nilPointer(m Message) bool {
+	v := reflect.ValueOf(m)
+	return v.Kind() == reflect.Pointer && v.IsNil()
+}
+
+// ErrBadNotAfter: a command's not-after (MetaNotAfter) cannot be read. It
+// is permanent: the command is dead-lettered, its handler never run.
+var ErrBadNotAfter = errors.New("steps: the command's not-after cannot be read")
+
+// expired returns the refusal of msg if it is past its not-after
+// (MetaNotAfter) on the database's clock, nil if it may run: it has none
+// (not a saga's action, or sent by an earlier release), or its time has
+// not come. A not-after that cannot be read is ErrBadNotAfter, without
+// the text.
+func expired(ctx context.Context, tx DBTX, msg *message.Message) (*businessError, error) {
+	raw := msg.Metadata.Get(MetaNotAfter)
+	if raw == "" {
+		return nil, nil
+	}
+	notAfter := parseNotAfter(raw)
+	if notAfter.IsZero() {
+		return nil, transport.Permanent(fmt.Errorf("%w (message %s, %d bytes)", ErrBadNotAfter, msg.UUID, len(raw)))
+	}
+	now, err := transport.Now(ctx, tx)
+	if err != nil {
+		return nil, err
+	}
+	if !now.After(notAfter) {
+		return nil, nil
+	}
+	reason := fmt.Sprintf("refused: the command arrived past its not-after (%s, %s late); it did not run",
+		formatNotAfter(notAfter), now.Sub(notAfter).Round(time.Millisecond))
+	return &businessError{Reason: reason, refusal: RefusalExpired}, nil
 }
 
 func idempotencyKey(msg *message.Message) string {

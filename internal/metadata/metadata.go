@@ -31,6 +31,27 @@ const (
 	// Replayed is "true" on a reply published again for a duplicate
 	// command; the reply keeps its original UUID.
 	Replayed = "idempotent_replay"
+	// NotAfter is the time past which a command must not run, in RFC 3339
+	// with nanoseconds, on the clock of the sender's database: a step
+	// runtime refuses a command it gets later (Refusal "expired"), and the
+	// saga engine gives up on it only once that time has passed.
+	NotAfter = "not_after"
+	// ReplyToken is an unguessable token a saga's command carries, which
+	// its reply must carry back: a reply to the command in flight without
+	// it is forged, and changes nothing.
+	ReplyToken = "reply_token"
+	// Refusal says why a failed reply refuses its command without having
+	// run it: "expired" (past its NotAfter).
+	Refusal = "refusal"
+	// Saga, on a trigger StartTx published, names the one saga it starts:
+	// other sagas on the same trigger topic leave it.
+	Saga = "saga"
+)
+
+// Refusals.
+const (
+	// RefusalExpired: the command arrived past its NotAfter and did not run.
+	RefusalExpired = "expired"
 )
 
 // Trace context, in the W3C Trace Context format: every publish sets them

@@ -20,6 +20,8 @@ func TestKeysAreTheContract(t *testing.T) {
 		"dead_letter_topic": metadata.DeadLetterTopic, "dead_letter_handler": metadata.DeadLetterHandler,
 		"dead_letter_group": metadata.DeadLetterGroup, "dead_letter_at": metadata.DeadLetterAt,
 		"traceparent": metadata.TraceParent, "tracestate": metadata.TraceState,
+		"not_after": metadata.NotAfter, "reply_token": metadata.ReplyToken, "refusal": metadata.Refusal,
+		"expired": metadata.RefusalExpired, "saga": metadata.Saga,
 	} {
 		assert.Equal(t, want, got)
 	}
