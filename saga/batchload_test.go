@@ -87,14 +87,14 @@ func payInFlight(t *testing.T, e *env, trips ...string) []uuid.UUID {
 // for the command in flight as the instance records it).
 func payAnswer(t *testing.T, e *env, id uuid.UUID, causation string) *message.Message {
 	t.Helper()
-	var cmdID, payKey string
-	require.NoError(t, e.db.SQL.QueryRow(`SELECT uuid, metadata->>$2 FROM `+archived(e.topics["pay"])+
-		` WHERE metadata->>'saga_id' = $1`, id.String(), steps.MetaKey).Scan(&cmdID, &payKey))
+	var cmdID, payKey, token string
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT uuid, metadata->>$2, metadata->>$3 FROM `+archived(e.topics["pay"])+
+		` WHERE metadata->>'saga_id' = $1`, id.String(), steps.MetaKey, steps.MetaReplyToken).Scan(&cmdID, &payKey, &token))
 	if causation == "" {
 		causation = cmdID
 	}
 	answer, err := steps.NewMessage(tripReply{Op: "pay"}, steps.Envelope{SagaID: id.String(), Step: "pay", Key: payKey,
-		CausationID: causation, Outcome: steps.OutcomeOK})
+		CausationID: causation, Outcome: steps.OutcomeOK, ReplyToken: token})
 	require.NoError(t, err)
 	return answer
 }

@@ -19,6 +19,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/dbtx"
+	"github.com/pgsaga/pgsaga/internal/metadata"
 	"github.com/pgsaga/pgsaga/internal/stepsrt"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/migrations"
@@ -259,8 +260,10 @@ func (cfg ClientConfig) validate() error {
 	if err := prune.setDefaults(); err != nil {
 		errs = append(errs, err)
 	}
-	if len(cfg.FinishedChannel) > 63 {
-		errs = append(errs, fmt.Errorf("FinishedChannel must be at most 63 bytes, got %d", len(cfg.FinishedChannel)))
+	if cfg.FinishedChannel != "" {
+		if err := transport.ValidateChannel(cfg.FinishedChannel); err != nil {
+			errs = append(errs, fmt.Errorf("FinishedChannel: %w", err))
+		}
 	}
 	if cfg.EventsNotPublished && cfg.EventsTopic == nil {
 		errs = append(errs, errors.New("EventsNotPublished needs EventsTopic"))
@@ -692,6 +695,9 @@ func (c *Client) StartTx(ctx context.Context, tx steps.DBTX, name string, trigge
 	if err := ctx.Err(); err != nil {
 		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, context.Cause(ctx))
 	}
+	if err := checkTx(tx); err != nil {
+		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
+	}
 	msg, def, id, err := c.triggerMessage(name, trigger)
 	if err != nil {
 		return uuid.Nil, err
@@ -748,6 +754,9 @@ func (c *Client) triggerMessage(name string, trigger steps.Message) (*message.Me
 	id := ID(name, key)
 	msg.UUID = uuid.NewSHA1(id, []byte("trigger")).String()
 	msg.Metadata.Set(steps.MetaCorrelationID, key)
+	// For this saga alone: another saga on the same trigger topic leaves
+	// it (see handleTrigger).
+	msg.Metadata.Set(metadata.Saga, name)
 	return msg, def, id, nil
 }
 
@@ -758,8 +767,39 @@ func (c *Client) PublishTx(ctx context.Context, tx steps.DBTX, topic string, msg
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("saga: publishing to %s: %w", topic, context.Cause(ctx))
 	}
+	if err := checkTx(tx); err != nil {
+		return fmt.Errorf("saga: publishing to %s: %w", topic, err)
+	}
+	for i, m := range msgs {
+		if m == nil {
+			return fmt.Errorf("saga: publishing to %s: %w (message %d of %d)", topic, ErrNilMessage, i+1, len(msgs))
+		}
+	}
 	if err := c.transport.Publisher(tx).Publish(topic, msgs...); err != nil {
 		return fmt.Errorf("saga: publishing to %s: %w", topic, err)
+	}
+	return nil
+}
+
+// Errors of StartTx and PublishTx for what they cannot take.
+var (
+	// ErrNotATransaction: StartTx and PublishTx were given no transaction,
+	// or a *sql.DB or *sql.Conn, whose every statement commits on its own:
+	// what they write would not commit or roll back with the caller's
+	// work.
+	ErrNotATransaction = errors.New("saga: a transaction is required (a *sql.Tx, or a pgx.Tx through PgxTx)")
+	// ErrNilMessage: PublishTx was given a nil message.
+	ErrNilMessage = errors.New("saga: nil message")
+)
+
+// checkTx refuses what is not a transaction (see ErrNotATransaction).
+func checkTx(tx steps.DBTX) error {
+	switch tx.(type) {
+	case *sql.DB, *sql.Conn:
+		return fmt.Errorf("%w, not a %T", ErrNotATransaction, tx)
+	}
+	if isNil(tx) {
+		return ErrNotATransaction
 	}
 	return nil
 }

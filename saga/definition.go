@@ -47,7 +47,10 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -293,8 +296,8 @@ func Define[D any](spec Spec[D]) (*Definition, error) {
 		if err != nil {
 			return "", nil, err
 		}
-		if key == "" {
-			return "", nil, errors.New("saga: trigger gave an empty key")
+		if err := checkKey(key); err != nil {
+			return "", nil, err
 		}
 		raw, err := json.Marshal(data)
 		return key, raw, err
@@ -304,6 +307,9 @@ func Define[D any](spec Spec[D]) (*Definition, error) {
 	for i, s := range spec.Steps {
 		if s.Name == "" || seen[s.Name] {
 			return nil, fmt.Errorf("saga %s: step %d needs a unique name", spec.Name, i)
+		}
+		if err := checkStepName(s.Name); err != nil {
+			return nil, fmt.Errorf("saga %s: step %d: %w", spec.Name, i, err)
 		}
 		seen[s.Name] = true
 		if s.Deadline == 0 {
@@ -343,6 +349,53 @@ func Define[D any](spec Spec[D]) (*Definition, error) {
 	}
 	d.fingerprint = d.computeFingerprint()
 	return d, nil
+}
+
+// MaxStepName bounds a step's name, in bytes: it is part of the
+// idempotency key of the step's commands (CommandKey), which must fit in
+// 255 bytes with the saga's id, the phase and a generation.
+const MaxStepName = 128
+
+// ErrInvalidName: a step's name, or a trigger's key, that pgsaga cannot
+// carry (see checkStepName, checkKey).
+var ErrInvalidName = errors.New("saga: invalid name")
+
+// checkStepName refuses a step name that would make a command key
+// PostgreSQL or a broker cannot carry as it is: empty, longer than
+// MaxStepName, not UTF-8, or holding a control character (NUL among
+// them). The name is not echoed.
+func checkStepName(name string) error {
+	if len(name) > MaxStepName || !printable(name) {
+		return fmt.Errorf("%w: a step's name must be 1 to %d bytes of UTF-8 without control characters (got %d bytes)", ErrInvalidName, MaxStepName, len(name))
+	}
+	return nil
+}
+
+// checkKey refuses a trigger's key that is empty, not UTF-8 or holds a
+// NUL: JSON and PostgreSQL would change it on the way (invalid bytes
+// become U+FFFD), and two keys that differ only there would start one
+// saga. The key is not echoed.
+func checkKey(key string) error {
+	switch {
+	case key == "":
+		return fmt.Errorf("%w: the trigger gave an empty key", ErrInvalidName)
+	case !utf8.ValidString(key) || strings.ContainsRune(key, 0):
+		return fmt.Errorf("%w: the trigger's key must be UTF-8 without NUL (got %d bytes)", ErrInvalidName, len(key))
+	}
+	return nil
+}
+
+// printable reports whether s is valid UTF-8 without control characters.
+func printable(s string) bool {
+	if !utf8.ValidString(s) {
+		return false
+	}
+	for _, r := range s {
+		if unicode.IsControl(r) {
+			return false
+		}
+	}
+	return true
 }
 
 // MustDefine is Define that panics, for package-level definitions.

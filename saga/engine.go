@@ -2,7 +2,11 @@ package saga
 
 import (
 	"context"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
 	"database/sql"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -19,6 +23,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
+	"github.com/pgsaga/pgsaga/internal/metadata"
 	"github.com/pgsaga/pgsaga/internal/telemetry"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps"
@@ -60,6 +65,11 @@ var (
 	ErrNotRetryable      = errors.New("saga: instance cannot be retried")
 	ErrNotCancellable    = errors.New("saga: instance cannot be cancelled")
 	ErrConcurrentChange  = errors.New("saga: instance changed concurrently")
+	// ErrForgedReply: a reply to the command in flight that does not carry
+	// the command's reply token (steps.MetaReplyToken). It is
+	// dead-lettered and changes nothing: whoever published it could not
+	// read the command.
+	ErrForgedReply = errors.New("saga: forged reply: it does not carry its command's reply token")
 )
 
 // engineConfig configures an Engine.
@@ -103,6 +113,8 @@ type engine struct {
 	mu     sync.RWMutex
 	defs   map[string]map[int]*Definition // name → version → definition
 	latest map[string]*Definition
+
+	postponed postponements // the sweeper's, of instances it failed on
 }
 
 // NewEngine validates cfg and returns an Engine.
@@ -280,6 +292,18 @@ type instance struct {
 	// Fingerprint of the step list it started with ("" for an instance
 	// of an earlier release).
 	Fingerprint string
+	// ReplySecret makes the reply tokens of its commands (replyToken);
+	// nil for an instance of an earlier release, whose commands carry
+	// none.
+	ReplySecret []byte
+
+	// readDB is the database's clock when the instance was read, at the
+	// local time readLocal (see now); zero for an instance being started,
+	// whose times the insert computes on the database's clock.
+	readDB, readLocal time.Time
+	// startWait is, for an instance being started, how long its first
+	// command waits for a reply (see deadline).
+	startWait time.Duration
 
 	history  []historyEntry   // to write
 	outbox   []pendingCommand // to publish
@@ -300,13 +324,21 @@ type historyEntry struct {
 }
 
 type pendingCommand struct {
-	topic string
-	msg   *message.Message
+	topic  string
+	msg    *message.Message
+	action bool // a running saga's action: it carries the not-after
 }
 
 // handleTrigger starts an instance of saga name from a trigger message, in
-// the message's transaction. A second trigger with the same key does nothing.
+// the message's transaction. A second trigger with the same key does
+// nothing, and so does a trigger for another saga on the same topic
+// (StartTx names the saga it starts; a trigger published otherwise starts
+// every saga on its topic).
 func (e *engine) handleTrigger(name string, msg *message.Message) error {
+	if target := msg.Metadata.Get(metadata.Saga); target != "" && target != name {
+		e.log.Debug("trigger for another saga on the same topic; left to it", "saga", name, "for", target, "message_uuid", msg.UUID)
+		return nil
+	}
 	_, err := e.startFrom(name, msg)
 	return err
 }
@@ -340,20 +372,30 @@ func (e *engine) startFrom(name string, msg *message.Message) (started bool, err
 	ctx, span := e.decide(ctx, "start", inst)
 	defer func() { e.decided(span, inst, err) }()
 	inst.TraceParent = e.trace.TraceParent(ctx)
-	expires := time.Now().Add(def.Timeout)
-	inst.ExpiresAt, inst.Fingerprint = &expires, def.fingerprint
+	inst.Fingerprint = def.fingerprint
+	if inst.ReplySecret, err = newReplySecret(); err != nil {
+		return false, err
+	}
 	inst.note("started", -1, def, msg.UUID, "trigger "+key)
 	if err := e.advance(inst, def, msg.UUID); err != nil {
 		return false, transport.Permanent(err)
 	}
-	inserted, err := insertInstance(ctx, tx, inst)
+	// The saga's own deadline and its first command's are computed by the
+	// insert, on the database's clock; the command carries the former as
+	// its not-after.
+	inserted, err := insertInstance(ctx, tx, inst, def.Timeout, def.steps[inst.Step].deadline)
 	if err != nil {
 		return false, err
 	}
 	if !inserted {
 		span.SetAttributes(telemetry.AttrOutcome.String("ignored: already started"))
-		e.log.Debug("saga already started; trigger ignored", "saga", name, "id", inst.ID, "message_uuid", msg.UUID)
+		e.log.Debug("saga already started; trigger ignored", "saga", name, "saga_id", inst.ID, "message_uuid", msg.UUID)
 		return false, nil
+	}
+	for _, c := range inst.outbox {
+		if c.action {
+			c.msg.Metadata.Set(steps.MetaNotAfter, inst.ExpiresAt.UTC().Format(time.RFC3339Nano))
+		}
 	}
 	return true, e.flush(ctx, tx, inst)
 }
@@ -425,6 +467,10 @@ func (e *engine) handleReply(msg *message.Message) (err error) {
 		e.log.Debug("reply is not for the command in flight; ignored", "saga", id, "key", env.Key, "message_uuid", msg.UUID)
 		return nil
 	}
+	if !inst.tokenMatches(env.Key, env.ReplyToken) {
+		span.SetAttributes(telemetry.AttrOutcome.String("refused: forged"))
+		return transport.Permanent(fmt.Errorf("%w: reply %s to %s of saga %s", ErrForgedReply, msg.UUID, env.Key, id))
+	}
 	step := def.steps[inst.Step]
 	switch env.Outcome {
 	case steps.OutcomeOK:
@@ -443,10 +489,17 @@ func (e *engine) handleReply(msg *message.Message) (err error) {
 		}
 	case steps.OutcomeFailed:
 		inst.note("reply_failed", inst.Step, def, msg.UUID, env.Reason)
-		if inst.Phase == PhaseAction {
+		switch {
+		case inst.Phase == PhaseAction && env.Refusal == steps.RefusalExpired:
+			// Refused unrun, past its not-after; an earlier run may have
+			// acted on its own before it died, so this step is compensated
+			// too, as when the engine gives up on it.
+			inst.FailureReason = step.name + ": " + env.Reason
+			err = e.compensate(inst, def, inst.Step+1, msg.UUID)
+		case inst.Phase == PhaseAction:
 			inst.FailureReason = step.name + ": " + env.Reason
 			err = e.compensate(inst, def, inst.Step, msg.UUID)
-		} else {
+		default:
 			e.park(inst, def, fmt.Sprintf("compensation of %s failed: %s", step.name, env.Reason))
 		}
 	default:
@@ -516,13 +569,14 @@ func (e *engine) replyInstanceByCommand(ctx context.Context, tx steps.DBTX, id u
 	return e.withDefinition(inst, msg)
 }
 
-// withDefinition returns inst with its definition; a reply msg for an
-// instance of a definition this process does not know is refused
-// permanently.
+// withDefinition returns inst with its definition. A reply msg for an
+// instance of a definition this process does not know (another release's,
+// during a rolling deploy) is handed back untouched, no attempt counted,
+// for a process of its consumer group that knows it.
 func (e *engine) withDefinition(inst *instance, msg *message.Message) (*instance, *Definition, error) {
 	def, ok := e.definitionOf(inst)
 	if !ok {
-		return nil, nil, transport.Permanent(fmt.Errorf("reply %s for saga %s: %w", msg.UUID, inst.ID, e.unknown(inst)))
+		return nil, nil, transport.HandBack(fmt.Errorf("reply %s for saga %s: %w", msg.UUID, inst.ID, e.unknown(inst)))
 	}
 	return inst, def, nil
 }
@@ -537,6 +591,43 @@ func (inst *instance) forCommandInFlight(def *Definition, key string) bool {
 func (inst *instance) key(def *Definition) string {
 	return CommandKey(inst.ID, def.steps[inst.Step].name, inst.Phase, inst.Generation)
 }
+
+// replyToken is the token the command of key carries and its reply must
+// carry back: an HMAC of the key under the instance's secret, so that it
+// is the same for every copy of one command (a replayed reply carries the
+// first's) and cannot be guessed from the key. "" for an instance without
+// a secret (started by an earlier release).
+func (inst *instance) replyToken(key string) string {
+	if len(inst.ReplySecret) == 0 {
+		return ""
+	}
+	mac := hmac.New(sha256.New, inst.ReplySecret)
+	mac.Write([]byte(key))
+	return hex.EncodeToString(mac.Sum(nil)[:16])
+}
+
+// tokenMatches reports whether token is the reply token of the
+// instance's command key (in constant time); any token does for an
+// instance without a secret.
+func (inst *instance) tokenMatches(key, token string) bool {
+	want := inst.replyToken(key)
+	return want == "" || hmac.Equal([]byte(want), []byte(token))
+}
+
+// newReplySecret makes an instance's reply secret.
+func newReplySecret() ([]byte, error) {
+	b := make([]byte, 32)
+	if _, err := rand.Read(b); err != nil {
+		return nil, fmt.Errorf("saga: making a reply secret: %w", err)
+	}
+	return b, nil
+}
+
+// now is the database's time now for an instance that was read: its
+// clock then, plus what has elapsed since on this process's monotonic
+// clock. Every deadline and timeout the engine sets or checks is on it,
+// never the worker's wall clock.
+func (inst *instance) now() time.Time { return inst.readDB.Add(time.Since(inst.readLocal)) }
 
 // CommandKey is the idempotency key of a saga's command: derived from the
 // saga, the step and the phase, never from the attempt. An operator retry
@@ -600,7 +691,7 @@ func (e *engine) finish(inst *instance, status Status, reason string) {
 	}
 	inst.DeadlineAt = nil
 	inst.CommandTopic, inst.CommandID, inst.CommandWaiting = "", "", false
-	now := time.Now()
+	now := inst.now()
 	inst.FinishedAt = &now
 	inst.finished = true
 }
@@ -619,7 +710,7 @@ func (e *engine) send(inst *instance, def *Definition, cause string) error {
 	}
 	inst.Attempt++
 	key := inst.key(def)
-	msg, err := steps.NewMessage(payload, steps.Envelope{
+	env := steps.Envelope{
 		ID:            uuid.NewSHA1(idSpace, []byte(key+"#attempt"+strconv.Itoa(inst.Attempt))).String(),
 		CorrelationID: inst.CorrelationID,
 		CausationID:   cause,
@@ -627,13 +718,20 @@ func (e *engine) send(inst *instance, def *Definition, cause string) error {
 		Step:          step.name,
 		Key:           key,
 		ReplyTo:       def.ReplyTopic,
-	})
+		ReplyToken:    inst.replyToken(key),
+	}
+	action := inst.Status == StatusRunning && inst.Phase == PhaseAction
+	if action && inst.ExpiresAt != nil {
+		// Past the saga's own deadline the participant refuses it.
+		env.NotAfter = *inst.ExpiresAt
+	}
+	msg, err := steps.NewMessage(payload, env)
 	if err != nil {
 		return err
 	}
-	inst.outbox = append(inst.outbox, pendingCommand{topic: cmd.topic, msg: msg})
+	inst.outbox = append(inst.outbox, pendingCommand{topic: cmd.topic, msg: msg, action: action})
 	inst.CommandTopic, inst.CommandID, inst.CommandWaiting = cmd.topic, msg.UUID, false
-	inst.DeadlineAt = inst.deadline(step.wait(inst.Phase, inst.Attempt))
+	inst.DeadlineAt = inst.deadline(step, step.wait(inst.Phase, inst.Attempt))
 	kind := "sent"
 	if inst.Attempt > 1 {
 		kind = "resent"
@@ -642,15 +740,33 @@ func (e *engine) send(inst *instance, def *Definition, cause string) error {
 	return nil
 }
 
-// deadline is when the command in flight, sent or found departed now, is
-// overdue: after wait, or when the saga itself times out (its actions),
-// whichever comes first.
-func (inst *instance) deadline(wait time.Duration) *time.Time {
-	d := time.Now().Add(wait)
-	if inst.Status == StatusRunning && inst.Phase == PhaseAction && inst.ExpiresAt != nil && inst.ExpiresAt.Before(d) {
-		d = *inst.ExpiresAt
+// deadline is when the command in flight of step, sent or found departed
+// now, is overdue: after wait, or when the engine gives up waiting for an
+// action's answer (giveUpAt), whichever comes first. For an instance being
+// started it is nil: the insert computes it, on the database's clock.
+func (inst *instance) deadline(step stepDef, wait time.Duration) *time.Time {
+	if inst.readDB.IsZero() {
+		inst.startWait = wait
+		return nil
+	}
+	d := inst.now().Add(wait)
+	if at, ok := inst.giveUpAt(step); ok && at.Before(d) {
+		d = at
 	}
 	return &d
+}
+
+// giveUpAt is, for a running saga's action in flight, when the engine
+// stops waiting for its answer and compensates: a deadline of the step
+// after the command's not-after (the saga's own deadline, ExpiresAt),
+// past which the participant refuses it, so that one it took just before
+// has time to answer. false for a compensation, which must happen, and for
+// an instance of an earlier release, which has no not-after.
+func (inst *instance) giveUpAt(step stepDef) (time.Time, bool) {
+	if inst.Status != StatusRunning || inst.Phase != PhaseAction || inst.ExpiresAt == nil {
+		return time.Time{}, false
+	}
+	return inst.ExpiresAt.Add(step.deadline), true
 }
 
 func (inst *instance) note(kind string, step int, def *Definition, msgID, detail string) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -450,6 +451,15 @@ func archived(topic string) string {
 	return `(SELECT * FROM pgsaga_queue WHERE consumer_group = 'archive' AND topic = '` + topic + `') m`
 }
 
+// sent returns the key and the reply token of the latest command of op
+// the saga id sent, as archived: what a reply to it carries back.
+func (e *env) sent(id uuid.UUID, op string) (key, token string) {
+	e.t.Helper()
+	require.NoError(e.t, e.db.SQL.QueryRow(`SELECT metadata->>$2, coalesce(metadata->>$3, '') FROM `+archived(e.topics[op])+
+		` WHERE metadata->>'saga_id' = $1 ORDER BY id DESC LIMIT 1`, id.String(), steps.MetaKey, steps.MetaReplyToken).Scan(&key, &token))
+	return key, token
+}
+
 func (e *env) waitConsumed(topic, group string) {
 	e.t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
@@ -465,16 +475,22 @@ func (e *env) waitConsumed(topic, group string) {
 }
 
 // A participant that never answers: the command is sent again after its
-// deadline, with the same key, then the engine gives up and compensates.
+// deadline, with the same key, as often as its step allows; then the
+// engine waits for the answer until the command's not-after (the saga's
+// timeout) and a deadline more, and only then gives up and compensates.
 func TestSilentParticipantIsResentThenCompensated(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, options{deadlines: map[string]time.Duration{"pay": 50 * time.Millisecond}, maxAttempts: 3, silent: []string{"pay"}})
+	e := newEnv(t, options{deadlines: map[string]time.Duration{"pay": 50 * time.Millisecond}, maxAttempts: 3, silent: []string{"pay"},
+		timeout: 3 * time.Second})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() { _ = e.engine.RunSweeper(ctx) }()
 	inst := e.terminal(e.start("kiev"))
 	assert.Equal(t, saga.StatusCompensated, inst.Status)
-	assert.Equal(t, "pay: no reply after 3 attempts", inst.FailureReason)
+	assert.Equal(t, "pay: no answer by its not-after, the saga's timeout (3s)", inst.FailureReason)
+	timedOut := inst.History[slices.IndexFunc(inst.History, func(h saga.HistoryEntry) bool { return h.Kind == "timed_out" })].At
+	assert.False(t, timedOut.Before(inst.CreatedAt.Add(3*time.Second+50*time.Millisecond)),
+		"given up on only a deadline after its not-after (%s after the start)", timedOut.Sub(inst.CreatedAt))
 	var pay []string
 	for _, h := range inst.History {
 		// A sweep may find a command not yet taken by the participant (on
@@ -483,8 +499,8 @@ func TestSilentParticipantIsResentThenCompensated(t *testing.T) {
 			pay = append(pay, h.Kind+"/"+string(h.Phase))
 		}
 	}
-	assert.Equal(t, []string{"sent/action", "deadline/action", "resent/action", "deadline/action", "resent/action", "gave_up/action",
-		"sent/compensation", "reply_ok/compensation"}, pay, "pay's action may have happened: it is compensated too")
+	assert.Equal(t, []string{"sent/action", "deadline/action", "resent/action", "deadline/action", "resent/action", "awaiting_reply/action",
+		"timed_out/action", "sent/compensation", "reply_ok/compensation"}, pay, "pay's action may have happened: it is compensated too")
 	all := kinds(inst.History)
 	assert.Equal(t, []string{"sent:book", "reply_ok:book", "compensated"}, all[len(all)-3:], "then book is compensated")
 	assert.Equal(t, saga.PhaseCompensation, inst.History[len(inst.History)-3].Phase)
@@ -678,15 +694,15 @@ func TestStaleReplyDoesNotHoldUpTheReplyInFlight(t *testing.T) {
 	e := newEnv(t, options{silent: []string{"pay"}})
 	id := e.start("linz")
 	e.wait(id, "pay in flight", func(i saga.Instance) bool { return i.Step == "pay" && i.Attempt == 1 })
-	var u, meta, payKey string
+	var u, meta string
 	var payload []byte
 	require.NoError(t, e.db.SQL.QueryRow(`SELECT uuid, payload, metadata::text FROM `+archived(e.def.ReplyTopic)+
 		` WHERE metadata->>'saga_id' = $1 AND metadata->>'step' = 'book'`, id.String()).Scan(&u, &payload, &meta))
 	stale := message.NewMessage(u, payload) // book's reply again
 	require.NoError(t, json.Unmarshal([]byte(meta), &stale.Metadata))
-	require.NoError(t, e.db.SQL.QueryRow(`SELECT metadata->>$2 FROM `+archived(e.topics["pay"])+
-		` WHERE metadata->>'saga_id' = $1`, id.String(), steps.MetaKey).Scan(&payKey))
-	answer, err := steps.NewMessage(tripReply{Op: "pay"}, steps.Envelope{SagaID: id.String(), Step: "pay", Key: payKey, Outcome: steps.OutcomeOK})
+	payKey, token := e.sent(id, "pay")
+	answer, err := steps.NewMessage(tripReply{Op: "pay"}, steps.Envelope{SagaID: id.String(), Step: "pay", Key: payKey, Outcome: steps.OutcomeOK,
+		ReplyToken: token})
 	require.NoError(t, err)
 
 	ctx := context.Background()
@@ -713,7 +729,8 @@ func TestStaleReplyDoesNotHoldUpTheReplyInFlight(t *testing.T) {
 // does not stop the sweeper from handling the others.
 func TestBrokenInstanceDoesNotBlockTheSweeper(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, options{deadlines: map[string]time.Duration{"pay": 50 * time.Millisecond}, maxAttempts: 2, silent: []string{"pay"}})
+	e := newEnv(t, options{deadlines: map[string]time.Duration{"pay": 50 * time.Millisecond}, maxAttempts: 2, silent: []string{"pay"},
+		timeout: 2 * time.Second})
 	broken := uuid.New()
 	_, err := e.db.SQL.Exec(`INSERT INTO saga_instances (id, saga_type, definition_version, status, data, current_step, phase, attempt, deadline_at)
 		VALUES ($1, $2, 1, 'running', '{"trip": 5}', 1, 'action', 1, now() - interval '1 hour')`, broken, e.def.Name)
@@ -791,10 +808,9 @@ func TestAReplyOfAnotherTypeIsNotApplied(t *testing.T) {
 	e := newEnv(t, options{silent: []string{"book"}})
 	id := e.start("graz")
 	inst := e.wait(id, "book in flight", func(i saga.Instance) bool { return i.Step == "book" && i.Attempt == 1 })
-	var bookKey string
-	require.NoError(t, e.db.SQL.QueryRow(`SELECT metadata->>$2 FROM `+archived(e.topics["book"])+
-		` WHERE metadata->>'saga_id' = $1`, id.String(), steps.MetaKey).Scan(&bookKey))
-	answer, err := steps.NewMessage(steps.DoneReply{}, steps.Envelope{SagaID: id.String(), Step: "book", Key: bookKey, Outcome: steps.OutcomeOK})
+	bookKey, token := e.sent(id, "book")
+	answer, err := steps.NewMessage(steps.DoneReply{}, steps.Envelope{SagaID: id.String(), Step: "book", Key: bookKey, Outcome: steps.OutcomeOK,
+		ReplyToken: token})
 	require.NoError(t, err)
 	ctx := context.Background()
 	tx, err := e.db.SQL.BeginTx(ctx, nil)

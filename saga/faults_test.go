@@ -99,33 +99,54 @@ func TestACommandWaitingHereIsNotOverdue(t *testing.T) {
 	<-taken
 	e.waitConsumed(e.topics["pay"], group)
 	e.overdue(id)
-	assert.Equal(t, saga.SweepResult{GaveUp: 1}, e.sweep(), "out of attempts that left")
+	assert.Equal(t, saga.SweepResult{Awaiting: 1}, e.sweep(), "out of sends that left: no more copies")
+	inst, err = e.engine.Get(ctx, id)
+	require.NoError(t, err)
+	assert.Equal(t, saga.StatusRunning, inst.Status, "its answer may still come, until its not-after")
+	var giveUp time.Time
+	require.NoError(t, e.db.SQL.QueryRow(`SELECT expires_at + interval '1 hour' FROM saga_instances WHERE id = $1`, id).Scan(&giveUp))
+	assert.WithinDuration(t, giveUp, *inst.DeadlineAt, time.Millisecond, "looked at again a deadline after its not-after")
+
+	// A deadline after its not-after, the engine gives up: the participant
+	// refuses the command from then on.
+	_, err = e.db.SQL.Exec(`UPDATE saga_instances SET expires_at = clock_timestamp() - interval '1 hour 1 second' WHERE id = $1`, id)
+	require.NoError(t, err)
+	e.overdue(id)
+	assert.Equal(t, saga.SweepResult{TimedOut: 1}, e.sweep())
 	inst = e.terminal(id)
 	assert.Equal(t, saga.StatusCompensated, inst.Status)
-	assert.Equal(t, "pay: no reply after 2 attempts", inst.FailureReason)
-	assert.Equal(t, []string{"sent/action", "waiting/action", "deadline/action", "resent/action", "gave_up/action",
-		"sent/compensation"}, of(inst.History, "pay")[:6])
+	assert.Contains(t, inst.FailureReason, "pay: no answer by its not-after")
+	assert.Equal(t, []string{"sent/action", "waiting/action", "deadline/action", "resent/action", "awaiting_reply/action",
+		"timed_out/action", "sent/compensation"}, of(inst.History, "pay")[:7])
 }
 
-// What bounds a saga's whole wait is its own deadline (Spec.Timeout): a
-// running saga past it gives up on the action in flight, waiting or not,
-// and compensates, that step included. A command's deadline never runs
-// past it.
+// What bounds a saga's whole wait is its own deadline (Spec.Timeout), its
+// actions' not-after: a running saga a step's deadline past it gives up
+// on the action in flight, waiting or not, and compensates, that step
+// included. A command's deadline never runs past that.
 func TestASagaPastItsTimeoutCompensates(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, options{deadline: 2 * time.Hour, timeout: time.Hour, absent: []string{"pay"}})
 	id := e.start("lima")
 	inst := e.wait(id, "pay in flight", func(i saga.Instance) bool { return i.Step == "pay" && i.Attempt == 1 })
 	require.NotNil(t, inst.DeadlineAt)
-	assert.Less(t, time.Until(*inst.DeadlineAt), 61*time.Minute, "the command's deadline stops at the saga's")
-	_, err := e.db.SQL.Exec(`UPDATE saga_instances SET expires_at = clock_timestamp() - interval '1 second' WHERE id = $1`, id)
+	// Past its not-after but not yet a deadline past it: a command the
+	// participant took just before may still be answered.
+	_, err := e.db.SQL.Exec(`UPDATE saga_instances SET expires_at = clock_timestamp() - interval '1 hour' WHERE id = $1`, id)
+	require.NoError(t, err)
+	e.overdue(id)
+	assert.Equal(t, saga.SweepResult{Waiting: 1}, e.sweep(), "a deadline after its not-after, not before")
+	inst, err = e.engine.Get(context.Background(), id)
+	require.NoError(t, err)
+	assert.Less(t, time.Until(*inst.DeadlineAt), 61*time.Minute, "the command's deadline stops a deadline after the saga's")
+	_, err = e.db.SQL.Exec(`UPDATE saga_instances SET expires_at = clock_timestamp() - interval '2 hours 1 second' WHERE id = $1`, id)
 	require.NoError(t, err)
 	e.overdue(id)
 	assert.Equal(t, saga.SweepResult{TimedOut: 1}, e.sweep())
 	inst = e.terminal(id)
 	assert.Equal(t, saga.StatusCompensated, inst.Status)
-	assert.Equal(t, "pay: the saga took longer than its timeout (1h0m0s)", inst.FailureReason)
-	assert.Equal(t, []string{"sent/action", "timed_out/action", "sent/compensation"}, of(inst.History, "pay")[:3],
+	assert.Equal(t, "pay: no answer by its not-after, the saga's timeout (1h0m0s)", inst.FailureReason)
+	assert.Equal(t, []string{"sent/action", "waiting/action", "timed_out/action", "sent/compensation"}, of(inst.History, "pay")[:4],
 		"pay's action may yet happen: it is compensated too")
 	assert.Equal(t, 1, e.callsOf("cancel"))
 }

@@ -126,8 +126,13 @@ type Filter struct {
 	Statuses []Status
 	// Type of saga; "" means all.
 	Type string
-	// OlderThan keeps instances not updated for at least this long.
+	// OlderThan keeps instances not updated for at least this long, by the
+	// database's clock.
 	OlderThan time.Duration
+	// UpdatedBefore, if set, keeps instances last updated at or before it
+	// (a time on the database's clock): a cutoff that stays where it is
+	// while a tool pages through a selection (see Client.FixFilter).
+	UpdatedBefore time.Time
 	// Limit of instances returned. Default: 100.
 	Limit int
 }
@@ -269,11 +274,27 @@ func (e *engine) RetryTx(ctx context.Context, tx steps.DBTX, id uuid.UUID) (err 
 		inst.Status, inst.FinishedAt = StatusCompensating, nil
 		inst.Generation++
 		inst.FailureReason, _, _ = strings.Cut(inst.FailureReason, parkSeparator)
-	case StatusRunning:
-		// Started afresh: its own deadline too.
-		expires := time.Now().Add(def.Timeout)
-		inst.ExpiresAt = &expires
-	case StatusCompensating:
+	case StatusRunning, StatusCompensating:
+		waiting, err := e.commandWaiting(ctx, tx, inst)
+		if err != nil {
+			return err
+		}
+		if waiting {
+			// Its command has not left this database: a copy would only
+			// queue behind it. Its attempts start over from that send; a
+			// running saga's own deadline stays, since the queued copy
+			// carries it as its not-after.
+			step := def.steps[inst.Step]
+			inst.Attempt = 1
+			inst.DeadlineAt = inst.deadline(step, step.wait(inst.Phase, inst.Attempt))
+			inst.note("retried", inst.Step, def, inst.CommandID, "operator retry; its command has not left this database yet: not sent again")
+			return e.save(ctx, tx, inst)
+		}
+		if inst.Status == StatusRunning {
+			// Started afresh: its own deadline too.
+			expires := inst.now().Add(def.Timeout)
+			inst.ExpiresAt = &expires
+		}
 	default:
 		return fmt.Errorf("%w: %s is %s", ErrNotRetryable, id, inst.Status)
 	}
@@ -283,6 +304,19 @@ func (e *engine) RetryTx(ctx context.Context, tx steps.DBTX, id uuid.UUID) (err 
 		return err
 	}
 	return e.save(ctx, tx, inst)
+}
+
+// commandWaiting reports whether the command in flight of inst has not
+// left this database yet (see transport.Departed).
+func (e *engine) commandWaiting(ctx context.Context, tx steps.DBTX, inst *instance) (bool, error) {
+	if inst.CommandID == "" {
+		return false, nil
+	}
+	departed, err := e.cfg.Transport.Departed(ctx, tx, inst.CommandTopic, inst.CommandID)
+	if err != nil {
+		return false, fmt.Errorf("saga %s: retrying: %w", inst.ID, err)
+	}
+	return !departed, nil
 }
 
 // Cancel is Client.Cancel.

@@ -87,6 +87,15 @@ func (c *Client) RequestStatuses(ctx context.Context, ids []uuid.UUID) (map[uuid
 	return requestStatuses(ctx, c.db, ids)
 }
 
+// FixFilter returns f with its age (OlderThan) made a cutoff on the
+// database's clock now (UpdatedBefore, the earlier of the two if f has
+// one already), so that a selection paged through with SelectedIDs is
+// the same sagas however long the paging takes: one started or moved on
+// since is not in it.
+func (c *Client) FixFilter(ctx context.Context, f Filter) (Filter, error) {
+	return fixFilter(ctx, c.db, f)
+}
+
 // CountSelected counts the instances f selects, its Limit aside: those a
 // request of each (Ask) would be asked of.
 func (c *Client) CountSelected(ctx context.Context, f Filter) (int, error) {

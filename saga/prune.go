@@ -12,7 +12,9 @@ import (
 // everything of their kind.
 type PruneConfig struct {
 	// History deletes the timelines of sagas that completed or compensated
-	// longer ago than this; the instances stay. Default: 0 (keep).
+	// longer ago than this; the instances stay. Operators' requests
+	// (saga_requests) carried out longer ago than this go too. Default: 0
+	// (keep).
 	History time.Duration
 	// Instances deletes sagas that completed or compensated longer ago
 	// than this, timeline included. A deleted instance no longer
@@ -20,7 +22,8 @@ type PruneConfig struct {
 	// the saga anew, so keep instances longer than any trigger can be
 	// redelivered (and longer than the participants' idempotency keys).
 	// Failed sagas are never deleted: they wait for an operator. Default: 0
-	// (keep).
+	// (keep). Without History, operators' requests carried out longer ago
+	// than this go too.
 	Instances time.Duration
 	// BatchSize is how many rows one statement, in its own transaction,
 	// deletes. Default: 500.
@@ -46,6 +49,7 @@ func (c *PruneConfig) setDefaults() error {
 type pruneResult struct {
 	HistoryEntries int
 	Instances      int
+	Requests       int
 }
 
 // Prune deletes what cfg says, batch by batch, each batch its own
@@ -56,6 +60,10 @@ func (e *engine) Prune(ctx context.Context, cfg PruneConfig) (pruneResult, error
 	if err := cfg.setDefaults(); err != nil {
 		return res, err
 	}
+	requests := cfg.History
+	if requests == 0 {
+		requests = cfg.Instances
+	}
 	for _, job := range []struct {
 		age   time.Duration
 		query string
@@ -63,6 +71,7 @@ func (e *engine) Prune(ctx context.Context, cfg PruneConfig) (pruneResult, error
 	}{
 		{cfg.History, pruneHistorySQL, &res.HistoryEntries},
 		{cfg.Instances, pruneInstancesSQL, &res.Instances},
+		{requests, pruneRequestsSQL, &res.Requests},
 	} {
 		if job.age == 0 {
 			continue
@@ -95,7 +104,8 @@ func (e *engine) RunPrune(ctx context.Context, cfg PruneConfig) error {
 		case err != nil && ctx.Err() == nil:
 			e.log.Error("pruning finished sagas", "err", err)
 		case res != (pruneResult{}):
-			e.log.Log(ctx, slog.LevelDebug, "pruned finished sagas", "history_entries", res.HistoryEntries, "instances", res.Instances)
+			e.log.Log(ctx, slog.LevelDebug, "pruned finished sagas", "history_entries", res.HistoryEntries, "instances", res.Instances,
+				"requests", res.Requests)
 		}
 		select {
 		case <-ctx.Done():

@@ -154,6 +154,19 @@ func requestStatuses(ctx context.Context, db *sql.DB, ids []uuid.UUID) (map[uuid
 	return out, nil
 }
 
+// fixFilter is Client.FixFilter.
+func fixFilter(ctx context.Context, db *sql.DB, f Filter) (Filter, error) {
+	var cutoff time.Time
+	if err := db.QueryRowContext(ctx, fixCutoffSQL, f.OlderThan.Seconds()).Scan(&cutoff); err != nil {
+		return Filter{}, fmt.Errorf("saga: fixing a selection's cutoff: %w", err)
+	}
+	if f.UpdatedBefore.IsZero() || cutoff.Before(f.UpdatedBefore) {
+		f.UpdatedBefore = cutoff
+	}
+	f.OlderThan = 0
+	return f, nil
+}
+
 // countSelected is Client.CountSelected.
 func countSelected(ctx context.Context, db *sql.DB, f Filter) (int, error) {
 	var n int
@@ -194,14 +207,18 @@ func selectArgs(f Filter) []any {
 		}
 		statuses = s
 	}
-	return []any{statuses, f.Type, time.Now().Add(-f.OlderThan)}
+	var before any // NULL: no fixed cutoff
+	if !f.UpdatedBefore.IsZero() {
+		before = f.UpdatedBefore
+	}
+	return []any{statuses, f.Type, f.OlderThan.Seconds(), before}
 }
 
 // handleRequest carries out an operator's request (see Ask) in the
 // message's transaction, once, and records its outcome there: done, or
 // refused when the saga was in no state for it. A request for a
-// definition this process does not know fails the attempt (transient): a
-// worker that knows it may take it.
+// definition this process does not know is handed back untouched
+// (transport.HandBack): a worker that knows it takes it.
 func (e *engine) handleRequest(msg *message.Message) error {
 	ctx := msg.Context()
 	tx, ok := transport.TxFromContext(ctx)
@@ -241,8 +258,12 @@ func (e *engine) handleRequest(msg *message.Message) error {
 	case err == nil:
 	case errors.Is(err, ErrNotRetryable), errors.Is(err, ErrNotCancellable), errors.Is(err, ErrNotFound):
 		outcome, detail = RequestRefused, err.Error()
+	case errors.Is(err, ErrUnknownDefinition):
+		// Another release's, during a rolling deploy: handed back, no
+		// attempt spent, for a worker that knows it.
+		return transport.HandBack(err)
 	default:
-		return err // ErrUnknownDefinition included: another worker may know it
+		return err
 	}
 	if _, err := tx.ExecContext(ctx, finishRequestSQL, m.RequestID, outcome, detail); err != nil {
 		return fmt.Errorf("saga: recording request %s: %w", m.RequestID, err)
@@ -275,12 +296,17 @@ FROM saga_requests r WHERE r.id = ANY ($1::uuid[])`
 	finishRequestSQL = `UPDATE saga_requests SET done_at = clock_timestamp(), outcome = $2, detail = $3 WHERE id = $1`
 
 	// selectedSQL selects instances as List does ($1 statuses, NULL for
-	// all; $2 saga type, '' for all; $3 updated at or before).
+	// all; $2 saga type, '' for all; $3 not updated for that many seconds
+	// by the database's clock; $4 updated at or before, NULL for any).
 	selectedSQL = `FROM saga_instances
 WHERE ($1::text[] IS NULL OR status = ANY ($1::text[]))
   AND ($2::text = '' OR saga_type = $2)
-  AND updated_at <= $3`
+  AND updated_at <= clock_timestamp() - make_interval(secs => $3)
+  AND ($4::timestamptz IS NULL OR updated_at <= $4)`
 	countSelectedSQL = `SELECT count(*) ` + selectedSQL
-	// selectedIDsSQL: the next $5 of them by id, after $4.
-	selectedIDsSQL = `SELECT id ` + selectedSQL + ` AND id > $4 ORDER BY id LIMIT $5`
+	// selectedIDsSQL: the next $6 of them by id, after $5.
+	selectedIDsSQL = `SELECT id ` + selectedSQL + ` AND id > $5 ORDER BY id LIMIT $6`
+
+	// fixCutoffSQL is the database's time $1 seconds ago.
+	fixCutoffSQL = `SELECT clock_timestamp() - make_interval(secs => $1)`
 )

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
@@ -18,16 +19,27 @@ import (
 const instanceColumns = `id, saga_type, definition_version, status, data, current_step, phase, attempt,
 generation, version, coalesce(correlation_id, ''), coalesce(failure_reason, ''), deadline_at,
 created_at, updated_at, finished_at, coalesce(trace_parent, ''),
-coalesce(command_topic, ''), coalesce(command_id, ''), command_waiting, expires_at, coalesce(definition_fingerprint, '')`
+coalesce(command_topic, ''), coalesce(command_id, ''), command_waiting, expires_at, coalesce(definition_fingerprint, ''),
+reply_secret, clock_timestamp()`
 
 const (
-	// insertInstanceSQL starts an instance unless one with its id exists.
-	insertInstanceSQL = `INSERT INTO saga_instances (id, saga_type, definition_version, status, data,
+	// insertInstanceSQL starts an instance unless one with its id exists,
+	// its times on the database's clock: its own deadline (expires_at) $18
+	// seconds from now, its first command's $13 seconds from now, or a
+	// deadline of the step ($20 seconds) after its own, whichever comes
+	// first (see instance.deadline). It returns them, and the clock, for
+	// the command's not-after; nothing if the instance existed.
+	insertInstanceSQL = `WITH clock AS (SELECT clock_timestamp() AS now)
+INSERT INTO saga_instances AS i (id, saga_type, definition_version, status, data,
     current_step, phase, attempt, generation, version, correlation_id, failure_reason, deadline_at, finished_at, trace_parent,
-    command_topic, command_id, expires_at, definition_fingerprint)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, nullif($12, ''), $13, $14, nullif($15, ''),
-    nullif($16, ''), nullif($17, ''), $18, nullif($19, ''))
-ON CONFLICT (id) DO NOTHING`
+    command_topic, command_id, expires_at, definition_fingerprint, reply_secret, created_at, updated_at)
+SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, nullif($12, ''),
+    least(clock.now + make_interval(secs => $13), clock.now + make_interval(secs => $18) + make_interval(secs => $20)),
+    $14, nullif($15, ''), nullif($16, ''), nullif($17, ''), clock.now + make_interval(secs => $18), nullif($19, ''), $21,
+    clock.now, clock.now
+FROM clock
+ON CONFLICT (id) DO NOTHING
+RETURNING i.expires_at, i.deadline_at, i.created_at`
 
 	// updateInstanceSQL writes an instance's new state if nobody changed it
 	// since it was read.
@@ -45,7 +57,7 @@ WHERE id = $1::uuid AND version = $11`
 	// the count: made of parameters alone, it would be evaluated when the
 	// statement is planned, and fail every time.)
 	updateInstanceCheckedSQL = `WITH updated AS (` + updateInstanceSQL + ` RETURNING 1)
-SELECT CASE WHEN n = 1 THEN 1 ELSE ('saga instance ' || $1 || ' changed since it was read (version ' || $11 || '): ' || n || ' rows saved')::int END
+SELECT CASE WHEN n = 1 THEN 1 ELSE saga_instance_changed($1::uuid, $11::int) END
 FROM (SELECT count(*) AS n FROM updated) AS saved`
 
 	// loadInstancesForCommandsSQL loads, for a batch, each instance ($1)
@@ -120,8 +132,17 @@ SELECT count(*) FROM parked
     LIMIT $2
     FOR UPDATE SKIP LOCKED)`
 
-	// postponeSQL moves an instance's deadline a minute on.
-	postponeSQL = `UPDATE saga_instances SET deadline_at = clock_timestamp() + interval '1 minute'
+	// pruneRequestsSQL deletes up to $2 operators' requests carried out
+	// more than $1 seconds ago; those never carried out stay, for an
+	// operator to see.
+	pruneRequestsSQL = `DELETE FROM saga_requests WHERE id IN (
+    SELECT id FROM saga_requests
+    WHERE done_at < clock_timestamp() - make_interval(secs => $1)
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED)`
+
+	// postponeSQL moves an instance's deadline $2 seconds on.
+	postponeSQL = `UPDATE saga_instances SET deadline_at = clock_timestamp() + make_interval(secs => $2)
 WHERE id = $1 AND status IN ('running', 'compensating')`
 
 	historySQL = `SELECT seq, at, kind, coalesce(step, ''), coalesce(phase, ''), coalesce(attempt, 0),
@@ -134,7 +155,7 @@ FROM saga_history WHERE saga_id = $1 ORDER BY seq`
     coalesce((SELECT h.step FROM saga_history h WHERE h.saga_id = saga_instances.id AND h.step IS NOT NULL ORDER BY h.seq DESC LIMIT 1), '')
 ` + selectedSQL + `
 ORDER BY updated_at, id
-LIMIT $4`
+LIMIT $5`
 
 	countsSQL = `SELECT saga_type, status, count(*) FROM saga_instances GROUP BY saga_type, status`
 
@@ -142,15 +163,26 @@ LIMIT $4`
 WHERE status IN ('running', 'compensating') GROUP BY 1, 2, 3`
 )
 
-func insertInstance(ctx context.Context, tx steps.DBTX, inst *instance) (bool, error) {
-	res, err := tx.ExecContext(ctx, insertInstanceSQL, inst.ID, inst.Type, inst.DefVersion, string(inst.Status), []byte(inst.Data),
+// insertInstance starts inst (see insertInstanceSQL), the saga timing out
+// after timeout and its first command waiting inst.startWait, at most a
+// deadline (grace) after the saga's own. It reports false if an instance
+// with its id exists; else inst holds the times the database set, and its
+// clock.
+func insertInstance(ctx context.Context, tx steps.DBTX, inst *instance, timeout, grace time.Duration) (bool, error) {
+	var expires, deadline, created time.Time
+	err := tx.QueryRowContext(ctx, insertInstanceSQL, inst.ID, inst.Type, inst.DefVersion, string(inst.Status), []byte(inst.Data),
 		inst.Step, string(inst.Phase), inst.Attempt, inst.Generation, inst.Version, inst.CorrelationID, inst.FailureReason,
-		inst.DeadlineAt, inst.FinishedAt, inst.TraceParent, inst.CommandTopic, inst.CommandID, inst.ExpiresAt, inst.Fingerprint)
+		inst.startWait.Seconds(), inst.FinishedAt, inst.TraceParent, inst.CommandTopic, inst.CommandID, timeout.Seconds(), inst.Fingerprint,
+		grace.Seconds(), inst.ReplySecret).Scan(&expires, &deadline, &created)
+	if errors.Is(err, sql.ErrNoRows) {
+		return false, nil
+	}
 	if err != nil {
 		return false, fmt.Errorf("saga %s: starting: %w", inst.ID, err)
 	}
-	n, _ := res.RowsAffected()
-	return n == 1, nil
+	inst.ExpiresAt, inst.DeadlineAt, inst.CreatedAt, inst.UpdatedAt = &expires, &deadline, created, created
+	inst.readDB, inst.readLocal = created, time.Now()
+	return true, nil
 }
 
 // updateInstance writes inst's new state. Every caller holds the
@@ -192,10 +224,12 @@ func scanInstance(row scanner, more ...any) (*instance, error) {
 	err := row.Scan(append([]any{&inst.ID, &inst.Type, &inst.DefVersion, &status, &data, &inst.Step, &phase, &inst.Attempt,
 		&inst.Generation, &inst.Version, &inst.CorrelationID, &inst.FailureReason, &inst.DeadlineAt,
 		&inst.CreatedAt, &inst.UpdatedAt, &inst.FinishedAt, &inst.TraceParent,
-		&inst.CommandTopic, &inst.CommandID, &inst.CommandWaiting, &inst.ExpiresAt, &inst.Fingerprint}, more...)...)
+		&inst.CommandTopic, &inst.CommandID, &inst.CommandWaiting, &inst.ExpiresAt, &inst.Fingerprint,
+		&inst.ReplySecret, &inst.readDB}, more...)...)
 	if err != nil {
 		return nil, err
 	}
+	inst.readLocal = time.Now()
 	inst.Status, inst.Phase, inst.Data = Status(status), Phase(phase), data
 	inst.told = inst.Status
 	return &inst, nil

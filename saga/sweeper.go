@@ -9,7 +9,10 @@ import (
 	"runtime/debug"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
+
+	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps"
@@ -30,9 +33,14 @@ type sweepResult struct {
 	// Departed: commands found waiting before that have left since; their
 	// deadline started again, no attempt counted.
 	Departed int
-	// TimedOut sagas whose own deadline (Spec.Timeout) passed while
-	// running: they gave up on the action in flight and compensate.
+	// TimedOut sagas whose action in flight got no answer by its
+	// not-after (the saga's own deadline, Spec.Timeout) and a deadline of
+	// the step more: they gave up on it and compensate.
 	TimedOut int
+	// Awaiting actions sent as often as their step allows without an
+	// answer: no more copies go out, and the engine waits for the answer
+	// until their not-after (see TimedOut).
+	Awaiting int
 	// SetAside instances the sweeper could not handle: parked (a command
 	// that cannot be built, an instance its definition cannot read, a
 	// decision that panicked) or postponed a minute (the database).
@@ -122,6 +130,7 @@ func (e *engine) sweepOne(ctx context.Context, known knownDefinitions, res *swee
 		return true, nil
 	}
 	*outcome++
+	e.postponed.done(inst.ID)
 	if outcome == &res.Waiting {
 		e.log.Debug("a saga command overdue has not left this database yet; its deadline starts when it leaves",
 			"saga", inst.ID, "step", stepName(def, inst.Step), "phase", inst.Phase, "message_uuid", inst.CommandID)
@@ -149,9 +158,12 @@ func (e *engine) overdue(ctx context.Context, tx steps.DBTX, inst *instance, def
 	step := def.steps[inst.Step]
 	_, attempts := step.limits(inst.Phase)
 	wait := step.wait(inst.Phase, inst.Attempt)
-	if inst.Status == StatusRunning && inst.ExpiresAt != nil && !time.Now().Before(*inst.ExpiresAt) {
-		// The action may or may not have happened: compensate this step too.
-		reason := fmt.Sprintf("%s: the saga took longer than its timeout (%s)", step.name, def.Timeout)
+	giveUp, bounded := inst.giveUpAt(step)
+	if bounded && !inst.now().Before(giveUp) {
+		// Its not-after passed a deadline ago: the participant refuses it
+		// from then on, so it can no longer happen, though it may have.
+		// Compensate this step too.
+		reason := fmt.Sprintf("%s: no answer by its not-after, the saga's timeout (%s)", step.name, def.Timeout)
 		inst.note("timed_out", inst.Step, def, "", reason)
 		inst.FailureReason = reason
 		return &res.TimedOut, "gave up on a saga past its timeout", e.compensate(inst, def, inst.Step+1, "")
@@ -168,12 +180,12 @@ func (e *engine) overdue(ctx context.Context, tx steps.DBTX, inst *instance, def
 				inst.note("waiting", inst.Step, def, inst.CommandID,
 					"not left this database yet (queued for a broker, or for its consumers); its deadline starts when it leaves")
 			}
-			inst.DeadlineAt = inst.deadline(wait)
+			inst.DeadlineAt = inst.deadline(step, wait)
 			return &res.Waiting, "", nil
 		case inst.CommandWaiting:
 			// It left within the last deadline: it gets a whole one.
 			inst.CommandWaiting = false
-			inst.DeadlineAt = inst.deadline(wait)
+			inst.DeadlineAt = inst.deadline(step, wait)
 			return &res.Departed, "a saga command that waited has left; its deadline starts now", nil
 		}
 	}
@@ -181,6 +193,15 @@ func (e *engine) overdue(ctx context.Context, tx steps.DBTX, inst *instance, def
 	case inst.Attempt < attempts:
 		inst.note("deadline", inst.Step, def, "", fmt.Sprintf("no reply after %s", wait))
 		return &res.Resent, "swept overdue saga command", e.send(inst, def, "")
+	case bounded:
+		// Sent as often as allowed: more copies would only pile up before a
+		// participant that is down. Its answer may still come, until its
+		// not-after.
+		inst.note("awaiting_reply", inst.Step, def, "", fmt.Sprintf(
+			"no reply after %d sends; none more: waiting for the answer until its not-after (%s) and a deadline (%s) more",
+			inst.Attempt, inst.ExpiresAt.UTC().Format(time.RFC3339), step.deadline))
+		inst.DeadlineAt = &giveUp
+		return &res.Awaiting, "a saga command sent as often as allowed awaits its answer until its not-after", nil
 	case inst.Phase == PhaseAction:
 		// The action may or may not have happened: compensate this step too.
 		reason := fmt.Sprintf("%s: no reply after %d attempts", step.name, inst.Attempt)
@@ -220,11 +241,42 @@ func (e *engine) setAside(ctx context.Context, inst *instance, def *Definition, 
 		}
 		return
 	}
-	if _, err := e.cfg.DB.ExecContext(ctx, postponeSQL, inst.ID); err != nil {
+	wait := e.postponed.next(inst.ID, e.cfg.SweepInterval)
+	if _, err := e.cfg.DB.ExecContext(ctx, postponeSQL, inst.ID, wait.Seconds()); err != nil {
 		e.log.Error("postponing a saga the sweeper cannot handle", "saga", inst.ID, "cause", cause, "err", err)
 		return
 	}
-	e.log.Error("sweeping a saga failed; trying it again in a minute", "saga", inst.ID, "step", step, "err", cause)
+	e.log.Warn("sweeping a saga failed; trying it again later", "saga", inst.ID, "step", step, "again_in", wait, "err", cause)
+}
+
+// postponements counts, per instance, the sweeps in a row that failed on
+// something that may pass (the database, a conflict): each postpones the
+// instance twice as long as the one before, from a sweep interval up to a
+// minute, so that one transient error costs a moment, not a minute.
+type postponements struct {
+	mu sync.Mutex
+	n  map[uuid.UUID]int
+}
+
+// next counts a failed sweep of id and returns how long to postpone it.
+func (p *postponements) next(id uuid.UUID, interval time.Duration) time.Duration {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.n == nil {
+		p.n = map[uuid.UUID]int{}
+	}
+	if len(p.n) > 10_000 {
+		clear(p.n) // bounded: at worst a backoff starts over
+	}
+	p.n[id]++
+	return min(max(interval, 100*time.Millisecond)<<min(p.n[id]-1, 10), time.Minute)
+}
+
+// done forgets id's failures: it was swept.
+func (p *postponements) done(id uuid.UUID) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	delete(p.n, id)
 }
 
 // RunSweeper sweeps every Config.SweepInterval until ctx is done, and reports
@@ -244,7 +296,7 @@ func (e *engine) RunSweeper(ctx context.Context) error {
 				level = slog.LevelDebug
 			}
 			e.log.Log(ctx, level, "swept sagas", "resent", res.Resent, "gave_up", res.GaveUp, "parked", res.Parked,
-				"waiting", res.Waiting, "departed", res.Departed, "timed_out", res.TimedOut, "set_aside", res.SetAside)
+				"waiting", res.Waiting, "departed", res.Departed, "awaiting", res.Awaiting, "timed_out", res.TimedOut, "set_aside", res.SetAside)
 		}
 		if time.Since(lastReport) > time.Minute {
 			lastReport = time.Now()

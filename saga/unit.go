@@ -141,7 +141,8 @@ func sentCommand(ctx context.Context, tx steps.DBTX, id string) (*message.Messag
 	return msg, nil
 }
 
-// replyTo is r as the step's reply to cmd.
+// replyTo is r as the step's reply to cmd, carrying its reply token back
+// as the step runtime's would.
 func replyTo(cmd *message.Message, r unittier.Reply) (*message.Message, error) {
 	env := steps.EnvelopeOf(cmd)
 	m := r.Message
@@ -156,5 +157,5 @@ func replyTo(cmd *message.Message, r unittier.Reply) (*message.Message, error) {
 		m = steps.DoneReply{}
 	}
 	return steps.NewMessage(m, steps.Envelope{CorrelationID: env.CorrelationID, CausationID: cmd.UUID, SagaID: env.SagaID,
-		Step: env.Step, Key: env.Key, Outcome: outcome, Reason: r.Reason})
+		Step: env.Step, Key: env.Key, Outcome: outcome, Reason: r.Reason, ReplyToken: env.ReplyToken})
 }

@@ -217,16 +217,19 @@ type refusalJSON struct {
 	SagaIDs []string `json:"saga_ids"`
 }
 
-// askEach asks b of every saga b.filter selects, a batch at a time, waits
-// for the outcomes unless b.noWait, and reports them.
+// askEach asks b of every saga b.filter selects, waits for the outcomes
+// unless b.noWait, and reports them. The selection is fixed first, once:
+// its age made a cutoff on the database's clock, its ids read in full, so
+// that what is asked is exactly what was selected, however long asking
+// takes (a saga started or moved on meanwhile is not asked).
 func askEach(cmd *cobra.Command, c *saga.Client, b bulkRequest) error {
 	ctx := cmd.Context()
-	selected, err := c.CountSelected(ctx, b.filter)
+	selection, err := fixSelection(ctx, c, b.filter)
 	if err != nil {
 		return err
 	}
-	out := bulkJSON{Kind: string(b.kind), Selected: selected, Refusals: []refusalJSON{}, Requests: []requestJSON{}}
-	if selected == 0 {
+	out := bulkJSON{Kind: string(b.kind), Selected: len(selection), Refusals: []refusalJSON{}, Requests: []requestJSON{}}
+	if len(selection) == 0 {
 		if b.asJSON {
 			return writeJSON(cmd.OutOrStdout(), out)
 		}
@@ -235,27 +238,19 @@ func askEach(cmd *cobra.Command, c *saga.Client, b bulkRequest) error {
 	}
 	progress := newProgress(cmd.ErrOrStderr())
 	var asked []saga.Request
-	for after := uuid.Nil; ; {
-		ids, err := c.SelectedIDs(ctx, b.filter, after)
-		if err != nil {
+	for i, id := range selection {
+		req, err := c.Ask(ctx, id, b.kind, b.reason)
+		switch {
+		case errors.Is(err, saga.ErrNotFound):
+			out.NotFound++
+		case err != nil:
 			return interrupted(err, b.kind, len(asked))
-		}
-		if len(ids) == 0 {
-			break
-		}
-		for _, id := range ids {
-			req, err := c.Ask(ctx, id, b.kind, b.reason)
-			if errors.Is(err, saga.ErrNotFound) {
-				out.NotFound++
-				continue
-			}
-			if err != nil {
-				return interrupted(err, b.kind, len(asked))
-			}
+		default:
 			asked = append(asked, req)
 		}
-		after = ids[len(ids)-1]
-		progress.say("%s: asked %d of %d sagas", b.kind, len(asked), selected)
+		if (i+1)%askBatch == 0 || i == len(selection)-1 {
+			progress.say("%s: asked %d of %d sagas", b.kind, len(asked), len(selection))
+		}
 	}
 	if !b.noWait {
 		if asked, err = awaitRequests(ctx, c, asked, b.timeout, progress); err != nil {
@@ -263,6 +258,27 @@ func askEach(cmd *cobra.Command, c *saga.Client, b bulkRequest) error {
 		}
 	}
 	return reportBulk(cmd, b, out, asked)
+}
+
+// fixSelection reads the ids of every saga f selects now, its age fixed
+// as a cutoff on the database's clock first (saga.Client.FixFilter).
+func fixSelection(ctx context.Context, c *saga.Client, f saga.Filter) ([]uuid.UUID, error) {
+	f, err := c.FixFilter(ctx, f)
+	if err != nil {
+		return nil, err
+	}
+	var ids []uuid.UUID
+	for after := uuid.Nil; ; {
+		page, err := c.SelectedIDs(ctx, f, after)
+		if err != nil {
+			return nil, err
+		}
+		if len(page) == 0 {
+			return ids, nil
+		}
+		ids = append(ids, page...)
+		after = page[len(page)-1]
+	}
 }
 
 // interrupted is err, which stopped a bulk request after it asked n.

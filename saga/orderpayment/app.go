@@ -139,6 +139,7 @@ func New(cfg Config) (*App, error) {
 	if cfg.Version != 0 {
 		spec.Version = cfg.Version
 	}
+	spec.Timeout = cfg.Timeouts.Saga
 	def, err := saga.Define(spec)
 	if err != nil {
 		return nil, err

@@ -43,6 +43,12 @@ type StepTimeouts struct {
 	// charge). Defaults: 30s and 5.
 	CompensationDeadline time.Duration
 	CompensationAttempts int
+	// Saga is the saga's own deadline (saga.Spec.Timeout): its actions'
+	// commands carry it as their not-after, past which the payment service
+	// refuses a charge unrun, and the saga gives up on an action only a
+	// deadline after it. So a participant down for less than this delays
+	// sagas and refunds nothing. Default: saga.DefaultTimeout (24h).
+	Saga time.Duration
 }
 
 // Steps returns the saga's steps, in order: order (done by the trigger;

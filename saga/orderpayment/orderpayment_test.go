@@ -396,7 +396,8 @@ func TestDeclinedCard(t *testing.T) {
 func TestGiveUpOnSlowChargeRefundsIt(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 1, func(c *orderpayment.Config) {
-		c.Timeouts = orderpayment.StepTimeouts{Deadline: 100 * time.Millisecond, MaxAttempts: 1}
+		// The saga gives up on the charge a deadline after its not-after.
+		c.Timeouts = orderpayment.StepTimeouts{Deadline: 100 * time.Millisecond, MaxAttempts: 1, Saga: 100 * time.Millisecond}
 	})
 	e.mu.Lock()
 	e.faults = func(c fakegateway.Call) fakegateway.Fault {
@@ -410,7 +411,7 @@ func TestGiveUpOnSlowChargeRefundsIt(t *testing.T) {
 	orderID, sagaID := e.place(cust, 2_000)
 	inst := e.terminal(sagaID)
 	assert.Equal(t, saga.StatusCompensated, inst.Status)
-	assert.Equal(t, "charge: no reply after 1 attempts", inst.FailureReason)
+	assert.Equal(t, "charge: no answer by its not-after, the saga's timeout (100ms)", inst.FailureReason)
 	assert.Equal(t, orders.StatusCancelled, e.order(orderID).Status)
 	assert.Equal(t, int64(10_000), e.balance(cust), "the late charge was refunded")
 	e.checkInvariants([]uuid.UUID{sagaID})
