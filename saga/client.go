@@ -743,11 +743,24 @@ func (c *Client) triggerMessage(name string, trigger steps.Message) (*message.Me
 		}
 		return nil, nil, uuid.Nil, fmt.Errorf("%w: %s takes %s, not %s", ErrTriggerType, name, def.triggerType, got)
 	}
+	// The key of the trigger as given, before encoding: invalid UTF-8 is
+	// replaced on the way through JSON, and two keys that differ only
+	// there would start one saga.
+	given, err := def.keyOf(trigger)
+	if err == nil {
+		err = checkKey(given)
+	}
+	if err != nil {
+		return nil, nil, uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
+	}
 	msg, err := steps.NewMessage(trigger, steps.Envelope{})
 	if err != nil {
 		return nil, nil, uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
 	}
 	key, _, err := def.start(msg)
+	if err == nil && key != given {
+		err = fmt.Errorf("%w: the trigger's key does not survive its encoding as JSON (%d bytes before, %d after)", ErrInvalidName, len(given), len(key))
+	}
 	if err != nil {
 		return nil, nil, uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
 	}

@@ -98,6 +98,8 @@ type Trigger[D any] struct {
 	topic       string
 	messageType string
 	start       func(msg *message.Message) (key string, data D, err error)
+	// keyOf is start's key for a trigger value, before it is encoded.
+	keyOf func(trigger steps.Message) (string, error)
 }
 
 // On is the trigger of a saga over data D: messages of type T on topic
@@ -119,6 +121,14 @@ func On[T steps.Message, D any](topic string, start func(trigger T) (key string,
 				return "", none, err
 			}
 			return start(trigger)
+		}
+		t.keyOf = func(m steps.Message) (string, error) {
+			trigger, ok := m.(T)
+			if !ok {
+				return "", fmt.Errorf("the trigger is a %T", m)
+			}
+			key, _, err := start(trigger)
+			return key, err
 		}
 	}
 	return t
@@ -212,6 +222,8 @@ type Definition struct {
 
 	fingerprint string // of the step list (Fingerprint)
 	triggerType string // the trigger's message type (On)
+	// keyOf is the key of a trigger value (On's start), before encoding.
+	keyOf func(trigger steps.Message) (string, error)
 	start       func(msg *message.Message) (key string, data json.RawMessage, err error)
 	steps       []stepDef
 }
@@ -290,7 +302,7 @@ func Define[D any](spec Spec[D]) (*Definition, error) {
 		return nil, fmt.Errorf("saga %s: no steps", spec.Name)
 	}
 	d := &Definition{Name: spec.Name, Version: spec.Version, ReplyTopic: spec.ReplyTopic, Trigger: spec.Trigger.topic, Timeout: spec.Timeout,
-		triggerType: spec.Trigger.messageType}
+		triggerType: spec.Trigger.messageType, keyOf: spec.Trigger.keyOf}
 	d.start = func(msg *message.Message) (string, json.RawMessage, error) {
 		key, data, err := spec.Trigger.start(msg)
 		if err != nil {
