@@ -224,8 +224,8 @@ type Definition struct {
 	triggerType string // the trigger's message type (On)
 	// keyOf is the key of a trigger value (On's start), before encoding.
 	keyOf func(trigger steps.Message) (string, error)
-	start       func(msg *message.Message) (key string, data json.RawMessage, err error)
-	steps       []stepDef
+	start func(msg *message.Message) (key string, data json.RawMessage, err error)
+	steps []stepDef
 }
 
 type stepDef struct {
