@@ -102,7 +102,6 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	if err := c.collectSagas(ctx, ch); err != nil {
 		errs = append(errs, fmt.Errorf("sagas in flight: %w", err))
 	}
-	now := time.Now()
 	groups, err := c.tr.ConsumerGroups(ctx)
 	if err != nil {
 		errs = append(errs, err)
@@ -112,11 +111,11 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(retryingDesc, prometheus.GaugeValue, float64(g.Retrying), g.Topic, g.ConsumerGroup)
 		age := 0.0
 		if g.Oldest != nil {
-			age = max(0, now.Sub(*g.Oldest).Seconds())
+			age = max(0, g.ReadAt.Sub(*g.Oldest).Seconds())
 		}
 		ch <- prometheus.MustNewConstMetric(oldestDesc, prometheus.GaugeValue, age, g.Topic, g.ConsumerGroup)
 		if g.LastSeen != nil {
-			ch <- prometheus.MustNewConstMetric(lastSeenDesc, prometheus.GaugeValue, max(0, now.Sub(*g.LastSeen).Seconds()), g.Topic, g.ConsumerGroup)
+			ch <- prometheus.MustNewConstMetric(lastSeenDesc, prometheus.GaugeValue, max(0, g.ReadAt.Sub(*g.LastSeen).Seconds()), g.Topic, g.ConsumerGroup)
 		}
 	}
 	dead, err := c.tr.DeadLettersWaiting(ctx)

@@ -44,14 +44,14 @@ func consumersCmd() *cobra.Command {
 				if err != nil {
 					return err
 				}
-				now := time.Now()
+				// Ages are by the database's clock (GroupStats.ReadAt).
 				if asJSON {
 					out := make([]groupJSON, len(groups))
 					for i, g := range groups {
 						out[i] = groupJSON{Topic: g.Topic, ConsumerGroup: g.ConsumerGroup, Waiting: g.Waiting, Retrying: g.Retrying,
-							NotYetAvailable: g.NotYetAvailable, LastSeenAt: g.LastSeen, Running: g.Running(now, stale)}
+							NotYetAvailable: g.NotYetAvailable, LastSeenAt: g.LastSeen, Running: g.Running(stale)}
 						if g.Oldest != nil {
-							a := round(now.Sub(*g.Oldest).Seconds())
+							a := round(g.ReadAt.Sub(*g.Oldest).Seconds())
 							out[i].OldestAgeS = &a
 						}
 					}
@@ -62,13 +62,13 @@ func consumersCmd() *cobra.Command {
 				for _, g := range groups {
 					oldest, seen := "-", "never"
 					if g.Oldest != nil {
-						oldest = age(now.Sub(*g.Oldest))
+						oldest = age(g.ReadAt.Sub(*g.Oldest))
 					}
 					if g.LastSeen != nil {
-						seen = age(now.Sub(*g.LastSeen)) + " ago"
+						seen = age(g.ReadAt.Sub(*g.LastSeen)) + " ago"
 					}
 					fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%s\t%s\t%s\n", cell(g.Topic), cell(g.ConsumerGroup), g.Waiting, g.Retrying, g.NotYetAvailable,
-						oldest, seen, yesNo(g.Running(now, stale)))
+						oldest, seen, yesNo(g.Running(stale)))
 				}
 				return tw.Flush()
 			})
@@ -125,7 +125,6 @@ func dropGroupCmd(stale *time.Duration) *cobra.Command {
 				if err != nil {
 					return err
 				}
-				now := time.Now()
 				waiting, alive := 0, &saga.ConsumerGroupAliveError{ConsumerGroup: group}
 				found := false
 				for _, g := range groups {
@@ -134,10 +133,10 @@ func dropGroupCmd(stale *time.Duration) *cobra.Command {
 					}
 					found = true
 					waiting += g.Waiting
-					if g.Running(now, *stale) {
+					if g.Running(*stale) {
 						alive.Topics = append(alive.Topics, g.Topic)
 						if g.LastSeen.After(alive.LastSeen) {
-							alive.LastSeen, alive.Ago = *g.LastSeen, now.Sub(*g.LastSeen)
+							alive.LastSeen, alive.Ago = *g.LastSeen, g.ReadAt.Sub(*g.LastSeen)
 						}
 					}
 				}

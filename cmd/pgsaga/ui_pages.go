@@ -696,16 +696,16 @@ func (u *webUI) consumers(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	now := u.cfg.Now()
 	topics := map[string]bool{}
 	for _, g := range groups {
+		now := g.ReadAt // ages by the database's clock
 		row := groupRow{Topic: g.Topic, Group: g.ConsumerGroup, Waiting: g.Waiting, Retrying: g.Retrying, Later: g.NotYetAvailable,
 			Oldest: "-", LastSeen: "never"}
 		if g.Oldest != nil {
 			row.Oldest = age(now.Sub(*g.Oldest))
 		}
 		switch {
-		case g.Running(now, stale):
+		case g.Running(stale):
 			row.State, row.StateClass = "running", "good"
 		case g.LastSeen != nil:
 			row.State, row.StateClass = "stale", "bad"

@@ -34,6 +34,7 @@ type PrivateServer struct {
 	port   int
 	cred   *syscall.Credential
 	unlock func() // releases the process's lock on dir
+	env    []string // added to the server's environment
 }
 
 // StartPrivate starts a private server. It needs PGSAGA_TEST_PRIVATE_PG=1
@@ -49,12 +50,50 @@ func StartPrivate(t testing.TB) *PrivateServer {
 	if bin == "" {
 		t.Fatalf("testdb: %s is set but no PostgreSQL server binaries were found (pg_config --bindir, /usr/lib/postgresql/*/bin)", PrivateEnv)
 	}
-	s, err := startPrivate(bin)
+	s, err := startPrivate(bin, nil)
 	if err != nil {
 		t.Fatalf("testdb: %v", err)
 	}
 	t.Cleanup(s.remove)
 	return s
+}
+
+// StartPrivateSkewed is StartPrivate with the server's clock off by skew
+// from the machine's (ahead when positive), through libfaketime, for tests
+// that a worker's clock plays no part in what pgsaga decides. It needs
+// what StartPrivate does and libfaketime (Debian's faketime package;
+// .ci/run installs it): without it the test fails, saying so.
+func StartPrivateSkewed(t testing.TB, skew time.Duration) *PrivateServer {
+	t.Helper()
+	if os.Getenv(PrivateEnv) == "" {
+		t.Skipf("needs a private PostgreSQL: set %s=1 where the PostgreSQL server binaries are installed", PrivateEnv)
+	}
+	lib := faketimeLib()
+	if lib == "" {
+		t.Fatalf("testdb: a server with a skewed clock needs libfaketime (apt-get install faketime); none found under /usr/lib")
+	}
+	bin := pgbin.Find()
+	if bin == "" {
+		t.Fatalf("testdb: %s is set but no PostgreSQL server binaries were found", PrivateEnv)
+	}
+	s, err := startPrivate(bin, []string{"LD_PRELOAD=" + lib, fmt.Sprintf("FAKETIME=%+ds", int(skew.Seconds()))})
+	if err != nil {
+		t.Fatalf("testdb: %v", err)
+	}
+	t.Cleanup(s.remove)
+	return s
+}
+
+// faketimeLib is the path of libfaketime, or "".
+func faketimeLib() string {
+	found, _ := filepath.Glob("/usr/lib/*/faketime/libfaketime.so.1")
+	if len(found) == 0 {
+		found, _ = filepath.Glob("/usr/lib/faketime/libfaketime.so.1")
+	}
+	if len(found) == 0 {
+		return ""
+	}
+	return found[0]
 }
 
 // privatePrefix names the directories of private servers, in the
@@ -65,7 +104,7 @@ const privatePrefix = "pgsaga-private-"
 // bin; remove stops it and deletes its data. The process holds a lock on
 // the server's directory until it exits, so that a later start can tell a
 // server whose process was killed (a test timeout) and remove it.
-func startPrivate(bin string) (*PrivateServer, error) {
+func startPrivate(bin string, env []string) (*PrivateServer, error) {
 	removeOrphans()
 	dir, err := os.MkdirTemp("", privatePrefix)
 	if err != nil {
@@ -76,7 +115,7 @@ func startPrivate(bin string) (*PrivateServer, error) {
 		_ = os.RemoveAll(dir)
 		return nil, err
 	}
-	s := &PrivateServer{bin: bin, dir: dir, port: port}
+	s := &PrivateServer{bin: bin, dir: dir, port: port, env: env}
 	if s.unlock, err = lockFile(filepath.Join(dir, ownerLock)); err != nil {
 		_ = os.RemoveAll(dir)
 		return nil, err
@@ -183,6 +222,9 @@ func (s *PrivateServer) run(name string, args ...string) error {
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	cmd.Dir = s.dir
+	if len(s.env) > 0 {
+		cmd.Env = append(os.Environ(), s.env...)
+	}
 	if s.cred != nil {
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: s.cred}
 	}

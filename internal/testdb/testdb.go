@@ -156,7 +156,7 @@ func run(m *testing.M, ownServer bool) int {
 	if ownServer {
 		if bin := pgbin.Find(); bin == "" {
 			fmt.Fprintln(os.Stderr, "testdb: no PostgreSQL server binaries to start a server of the package's own (pg_config --bindir, /usr/lib/postgresql/*/bin); testing on the run's server, taking turns")
-		} else if own, err := startPrivate(bin); err != nil {
+		} else if own, err := startPrivate(bin, nil); err != nil {
 			fmt.Fprintf(os.Stderr, "testdb: could not start a server of the package's own (%s); testing on the run's server, taking turns\n", oneLine(err))
 		} else {
 			defer own.remove()

@@ -27,12 +27,15 @@ type GroupStats struct {
 	// Oldest is when the oldest waiting message was published; nil if none
 	// waits.
 	Oldest *time.Time
+	// ReadAt is the database's clock when the group was read: ages of the
+	// times above are measured from it, never from this process's clock.
+	ReadAt time.Time
 }
 
 // Running reports whether a router showed the group alive within stale
-// (a few heartbeats).
-func (g GroupStats) Running(now time.Time, stale time.Duration) bool {
-	return g.LastSeen != nil && now.Sub(*g.LastSeen) <= stale
+// (a few heartbeats) before the group was read, by the database's clock.
+func (g GroupStats) Running(stale time.Duration) bool {
+	return g.LastSeen != nil && g.ReadAt.Sub(*g.LastSeen) <= stale
 }
 
 // ConsumerGroups lists every consumer group of every topic with what waits
@@ -47,7 +50,7 @@ func (t *Transport) ConsumerGroups(ctx context.Context) ([]GroupStats, error) {
 	var out []GroupStats
 	for rows.Next() {
 		var g GroupStats
-		if err := rows.Scan(&g.Topic, &g.ConsumerGroup, &g.Created, &g.LastSeen, &g.Waiting, &g.Retrying, &g.NotYetAvailable, &g.Oldest); err != nil {
+		if err := rows.Scan(&g.Topic, &g.ConsumerGroup, &g.Created, &g.LastSeen, &g.Waiting, &g.Retrying, &g.NotYetAvailable, &g.Oldest, &g.ReadAt); err != nil {
 			return nil, fmt.Errorf("transport: listing consumer groups: %w", err)
 		}
 		out = append(out, g)

@@ -239,7 +239,7 @@ ON CONFLICT (topic, consumer_group) DO UPDATE SET last_seen_at = excluded.last_s
 	// available yet (a backoff, a park), the oldest's publication time.
 	groupsSQL = `SELECT s.topic, s.consumer_group, s.created_at, s.last_seen_at,
     count(q.id), count(q.id) FILTER (WHERE q.attempts > 0), count(q.id) FILTER (WHERE q.available_at > now()),
-    min(q.created_at)
+    min(q.created_at), clock_timestamp()
 FROM pgsaga_subscriptions s
 LEFT JOIN pgsaga_queue q ON q.topic = s.topic AND q.consumer_group = s.consumer_group
 GROUP BY s.topic, s.consumer_group, s.created_at, s.last_seen_at
