@@ -33,7 +33,7 @@ type PrivateServer struct {
 	dir    string
 	port   int
 	cred   *syscall.Credential
-	unlock func() // releases the process's lock on dir
+	unlock func()   // releases the process's lock on dir
 	env    []string // added to the server's environment
 }
 
