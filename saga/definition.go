@@ -74,17 +74,17 @@ type Spec[D any] struct {
 	// ReplyTopic is where participants answer. Default: "saga.<Name>.replies".
 	ReplyTopic string
 	// Timeout bounds how long an instance may take to complete its
-	// actions: one still running then gives up on the action in flight and
-	// compensates (that step included, as after its attempts ran out). It
-	// is what gives up on a saga whose commands only wait: a step's
-	// deadline counts only from when its command left this database (see
-	// Step.Deadline), so an outage of the broker or of every participant
-	// delays a saga without costing it an attempt. Compensations are not
-	// bounded by it. An operator's retry of a running instance starts it
-	// afresh. Default: DefaultTimeout, or, if longer, what the actions
-	// allow themselves (the sum of their attempts' waits, see
-	// Step.Deadline), so that the default never gives up on a reply
-	// sooner than the steps would.
+	// actions, on the database's clock: every action command carries the
+	// instance's start plus Timeout as its not-after (steps.MetaNotAfter),
+	// past which a participant's step runtime refuses it unrun. The engine
+	// gives up on an action only a step's Deadline after that (the step
+	// is compensated too: it may have run before), or when the participant
+	// refuses it. So an outage of a participant, of the broker or of the
+	// database shorter than Timeout delays sagas and gives up on none.
+	// Compensations are not bounded by it. An operator's retry of a
+	// running instance whose command has left starts it afresh. Default:
+	// DefaultTimeout, or, if longer, what the actions allow themselves
+	// (the sum of their attempts' waits, see Step.Deadline).
 	Timeout time.Duration
 }
 
@@ -158,11 +158,13 @@ type Step[D any] struct {
 	// everything it has not answered every deadline. Default: 30s.
 	Deadline time.Duration
 	// MaxAttempts is how many times a command is sent without an answer
-	// (each after it left, see Deadline: with the defaults, no reply
-	// 30+60+120s after its sends left) before the engine gives up on it:
-	// an action is then treated as failed
-	// and the saga compensates, this step included, since the action may
-	// have happened; a compensation parks the saga as failed. Default: 3.
+	// (each after it left, see Deadline: with the defaults, 30+60+120s
+	// apart). Then an action's command is sent no more (copies would pile
+	// up before a participant that is down) and the engine waits for its
+	// answer until its not-after (Spec.Timeout) and a Deadline more, and
+	// only then gives up: the saga compensates, this step included, since
+	// the action may have happened. A compensation that got no answer to
+	// its attempts parks the saga as failed, for an operator. Default: 3.
 	MaxAttempts int
 	// CompensationDeadline and CompensationAttempts apply to the
 	// compensation instead: a compensation may have to wait for its action
