@@ -775,13 +775,14 @@ func (c *Client) triggerMessage(name string, trigger steps.Message) (*message.Me
 
 // PublishTx publishes msgs to topic in the caller's transaction tx (a
 // *sql.Tx, or a pgx.Tx through PgxTx): they are delivered if, and only if,
-// tx commits.
+// tx commits. Given a *sql.DB or *sql.Conn, the messages are written in one
+// statement that commits on its own: all of them or none.
 func (c *Client) PublishTx(ctx context.Context, tx steps.DBTX, topic string, msgs ...*message.Message) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("saga: publishing to %s: %w", topic, context.Cause(ctx))
 	}
-	if err := checkTx(tx); err != nil {
-		return fmt.Errorf("saga: publishing to %s: %w", topic, err)
+	if isNil(tx) {
+		return fmt.Errorf("saga: publishing to %s: %w", topic, ErrNotATransaction)
 	}
 	for i, m := range msgs {
 		if m == nil {
@@ -796,10 +797,10 @@ func (c *Client) PublishTx(ctx context.Context, tx steps.DBTX, topic string, msg
 
 // Errors of StartTx and PublishTx for what they cannot take.
 var (
-	// ErrNotATransaction: StartTx and PublishTx were given no transaction,
-	// or a *sql.DB or *sql.Conn, whose every statement commits on its own:
-	// what they write would not commit or roll back with the caller's
-	// work.
+	// ErrNotATransaction: StartTx was given no transaction, or a *sql.DB
+	// or *sql.Conn, whose every statement commits on its own: the saga and
+	// its trigger would not commit or roll back with the caller's work.
+	// PublishTx returns it for a nil tx.
 	ErrNotATransaction = errors.New("saga: a transaction is required (a *sql.Tx, or a pgx.Tx through PgxTx)")
 	// ErrNilMessage: PublishTx was given a nil message.
 	ErrNilMessage = errors.New("saga: nil message")

@@ -48,9 +48,9 @@ type Request struct {
 	Outcome string // RequestDone or RequestRefused, once done
 	Detail  string
 	// Queued reports, until a worker carried it out, whether its message
-	// waits for one; false if it was dead-lettered (no worker that knew the
-	// saga carried it out in its attempts): asking again publishes it
-	// again.
+	// waits for one; false if it was dead-lettered (a worker that knows
+	// the saga failed to carry it out in every attempt; one that does not
+	// know it hands it back instead): asking again publishes it again.
 	Queued bool
 }
 

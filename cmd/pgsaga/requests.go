@@ -165,8 +165,8 @@ func report(cmd *cobra.Command, c *saga.Client, req saga.Request, noWait bool, t
 		}
 		return nil
 	case req.Lost():
-		return fmt.Errorf("the %s of %s was dead-lettered: no worker that knows saga %s carried it out in its attempts (pgsaga dead-letters --topic %s says why); "+
-			"once one runs, ask again: the request is published again", req.Kind, req.SagaID, name, saga.RequestTopic(name))
+		return fmt.Errorf("the %s of %s was dead-lettered: a worker of saga %s failed to carry it out in its attempts (pgsaga dead-letters --topic %s says why); "+
+			"once the cause is fixed, ask again: the request is published again", req.Kind, req.SagaID, name, saga.RequestTopic(name))
 	case req.DoneAt == nil:
 		return fmt.Errorf("no worker carried out the %s of %s within %s: is a worker of this saga running? (the request stays, and is carried out when one runs)", req.Kind, req.SagaID, timeout)
 	case req.Outcome == saga.RequestRefused:
