@@ -3,14 +3,18 @@ package transport
 import (
 	"context"
 	"database/sql"
+	"errors"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -72,4 +76,38 @@ func TestCommitWatchKnowsWatermillSQL(t *testing.T) {
 	require.GreaterOrEqual(t, i, 0, "the subscriber commits its batch")
 	after := string(src)[i:min(i+400, len(src))]
 	assert.Contains(t, after, `logger.Error("`+wsqlCommitFailed+`", commitErr`, "a failed COMMIT is logged with these words, right after it")
+}
+
+// A batch's failed COMMIT is the consumer's to report (it retries the
+// attempt, or isolates the message at fault, and says so): the line the
+// subscriber logs for it is not an ERROR, which would be a false alarm for
+// every refusal the commit guard makes by design.
+func TestAFailedCommitIsNotLoggedAsAnError(t *testing.T) {
+	var buf strings.Builder
+	var mu sync.Mutex
+	logger := slog.New(slog.NewTextHandler(lockedWriter{&mu, &buf}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	c := &consumer{}
+	log := commitWatch{LoggerAdapter: watermill.NewSlogLogger(logger), c: c}.With(nil)
+	log.Error(wsqlCommitFailed, errors.New("pgsaga: a delivery transaction cannot commit while an attempt is open"), nil)
+	assert.True(t, c.commitFailed.Load(), "heard")
+	logged := func() string {
+		mu.Lock()
+		defer mu.Unlock()
+		return buf.String()
+	}
+	assert.NotContains(t, logged(), "level=ERROR")
+	assert.Contains(t, logged(), "cannot commit while an attempt is open", "still told, with its cause")
+	log.Error("something else", errors.New("boom"), nil)
+	assert.Contains(t, logged(), "level=ERROR", "other errors stay errors")
+}
+
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  *strings.Builder
+}
+
+func (l lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
 }

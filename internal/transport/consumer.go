@@ -681,7 +681,13 @@ const wsqlCommitFailed = "could not commit tx for querying message"
 
 func (w commitWatch) Error(msg string, err error, fields watermill.LogFields) {
 	if msg == wsqlCommitFailed {
+		// The consumer reports what it does about it (a retry, or the
+		// message at fault isolated): the commit guard refusing a batch
+		// is by design, not an error of its own.
 		w.c.commitFailed.Store(true)
+		w.LoggerAdapter.Info("a delivery batch's COMMIT failed; its messages are delivered again",
+			fields.Add(watermill.LogFields{"err": err}))
+		return
 	}
 	w.LoggerAdapter.Error(msg, err, fields)
 }
