@@ -266,8 +266,8 @@ func TestParseKey(t *testing.T) {
 		`"8e03978e-40d5-43e8-bc93-6894a57f9324"`: "8e03978e-40d5-43e8-bc93-6894a57f9324",
 		`8e03978e-40d5-43e8-bc93-6894a57f9324`:   "8e03978e-40d5-43e8-bc93-6894a57f9324",
 		`"a b~!"`:                                "a b~!",
-		`"\\"`:                                 `\`,
-		`"\""`:                                  `"`,
+		`"\\"`:                                   `\`,
+		`"\""`:                                   `"`,
 	} {
 		got, err := idempotency.ParseKey(in)
 		require.NoError(t, err, in)

@@ -420,10 +420,13 @@ func TestClaimRestoresLockTimeout(t *testing.T) {
 	require.NoError(t, err)
 
 	for name, claim := range map[string]func(tx *sql.Tx) error{
-		"new key":        func(tx *sql.Tx) error { _, err := s.ClaimTx(ctx, tx, newRequest("x")); return err },
-		"finished key":   func(tx *sql.Tx) error { _, err := s.ClaimTx(ctx, tx, done); return err },
-		"leased key":     func(tx *sql.Tx) error { _, err := s.ClaimTx(ctx, tx, leased); return err },
-		"key reused":     func(tx *sql.Tx) error { _, err := s.ClaimTx(ctx, tx, idempotency.Request{Scope: done.Scope, Key: done.Key, Hash: []byte("other")}); return err },
+		"new key":      func(tx *sql.Tx) error { _, err := s.ClaimTx(ctx, tx, newRequest("x")); return err },
+		"finished key": func(tx *sql.Tx) error { _, err := s.ClaimTx(ctx, tx, done); return err },
+		"leased key":   func(tx *sql.Tx) error { _, err := s.ClaimTx(ctx, tx, leased); return err },
+		"key reused": func(tx *sql.Tx) error {
+			_, err := s.ClaimTx(ctx, tx, idempotency.Request{Scope: done.Scope, Key: done.Key, Hash: []byte("other")})
+			return err
+		},
 		"new lease":      func(tx *sql.Tx) error { _, err := s.AcquireTx(ctx, tx, newRequest("x"), time.Minute); return err },
 		"finished lease": func(tx *sql.Tx) error { _, err := s.AcquireTx(ctx, tx, done, time.Minute); return err },
 		"held lease":     func(tx *sql.Tx) error { _, err := s.AcquireTx(ctx, tx, leased, time.Minute); return err },
