@@ -53,8 +53,11 @@ type HTTPConfig struct {
 	MaxResponseBytes int64
 	// HandlerTimeout bounds the handler and its transaction, from the claim
 	// to the commit. The client leaving does not cancel them (see
-	// HTTPMiddleware); this deadline does, rolling back and releasing the
-	// key. Default: 0, no deadline.
+	// HTTPMiddleware); this deadline does: the request answers as its
+	// handler does (a 5xx, typically), the transaction is rolled back and
+	// the key released. database/sql rolls back a transaction whose context
+	// ended on a goroutine of its own, so a retry sent at once may still
+	// get 409 for a moment. Default: 0, no deadline.
 	HandlerTimeout time.Duration
 }
 

@@ -3,9 +3,9 @@ package idempotency_test
 import (
 	"context"
 	"net/http"
+	"net/http/httptest"
 	"strconv"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -239,22 +239,31 @@ func TestHTTPResponseLargerThanMaxFails(t *testing.T) {
 // request rolls back and the key is released.
 func TestHTTPHandlerTimeout(t *testing.T) {
 	t.Parallel()
-	var slow atomic.Bool
-	slow.Store(true)
-	e := newHTTPEnv(t, true, func(s *httpSetup) {
-		s.cfg.HandlerTimeout = 200 * time.Millisecond
-		api := s.api
-		s.handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if slow.Load() {
-				<-r.Context().Done() // the deadline, not the client
-			}
-			api.ServeHTTP(w, r)
-		})
-	})
-	r := e.post("alice", "k1", `{"amount":100}`)
-	assert.Equal(t, http.StatusInternalServerError, r.code, r.body)
-	slow.Store(false)
-	r = e.post("alice", "k1", `{"amount":100}`)
+	e := newHTTPEnv(t, true)
+	cfg := e.cfg
+	cfg.HandlerTimeout = 300 * time.Millisecond
+	mw, err := e.store.HTTPMiddleware(cfg)
+	require.NoError(t, err)
+	slow := httptest.NewServer(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		<-r.Context().Done() // the deadline: nobody cancels the request
+		e.api.ServeHTTP(w, r)
+	})))
+	t.Cleanup(slow.Close)
+	req, err := http.NewRequest(http.MethodPost, slow.URL+"/orders", strings.NewReader(`{"amount":100}`))
+	require.NoError(t, err)
+	req.Header.Set("X-Client", "alice")
+	req.Header.Set(idempotency.KeyHeader, e.ns+"k1")
+	r := e.do(req)
+	assert.GreaterOrEqual(t, r.code, http.StatusInternalServerError, r.body)
+
+	// Retried without a deadline, on the same store and scope. database/sql
+	// rolls back a transaction whose context ended on a goroutine of its
+	// own: the key is released just after the answer.
+	deadline := time.Now().Add(10 * time.Second)
+	for r = e.post("alice", "k1", `{"amount":100}`); r.code == http.StatusConflict; r = e.post("alice", "k1", `{"amount":100}`) {
+		require.True(t, time.Now().Before(deadline), "the key was never released")
+		time.Sleep(5 * time.Millisecond)
+	}
 	assert.Equal(t, http.StatusCreated, r.code, "the key was released")
 	assert.False(t, r.replayed)
 	assert.Equal(t, 1, count(t, e.db, `SELECT count(*) FROM `+e.table))

@@ -76,7 +76,9 @@ type httpEnv struct {
 	table string
 	api   *orderAPI
 	srv   *httptest.Server
-	ns    string // keeps this test's keys apart from other tests'
+	store *idempotency.Store
+	cfg   idempotency.HTTPConfig // the middleware's
+	ns    string                 // keeps this test's keys apart from other tests'
 }
 
 // httpSetup is what an httpEnv option may change before the server starts.
@@ -122,7 +124,7 @@ func newHTTPEnv(t *testing.T, required bool, opts ...func(*httpSetup)) *httpEnv 
 	}
 	srv := httptest.NewServer(h)
 	t.Cleanup(srv.Close)
-	return &httpEnv{t: t, db: db, table: table, api: setup.api, srv: srv, ns: uuid.NewString()[:8] + "-"}
+	return &httpEnv{t: t, db: db, table: table, api: setup.api, srv: srv, store: s, cfg: cfg, ns: uuid.NewString()[:8] + "-"}
 }
 
 type reply struct {
