@@ -24,17 +24,19 @@ import (
 type orderAPI struct {
 	table   string
 	calls   atomic.Int32
-	inside  chan struct{} // when set, closed on entry
-	release chan struct{} // when set, the handler waits for it
+	inside  chan struct{} // when set, closed on the first call's entry
+	release chan struct{} // when set, the first call waits for it
+	// refuse, when set, holds statuses to answer with, one per call, after
+	// writing the order.
+	refuse chan int
 }
 
 func (a *orderAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	a.calls.Add(1)
-	if a.inside != nil {
+	if n := a.calls.Add(1); a.inside != nil && n == 1 {
 		close(a.inside)
 		<-a.release
 	}
-	var body struct{ Amount int }
+	var body struct{ Amount, Pad int }
 	_ = json.NewDecoder(r.Body).Decode(&body)
 	switch {
 	case body.Amount >= 1_000_000:
@@ -51,6 +53,12 @@ func (a *orderAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, err.Error(), http.StatusInternalServerError)
 		return
 	}
+	select {
+	case code := <-a.refuse:
+		w.WriteHeader(code)
+		return
+	default:
+	}
 	if body.Amount <= 0 {
 		// Refused after writing: the write must not survive.
 		http.Error(w, "amount must be positive", http.StatusUnprocessableEntity)
@@ -59,7 +67,7 @@ func (a *orderAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Location", "/orders/"+id)
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(http.StatusCreated)
-	fmt.Fprintf(w, `{"id":%q,"amount":%d}`, id, body.Amount)
+	fmt.Fprintf(w, `{"id":%q,"amount":%d,"pad":%q}`, id, body.Amount, strings.Repeat("x", body.Pad))
 }
 
 type httpEnv struct {
@@ -68,16 +76,28 @@ type httpEnv struct {
 	table string
 	api   *orderAPI
 	srv   *httptest.Server
-	ns    string // keeps this test's keys apart from other tests'
+	store *idempotency.Store
+	cfg   idempotency.HTTPConfig // the middleware's
+	ns    string                 // keeps this test's keys apart from other tests'
 }
 
-func newHTTPEnv(t *testing.T, required bool) *httpEnv {
+// httpSetup is what an httpEnv option may change before the server starts.
+type httpSetup struct {
+	cfg *idempotency.HTTPConfig
+	api *orderAPI
+	// handler replaces api behind the middleware when set.
+	handler http.Handler
+	// outer, when set, wraps the middleware.
+	outer func(http.Handler) http.Handler
+}
+
+func newHTTPEnv(t *testing.T, required bool, opts ...func(*httpSetup)) *httpEnv {
 	t.Helper()
 	s, db := newStore(t, nil)
 	table := "orders_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
 	_, err := db.SQL.Exec(`CREATE TABLE ` + table + ` (id text PRIMARY KEY, amount int)`)
 	require.NoError(t, err)
-	mw, err := s.HTTPMiddleware(idempotency.HTTPConfig{
+	cfg := idempotency.HTTPConfig{
 		Scope:    "POST /orders",
 		Required: required,
 		Caller: func(r *http.Request) (string, error) {
@@ -87,12 +107,24 @@ func newHTTPEnv(t *testing.T, required bool) *httpEnv {
 			return "", errors.New("anonymous")
 		},
 		MaxBodyBytes: 1024,
-	})
+	}
+	setup := httpSetup{cfg: &cfg, api: &orderAPI{table: table}}
+	for _, o := range opts {
+		o(&setup)
+	}
+	mw, err := s.HTTPMiddleware(cfg)
 	require.NoError(t, err)
-	api := &orderAPI{table: table}
-	srv := httptest.NewServer(mw(api))
+	var h http.Handler = setup.api
+	if setup.handler != nil {
+		h = setup.handler
+	}
+	h = mw(h)
+	if setup.outer != nil {
+		h = setup.outer(h)
+	}
+	srv := httptest.NewServer(h)
 	t.Cleanup(srv.Close)
-	return &httpEnv{t: t, db: db, table: table, api: api, srv: srv, ns: uuid.NewString()[:8] + "-"}
+	return &httpEnv{t: t, db: db, table: table, api: setup.api, srv: srv, store: s, cfg: cfg, ns: uuid.NewString()[:8] + "-"}
 }
 
 type reply struct {
@@ -118,6 +150,12 @@ func (e *httpEnv) send(method, target, client, key, body string) reply {
 	if key != "" {
 		req.Header.Set(idempotency.KeyHeader, e.ns+key)
 	}
+	return e.do(req)
+}
+
+// do sends req as it is.
+func (e *httpEnv) do(req *http.Request) reply {
+	e.t.Helper()
 	resp, err := http.DefaultClient.Do(req)
 	require.NoError(e.t, err)
 	defer resp.Body.Close()

@@ -55,7 +55,7 @@ func (s *Store) AcquireFor(ctx context.Context, req Request, lease time.Duration
 		return Acquisition{}, fmt.Errorf("idempotency: beginning transaction: %w", err)
 	}
 	defer tx.Rollback() //nolint:errcheck // no-op after Commit
-	acq, err := s.AcquireTx(ctx, tx, req, lease)
+	acq, err := s.acquireTx(ctx, tx, req, lease, false)
 	if err != nil {
 		return Acquisition{}, err
 	}
@@ -68,8 +68,15 @@ func (s *Store) AcquireFor(ctx context.Context, req Request, lease time.Duration
 // AcquireTx is phase one in the caller's READ COMMITTED transaction, for a
 // caller that commits more with the claim (a reservation, say). The claim,
 // the lease and the caller's writes take effect when tx commits, and must
-// commit before the external call.
+// commit before the external call. Config.LockTimeout bounds the claim's own
+// wait; the transaction's lock_timeout is as it was once AcquireTx returns.
 func (s *Store) AcquireTx(ctx context.Context, tx dbtx.DBTX, req Request, lease time.Duration) (Acquisition, error) {
+	return s.acquireTx(ctx, tx, req, lease, true)
+}
+
+// acquireTx is AcquireTx; with restore, the transaction's lock_timeout is
+// set back after the claim (see claimTx).
+func (s *Store) acquireTx(ctx context.Context, tx dbtx.DBTX, req Request, lease time.Duration, restore bool) (Acquisition, error) {
 	if err := req.validate(); err != nil {
 		return Acquisition{}, err
 	}
@@ -77,34 +84,49 @@ func (s *Store) AcquireTx(ctx context.Context, tx dbtx.DBTX, req Request, lease 
 		return Acquisition{}, fmt.Errorf("%w: lease must be at least 1ms, got %s", ErrInvalidRequest, lease)
 	}
 	token := uuid.New()
-	secs := lease.Seconds()
-	l := &Lease{Request: req, Token: token}
-	err := tx.QueryRowContext(ctx, claimLeaseSQL, req.Scope, req.Key, req.Hash, s.lockTimeout, token, secs).
-		Scan(&l.Attempt, new(time.Time), &l.Until)
-	switch {
-	case err == nil:
-	case errors.Is(err, sql.ErrNoRows):
-		rec, err := lockRecord(ctx, tx, req)
-		if err != nil {
-			return Acquisition{}, s.claimError(req, err)
-		}
-		if err := checkHash(req, rec); err != nil {
-			return Acquisition{}, err
-		}
-		if rec.Finished() {
-			return Acquisition{Record: &rec}, nil
-		}
-		err = tx.QueryRowContext(ctx, takeoverSQL, req.Scope, req.Key, token, secs).Scan(&l.Attempt, &l.Until)
-		if errors.Is(err, sql.ErrNoRows) {
-			return Acquisition{}, &InProgressError{Scope: req.Scope, Key: req.Key, LockedUntil: rec.LockedUntil}
-		}
-		if err != nil {
-			return Acquisition{}, fmt.Errorf("idempotency: taking over %s/%s: %w", req.Scope, req.Key, err)
-		}
-		l.Takeover = true
-	default:
+	var (
+		prev     string
+		attempts sql.NullInt64
+		until    sql.NullTime
+	)
+	err := tx.QueryRowContext(ctx, claimLeaseSQL, req.Scope, req.Key, req.Hash, s.lockTimeout, token, lease.Seconds()).
+		Scan(&prev, &attempts, new(sql.NullTime), &until)
+	if err != nil {
 		return Acquisition{}, s.claimError(req, err)
 	}
+	l := &Lease{Request: req, Token: token, Attempt: int(attempts.Int64), Until: until.Time}
+	acq, err := s.acquireExisting(ctx, tx, l, attempts.Valid, lease)
+	if restore {
+		err = restoreLockTimeout(ctx, tx, prev, err)
+	}
+	return acq, err
+}
+
+// acquireExisting finishes an acquisition once claimLeaseSQL ran: inserted,
+// or the key exists and is replayed or taken over.
+func (s *Store) acquireExisting(ctx context.Context, tx dbtx.DBTX, l *Lease, inserted bool, lease time.Duration) (Acquisition, error) {
+	if inserted {
+		return Acquisition{Lease: l}, nil
+	}
+	req := l.Request
+	rec, err := lockRecord(ctx, tx, req)
+	if err != nil {
+		return Acquisition{}, s.claimError(req, err)
+	}
+	if err := checkHash(req, rec); err != nil {
+		return Acquisition{}, err
+	}
+	if rec.Finished() {
+		return Acquisition{Record: &rec}, nil
+	}
+	err = tx.QueryRowContext(ctx, takeoverSQL, req.Scope, req.Key, l.Token, lease.Seconds()).Scan(&l.Attempt, &l.Until)
+	if errors.Is(err, sql.ErrNoRows) {
+		return Acquisition{}, &InProgressError{Scope: req.Scope, Key: req.Key, LockedUntil: rec.LockedUntil}
+	}
+	if err != nil {
+		return Acquisition{}, fmt.Errorf("idempotency: taking over %s/%s: %w", req.Scope, req.Key, err)
+	}
+	l.Takeover = true
 	return Acquisition{Lease: l}, nil
 }
 

@@ -2,14 +2,26 @@ package idempotency
 
 // Statements of the store. Values always travel as parameters.
 const (
-	// claimSQL inserts a pending claim unless the key exists. The FROM
-	// clause sets lock_timeout for the rest of the transaction before the
-	// insert can wait on a concurrent claim, so the wait is bounded in the
-	// same round trip.
-	claimSQL = `INSERT INTO idempotency_keys (scope, key, request_hash)
-SELECT $1, $2, $3 FROM (SELECT set_config('lock_timeout', $4, true)) AS cfg
-ON CONFLICT (scope, key) DO NOTHING
-RETURNING attempts, created_at`
+	// claimSQL inserts a pending claim unless the key exists. Its first CTE
+	// reads the transaction's lock_timeout (prev, which restoreLockTimeoutSQL
+	// puts back once the claim is made) and then sets the claim's, before
+	// the insert can wait on a concurrent claim, so the wait is bounded in
+	// the same round trip. The OFFSET 0 keeps the read below the set. It
+	// returns one row: prev, and attempts and created_at when it inserted.
+	claimSQL = `WITH cfg AS MATERIALIZED (
+    SELECT prev, set_config('lock_timeout', $4, true) AS claim_timeout
+    FROM (SELECT current_setting('lock_timeout') AS prev OFFSET 0) AS p
+), claimed AS (
+    INSERT INTO idempotency_keys (scope, key, request_hash)
+    SELECT $1, $2, $3 FROM cfg
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING attempts, created_at
+)
+SELECT cfg.prev, claimed.attempts, claimed.created_at FROM cfg LEFT JOIN claimed ON true`
+
+	// restoreLockTimeoutSQL ends a claim's lock_timeout: it sets back the
+	// value claimSQL or claimLeaseSQL read, for the rest of the transaction.
+	restoreLockTimeoutSQL = `SELECT set_config('lock_timeout', $1, true)`
 
 	// claimManySQL claims many keys at once, for a delivery batch (see
 	// Store.BatchKeyClaims), in key order (batches claiming the same keys
@@ -36,12 +48,18 @@ WHERE k.scope = u.scope AND k.key = u.key AND k.status = 'pending' AND k.lease_t
 
 	// claimLeaseSQL is claimSQL for the two-phase form: the claim carries a
 	// lease that only its token can complete and that others may take over
-	// once it expires.
-	claimLeaseSQL = `INSERT INTO idempotency_keys (scope, key, request_hash, lease_token, locked_until)
-SELECT $1, $2, $3, $5, clock_timestamp() + make_interval(secs => $6)
-FROM (SELECT set_config('lock_timeout', $4, true)) AS cfg
-ON CONFLICT (scope, key) DO NOTHING
-RETURNING attempts, created_at, locked_until`
+	// once it expires. It returns prev, and attempts, created_at and
+	// locked_until when it inserted.
+	claimLeaseSQL = `WITH cfg AS MATERIALIZED (
+    SELECT prev, set_config('lock_timeout', $4, true) AS claim_timeout
+    FROM (SELECT current_setting('lock_timeout') AS prev OFFSET 0) AS p
+), claimed AS (
+    INSERT INTO idempotency_keys (scope, key, request_hash, lease_token, locked_until)
+    SELECT $1, $2, $3, $5, clock_timestamp() + make_interval(secs => $6) FROM cfg
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING attempts, created_at, locked_until
+)
+SELECT cfg.prev, claimed.attempts, claimed.created_at, claimed.locked_until FROM cfg LEFT JOIN claimed ON true`
 
 	// lockRecordSQL reads an existing key under a row lock: at READ
 	// COMMITTED it sees a concurrent claimer's outcome once that commits.

@@ -157,8 +157,9 @@ type Config struct {
 	// Get). Required for those; ClaimTx and CompleteTx use the caller's.
 	DB *sql.DB
 	// LockTimeout bounds how long a claim waits for a concurrent claimer of
-	// the same key to commit or roll back (SET lock_timeout, for the rest of
-	// the transaction). Default: 5s.
+	// the same key to commit or roll back (SET LOCAL lock_timeout, for the
+	// claim's statements only: ClaimTx and AcquireTx set the transaction's
+	// own lock_timeout back before they return). Default: 5s.
 	LockTimeout time.Duration
 	// LeaseDuration is how long a two-phase claim is held before another
 	// worker may take it over. Default: 30s.
@@ -230,12 +231,16 @@ func (r Request) validate() error {
 }
 
 // ClaimTx claims req in tx. See the package documentation for outcomes.
+// Config.LockTimeout bounds the claim's own wait; the transaction's
+// lock_timeout is as it was once ClaimTx returns.
 func (s *Store) ClaimTx(ctx context.Context, tx dbtx.DBTX, req Request) (Claim, error) {
-	return s.claimTx(ctx, tx, req, s.lockTimeout)
+	return s.claimTx(ctx, tx, req, s.lockTimeout, true)
 }
 
-// claimTx is ClaimTx with lock_timeout given in milliseconds.
-func (s *Store) claimTx(ctx context.Context, tx dbtx.DBTX, req Request, lockTimeout string) (Claim, error) {
+// claimTx is ClaimTx with lock_timeout given in milliseconds. With restore,
+// the transaction's lock_timeout is set back after the claim; a caller
+// whose transaction runs nothing else (Do) saves the round trip.
+func (s *Store) claimTx(ctx context.Context, tx dbtx.DBTX, req Request, lockTimeout string, restore bool) (Claim, error) {
 	if err := req.validate(); err != nil {
 		return Claim{}, err
 	}
@@ -252,15 +257,25 @@ func (s *Store) claimTx(ctx context.Context, tx dbtx.DBTX, req Request, lockTime
 		}
 	}
 	var (
-		attempts int
-		created  time.Time
+		prev     string
+		attempts sql.NullInt64
+		created  sql.NullTime
 	)
-	err := tx.QueryRowContext(ctx, claimSQL, req.Scope, req.Key, req.Hash, lockTimeout).Scan(&attempts, &created)
-	switch {
-	case err == nil:
-		return Claim{Execute: true}, nil
-	case !errors.Is(err, sql.ErrNoRows):
+	if err := tx.QueryRowContext(ctx, claimSQL, req.Scope, req.Key, req.Hash, lockTimeout).Scan(&prev, &attempts, &created); err != nil {
 		return Claim{}, s.claimError(req, err)
+	}
+	claim, err := s.claimExisting(ctx, tx, req, attempts.Valid)
+	if restore {
+		err = restoreLockTimeout(ctx, tx, prev, err)
+	}
+	return claim, err
+}
+
+// claimExisting finishes a claim once claimSQL ran: inserted, or the key
+// exists and is read under lock.
+func (s *Store) claimExisting(ctx context.Context, tx dbtx.DBTX, req Request, inserted bool) (Claim, error) {
+	if inserted {
+		return Claim{Execute: true}, nil
 	}
 	rec, err := lockRecord(ctx, tx, req)
 	if err != nil {
@@ -280,6 +295,21 @@ func (s *Store) claimTx(ctx context.Context, tx dbtx.DBTX, req Request, lockTime
 		return Claim{}, &InProgressError{Scope: req.Scope, Key: req.Key, LockedUntil: rec.LockedUntil}
 	}
 	return Claim{Record: rec}, nil
+}
+
+// restoreLockTimeout sets tx's lock_timeout back to prev after a claim
+// that ended with err. A database error has aborted tx (nothing to restore,
+// and no statement would run); any other error is returned as it is, with
+// the restore done on a best-effort basis.
+func restoreLockTimeout(ctx context.Context, tx dbtx.DBTX, prev string, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return err
+	}
+	if _, rerr := tx.ExecContext(ctx, restoreLockTimeoutSQL, prev); rerr != nil && err == nil {
+		return fmt.Errorf("idempotency: restoring lock_timeout after the claim: %w", rerr)
+	}
+	return err
 }
 
 // BatchKeyClaims are the statements with which pgsaga's delivery claims
@@ -358,7 +388,7 @@ func (s *Store) Do(ctx context.Context, req Request, fn func(ctx context.Context
 		return Result{}, fmt.Errorf("idempotency: beginning transaction: %w", err)
 	}
 	defer tx.Rollback() //nolint:errcheck // no-op after Commit
-	claim, err := s.ClaimTx(ctx, tx, req)
+	claim, err := s.claimTx(ctx, tx, req, s.lockTimeout, false)
 	if err != nil {
 		return Result{}, err
 	}

@@ -397,3 +397,46 @@ func TestCompleteFinishesOnlyAPendingClaimWithoutLease(t *testing.T) {
 		assert.Equal(t, "holder", body)
 	})
 }
+
+// A claim's lock_timeout bounds the claim only: ClaimTx and AcquireTx leave
+// the transaction's own setting as they found it, whichever way the claim
+// ends.
+func TestClaimRestoresLockTimeout(t *testing.T) {
+	t.Parallel()
+	s, db := newStore(t, func(c *idempotency.Config) { c.LockTimeout = 250 * time.Millisecond })
+	ctx := context.Background()
+	setting := func(tx *sql.Tx) string {
+		var v string
+		require.NoError(t, tx.QueryRow(`SELECT current_setting('lock_timeout')`).Scan(&v))
+		return v
+	}
+	done := newRequest("done")
+	_, err := s.Do(ctx, done, func(context.Context, steps.DBTX) (idempotency.Response, error) {
+		return idempotency.Response{Code: 200}, nil
+	})
+	require.NoError(t, err)
+	leased := newRequest("leased")
+	_, err = s.Acquire(ctx, leased)
+	require.NoError(t, err)
+
+	for name, claim := range map[string]func(tx *sql.Tx) error{
+		"new key":      func(tx *sql.Tx) error { _, err := s.ClaimTx(ctx, tx, newRequest("x")); return err },
+		"finished key": func(tx *sql.Tx) error { _, err := s.ClaimTx(ctx, tx, done); return err },
+		"leased key":   func(tx *sql.Tx) error { _, err := s.ClaimTx(ctx, tx, leased); return err },
+		"key reused": func(tx *sql.Tx) error {
+			_, err := s.ClaimTx(ctx, tx, idempotency.Request{Scope: done.Scope, Key: done.Key, Hash: []byte("other")})
+			return err
+		},
+		"new lease":      func(tx *sql.Tx) error { _, err := s.AcquireTx(ctx, tx, newRequest("x"), time.Minute); return err },
+		"finished lease": func(tx *sql.Tx) error { _, err := s.AcquireTx(ctx, tx, done, time.Minute); return err },
+		"held lease":     func(tx *sql.Tx) error { _, err := s.AcquireTx(ctx, tx, leased, time.Minute); return err },
+	} {
+		tx, err := db.SQL.BeginTx(ctx, nil)
+		require.NoError(t, err)
+		_, err = tx.Exec(`SET LOCAL lock_timeout = '7s'`)
+		require.NoError(t, err)
+		_ = claim(tx) // outcomes are other tests' business
+		assert.Equal(t, "7s", setting(tx), name)
+		require.NoError(t, tx.Rollback())
+	}
+}
