@@ -429,3 +429,34 @@ func TestEmbeddedDataOfAnotherVersionIsKept(t *testing.T) {
 	assert.Contains(t, err.Error(), "is PostgreSQL 9's")
 	assert.FileExists(t, kept, "the data is kept")
 }
+
+// A DATABASE_URL that names its database in a query parameter gets its
+// sibling next to that database, and the sibling's URL connects to the
+// sibling, not to the database the parameter named.
+func TestSiblingOfADatabaseNamedInAParameter(t *testing.T) {
+	t.Parallel()
+	name := fmt.Sprintf("pgsaga_finddb_%d", time.Now().UnixNano())
+	t.Cleanup(func() { dropDatabase(t, name); dropDatabase(t, name+"_payments") })
+	f, err := finddb.Find(context.Background(), finddb.Config{Getenv: noEnv, ProbeURL: testdb.ServerURL(), Database: name, Logger: quiet})
+	require.NoError(t, err)
+	defer f.Close()
+	u, err := url.Parse(testdb.ServerURL())
+	require.NoError(t, err)
+	u.Path = "/"
+	q := u.Query()
+	q.Set("dbname", name)
+	u.RawQuery = q.Encode()
+	env, err := finddb.Find(context.Background(), finddb.Config{
+		Getenv: func(k string) string { return map[string]string{"DATABASE_URL": u.String()}[k] },
+		Logger: quiet,
+	})
+	require.NoError(t, err)
+	sibling, err := env.Sibling(context.Background(), "payments")
+	require.NoError(t, err)
+	conn, err := pgx.Connect(context.Background(), sibling)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	var db string
+	require.NoError(t, conn.QueryRow(context.Background(), "SELECT current_database()").Scan(&db))
+	assert.Equal(t, name+"_payments", db)
+}
