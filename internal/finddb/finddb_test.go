@@ -583,3 +583,27 @@ func TestSiblingOfADatabaseNamedInAParameter(t *testing.T) {
 	require.NoError(t, conn.QueryRow(context.Background(), "SELECT current_database()").Scan(&db))
 	assert.Equal(t, name+"_payments", db)
 }
+
+// An operator's tool that cannot read the embedded server's password file
+// (another user's server, or a damaged file) says so and what to do,
+// instead of trying a password it does not have.
+func TestExistingWithAnUnreadablePasswordFile(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	data := filepath.Join(dir, "data")
+	require.NoError(t, os.MkdirAll(data, 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(data, passwordFile), []byte("not a password\n"), 0o600))
+	_, err := finddb.Find(context.Background(), finddb.Config{
+		Getenv:       noEnv,
+		ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
+		EmbeddedPort: freePort(t),
+		EmbeddedDir:  dir,
+		Logger:       quiet,
+		Timeout:      time.Second,
+		Existing:     true,
+	})
+	require.ErrorIs(t, err, finddb.ErrNoDatabase)
+	require.ErrorIs(t, err, finddb.ErrPasswordUnreadable)
+	assert.Contains(t, err.Error(), "set DATABASE_URL")
+	assert.NotContains(t, err.Error(), "not a password")
+}
