@@ -8,7 +8,10 @@
 //     started from the machine's own PostgreSQL binaries when there are any
 //     (pg_config --bindir, /usr/lib/postgresql/*/bin), otherwise from its
 //     normal download, with its data kept in the user's cache directory so a
-//     later run (say, -resume) finds the same data, and stopped on Close.
+//     later run (say, -resume) finds the same data, and stopped on Close by
+//     the last program using it. It is its user's alone: its superuser's
+//     password is random, kept in a file only that user can read, and
+//     asked for, by SCRAM, of every connection (see secure.go).
 //
 // PostgreSQL refuses to run as root, so as root with nothing else available
 // Find fails with ErrNoDatabase, whose message names the two ways out.
@@ -129,17 +132,44 @@ type Found struct {
 	// describes it, or the embedded server's data directory.
 	Detail string
 
-	stop func() error
+	// Of an embedded server this handle uses and may stop:
+	dir     string       // its EmbeddedDir
+	release func()       // ends this handle's use of it (see users.go)
+	halt    func() error // stops it
+	logger  *slog.Logger
 }
 
-// Close stops the embedded server, if Find started one.
+// Close ends the use of the embedded server, if Find started it or found
+// it running: the last program to use it stops it; while another (a
+// serving sample, say) uses it, it is left running for that one.
 func (f *Found) Close() error {
-	if f.stop == nil {
+	if f.release == nil {
 		return nil
 	}
-	stop := f.stop
-	f.stop = nil
-	return stop()
+	unlock, err := lockFile(filepath.Join(f.dir, serverLock))
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	return f.closeLocked()
+}
+
+// closeLocked is Close with the server lock held.
+func (f *Found) closeLocked() error {
+	if f.release == nil {
+		return nil
+	}
+	f.release()
+	f.release = nil
+	others, err := otherUsers(f.dir)
+	if err != nil {
+		return err
+	}
+	if others > 0 {
+		f.logger.Info("leaving the embedded PostgreSQL running for the other programs using it", "programs", others, "data", f.Detail)
+		return nil
+	}
+	return f.halt()
 }
 
 // Find returns a database following the order in the package documentation.
@@ -178,15 +208,30 @@ func oneLine(err error) string { return strings.Join(strings.Fields(err.Error())
 // runningEmbedded is the embedded server a running program started, if
 // one answers; it is not stopped on Close.
 func runningEmbedded(ctx context.Context, cfg Config) (*Found, error) {
-	url := fmt.Sprintf("postgres://postgres:postgres@127.0.0.1:%d/%s?sslmode=disable", cfg.EmbeddedPort, cfg.Database)
-	if probe(ctx, url, cfg.Timeout) == nil {
-		return &Found{URL: url, Source: FromEmbedded, Detail: filepath.Join(cfg.EmbeddedDir, "data")}, nil
+	dataDir := filepath.Join(cfg.EmbeddedDir, "data")
+	// The data directory's password, else one a run has yet to move
+	// there, else an earlier release's.
+	var candidates []string
+	for _, path := range []string{filepath.Join(dataDir, passwordFile), filepath.Join(cfg.EmbeddedDir, pendingPasswordFile)} {
+		pw, ok, err := readPassword(path)
+		if err != nil {
+			return nil, fmt.Errorf("%w: %w; the embedded PostgreSQL is its user's alone: run this as that user, or set DATABASE_URL", ErrNoDatabase, err)
+		}
+		if ok {
+			candidates = append(candidates, pw)
+		}
+	}
+	candidates = append(candidates, legacyPassword)
+	for _, pw := range candidates {
+		url := embeddedURL(pw, cfg.EmbeddedPort, cfg.Database)
+		if probe(ctx, url, cfg.Timeout) == nil {
+			return &Found{URL: url, Source: FromEmbedded, Detail: dataDir}, nil
+		}
 	}
 	local := "nothing answered for " + pgdb.Describe(cfg.ProbeURL)
 	if cfg.skipped != "" {
 		local = cfg.skipped
 	}
-	dataDir := filepath.Join(cfg.EmbeddedDir, "data")
 	if version, err := os.ReadFile(filepath.Join(dataDir, "PG_VERSION")); err == nil {
 		// A sample ran on its embedded server and has exited, stopping it:
 		// its data is there. An operator's tool starts nothing; it says how.
@@ -197,25 +242,16 @@ func runningEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 }
 
 func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {
-	url := fmt.Sprintf("postgres://postgres:postgres@127.0.0.1:%d/%s?sslmode=disable", cfg.EmbeddedPort, cfg.Database)
 	dataDir := filepath.Join(cfg.EmbeddedDir, "data")
-
-	// A server from an earlier run that was killed before it could stop it.
-	if probe(ctx, url, cfg.Timeout) == nil {
-		cfg.Logger.Info("reusing the embedded PostgreSQL left running by an earlier run", "data", dataDir)
-		bin := cfg.binDir()
-		found := &Found{URL: url, Source: FromEmbedded, Detail: dataDir, stop: func() error {
-			if bin == "" {
-				return nil
-			}
-			return exec.Command(filepath.Join(bin, "pg_ctl"), "stop", "-w", "-D", dataDir).Run()
-		}}
-		if err := embeddedUTF8(ctx, found, dataDir, cfg.Timeout); err != nil {
-			return nil, err
-		}
-		return found, nil
-	}
 	if cfg.IsRoot() {
+		// Root starts nothing; a server of its own already running (its
+		// password file is there) it uses, and never stops.
+		if pw, ok, err := readPassword(filepath.Join(dataDir, passwordFile)); err == nil && ok {
+			url := embeddedURL(pw, cfg.EmbeddedPort, cfg.Database)
+			if probe(ctx, url, cfg.Timeout) == nil {
+				return &Found{URL: url, Source: FromEmbedded, Detail: dataDir}, nil
+			}
+		}
 		local := "nothing answered for " + pgdb.Describe(cfg.ProbeURL)
 		if cfg.skipped != "" {
 			local = cfg.skipped
@@ -224,10 +260,78 @@ func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 			"either set DATABASE_URL to a server you can use (for example one started with `docker compose up -d`), "+
 			"or run this program as a non-root user so it can start an embedded PostgreSQL", ErrNoDatabase, local)
 	}
-
 	if err := os.MkdirAll(cfg.EmbeddedDir, 0o700); err != nil {
 		return nil, fmt.Errorf("%w: creating %s: %w", ErrNoDatabase, cfg.EmbeddedDir, err)
 	}
+	// Starting, or finding running, and counting users happen under one
+	// lock with stopping (see users.go).
+	unlock, err := lockFile(filepath.Join(cfg.EmbeddedDir, serverLock))
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrNoDatabase, err)
+	}
+	defer unlock()
+	release, err := register(cfg.EmbeddedDir)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrNoDatabase, err)
+	}
+	found, err := startOrReuse(ctx, cfg, dataDir)
+	if err != nil {
+		release()
+		return nil, err
+	}
+	found.release, found.dir, found.logger = release, cfg.EmbeddedDir, cfg.Logger
+	if err := embeddedUTF8(ctx, found, dataDir, cfg.Timeout); err != nil {
+		return nil, err
+	}
+	return found, nil
+}
+
+// startOrReuse starts the embedded server, or finds it running, and makes
+// it its user's alone (see secure.go); the caller holds the server lock.
+func startOrReuse(ctx context.Context, cfg Config, dataDir string) (*Found, error) {
+	pw, settled, fresh, err := embeddedPassword(cfg.EmbeddedDir)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrNoDatabase, err)
+	}
+	pwPath := filepath.Join(dataDir, passwordFile)
+	// The superuser's password now: pw, or, on data whose password has yet
+	// to settle, an earlier release's.
+	candidates := []string{pw}
+	if !settled {
+		candidates = append(candidates, legacyPassword)
+	}
+	settle := func(current string) error {
+		if err := secure(ctx, cfg.EmbeddedPort, current, pw, dataDir, 30*time.Second); err != nil {
+			return fmt.Errorf("%w: %w", ErrNoDatabase, err)
+		}
+		if !settled {
+			if err := settlePassword(cfg.EmbeddedDir); err != nil {
+				return fmt.Errorf("%w: %w", ErrNoDatabase, err)
+			}
+		}
+		return nil
+	}
+	url := embeddedURL(pw, cfg.EmbeddedPort, cfg.Database)
+
+	// A server another program uses now, or an earlier run left running
+	// when it was killed.
+	for _, current := range candidates {
+		if probe(ctx, embeddedURL(current, cfg.EmbeddedPort, cfg.Database), cfg.Timeout) != nil {
+			continue
+		}
+		cfg.Logger.Info("using the embedded PostgreSQL already running", "data", dataDir, "password_file", pwPath)
+		if err := settle(current); err != nil {
+			return nil, err
+		}
+		bin := cfg.binDir()
+		if bin == "" {
+			bin = filepath.Join(cfg.EmbeddedDir, "runtime", "bin") // the downloaded binaries
+		}
+		return &Found{URL: url, Source: FromEmbedded, Detail: dataDir, halt: func() error {
+			return exec.Command(filepath.Join(bin, "pg_ctl"), "stop", "-w", "-D", dataDir).Run()
+		}}, nil
+	}
+
 	socketDir := filepath.Join(cfg.EmbeddedDir, "run")
 	if err := os.MkdirAll(socketDir, 0o700); err != nil {
 		return nil, fmt.Errorf("%w: creating %s: %w", ErrNoDatabase, socketDir, err)
@@ -268,7 +372,8 @@ func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 	pgcfg = pgcfg.Version(version)
 	// The embedded server sets up afresh a data directory of another
 	// version than its binaries', deleting what it held: refuse instead.
-	if held, err := os.ReadFile(filepath.Join(dataDir, "PG_VERSION")); err == nil {
+	held, err := os.ReadFile(filepath.Join(dataDir, "PG_VERSION"))
+	if err == nil {
 		if major := strings.TrimSpace(string(held)); !strings.HasPrefix(string(version), major+".") {
 			_ = logFile.Close()
 			return nil, fmt.Errorf("%w: the embedded PostgreSQL's data in %s is PostgreSQL %s's, and the binaries here are PostgreSQL %s's, "+
@@ -276,27 +381,59 @@ func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 				"or set DATABASE_URL", ErrNoDatabase, dataDir, major, strings.SplitN(string(version), ".", 2)[0], major)
 		}
 	}
-	cfg.Logger.Info("starting an embedded PostgreSQL", "data", dataDir, "port", cfg.EmbeddedPort, "log", logPath)
-	pg := embeddedpostgres.NewDatabase(pgcfg)
-	if err := pg.Start(); err != nil {
+	// The password the server starts with (initdb sets it on new data):
+	// new data takes pw; data of an earlier release, its password; data
+	// whose pending password a run may not have set, either.
+	switch {
+	case err != nil:
+		candidates = []string{pw}
+	case settled:
+		// Its password is stored as SCRAM already: pg_hba.conf can ask for
+		// SCRAM from the start.
+		if _, err := writeHBA(dataDir); err != nil {
+			_ = logFile.Close()
+			return nil, fmt.Errorf("%w: %w", ErrNoDatabase, err)
+		}
+	case fresh:
+		candidates = []string{legacyPassword}
+	}
+	cfg.Logger.Info("starting an embedded PostgreSQL", "data", dataDir, "port", cfg.EmbeddedPort, "log", logPath, "password_file", pwPath)
+	var pg *embeddedpostgres.EmbeddedPostgres
+	var current string
+	for i, c := range candidates {
+		attempt := pgcfg.Password(c)
+		if i < len(candidates)-1 {
+			// pg_ctl has waited for the server: a right password is
+			// taken at once, a wrong one never.
+			attempt = attempt.StartTimeout(10 * time.Second)
+		}
+		pg = embeddedpostgres.NewDatabase(attempt)
+		if err = pg.Start(); err == nil {
+			current = c
+			break
+		}
+	}
+	if err != nil {
 		_ = logFile.Close()
 		return nil, fmt.Errorf("%w: starting embedded PostgreSQL (log %s): %w", ErrNoDatabase, logPath, err)
 	}
-	found := &Found{URL: url, Source: FromEmbedded, Detail: detail, stop: func() error {
+	halt := func() error {
 		defer logFile.Close()
 		return pg.Stop()
-	}}
-	if err := embeddedUTF8(ctx, found, dataDir, cfg.Timeout); err != nil {
+	}
+	if err := settle(current); err != nil {
+		_ = halt()
 		return nil, err
 	}
-	return found, nil
+	return &Found{URL: url, Source: FromEmbedded, Detail: detail, halt: halt}, nil
 }
 
 // embeddedUTF8 stops an embedded server whose data is not UTF8 (initialised
-// by an earlier release) and says how to start afresh.
+// by an earlier release) and says how to start afresh; the caller holds
+// the server lock.
 func embeddedUTF8(ctx context.Context, found *Found, dataDir string, timeout time.Duration) error {
 	if err := requireUTF8(ctx, found.URL, timeout); err != nil {
-		_ = found.Close()
+		_ = found.closeLocked()
 		return fmt.Errorf("%w: the embedded PostgreSQL's data in %s was initialised without UTF8 (%w); remove that directory and run again to initialise a UTF8 one",
 			ErrNoDatabase, dataDir, err)
 	}

@@ -155,9 +155,19 @@ func TestRefusingLocalServerIsExplained(t *testing.T) {
 }
 
 // TestEmbeddedServer starts an embedded PostgreSQL from the machine's own
-// binaries, writes to it, stops it, starts it again on the same data and
-// reads the write back, then finds the server a killed run left behind. PostgreSQL refuses root, so as root the test re-runs
-// itself as the user "nobody".
+// binaries and checks, in one child process (PostgreSQL refuses root, so
+// as root the test re-runs itself as the user "nobody"):
+//   - the server is its user's alone: a random superuser password in a
+//     0600 file of the 0700 data directory, never logged, asked for by
+//     SCRAM; the well-known password, and none, are refused;
+//   - a second program using the server keeps it running when the first
+//     closes, and the last to close stops it;
+//   - a write survives a stop and a start on the same data, which keeps
+//     its password;
+//   - a killed run's server is found running and used, the dead run not
+//     counted as a user: the next run's Close stops it;
+//   - data of an earlier release (password "postgres", cleartext password
+//     authentication) gets a random password and SCRAM when started.
 func TestEmbeddedServer(t *testing.T) {
 	if pgbin.Find() == "" && os.Getenv("PGSAGA_TEST_EMBEDDED_DOWNLOAD") == "" {
 		t.Skip("no local PostgreSQL binaries; set PGSAGA_TEST_EMBEDDED_DOWNLOAD=1 to test the download path")
@@ -186,68 +196,181 @@ func TestEmbeddedServer(t *testing.T) {
 		"PGSAGA_EMBEDDED_PORT="+strconv.Itoa(int(freePort(t))),
 		"HOME="+dir,
 	)
+	t.Cleanup(func() { // a failed check may leave the server running
+		pgctl := filepath.Join(pgbin.Find(), "pg_ctl")
+		stop := exec.Command(pgctl, "stop", "-m", "immediate", "-D", filepath.Join(dir, "pg", "data"))
+		stop.SysProcAttr = cmd.SysProcAttr
+		_ = stop.Run()
+	})
 	out, err := cmd.CombinedOutput()
 	require.NoError(t, err, "embedded server check failed:\n%s", out)
 	assert.Contains(t, string(out), "embedded ok")
 }
 
+// passwordFile is where the embedded server keeps its password.
+const passwordFile = "pgsaga-superuser-password"
+
 // embeddedChild is the body of TestEmbeddedServer, run as a non-root user.
+// It goes on after a failed check where it can, printing each, so that
+// one run shows every failure.
 func embeddedChild() int {
 	ctx := context.Background()
 	port, _ := strconv.Atoi(os.Getenv("PGSAGA_EMBEDDED_PORT"))
+	dir := os.Getenv("PGSAGA_EMBEDDED_DIR")
+	data := filepath.Join(dir, "data")
+	var logs strings.Builder
 	cfg := finddb.Config{
 		Getenv:       noEnv,
 		ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
-		EmbeddedDir:  os.Getenv("PGSAGA_EMBEDDED_DIR"),
+		EmbeddedDir:  dir,
 		EmbeddedPort: uint32(port),
-		Logger:       quiet,
+		Logger:       slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
 	}
-	fail := func(format string, args ...any) int {
-		fmt.Printf(format+"\n", args...)
-		return 1
-	}
-	// Round 0 writes and stops; round 1 reads and is "killed" (never stops
-	// its server); round 2 must reuse that server, read, and stop it.
-	for round := range 3 {
+	if os.Getenv("PGSAGA_EMBEDDED_CHILD") == "killed" {
+		// A run killed while it uses the server: it never closes.
 		f, err := finddb.Find(ctx, cfg)
 		if err != nil {
-			return fail("round %d: %v", round, err)
+			fmt.Printf("killed run: %v\n", err)
+			os.Exit(1)
 		}
-		if f.Source != finddb.FromEmbedded {
-			return fail("round %d: source %s, want embedded", round, f.Source)
+		fmt.Println("killed run connected:", read(ctx, f.URL) == nil)
+		os.Exit(0)
+	}
+	failed := false
+	check := func(ok bool, format string, args ...any) bool {
+		if !ok {
+			failed = true
+			fmt.Printf("FAIL: "+format+"\n", args...)
 		}
-		conn, err := pgx.Connect(ctx, f.URL)
-		if err != nil {
-			return fail("round %d: connecting: %v", round, err)
+		return ok
+	}
+	find := func(what string) *finddb.Found {
+		f, err := finddb.Find(ctx, cfg)
+		if !check(err == nil, "%s: %v", what, err) {
+			return nil
 		}
+		check(f.Source == finddb.FromEmbedded, "%s: source %s, want embedded", what, f.Source)
+		return f
+	}
+	answers := func(f *finddb.Found) bool { return finddb.Probe(ctx, f.URL, time.Second) == nil }
+	url := func(userinfo string) string {
+		return fmt.Sprintf("postgres://%s@127.0.0.1:%d/postgres?sslmode=disable", userinfo, port)
+	}
+	// secured checks the server is its user's alone, and returns its password.
+	secured := func(what string, f *finddb.Found) string {
+		pwBytes, err := os.ReadFile(filepath.Join(data, passwordFile))
+		pw := strings.TrimSpace(string(pwBytes))
+		check(err == nil && regexp.MustCompile(`^[0-9a-f]{32}$`).MatchString(pw), "%s: no password of 32 hex digits in %s (%v)", what, passwordFile, err)
+		if st, err := os.Stat(filepath.Join(data, passwordFile)); err == nil {
+			check(st.Mode().Perm() == 0o600, "%s: password file mode %v, want 0600", what, st.Mode().Perm())
+		}
+		if st, err := os.Stat(data); check(err == nil, "%s: %v", what, err) {
+			check(st.Mode().Perm() == 0o700, "%s: data directory mode %v, want 0700", what, st.Mode().Perm())
+		}
+		check(pingURL(url("postgres:postgres")) != nil, "%s: the well-known password postgres/postgres is accepted", what)
+		check(pingURL(url("postgres")) != nil, "%s: a connection without a password is accepted", what)
+		check(pingURL(f.URL+"&require_auth=scram-sha-256") == nil, "%s: the server does not ask for a SCRAM password: %v", what, pingURL(f.URL+"&require_auth=scram-sha-256"))
+		if pw != "" {
+			check(!strings.Contains(logs.String(), pw), "%s: the password is logged:\n%s", what, logs.String())
+		}
+		check(strings.Contains(logs.String(), filepath.Join(data, passwordFile)), "%s: the logs do not say where the password is:\n%s", what, logs.String())
+		return pw
+	}
+
+	// Two programs on one server: the first starts it, the second uses it.
+	first := find("first program")
+	if first == nil {
+		return 1
+	}
+	pw := secured("first start", first)
+	conn, err := pgx.Connect(ctx, first.URL)
+	if check(err == nil, "connecting: %v", err) {
 		var encoding string
-		if err := conn.QueryRow(ctx, "SELECT pg_encoding_to_char(encoding) FROM pg_database WHERE datname = current_database()").Scan(&encoding); err != nil || encoding != "UTF8" {
-			return fail("round %d: encoding %q, want UTF8 (%v)", round, encoding, err)
-		}
-		if round == 0 {
-			_, err = conn.Exec(ctx, "CREATE TABLE kept (v int); INSERT INTO kept VALUES (42)")
-		} else {
-			var v int
-			if err = conn.QueryRow(ctx, "SELECT v FROM kept").Scan(&v); err == nil && v != 42 {
-				err = fmt.Errorf("read %d, want 42", v)
-			}
-		}
+		err := conn.QueryRow(ctx, "SELECT pg_encoding_to_char(encoding) FROM pg_database WHERE datname = current_database()").Scan(&encoding)
+		check(err == nil && encoding == "UTF8", "encoding %q, want UTF8 (%v)", encoding, err)
+		_, err = conn.Exec(ctx, "CREATE TABLE kept (v int); INSERT INTO kept VALUES (42)")
+		check(err == nil, "writing: %v", err)
 		_ = conn.Close(ctx)
-		if err != nil {
-			return fail("round %d: %v", round, err)
-		}
-		if round == 1 {
-			continue
-		}
-		if err := f.Close(); err != nil {
-			return fail("round %d: stopping: %v", round, err)
-		}
-		if finddb.Probe(ctx, f.URL, time.Second) == nil {
-			return fail("round %d: the server still answers after Close", round)
-		}
+	}
+	second := find("second program")
+	if second != nil {
+		check(first.Close() == nil, "closing the first program")
+		check(answers(second), "the first program to close stopped the server the second uses")
+		check(second.Close() == nil, "closing the second program")
+		check(!answers(second), "the server still answers after its last program closed")
+	}
+
+	// Started again on the same data: the write and the password are kept.
+	again := find("start on the same data")
+	if again == nil {
+		return 1
+	}
+	check(read(ctx, again.URL) == nil, "reading after a restart: %v", read(ctx, again.URL))
+	check(secured("start on the same data", again) == pw, "a second start made a new password")
+
+	// A run killed while it uses the server: the next run uses that
+	// server, does not count the dead run, and stops the server.
+	check(again.Close() == nil, "closing")
+	self, _ := os.Executable()
+	killed := exec.Command(self, "-test.run=^$")
+	killed.Env = append(os.Environ(), "PGSAGA_EMBEDDED_CHILD=killed")
+	out, err := killed.CombinedOutput()
+	check(err == nil && strings.Contains(string(out), "connected: true"), "the killed run: %v\n%s", err, out)
+	next := find("the run after a killed one")
+	if next == nil {
+		return 1
+	}
+	check(read(ctx, next.URL) == nil, "reading the killed run's server: %v", read(ctx, next.URL))
+	check(next.Close() == nil, "closing")
+	check(!answers(next), "the server still answers after its last live program closed")
+
+	// Data of an earlier release: password postgres, cleartext password
+	// authentication, no password file.
+	old := find("start to make earlier data")
+	if old == nil {
+		return 1
+	}
+	if c, err := pgx.Connect(ctx, old.URL); check(err == nil, "connecting: %v", err) {
+		_, err = c.Exec(ctx, "ALTER ROLE postgres PASSWORD 'postgres'")
+		check(err == nil, "making earlier data: %v", err)
+		_ = c.Close(ctx)
+	}
+	check(old.Close() == nil, "closing")
+	hba := "local all all password\nhost all all 127.0.0.1/32 password\nhost all all ::1/128 password\n"
+	check(os.WriteFile(filepath.Join(data, "pg_hba.conf"), []byte(hba), 0o600) == nil, "writing an earlier pg_hba.conf")
+	_ = os.Remove(filepath.Join(data, passwordFile))
+	logs.Reset()
+	upgraded := find("start on earlier data")
+	if upgraded == nil {
+		return 1
+	}
+	check(read(ctx, upgraded.URL) == nil, "reading earlier data: %v", read(ctx, upgraded.URL))
+	check(secured("start on earlier data", upgraded) != pw, "earlier data kept a known password")
+	check(upgraded.Close() == nil, "closing")
+	check(!answers(upgraded), "the server still answers after Close")
+	if failed {
+		fmt.Println("logs:\n" + logs.String())
+		return 1
 	}
 	fmt.Println("embedded ok")
 	return 0
+}
+
+// read reads the row the embedded test wrote.
+func read(ctx context.Context, url string) error {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	var v int
+	if err := conn.QueryRow(ctx, "SELECT v FROM kept").Scan(&v); err != nil {
+		return err
+	}
+	if v != 42 {
+		return fmt.Errorf("read %d, want 42", v)
+	}
+	return nil
 }
 
 // Data an embedded server was once initialised with in another encoding is
@@ -428,4 +551,59 @@ func TestEmbeddedDataOfAnotherVersionIsKept(t *testing.T) {
 	require.ErrorIs(t, err, finddb.ErrNoDatabase)
 	assert.Contains(t, err.Error(), "is PostgreSQL 9's")
 	assert.FileExists(t, kept, "the data is kept")
+}
+
+// A DATABASE_URL that names its database in a query parameter gets its
+// sibling next to that database, and the sibling's URL connects to the
+// sibling, not to the database the parameter named.
+func TestSiblingOfADatabaseNamedInAParameter(t *testing.T) {
+	t.Parallel()
+	name := fmt.Sprintf("pgsaga_finddb_%d", time.Now().UnixNano())
+	t.Cleanup(func() { dropDatabase(t, name); dropDatabase(t, name+"_payments") })
+	f, err := finddb.Find(context.Background(), finddb.Config{Getenv: noEnv, ProbeURL: testdb.ServerURL(), Database: name, Logger: quiet})
+	require.NoError(t, err)
+	defer f.Close()
+	u, err := url.Parse(testdb.ServerURL())
+	require.NoError(t, err)
+	u.Path = "/"
+	q := u.Query()
+	q.Set("dbname", name)
+	u.RawQuery = q.Encode()
+	env, err := finddb.Find(context.Background(), finddb.Config{
+		Getenv: func(k string) string { return map[string]string{"DATABASE_URL": u.String()}[k] },
+		Logger: quiet,
+	})
+	require.NoError(t, err)
+	sibling, err := env.Sibling(context.Background(), "payments")
+	require.NoError(t, err)
+	conn, err := pgx.Connect(context.Background(), sibling)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	var db string
+	require.NoError(t, conn.QueryRow(context.Background(), "SELECT current_database()").Scan(&db))
+	assert.Equal(t, name+"_payments", db)
+}
+
+// An operator's tool that cannot read the embedded server's password file
+// (another user's server, or a damaged file) says so and what to do,
+// instead of trying a password it does not have.
+func TestExistingWithAnUnreadablePasswordFile(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	data := filepath.Join(dir, "data")
+	require.NoError(t, os.MkdirAll(data, 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(data, passwordFile), []byte("not a password\n"), 0o600))
+	_, err := finddb.Find(context.Background(), finddb.Config{
+		Getenv:       noEnv,
+		ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
+		EmbeddedPort: freePort(t),
+		EmbeddedDir:  dir,
+		Logger:       quiet,
+		Timeout:      time.Second,
+		Existing:     true,
+	})
+	require.ErrorIs(t, err, finddb.ErrNoDatabase)
+	require.ErrorIs(t, err, finddb.ErrPasswordUnreadable)
+	assert.Contains(t, err.Error(), "set DATABASE_URL")
+	assert.NotContains(t, err.Error(), "not a password")
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/url"
 	"path"
 	"regexp"
 	"slices"
@@ -257,4 +258,94 @@ func kvEscape(v string) string {
 	v = strings.ReplaceAll(v, `\`, `\\`)
 	v = strings.ReplaceAll(v, `'`, `\'`)
 	return "'" + v + "'"
+}
+
+// WithDatabase returns connString, a libpq URL or keyword/value string,
+// pointing at database name and no other. Every place the string names a
+// database is rewritten: a URL's path, and its dbname= and database= query
+// parameters (each occurrence, however its key is percent-encoded; pgx
+// lets a parameter override the path); a keyword/value string's dbname= and
+// database= settings. Everything else stays as written, a password's
+// encoding included. A URL it cannot split fails with ErrUnparseable,
+// quoting none of it.
+func WithDatabase(connString, name string) (string, error) {
+	if !isURI(connString) {
+		kept, err := withoutKeywords(connString, databaseKeys)
+		if err != nil {
+			return "", &unparseableError{size: len(connString)}
+		}
+		return strings.TrimSpace(kept + " dbname=" + kvEscape(name)), nil
+	}
+	u, err := splitURI(connString)
+	if err != nil {
+		return "", &unparseableError{size: len(connString)}
+	}
+	u.hasPath, u.path = true, url.PathEscape(name)
+	if u.hasQuery {
+		var kept []string
+		for _, pair := range strings.Split(u.query, "&") {
+			rawKey, _, _ := strings.Cut(pair, "=")
+			key, err := url.PathUnescape(rawKey)
+			if err != nil {
+				return "", &unparseableError{size: len(connString)}
+			}
+			if !databaseKeys[strings.Trim(key, " ")] {
+				kept = append(kept, pair)
+			}
+		}
+		u.query = strings.Join(kept, "&")
+		u.hasQuery = len(kept) > 0
+	}
+	return u.String(), nil
+}
+
+// databaseKeys are the settings that name the database: libpq's keyword
+// and pgx's own spelling, which pgx also takes.
+var databaseKeys = map[string]bool{"dbname": true, "database": true}
+
+// kvSpace is the white space that separates keyword/value settings.
+const kvSpace = " \t\n\r\v\f"
+
+// withoutKeywords returns the keyword/value string s without its settings
+// whose keywords are in drop, the others kept as written. It reads s as pgx
+// does: a keyword, an '=' (white space around it allowed), then a value, in
+// single quotes or not, a backslash escaping the character after it.
+func withoutKeywords(s string, drop map[string]bool) (string, error) {
+	var kept []string
+	rest := strings.TrimLeft(s, kvSpace)
+	for rest != "" {
+		eq := strings.IndexByte(rest, '=')
+		if eq < 0 {
+			return "", errors.New("a setting without '='")
+		}
+		key := strings.Trim(rest[:eq], kvSpace)
+		i := eq + 1
+		for i < len(rest) && strings.IndexByte(kvSpace, rest[i]) >= 0 {
+			i++
+		}
+		if i < len(rest) && rest[i] == '\'' {
+			i++
+			for ; i < len(rest) && rest[i] != '\''; i++ {
+				if rest[i] == '\\' {
+					i++
+				}
+			}
+			if i >= len(rest) {
+				return "", errors.New("an unterminated quoted value")
+			}
+			i++ // the closing quote
+		} else {
+			for ; i < len(rest) && strings.IndexByte(kvSpace, rest[i]) < 0; i++ {
+				if rest[i] == '\\' {
+					i++
+				}
+			}
+			i = min(i, len(rest)) // a trailing backslash
+		}
+		if !drop[key] {
+			kept = append(kept, rest[:i])
+		}
+		rest = strings.TrimLeft(rest[i:], kvSpace)
+	}
+	return strings.Join(kept, " "), nil
 }

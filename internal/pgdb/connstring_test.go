@@ -111,3 +111,72 @@ func TestWithDatabaseKeepsAndHidesPasswords(t *testing.T) {
 	require.ErrorIs(t, err, pgdb.ErrUnparseable)
 	assert.NotContains(t, err.Error(), "s3cr3t")
 }
+
+// WithDatabase names the new database and no other: a database named
+// anywhere in the string (the URL's path, a dbname= or database= query
+// parameter, however often and however its key is encoded, a keyword/value
+// dbname=) is replaced, and everything else is kept as written. A program
+// that picks a database of its own (sagabench's fresh one, the payment
+// service's) otherwise wrote into the one the string named in a parameter.
+func TestWithDatabaseReplacesEveryDatabase(t *testing.T) {
+	t.Parallel()
+	cases := []struct{ name, in, want string }{
+		{"url, path only", "postgres://u:p@h:5432/old?sslmode=disable", "postgres://u:p@h:5432/new?sslmode=disable"},
+		{"postgresql scheme", "postgresql://h/old", "postgresql://h/new"},
+		{"url, no database", "postgres://h", "postgres://h/new"},
+		{"url, empty path", "postgres://h/", "postgres://h/new"},
+		{"url, dbname param only", "postgres://u@h/?dbname=prod", "postgres://u@h/new"},
+		{"url, dbname param, no path", "postgres://u@h?dbname=prod&sslmode=disable", "postgres://u@h/new?sslmode=disable"},
+		{"url, path and param alike", "postgres://u@h/prod?dbname=prod", "postgres://u@h/new"},
+		{"url, path and param differ", "postgres://u@h/old?sslmode=disable&dbname=prod&application_name=x", "postgres://u@h/new?sslmode=disable&application_name=x"},
+		{"url, database param", "postgres://u@h/old?database=prod", "postgres://u@h/new"},
+		{"url, repeated params", "postgres://u@h/old?dbname=a&sslmode=disable&database=b&dbname=c", "postgres://u@h/new?sslmode=disable"},
+		{"url, encoded key", "postgres://u@h/old?db%6Eame=prod&sslmode=disable", "postgres://u@h/new?sslmode=disable"},
+		{"url, other params alike kept", "postgres://u@h/old?application_name=dbname&options=-c%20x%3Ddbname", "postgres://u@h/new?application_name=dbname&options=-c%20x%3Ddbname"},
+		{"keyword/value", "host=h user=u dbname=old", "host=h user=u dbname='new'"},
+		{"keyword/value, no database", "host=h user=u", "host=h user=u dbname='new'"},
+		{"keyword/value, empty", "", "dbname='new'"},
+		{"keyword/value, repeated, database spelling", "dbname=a host=h database=b user=u dbname=c", "host=h user=u dbname='new'"},
+		{"keyword/value, spaces around '='", "host=h dbname = prod user=u", "host=h user=u dbname='new'"},
+		{"keyword/value, quotes and escapes", `host=h dbname='it\'s prod' password='dbname=x \\' user=u`, `host=h password='dbname=x \\' user=u dbname='new'`},
+		{"keyword/value, escaped space", `dbname=my\ prod host=h`, `host=h dbname='new'`},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			got, err := pgdb.WithDatabase(c.in, "new")
+			require.NoError(t, err)
+			assert.Equal(t, c.want, got)
+			cfg, err := pgdb.ParseConfig(got)
+			require.NoError(t, err)
+			assert.Equal(t, "new", cfg.ConnConfig.Database)
+		})
+	}
+	// A name that needs quoting or encoding in either form (ParseConfig
+	// refuses a quote in a keyword/value database name; pgx reads it).
+	got, err := pgdb.WithDatabase(`host=h dbname=old`, `it's a \ db`)
+	require.NoError(t, err)
+	pcfg, err := pgconn.ParseConfig(got)
+	require.NoError(t, err)
+	assert.Equal(t, `it's a \ db`, pcfg.Database)
+	got, err = pgdb.WithDatabase(`host=h dbname=old`, `a \ db`)
+	require.NoError(t, err)
+	cfg, err := pgdb.ParseConfig(got)
+	require.NoError(t, err)
+	assert.Equal(t, `a \ db`, cfg.ConnConfig.Database)
+	got, err = pgdb.WithDatabase(`postgres://h/old?dbname=x`, `a/b?c&d=e f`)
+	require.NoError(t, err)
+	cfg, err = pgdb.ParseConfig(got)
+	require.NoError(t, err)
+	assert.Equal(t, `a/b?c&d=e f`, cfg.ConnConfig.Database)
+}
+
+// A keyword/value string WithDatabase cannot read fails, quoting none of it.
+func TestWithDatabaseRefusesAnUnreadableKeywordValueString(t *testing.T) {
+	t.Parallel()
+	for _, in := range []string{"host=h password='s3cr3t", "host=h s3cr3t"} {
+		_, err := pgdb.WithDatabase(in, "new")
+		require.ErrorIs(t, err, pgdb.ErrUnparseable, in)
+		assert.NotContains(t, err.Error(), "s3cr3t")
+	}
+}

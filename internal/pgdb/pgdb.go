@@ -10,9 +10,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"net/url"
 	"os"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -130,20 +128,4 @@ func Connect(ctx context.Context, connString string) (*pgx.Conn, error) {
 func (db *DB) Close() {
 	_ = db.SQL.Close()
 	db.Pool.Close()
-}
-
-// WithDatabase returns connURL pointing at database name instead, for both the
-// URL and the key/value forms of a libpq connection string. Everything else
-// stays as written (a password's encoding included).
-func WithDatabase(connURL, name string) (string, error) {
-	if !isURI(connURL) {
-		// Key/value form: a later dbname overrides an earlier one.
-		return strings.TrimSpace(connURL + " dbname=" + kvEscape(name)), nil
-	}
-	u, err := splitURI(connURL)
-	if err != nil {
-		return "", &unparseableError{size: len(connURL)}
-	}
-	u.hasPath, u.path = true, url.PathEscape(name)
-	return u.String(), nil
 }

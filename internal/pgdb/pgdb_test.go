@@ -13,21 +13,6 @@ import (
 
 func TestMain(m *testing.M) { testdb.Main(m) }
 
-func TestWithDatabase(t *testing.T) {
-	t.Parallel()
-	cases := map[string]string{
-		"postgres://u:p@h:5432/old?sslmode=disable": "postgres://u:p@h:5432/new?sslmode=disable",
-		"postgresql://h/old":                        "postgresql://h/new",
-		"postgres://h":                              "postgres://h/new",
-		"host=h user=u dbname=old":                  "host=h user=u dbname=old dbname='new'",
-	}
-	for in, want := range cases {
-		got, err := pgdb.WithDatabase(in, "new")
-		require.NoError(t, err)
-		assert.Equal(t, want, got, in)
-	}
-}
-
 func TestOpenSharesOnePool(t *testing.T) {
 	t.Parallel()
 	db := testdb.Shared(t)

@@ -13,7 +13,10 @@
 // (port 54330, data in <user cache dir>/pgsaga/test-postgres) that the
 // first test process of a run starts, the others share, and that is left
 // running for the next run (a second start would cost every run seconds);
-// it stops with `pg_ctl stop -D <that dir>/data`. As root, where PostgreSQL
+// it stops with `pg_ctl stop -D <that dir>/data`. Like the sample's, it is
+// its user's alone (a random superuser password in
+// <that dir>/data/pgsaga-superuser-password, asked for by SCRAM; see
+// internal/finddb). As root, where PostgreSQL
 // cannot run, the tests fail with one sentence saying how to get a server;
 // they never skip.
 //
@@ -255,8 +258,8 @@ func findServer(ctx context.Context) (string, error) {
 	// packages of the run and for later runs.
 	// One line, in every package: go test shows it only for packages that
 	// fail, and then it matters.
-	fmt.Fprintf(os.Stderr, "testdb: no PostgreSQL at 127.0.0.1:5432; testing on an embedded one (%s, port %d), left running for later runs; stop it with `pg_ctl stop -D %s`\n",
-		found.Detail, embeddedPort, filepath.Join(dir, "data"))
+	fmt.Fprintf(os.Stderr, "testdb: no PostgreSQL at 127.0.0.1:5432; testing on an embedded one (%s, port %d), left running for later runs; stop it with `pg_ctl stop -D %s`; its password is in %s\n",
+		found.Detail, embeddedPort, filepath.Join(dir, "data"), filepath.Join(dir, "data", "pgsaga-superuser-password"))
 	return found.URL, nil
 }
 
