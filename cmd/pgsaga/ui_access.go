@@ -273,16 +273,33 @@ func (a *uiAuth) allows(r *http.Request) bool {
 }
 
 // checkAuth answers 401, with a challenge for each way to log in, a
-// request without the login, if one is configured.
+// request without the login, if one is configured. A client that failed
+// too many logins lately (see loginThrottle) is answered 429, with a
+// Retry-After, before its credential is looked at: a guess throttled
+// learns nothing, not even a right one. Refusals are logged a line a
+// minute at most (loginGuard.refusal).
 func (u *webUI) checkAuth(next http.Handler) http.Handler {
 	a := u.cfg.Auth
 	if a == nil {
 		return next
 	}
+	g := u.logins
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		key := clientKey(r)
+		kind := credentialKind(r)
+		attrs := []any{"method", r.Method, "path", r.URL.Path, "credential", kind, "remote", r.RemoteAddr}
+		if wait := g.admit(key); wait > 0 {
+			g.refusal(key, true, attrs...)
+			tooManyLogins(w, wait)
+			return
+		}
 		if a.allows(r) {
+			g.loggedIn(key)
 			next.ServeHTTP(w, r)
 			return
+		}
+		if kind != "none" { // no credential guesses nothing: the browser's first request
+			g.failed(key)
 		}
 		if a.basic {
 			w.Header().Add("WWW-Authenticate", `Basic realm="`+uiRealm+`", charset="UTF-8"`)
@@ -290,7 +307,7 @@ func (u *webUI) checkAuth(next http.Handler) http.Handler {
 		if a.bearer {
 			w.Header().Add("WWW-Authenticate", `Bearer realm="`+uiRealm+`"`)
 		}
-		u.log.Info("ui: login refused", "method", r.Method, "path", r.URL.Path, "credential", credentialKind(r), "remote", r.RemoteAddr)
+		g.refusal(key, false, attrs...)
 		plainError(w, http.StatusUnauthorized, "pgsaga ui: log in first.")
 	})
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"log/slog"
 	"net/http"
 	"strconv"
 	"strings"
@@ -114,7 +115,7 @@ func TestUIWeakSecretsRefused(t *testing.T) {
 		"kX9vQ2mL7pR4tZ8w",                 // mixed
 		"correct horse battery staple now", // a passphrase
 		"correcthorsebatterystaple",        // long, one kind
-		"pässwörd-ünïcödé", // a password only: a token is ASCII
+		"pässwörd-ünïcödé",                 // a password only: a token is ASCII
 	} {
 		if token := strings.ReplaceAll(strong, " ", "-"); token == strings.ToValidUTF8(token, "") && strings.IndexFunc(token, func(r rune) bool { return r > 0x7e }) < 0 {
 			_, err := uiAuthFromEnv(func(k string) string { return map[string]string{envUIToken: token}[k] })
@@ -125,4 +126,40 @@ func TestUIWeakSecretsRefused(t *testing.T) {
 		})
 		assert.NoError(t, err, strong)
 	}
+}
+
+// Failures from many addresses together are limited too, but a client
+// that logged in lately may still try; an IPv6 client is its /64; the
+// clients remembered are bounded.
+func TestLoginGuardGlobalLimit(t *testing.T) {
+	clock := &fakeClock{now: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)}
+	var log strings.Builder
+	g := newLoginGuard(loginThrottle{ClientBurst: 3, GlobalBurst: 20}, clock.Now, slog.New(slog.NewTextHandler(&log, nil)))
+	defer g.stop()
+	g.loggedIn("192.0.2.1")
+	for i := range 20 {
+		key := "198.51.100." + strconv.Itoa(i)
+		require.Zero(t, g.admit(key), key)
+		g.failed(key)
+	}
+	assert.Positive(t, g.admit("203.0.113.9"), "past the global limit, a new client waits")
+	assert.Zero(t, g.admit("192.0.2.1"), "a client that logged in lately may still try")
+	clock.Advance(globalFailuresEvery)
+	assert.Zero(t, g.admit("203.0.113.9"), "the global bucket refills")
+
+	r := func(remote string) *http.Request { return &http.Request{RemoteAddr: remote} }
+	assert.Equal(t, "2001:db8:1:2::/64", clientKey(r("[2001:db8:1:2:aaaa::1]:5555")))
+	assert.Equal(t, clientKey(r("[2001:db8:1:2:bbbb::7]:1")), clientKey(r("[2001:db8:1:2:aaaa::1]:5555")), "one /64, one client")
+	assert.Equal(t, "192.0.2.1", clientKey(r("192.0.2.1:4444")))
+	assert.Equal(t, "192.0.2.1", clientKey(r("[::ffff:192.0.2.1]:4444")))
+
+	g = newLoginGuard(loginThrottle{GlobalBurst: 1 << 30}, clock.Now, slog.New(slog.DiscardHandler))
+	for i := range maxClients + 100 {
+		g.failed("10." + strconv.Itoa(i>>16) + "." + strconv.Itoa(i>>8&255) + "." + strconv.Itoa(i&255))
+	}
+	assert.Equal(t, maxClients, len(g.clients), "the clients remembered are bounded")
+	clock.Advance(time.Duration(clientFailuresBurst) * clientFailuresEvery)
+	g.failed("192.0.2.200")
+	assert.Contains(t, g.clients, "192.0.2.200", "once the others have waited enough, they are forgotten")
+	assert.Less(t, len(g.clients), 100)
 }
