@@ -60,7 +60,7 @@ func uiCmd() *cobra.Command {
 			"0123 or abcd, not of one kind only under 24): make one with `openssl rand -hex 32`. After 10 failed logins " +
 			"from one address (or 100 from all), it answers 429 with a Retry-After until the address has waited (one more " +
 			"try each 6s), and logs refused logins a line a minute at most.",
-		Args: cobra.NoArgs,
+		Args: noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := checkAddr(addr); err != nil {
 				return usageError{err}
