@@ -20,14 +20,14 @@ import (
 )
 
 // Schemes lists the URL forms Open takes, for messages.
-const Schemes = "nats://host:4222 (NATS JetStream) or kafka://[user:password@]host:9092[,host:9092…][?sasl=plain][&tls=true] (Kafka)"
+const Schemes = "nats://host:4222 (NATS JetStream) or kafka://[user:password@]host:9092[,host:9092…][?sasl=plain|scram-sha-256|scram-sha-512][&tls=true] (Kafka)"
 
 // ErrUnknownScheme is returned for a URL Open cannot tell the broker of.
 var ErrUnknownScheme = errors.New("brokers: unknown broker URL")
 
 // ErrKafkaLogin is returned for a kafka:// URL whose login cannot be used
-// as written: a user or password without sasl=plain (Kafka would be
-// reached without them), sasl=plain without a user and password, a
+// as written: a user or password without sasl= (Kafka would be reached
+// without them), sasl= without a user and password, a
 // mechanism or parameter it does not know. The error's message never
 // holds the password, nor a parameter's value.
 var ErrKafkaLogin = errors.New("brokers: kafka:// URL")
@@ -40,11 +40,13 @@ func Check(raw string) error {
 }
 
 // kafkaLogin is how a kafka:// URL logs in, as its userinfo and query
-// say: with sasl=plain, SASL/PLAIN with its user and password; with
-// tls=true, over TLS (the system's roots).
+// say: with sasl=plain, SASL/PLAIN with its user and password (sasl=
+// scram-sha-256 or scram-sha-512: SCRAM); with tls=true, over TLS (the
+// system's roots).
 type kafkaLogin struct {
 	user, password string
-	sasl, tls      bool
+	sasl           sarama.SASLMechanism // "": none
+	tls            bool
 }
 
 func parseKafkaLogin(raw string) (kafkaLogin, error) {
@@ -66,10 +68,16 @@ func parseKafkaLogin(raw string) (kafkaLogin, error) {
 		}
 		switch v := values[0]; name {
 		case "sasl":
-			if !strings.EqualFold(v, "plain") {
-				return bad("sasl= takes plain only (SASL/PLAIN; for SCRAM, OAUTHBEARER or Kerberos give kafka.Config.Sarama in code)")
+			switch strings.ToLower(v) {
+			case "plain":
+				l.sasl = sarama.SASLTypePlaintext
+			case "scram-sha-256":
+				l.sasl = sarama.SASLTypeSCRAMSHA256
+			case "scram-sha-512":
+				l.sasl = sarama.SASLTypeSCRAMSHA512
+			default:
+				return bad("sasl= takes plain, scram-sha-256 or scram-sha-512 (for OAUTHBEARER or Kerberos give kafka.Config.Sarama in code)")
 			}
-			l.sasl = true
 		case "tls":
 			switch strings.ToLower(v) {
 			case "true", "1", "yes":
@@ -79,7 +87,7 @@ func parseKafkaLogin(raw string) (kafkaLogin, error) {
 				return bad("tls= takes true or false")
 			}
 		default:
-			return bad("a parameter it does not know (not shown): it takes sasl=plain and tls=true")
+			return bad("a parameter it does not know (not shown): it takes sasl= (plain, scram-sha-256, scram-sha-512) and tls=true")
 		}
 	}
 	if u.User != nil {
@@ -87,11 +95,11 @@ func parseKafkaLogin(raw string) (kafkaLogin, error) {
 		l.password, _ = u.User.Password()
 	}
 	switch {
-	case l.sasl && (l.user == "" || l.password == ""):
-		return bad("sasl=plain needs a user and password: kafka://user:password@host:9092?sasl=plain")
-	case !l.sasl && u.User != nil:
+	case l.sasl != "" && (l.user == "" || l.password == ""):
+		return bad("sasl= needs a user and password: kafka://user:password@host:9092?sasl=scram-sha-512")
+	case l.sasl == "" && u.User != nil:
 		return bad("it gives a user or password, but says not how to log in with them, so Kafka would be reached without them: " +
-			"add ?sasl=plain (SASL/PLAIN; add &tls=true, or the password crosses the network readable)")
+			"add ?sasl=scram-sha-512 (or scram-sha-256, or plain: SASL/PLAIN, with &tls=true, or the password crosses the network readable)")
 	}
 	return l, nil
 }
@@ -151,13 +159,16 @@ func kafkaConfig(raw string, hosts []string) (kafka.Config, error) {
 		return kafka.Config{}, err
 	}
 	cfg := kafka.Config{Brokers: hosts}
-	if l.sasl || l.tls {
+	if l.sasl != "" || l.tls {
 		sc := sarama.NewConfig()
-		if l.sasl {
+		if l.sasl != "" {
 			sc.Net.SASL.Enable = true
-			sc.Net.SASL.Mechanism = sarama.SASLTypePlaintext
+			sc.Net.SASL.Mechanism = l.sasl
 			sc.Net.SASL.Handshake = true
 			sc.Net.SASL.User, sc.Net.SASL.Password = l.user, l.password
+			if l.sasl != sarama.SASLTypePlaintext {
+				sc.Net.SASL.SCRAMClientGeneratorFunc = newSCRAM(l.sasl)
+			}
 		}
 		if l.tls {
 			sc.Net.TLS.Enable = true
