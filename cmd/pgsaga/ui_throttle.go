@@ -216,7 +216,9 @@ func (g *loginGuard) refusal(key string, throttled bool, attrs ...any) {
 	if throttled {
 		g.throttled++
 	}
-	g.from[key] = true
+	if len(g.from) < maxClients {
+		g.from[key] = true
+	}
 	if g.logged.IsZero() || now.Sub(g.logged) >= refusalLogEvery {
 		if g.refused == 1 {
 			msg := "ui: login refused"
@@ -244,7 +246,7 @@ func (g *loginGuard) refusal(key string, throttled bool, attrs ...any) {
 
 // summary logs the refusals since the last line. g.mu is held.
 func (g *loginGuard) summary(now time.Time) {
-	g.log.Warn("ui: logins refused", "refused", g.refused, "throttled", g.throttled, "clients", len(g.from),
+	g.log.Warn("ui: logins refused", "refused", g.refused, "throttled", g.throttled, "clients", len(g.from), // at most maxClients
 		"since", g.logged.UTC().Format(time.RFC3339))
 	g.reset(now)
 }
