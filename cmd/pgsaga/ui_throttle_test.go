@@ -108,6 +108,17 @@ func TestUIWeakSecretsRefused(t *testing.T) {
 			}
 		}
 	}
+	// The command: exit 2 before it opens anything, one sentence.
+	for _, k := range []string{envUIToken, envUITokenFile, envUIUser, envUIPassword, envUIPasswordFile} {
+		t.Setenv(k, "")
+	}
+	t.Setenv("DATABASE_URL", "postgres://postgres@127.0.0.1:1/nowhere?connect_timeout=5")
+	t.Setenv(envUIToken, "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa")
+	code, _, errOut := pgsaga(t, "ui", "--addr", "127.0.0.1:0")
+	assert.Equal(t, exitUsage, code, errOut)
+	assert.Contains(t, errOut, "PGSAGA_UI_TOKEN is too weak")
+	assert.NotContains(t, errOut, "aaaaaaaa")
+
 	for _, strong := range []string{
 		testToken, testPassword,
 		"3f9c1a7e5b2d8046",                 // openssl rand -hex 8
