@@ -5,9 +5,11 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
 	"time"
 
 	"github.com/pgsaga/pgsaga/cmd/internal/brokers"
+	"github.com/pgsaga/pgsaga/cmd/internal/cliargs"
 	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/obs"
 )
@@ -53,6 +55,11 @@ func (o options) chaos() bool {
 	return o.duplicateRate > 0 || o.crashRate > 0 || o.gatewayFaultRate > 0
 }
 
+// envPaymentsService gives -payments-service when the flag is not given:
+// a broker URL may hold a password, and every user of the machine can
+// read a command line.
+const envPaymentsService = "ORDERDEMO_PAYMENTS_SERVICE"
+
 func parseFlags(args []string, stderr io.Writer) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("orderdemo", flag.ContinueOnError)
@@ -67,7 +74,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.BoolVar(&o.serve, "serve", false, "after the report, keep the workers running until SIGINT or SIGTERM, carrying out operators' requests (pgsaga retry, pgsaga cancel); with -orders 0, serve only")
 	o.log.Register(fs, "warn (nothing with chaos flags)")
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve Prometheus metrics at http://ADDR/metrics while it runs, e.g. 127.0.0.1:9090 (port 0 picks one; the address is printed)")
-	fs.StringVar(&o.paymentsService, "payments-service", "", "run the payment step as a service of its own, on a second database (PAYMENTS_DATABASE_URL, else the first one's name + _payments), reached through this broker: "+brokers.Schemes)
+	fs.StringVar(&o.paymentsService, "payments-service", "", "run the payment step as a service of its own, on a second database (PAYMENTS_DATABASE_URL, else the first one's name + _payments), reached through this broker: "+brokers.Schemes+" (default $"+envPaymentsService+", which keeps its password off the command line)")
 	fs.BoolVar(&o.declineRefunds, "decline-refunds", false, "the payment gateway declines every refund: a saga whose compensation needs one (an order cancelled after it was charged) parks as failed, its charge held, for an operator")
 	fs.Float64Var(&o.duplicateRate, "duplicate-rate", 0, "chaos: share of messages delivered again (copies arrive late and out of order)")
 	fs.Float64Var(&o.crashRate, "crash-rate", 0, "chaos: share of handler attempts crashed at a commit boundary (45% of them before commit, 45% after commit before the ack, 10% by killing the database connection)")
@@ -80,6 +87,9 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 			return o, errHelp
 		}
 		return o, err
+	}
+	if !flagSet(fs, "payments-service") {
+		o.paymentsService = os.Getenv(envPaymentsService)
 	}
 	err := validate(fs, &o)
 	return o, err
@@ -130,7 +140,7 @@ Flags:
 func validate(fs *flag.FlagSet, o *options) error {
 	switch {
 	case fs.NArg() > 0:
-		return fmt.Errorf("unexpected arguments %q: it takes flags only", fs.Args())
+		return cliargs.Unexpected(fs.Args())
 	case o.orders < 0:
 		return fmt.Errorf("-orders must not be negative, got %d", o.orders)
 	case o.orders > 100_000:

@@ -27,6 +27,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/pgsaga/pgsaga/cmd/internal/cliargs"
 	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/obs"
 )
@@ -62,7 +63,7 @@ func runEnv(ctx context.Context, getenv func(string) string, args []string, stdo
 		if errors.Is(err, errHelp) {
 			return exitOK
 		}
-		fmt.Fprintf(stderr, "orderdemo: %v (orderdemo -h lists the flags)\n", err)
+		fmt.Fprintf(stderr, "orderdemo: %s (orderdemo -h lists the flags)\n", cliargs.Redact(err.Error(), args))
 		return exitUsage
 	}
 	opts.getenv = getenv

@@ -92,7 +92,7 @@ func sagasCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "sagas",
 		Short: "List saga instances: status, current step, age, attempts (least recently updated first)",
-		Args:  cobra.NoArgs,
+		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			f, err := sagaFilter(status, name, olderThan, limit)
 			if err != nil {
@@ -292,7 +292,7 @@ func deadLettersCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "dead-letters",
 		Short: "List the messages that could not be handled, with why",
-		Args:  cobra.NoArgs,
+		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := checkLimit(limit); err != nil {
 				return err
@@ -389,7 +389,7 @@ func migrateCmd() *cobra.Command {
 	return &cobra.Command{
 		Use:   "migrate",
 		Short: "Apply the migrations this binary knows to the database",
-		Args:  cobra.NoArgs,
+		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return withDB(cmd.Context(), func(db *pgdb.DB) error {
 				applied, err := migrations.Apply(cmd.Context(), db.SQL)
@@ -420,7 +420,7 @@ func versionCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "version",
 		Short: "The binary's version, and the database's schema version against the one it knows",
-		Args:  cobra.NoArgs,
+		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return withDB(cmd.Context(), func(db *pgdb.DB) error {
 				current, known, err := migrations.Version(cmd.Context(), db.SQL)

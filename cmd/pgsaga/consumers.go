@@ -34,7 +34,7 @@ func consumersCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "consumers",
 		Short: "Every consumer group of every topic: messages waiting, age of the oldest, whether a worker runs it",
-		Args:  cobra.NoArgs,
+		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := checkStale(stale); err != nil {
 				return err

@@ -51,6 +51,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/pgsaga/pgsaga/cmd/internal/cliargs"
 	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/termsafe"
@@ -91,7 +92,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err == nil {
 		return exitOK
 	}
-	fmt.Fprintln(stderr, "pgsaga:", termsafe.Line(err.Error()))
+	fmt.Fprintln(stderr, "pgsaga:", termsafe.Line(cliargs.Redact(err.Error(), args)))
 	var u usageError
 	if errors.As(err, &u) || cmd == nil || isCobraUsage(err) {
 		if cmd != nil {
@@ -100,6 +101,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitUsage
 	}
 	return exitFailed
+}
+
+// noArgs is cobra.NoArgs without echoing the arguments (cobra's says
+// `unknown command "ARG"`): one may be a URL with a password, given
+// without its flag.
+func noArgs(cmd *cobra.Command, args []string) error {
+	if len(args) == 0 {
+		return nil
+	}
+	return usagef("%s takes no arguments, only flags; got %d (not shown: one may hold a secret; a flag's value goes after the flag, like --broker URL)",
+		cmd.CommandPath(), len(args))
 }
 
 // isCobraUsage reports whether err is cobra's own complaint about the

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"os"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -15,6 +16,10 @@ import (
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps/broker"
 )
+
+// envBrokerURL is the environment variable that gives relay its broker
+// when --broker is not given.
+const envBrokerURL = "PGSAGA_BROKER_URL"
 
 func relayCmd() *cobra.Command {
 	var (
@@ -32,11 +37,16 @@ func relayCmd() *cobra.Command {
 			"queued, with its UUID as the broker's deduplication id. It records the relay's consumer group of each topic " +
 			"first (messages published to a topic before any relay or group subscribed it are dead letters), creates the " +
 			"topics at the broker if missing, and runs until SIGINT or SIGTERM. Several relays of one topic take turns. " +
-			"Workers can run the relay themselves instead (saga.ClientConfig.Broker).",
-		Args: cobra.NoArgs,
+			"Workers can run the relay themselves instead (saga.ClientConfig.Broker). The broker URL may hold a password: give it in " +
+			"the environment, " + envBrokerURL + ", rather than as --broker, which every user of the machine can read on the " +
+			"command line (--broker, given, wins).",
+		Args: noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if !cmd.Flags().Changed("broker") {
+				brokerURL = os.Getenv(envBrokerURL)
+			}
 			if brokerURL == "" {
-				return usagef("--broker is required: %s", brokers.Schemes)
+				return usagef("--broker is required (or %s in the environment): %s", envBrokerURL, brokers.Schemes)
 			}
 			if err := brokers.Check(brokerURL); err != nil {
 				return usageError{err}
@@ -108,7 +118,7 @@ func relayCmd() *cobra.Command {
 			})
 		},
 	}
-	cmd.Flags().StringVar(&brokerURL, "broker", "", "the broker: "+brokers.Schemes)
+	cmd.Flags().StringVar(&brokerURL, "broker", "", "the broker: "+brokers.Schemes+" (default $"+envBrokerURL+")")
 	cmd.Flags().StringArrayVar(&topics, "topic", nil, "a topic to relay (repeat for several)")
 	cmd.Flags().IntVar(&batch, "batch", broker.BatchSizeDefault, "messages of a topic taken from the queue per transaction")
 	cmd.Flags().DurationVar(&every, "report-every", time.Minute, "print what was relayed this often (0: only when stopping)")

@@ -55,8 +55,12 @@ func uiCmd() *cobra.Command {
 			"and every consumer group. It listens on the loopback interface unless --addr says otherwise, answers only to " +
 			"its host names (there, the local ones), and refuses a button press that comes from another site. Elsewhere it needs " +
 			"a login (" + envUIToken + " or " + envUITokenFile + ", or " + envUIUser + " with " + envUIPassword + " or " +
-			envUIPasswordFile + "; on loopback it is optional) and the host names it is reached by (--allow-host).",
-		Args: cobra.NoArgs,
+			envUIPasswordFile + "; on loopback it is optional) and the host names it is reached by (--allow-host). " +
+			"A token or password must be hard to guess (at least 16 characters, 6 different ones, not repeated, not a run like " +
+			"0123 or abcd, not of one kind only under 24): make one with `openssl rand -hex 32`. After 10 failed logins " +
+			"from one address (or 100 from all), it answers 429 with a Retry-After until the address has waited (one more " +
+			"try each 6s), and logs refused logins a line a minute at most.",
+		Args: noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := checkAddr(addr); err != nil {
 				return usageError{err}
@@ -99,6 +103,7 @@ func uiCmd() *cobra.Command {
 					_ = ln.Close()
 					return err
 				}
+				defer h.logins.stop()
 				return serveUI(ctx, ln, h, stderr, log)
 			})
 		},
@@ -150,6 +155,9 @@ type uiConfig struct {
 	Hosts []string
 	// Auth is the login every request needs; nil for none.
 	Auth *uiAuth
+	// Logins limits failed logins (see loginThrottle). Zero: the
+	// defaults.
+	Logins loginThrottle
 	// RequestWait is how long a Retry or Cancel waits for a worker to
 	// carry the request out before the page says it is pending. Default 3s.
 	RequestWait time.Duration
@@ -166,6 +174,7 @@ type webUI struct {
 	flashKey []byte
 	handler  http.Handler
 	cssHash  string
+	logins   *loginGuard
 }
 
 const (
@@ -194,7 +203,8 @@ func newUI(cfg uiConfig) (*webUI, error) {
 	if err != nil {
 		return nil, err
 	}
-	u := &webUI{cfg: cfg, log: cfg.Logger, client: client, pages: map[string]*template.Template{}}
+	u := &webUI{cfg: cfg, log: cfg.Logger, client: client, pages: map[string]*template.Template{},
+		logins: newLoginGuard(cfg.Logins, cfg.Now, cfg.Logger)}
 	u.flashKey = make([]byte, 32)
 	if _, err := rand.Read(u.flashKey); err != nil {
 		return nil, err

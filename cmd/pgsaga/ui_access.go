@@ -8,6 +8,7 @@ import (
 	"crypto/sha256"
 	"crypto/subtle"
 	"encoding/base64"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -18,6 +19,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"unicode"
 	"unicode/utf8"
 
 	"github.com/pgsaga/pgsaga/internal/termsafe"
@@ -83,6 +85,9 @@ func uiAuthFromEnv(getenv func(string) string) (*uiAuth, error) {
 		if err := checkSecret(passwordFrom, password, minSecret); err != nil {
 			return nil, err
 		}
+		if err := checkStrength(passwordFrom, password); err != nil {
+			return nil, err
+		}
 		a.basic, a.user, a.password = true, sha256.Sum256([]byte(user)), sha256.Sum256([]byte(password))
 	}
 	if token != "" {
@@ -93,6 +98,9 @@ func uiAuthFromEnv(getenv func(string) string) (*uiAuth, error) {
 			if c <= ' ' || c >= 0x7f {
 				return nil, fmt.Errorf("%s may hold only visible ASCII characters (no spaces)", tokenFrom)
 			}
+		}
+		if err := checkStrength(tokenFrom, token); err != nil {
+			return nil, err
 		}
 		a.bearer, a.token = true, sha256.Sum256([]byte(token))
 	}
@@ -165,6 +173,86 @@ func checkSecret(name, value string, minLen int) error {
 	return nil
 }
 
+// Strength rules of a password or token, beyond minSecret characters.
+const (
+	// minDistinct is the fewest different characters a secret may hold.
+	minDistinct = 6
+	// minOneKind is the fewest characters of a secret of one kind of
+	// character only (digits, lower-case or upper-case letters).
+	minOneKind = 24
+)
+
+// makeSecret says how to make a good secret, for messages.
+const makeSecret = "make one with `openssl rand -hex 32`"
+
+// errWeakSecret is what checkStrength's errors wrap.
+var errWeakSecret = errors.New("too weak")
+
+// checkStrength says what makes the secret value of the variable name easy
+// to guess, if anything, without saying the value: too few different
+// characters, a short string repeated, a run of neighbouring characters
+// (0123…, abcd…, fedc…) for most of it, or one kind of character only
+// (all digits, all lower-case letters, …) in fewer than minOneKind. A
+// random secret of minSecret characters or more (openssl rand -hex 8 or
+// longer) passes.
+func checkStrength(name, value string) error {
+	rs := []rune(value)
+	weak := func(why string) error {
+		return fmt.Errorf("%s is %w: %s; %s", name, errWeakSecret, why, makeSecret)
+	}
+	distinct := map[rune]bool{}
+	kinds := map[int]bool{}
+	for _, r := range rs {
+		distinct[r] = true
+		kinds[runeKind(r)] = true
+	}
+	if len(distinct) < minDistinct {
+		return weak(fmt.Sprintf("it holds fewer than %d different characters", minDistinct))
+	}
+	for p := 1; p <= len(rs)/2; p++ {
+		if periodic(rs, p) {
+			return weak("it repeats a shorter string")
+		}
+	}
+	steps := 0
+	for i := 1; i < len(rs); i++ {
+		if d := rs[i] - rs[i-1]; d == 1 || d == -1 || d == 0 {
+			steps++
+		}
+	}
+	if 2*steps >= len(rs)-1 {
+		return weak("most of it runs through neighbouring characters, like 0123 or abcd")
+	}
+	if len(kinds) == 1 && len(rs) < minOneKind {
+		return weak(fmt.Sprintf("it holds one kind of character only (all digits, or all letters of one case): mix them or give at least %d characters", minOneKind))
+	}
+	return nil
+}
+
+// periodic reports whether rs repeats its first p runes throughout.
+func periodic(rs []rune, p int) bool {
+	for i := p; i < len(rs); i++ {
+		if rs[i] != rs[i-p] {
+			return false
+		}
+	}
+	return true
+}
+
+// runeKind is the kind of r: a digit, a lower-case letter, an upper-case
+// letter, or anything else.
+func runeKind(r rune) int {
+	switch {
+	case unicode.IsDigit(r):
+		return 0
+	case unicode.IsLower(r):
+		return 1
+	case unicode.IsUpper(r):
+		return 2
+	}
+	return 3
+}
+
 // allows reports whether r carries the login.
 func (a *uiAuth) allows(r *http.Request) bool {
 	scheme, cred, _ := strings.Cut(r.Header.Get("Authorization"), " ")
@@ -185,16 +273,33 @@ func (a *uiAuth) allows(r *http.Request) bool {
 }
 
 // checkAuth answers 401, with a challenge for each way to log in, a
-// request without the login, if one is configured.
+// request without the login, if one is configured. A client that failed
+// too many logins lately (see loginThrottle) is answered 429, with a
+// Retry-After, before its credential is looked at: a guess throttled
+// learns nothing, not even a right one. Refusals are logged a line a
+// minute at most (loginGuard.refusal).
 func (u *webUI) checkAuth(next http.Handler) http.Handler {
 	a := u.cfg.Auth
 	if a == nil {
 		return next
 	}
+	g := u.logins
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		key := clientKey(r)
+		kind := credentialKind(r)
+		attrs := []any{"method", r.Method, "path", r.URL.Path, "credential", kind, "remote", r.RemoteAddr}
+		if wait := g.admit(key); wait > 0 {
+			g.refusal(key, true, attrs...)
+			tooManyLogins(w, wait)
+			return
+		}
 		if a.allows(r) {
+			g.loggedIn(key)
 			next.ServeHTTP(w, r)
 			return
+		}
+		if kind != "none" { // no credential guesses nothing: the browser's first request
+			g.failed(key)
 		}
 		if a.basic {
 			w.Header().Add("WWW-Authenticate", `Basic realm="`+uiRealm+`", charset="UTF-8"`)
@@ -202,7 +307,7 @@ func (u *webUI) checkAuth(next http.Handler) http.Handler {
 		if a.bearer {
 			w.Header().Add("WWW-Authenticate", `Bearer realm="`+uiRealm+`"`)
 		}
-		u.log.Info("ui: login refused", "method", r.Method, "path", r.URL.Path, "credential", credentialKind(r), "remote", r.RemoteAddr)
+		g.refusal(key, false, attrs...)
 		plainError(w, http.StatusUnauthorized, "pgsaga ui: log in first.")
 	})
 }

@@ -84,7 +84,9 @@ func TestUILogin(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			dl := insertDeadLetter(t, db.SQL, sqlDeadLetter{Topic: "late.topic", Group: "late.group", Reason: "nobody read it"})
 			replay := "/dead-letters/" + strconv.FormatInt(dl, 10) + "/replay"
-			s := serveTestUI(t, db.URL, uiConfig{Auth: loginFrom(t, tc.env)}, uiServing{Allow: tc.allow})
+			// Every wrong credential is tried on every page: more failures
+			// than the throttle lets through (TestUILoginThrottled).
+			s := serveTestUI(t, db.URL, uiConfig{Auth: loginFrom(t, tc.env), Logins: loginThrottle{ClientBurst: 1000, GlobalBurst: 1000}}, uiServing{Allow: tc.allow})
 			b := s.browser(t)
 			for _, cred := range tc.bad {
 				b.authorization = cred

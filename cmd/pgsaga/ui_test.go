@@ -154,6 +154,7 @@ func serveTestUI(t *testing.T, dbURL string, cfg uiConfig, o uiServing) uiServer
 	t.Cleanup(func() {
 		stop()
 		require.NoError(t, <-served)
+		ui.logins.stop()
 	})
 	return s
 }

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pgsaga/pgsaga/cmd/internal/brokers"
+	"github.com/pgsaga/pgsaga/cmd/internal/cliargs"
 	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/obs"
 )
@@ -64,6 +65,11 @@ type options struct {
 // pool).
 func (o options) placers() int { return max(2, min(placers, o.inflight)) }
 
+// envPaymentsService gives -payments-service when the flag is not given:
+// a broker URL may hold a password, and every user of the machine can
+// read a command line.
+const envPaymentsService = "SAGABENCH_PAYMENTS_SERVICE"
+
 func parseFlags(args []string, stderr io.Writer) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("sagabench", flag.ContinueOnError)
@@ -88,7 +94,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.BoolVar(&o.queueEveryHop, "queue-every-hop", false, "send every trigger, command and reply through the queue, as with one process per participant, instead of starting each saga in Place's transaction and delivering the orders steps and the engine's replies in process")
 	fs.BoolVar(&o.asyncProjection, "async-projection", false, "keep order_views by delivering each order event to the projection's consumer group, instead of inline in the appending transaction")
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve Prometheus metrics at http://ADDR/metrics during the run, e.g. 127.0.0.1:9090 (port 0 picks one; printed); each -worker-processes process serves its own on a free port, printed too")
-	fs.StringVar(&o.paymentsService, "payments-service", "", "run the payment step as a service of its own, on a second fresh database, reached through this broker ("+brokers.Schemes+"); the sample's topics there are deleted first (the run starts fresh), so the broker must be the run's own")
+	fs.StringVar(&o.paymentsService, "payments-service", "", "run the payment step as a service of its own, on a second fresh database, reached through this broker ("+brokers.Schemes+"); the sample's topics there are deleted first (the run starts fresh), so the broker must be the run's own (default $"+envPaymentsService+", which keeps its password off the command line)")
 	fs.DurationVar(&o.gatewayDelay, "gateway-delay", 0, "the fake payment gateway answers every call after this long (a real gateway takes 100ms to seconds); at most 1s")
 	fs.Func("drop", "drop this benchmark database (pgsaga_bench_…, as a run that could not drop its own names it) on the server the run used, and do nothing else; repeat it for several", func(name string) error {
 		o.drop = append(o.drop, name)
@@ -102,6 +108,9 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 			return o, errHelp
 		}
 		return o, err
+	}
+	if !flagSet(fs, "payments-service") {
+		o.paymentsService = os.Getenv(envPaymentsService)
 	}
 	err := validate(fs, &o)
 	return o, err
@@ -226,7 +235,7 @@ func validate(fs *flag.FlagSet, o *options) error {
 	}
 	switch {
 	case fs.NArg() > 0:
-		return fmt.Errorf("unexpected arguments %q: it takes flags only", fs.Args())
+		return cliargs.Unexpected(fs.Args())
 	case o.sagas < 0 || o.sagas > 1_000_000:
 		return fmt.Errorf("-sagas must be between 0 and 1000000, got %d", o.sagas)
 	case o.inflight < 1:
@@ -301,4 +310,11 @@ func checkWritable(path string) error {
 	}
 	_ = f.Close()
 	return os.Remove(path)
+}
+
+// flagSet reports whether the flag name was given.
+func flagSet(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
 }

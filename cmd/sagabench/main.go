@@ -39,6 +39,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/pgsaga/pgsaga/cmd/internal/cliargs"
 	"github.com/pgsaga/pgsaga/internal/cmdlog"
 	"github.com/pgsaga/pgsaga/internal/obs"
 )
@@ -72,7 +73,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		if errors.Is(err, errHelp) {
 			return exitOK
 		}
-		fmt.Fprintf(stderr, "sagabench: %v (sagabench -h lists the flags)\n", err)
+		fmt.Fprintf(stderr, "sagabench: %s (sagabench -h lists the flags)\n", cliargs.Redact(err.Error(), args))
 		return exitUsage
 	}
 	stderr = cmdlog.Synced(stderr) // progress, logs and spans share it

@@ -24,3 +24,23 @@ func TestCheck(t *testing.T) {
 		assert.NotContains(t, err.Error(), "s3cr", bad)
 	}
 }
+
+// A kafka:// URL with a user and password is refused, unless it says how
+// to log in with them (sasl=plain, scram-sha-256, scram-sha-512): Kafka would be reached without them,
+// silently. The refusal never holds the password.
+func TestCheckKafkaCredentials(t *testing.T) {
+	t.Parallel()
+	for _, bad := range []string{"kafka://u:s3cr3t@h:9092", "kafka://u:s3cr3t@a:9092,b:9092", "kafka://u@h:9092", "kafka://u:s3cr3t@h:9092?tls=true",
+		"kafka://u:s3cr3t@h:9092?sasl=scram-sha-1", "kafka://h:9092?sasl=plain", "kafka://h:9092?sasl=scram-sha-512", "kafka://u:s3cr3t@h:9092?sasl=plain&x=s3cr3t",
+		"kafka://u:s3cr3t@h:9092?sasl=plain&tls=maybe", "kafka://u:s3cr3t@h:9092?sasl=s3cr3t", "kafka://u:s3cr3t@h:9092?sasl=plain&s3cr3t"} {
+		err := brokers.Check(bad)
+		if assert.Error(t, err, bad) {
+			assert.ErrorIs(t, err, brokers.ErrKafkaLogin, bad)
+			assert.NotContains(t, err.Error(), "s3cr3t", bad)
+		}
+	}
+	for _, ok := range []string{"kafka://u:s3cr3t@h:9092?sasl=plain", "kafka://u:s3cr3t@a:9092,b:9092?sasl=PLAIN&tls=true", "kafka://h:9092?tls=true",
+		"kafka://u:s3cr3t@h:9092?sasl=scram-sha-256", "kafka://u:s3cr3t@h:9092?sasl=SCRAM-SHA-512&tls=true"} {
+		assert.NoError(t, brokers.Check(ok), ok)
+	}
+}
