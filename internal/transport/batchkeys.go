@@ -154,7 +154,9 @@ func (c *consumer) prelude(b *batch) {
 	readers := map[int]func(pgx.Rows) error{}
 	if claimRead != nil {
 		readers[len(stmts)] = claimRead
-		stmts = append(stmts, claim)
+		// The claim bounds its own lock waits (the idempotency store's
+		// lock timeout); the attempts' are the transport's again after it.
+		stmts = append(stmts, claim, stmt{name: "ending the claim's lock timeout", query: restoreLockTimeoutSQL, args: []any{c.t.lockTimeout}})
 	}
 	if loading {
 		readers[len(stmts)] = loadRead

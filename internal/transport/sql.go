@@ -120,6 +120,11 @@ WHERE NOT EXISTS (SELECT FROM batch)`
 )
 SELECT clock_timestamp()`
 
+	// restoreLockTimeoutSQL sets a delivery transaction's lock timeout back
+	// to the transport's after a statement that set its own (a batch's
+	// claim of its keys).
+	restoreLockTimeoutSQL = `SELECT set_config('lock_timeout', $1, true) AS pgsaga_restore_lock_timeout`
+
 	// boundWaitSQL bounds the lock waits and statements of execWaiting's
 	// implicit transaction (its column names tell it apart in
 	// pg_stat_statements, which replaces the setting names by parameters).
