@@ -546,6 +546,9 @@ func (c *Client) Start(ctx context.Context) error {
 func (c *Client) closeDone() { c.doneOnce.Do(func() { close(c.done) }) }
 
 func (c *Client) startWorker(ctx context.Context) (*Worker, error) {
+	if err := c.checkPrivileges(ctx); err != nil {
+		return nil, err
+	}
 	if err := c.Setup(ctx); err != nil {
 		return nil, err
 	}
@@ -605,8 +608,9 @@ func (c *Client) RunRetention(ctx context.Context) error {
 func (c *Client) Stopped() <-chan struct{} { return c.done }
 
 // Health is nil while the client runs: its worker runs, its retention jobs
-// have not failed and the database answers. Otherwise it says what is
-// wrong.
+// have not failed, the database answers and the client's role has the
+// privileges its worker needs (ErrMissingPrivileges). Otherwise it says
+// what is wrong.
 func (c *Client) Health(ctx context.Context) error {
 	c.mu.Lock()
 	w, jobErrs := c.worker, append([]error(nil), c.jobErrs...)
@@ -628,8 +632,34 @@ func (c *Client) Health(ctx context.Context) error {
 	if err := c.db.PingContext(ctx); err != nil {
 		return fmt.Errorf("saga: the database does not answer: %w", err)
 	}
+	if err := c.checkPrivileges(ctx); err != nil {
+		return fmt.Errorf("saga: the worker cannot deliver: %w", err)
+	}
 	return nil
 }
+
+// workerGrants are what a worker needs on the tables of sagas, steps and
+// events, besides the transport's (transport.WorkerGrants, and TEMPORARY
+// on the database). docs/operating.md, "Database roles", lists them.
+var workerGrants = []transport.Grant{
+	{Table: "saga_instances", Privileges: "SELECT, INSERT, UPDATE, DELETE"},
+	{Table: "saga_history", Privileges: "SELECT, INSERT, DELETE"},
+	{Table: "saga_requests", Privileges: "SELECT, INSERT, UPDATE, DELETE"},
+	{Table: "saga_definitions", Privileges: "SELECT, INSERT, UPDATE"},
+	{Table: "idempotency_keys", Privileges: "SELECT, INSERT, UPDATE, DELETE"},
+	{Table: "domain_events", Privileges: "SELECT, INSERT"},
+}
+
+// checkPrivileges returns an error matching ErrMissingPrivileges, saying
+// which, if the client's role lacks a privilege its worker needs.
+func (c *Client) checkPrivileges(ctx context.Context) error {
+	return c.transport.CheckPrivileges(ctx, append(append([]transport.Grant(nil), transport.WorkerGrants...), workerGrants...)...)
+}
+
+// ErrMissingPrivileges: Start refuses, and Health reports, a client whose
+// database role lacks a privilege its worker needs (TEMPORARY on the
+// database, or one on a table); the error says which.
+var ErrMissingPrivileges = transport.ErrMissingPrivileges
 
 // Stop drains and stops the worker (attempts in flight finish, up to the
 // transport's CloseTimeout) and the retention jobs, and returns what went
