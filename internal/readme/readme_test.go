@@ -46,13 +46,7 @@ func TestTheREADMEProgramRunsInAModuleOfItsOwn(t *testing.T) {
 	dir := userModule(t, map[string]string{"main.go": code})
 
 	db := testdb.Fresh(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, gobin, "run", ".")
-	cmd.Dir = dir
-	cmd.Env = append(os.Environ(), "DATABASE_URL="+db.URL, "GOFLAGS=-mod=mod")
-	out, err := cmd.CombinedOutput()
-	require.NoError(t, err, "%s", out)
+	out := runGo(t, gobin, dir, []string{"DATABASE_URL=" + db.URL}, "run", ".")
 	assert.Contains(t, string(out), "compensated ship: no courier\n", "the saga compensated its first step after the second failed")
 }
 
@@ -180,13 +174,34 @@ func TestThePublicSurfaceServesAModuleOfItsOwn(t *testing.T) {
 	t.Parallel()
 	gobin, _ := goAndRoot(t)
 	dir := userModule(t, map[string]string{"main.go": userProgram, "main_test.go": userTest})
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	runGo(t, gobin, dir, nil, "vet", ".")
+}
+
+// runGo runs the go tool in dir and returns what it printed, failing the
+// test if it fails. On a cold build cache, building a module of its own
+// (the whole of pgsaga and its dependencies, without -race) takes minutes
+// on a small machine: it may take until shortly before the test binary's
+// own deadline (go test -timeout), and a run cut off says so rather than
+// "signal: killed".
+func runGo(t *testing.T, gobin, dir string, env []string, args ...string) string {
+	t.Helper()
+	ctx, cancel := context.Background(), context.CancelFunc(func() {})
+	if deadline, ok := t.Deadline(); ok {
+		ctx, cancel = context.WithDeadline(ctx, deadline.Add(-20*time.Second))
+	}
 	defer cancel()
-	cmd := exec.CommandContext(ctx, gobin, "vet", ".")
+	cmd := exec.CommandContext(ctx, gobin, args...)
 	cmd.Dir = dir
-	cmd.Env = append(os.Environ(), "GOFLAGS=-mod=mod")
+	cmd.Env = append(append(os.Environ(), "GOFLAGS=-mod=mod"), env...)
+	began := time.Now()
 	out, err := cmd.CombinedOutput()
-	require.NoError(t, err, "%s", out)
+	if ctx.Err() != nil {
+		t.Fatalf("gave up on `go %s` in a module of its own after %s, near the test binary's deadline: building pgsaga and its "+
+			"dependencies on a cold build cache takes that long here; run again (the cache is warm now) or raise go test -timeout.\n%s",
+			strings.Join(args, " "), time.Since(began).Round(time.Second), out)
+	}
+	require.NoError(t, err, "go %s: %s", strings.Join(args, " "), out)
+	return string(out)
 }
 
 // goAndRoot returns the go tool (the test is skipped without one) and the
