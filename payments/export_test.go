@@ -19,3 +19,9 @@ func (s *Service) CaptureUnder(ctx context.Context, lease *idempotency.Lease, cm
 func (s *Service) ChargeStepOn(topic string) steps.Step[ChargePayment] {
 	return steps.Define(ChargeStepName, topic, s.charge)
 }
+
+// RefundStepOn is the refund step, served by s, on topic instead of
+// RefundTopic.
+func (s *Service) RefundStepOn(topic string) steps.Step[RefundPayment] {
+	return steps.Define(RefundStepName, topic, s.refund)
+}

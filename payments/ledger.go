@@ -311,13 +311,34 @@ func (s *Service) refund(ctx context.Context, tx *steps.Tx, cmd RefundPayment) (
 	if err := s.finishReservedCharge(ctx, cmd); err != nil {
 		return nil, err
 	}
-	refunded, err := s.refundOnce(ctx, cmd, tx.Key())
+	prep, err := s.prepareRefund(ctx, cmd, tx.Key())
 	var ref *refusal
 	if errors.As(err, &ref) {
 		// Final: the saga parks and reports it; a person must act.
 		return nil, steps.Fail(RefundFailed{OrderID: cmd.OrderID, Reason: ref.reason}, ref.reason)
 	}
-	return refunded, err
+	if err != nil {
+		return nil, err
+	}
+	if prep.lease == nil {
+		if steps.Awaited(ctx) {
+			// The posting found is the one this command's awaited call
+			// made, not an earlier command's.
+			prep.result.Already = false
+		}
+		return prep.result, nil
+	}
+	// The gateway call, and the recording of its answer, run outside the
+	// step's transaction (as the charge's do): the command is handed back
+	// meanwhile, and its next run finds the refund posted, or its decline
+	// recorded for this command.
+	return nil, steps.Await(s.cfg.GatewayLease, func(ctx context.Context) error {
+		_, err := s.callRefund(ctx, cmd, tx.Key(), prep)
+		if errors.As(err, new(*refusal)) {
+			return nil // recorded: the next run answers it
+		}
+		return err
+	})
 }
 
 // RefundKey is the gateway's idempotency key for an order's refund (its
@@ -351,7 +372,22 @@ func declinedFor(rec *idempotency.Record) string {
 	return ""
 }
 
-func (s *Service) refundOnce(ctx context.Context, cmd RefundPayment, command string) (PaymentRefunded, error) {
+// refundPrep is what prepareRefund decided: the answer (no lease), or the
+// lease to call the gateway under, with the key, charge and amount.
+type refundPrep struct {
+	result   PaymentRefunded
+	lease    *idempotency.Lease
+	key      string
+	chargeID string
+	amount   int64
+}
+
+// prepareRefund is the refund's first phase, in a transaction of its own:
+// fence the order, and either answer from what is recorded (nothing
+// charged, refunded already, declined for this command) or claim the
+// gateway call of the order's refund key with a lease, waiting out the
+// lease of a worker that died mid-call.
+func (s *Service) prepareRefund(ctx context.Context, cmd RefundPayment, command string) (refundPrep, error) {
 	giveUp := time.Now().Add(2 * s.cfg.GatewayLease)
 	for {
 		var (
@@ -412,55 +448,59 @@ func (s *Service) refundOnce(ctx context.Context, cmd RefundPayment, command str
 		var busy *idempotency.InProgressError
 		if errors.As(err, &busy) {
 			if err := s.waitLease(ctx, busy, giveUp, "refund", key); err != nil {
-				return PaymentRefunded{}, err
+				return refundPrep{}, err
 			}
 			continue
 		}
-		if err != nil || lease == nil {
-			return result, err
-		}
-
-		id, err := s.cfg.Gateway.Refund(ctx, key, cmd.AccountID, chargeID, amount)
-		if errors.Is(err, ErrDeclined) {
-			// A final answer: record it, never leave the claim pending.
-			meta, merr := json.Marshal(refundDeclined{Command: command})
-			if merr != nil {
-				return PaymentRefunded{}, merr
-			}
-			if cerr := s.cfg.Idempotency.CompleteLease(ctx, lease, idempotency.StatusFailed, idempotency.Response{Body: []byte(err.Error()), Meta: meta}); cerr != nil {
-				return PaymentRefunded{}, fmt.Errorf("payments: recording the declined refund of %s: %w", cmd.OrderID, cerr)
-			}
-			return PaymentRefunded{}, &refusal{reason: ReasonRefundDeclined}
-		}
-		if err != nil {
-			if rerr := s.cfg.Idempotency.ReleaseLease(ctx, lease); rerr != nil {
-				s.cfg.Logger.Warn("releasing the lease of a failed gateway call", "key", key, "err", rerr)
-			}
-			if errors.Is(err, ErrBadGatewayRequest) {
-				return PaymentRefunded{}, steps.Permanent(err)
-			}
-			return PaymentRefunded{}, err
-		}
-		err = s.inTx(ctx, func(tx *sql.Tx) error {
-			if err := s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(id)}); err != nil {
-				return err
-			}
-			version, err := lockAccount(ctx, tx, s.cfg.Events, cmd.AccountID)
-			if err != nil {
-				return err
-			}
-			return s.postRefund(ctx, tx, version, cmd, amount, id)
-		})
-		if err != nil {
-			// The gateway refunded; the next attempt asks it again with the
-			// same key and records its answer.
-			if rerr := s.cfg.Idempotency.ReleaseLease(ctx, lease); rerr != nil && !errors.Is(rerr, idempotency.ErrLeaseLost) {
-				s.cfg.Logger.Warn("releasing the lease of a refund not recorded", "key", key, "err", rerr)
-			}
-			return PaymentRefunded{}, fmt.Errorf("payments: recording refund %s of %s: %w", id, cmd.OrderID, err)
-		}
-		return PaymentRefunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: id}, nil
+		return refundPrep{result: result, lease: lease, key: key, chargeID: chargeID, amount: amount}, err
 	}
+}
+
+// callRefund is the refund's second phase, under prep's lease: the
+// gateway call, then its answer recorded and the refund posted (or the
+// decline recorded, for command).
+func (s *Service) callRefund(ctx context.Context, cmd RefundPayment, command string, prep refundPrep) (PaymentRefunded, error) {
+	lease, key, chargeID, amount := prep.lease, prep.key, prep.chargeID, prep.amount
+	id, err := s.cfg.Gateway.Refund(ctx, key, cmd.AccountID, chargeID, amount)
+	if errors.Is(err, ErrDeclined) {
+		// A final answer: record it, never leave the claim pending.
+		meta, merr := json.Marshal(refundDeclined{Command: command})
+		if merr != nil {
+			return PaymentRefunded{}, merr
+		}
+		if cerr := s.cfg.Idempotency.CompleteLease(ctx, lease, idempotency.StatusFailed, idempotency.Response{Body: []byte(err.Error()), Meta: meta}); cerr != nil {
+			return PaymentRefunded{}, fmt.Errorf("payments: recording the declined refund of %s: %w", cmd.OrderID, cerr)
+		}
+		return PaymentRefunded{}, &refusal{reason: ReasonRefundDeclined}
+	}
+	if err != nil {
+		if rerr := s.cfg.Idempotency.ReleaseLease(ctx, lease); rerr != nil {
+			s.cfg.Logger.Warn("releasing the lease of a failed gateway call", "key", key, "err", rerr)
+		}
+		if errors.Is(err, ErrBadGatewayRequest) {
+			return PaymentRefunded{}, steps.Permanent(err)
+		}
+		return PaymentRefunded{}, err
+	}
+	err = s.inTx(ctx, func(tx *sql.Tx) error {
+		if err := s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(id)}); err != nil {
+			return err
+		}
+		version, err := lockAccount(ctx, tx, s.cfg.Events, cmd.AccountID)
+		if err != nil {
+			return err
+		}
+		return s.postRefund(ctx, tx, version, cmd, amount, id)
+	})
+	if err != nil {
+		// The gateway refunded; the next attempt asks it again with the
+		// same key and records its answer.
+		if rerr := s.cfg.Idempotency.ReleaseLease(ctx, lease); rerr != nil && !errors.Is(rerr, idempotency.ErrLeaseLost) {
+			s.cfg.Logger.Warn("releasing the lease of a refund not recorded", "key", key, "err", rerr)
+		}
+		return PaymentRefunded{}, fmt.Errorf("payments: recording refund %s of %s: %w", id, cmd.OrderID, err)
+	}
+	return PaymentRefunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: id}, nil
 }
 
 func (s *Service) postRefund(ctx context.Context, tx *sql.Tx, version int, cmd RefundPayment, amount int64, refundID string) error {

@@ -456,6 +456,70 @@ func TestChargeCallsTheGatewayOutsideItsDeliveryBatch(t *testing.T) {
 	assert.Equal(t, 2, e.count(`SELECT count(*) FROM account_postings WHERE account_id = $1 AND kind = 'charge' AND reference IS NOT NULL`, acct))
 }
 
+// The refund's gateway call runs outside its delivery batch, as the
+// charge's does: with one consumer, a refund queued behind one whose
+// gateway call hangs is answered while that call still runs (a slow
+// gateway used to hold every refund behind it); the hung refund is
+// answered once its call returns, refunded once.
+func TestRefundCallsTheGatewayOutsideItsDeliveryBatch(t *testing.T) {
+	t.Parallel()
+	started, release := make(chan struct{}), make(chan struct{})
+	var once, releaseOnce sync.Once
+	slowOrder, quickOrder := uuid.New(), uuid.New()
+	e := newEnvWith(t, envOptions{gatewayTimeout: 20 * time.Second, gatewayLease: 30 * time.Second, hook: func(c fakegateway.Call) {
+		if c.Key == payments.RefundKey(slowOrder) {
+			once.Do(func() { close(started) })
+			<-release
+		}
+	}})
+	t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) }) // before the gateway closes
+	acct := e.account(1000)
+	for _, order := range []uuid.UUID{slowOrder, quickOrder} {
+		r := e.execute(e.svc.ChargeStep(), charge(order, acct, 100), "charge-"+order.String())
+		require.Equal(t, steps.OutcomeOK, r.env.Outcome, "%+v", r)
+	}
+	step := e.svc.RefundStepOn("refunds_" + uuid.NewString()[:6])
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, e.rt.Register(r, step, transport.WithConsumers(1)))
+	require.NoError(t, r.Start(context.Background()))
+	t.Cleanup(func() { _ = r.Stop() })
+
+	slowKey, quickKey := "refund-"+slowOrder.String(), "refund-"+quickOrder.String()
+	tx, err := e.db.SQL.Begin()
+	require.NoError(t, err)
+	for key, order := range map[string]uuid.UUID{slowKey: slowOrder, quickKey: quickOrder} {
+		msg, err := steps.NewMessage(payments.RefundPayment{OrderID: order, AccountID: acct}, steps.Envelope{Key: key, ReplyTo: e.replies})
+		require.NoError(t, err)
+		require.NoError(t, e.tr.Publisher(tx).Publish(step.Topic(), msg))
+	}
+	require.NoError(t, tx.Commit())
+
+	answered := func(key string) bool {
+		return e.count(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1 AND metadata->>'idempotency_key' = $2`, e.replies, key) > 0
+	}
+	<-started
+	deadline := time.Now().Add(15 * time.Second)
+	for !answered(quickKey) {
+		require.True(t, time.Now().Before(deadline), "the refund behind the hung call is answered while it hangs")
+		time.Sleep(10 * time.Millisecond)
+	}
+	assert.False(t, answered(slowKey))
+	releaseOnce.Do(func() { close(release) })
+	for !answered(slowKey) {
+		require.True(t, time.Now().Before(deadline.Add(15*time.Second)), "the hung refund is answered once its call returns")
+		time.Sleep(10 * time.Millisecond)
+	}
+	for key, order := range map[string]uuid.UUID{slowKey: slowOrder, quickKey: quickOrder} {
+		r := e.reply(key)
+		assert.Equal(t, steps.OutcomeOK, r.env.Outcome, key)
+		assert.EqualValues(t, 100, r.payload["amount_cents"], key)
+		assert.Nil(t, r.payload["already"], "refunded by this command: %s", key)
+		assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE key = $1 AND op = 'refund'`, payments.RefundKey(order)), key)
+	}
+	assert.Equal(t, int64(1000), e.balance(acct))
+}
+
 func TestGatewayDecline(t *testing.T) {
 	t.Parallel()
 	// The decline is planned for the first call: a call that outlived the
