@@ -834,6 +834,10 @@ var (
 	ErrNotATransaction = errors.New("saga: a transaction is required (a *sql.Tx, or a pgx.Tx through PgxTx)")
 	// ErrNilMessage: PublishTx was given a nil message.
 	ErrNilMessage = errors.New("saga: nil message")
+	// ErrMessageTooLarge: StartTx or PublishTx (or a step's reply or
+	// publish) was given a message larger than the transport's
+	// MaxMessageBytes (4 MiB by default); nothing of it was written.
+	ErrMessageTooLarge = transport.ErrMessageTooLarge
 )
 
 // checkTx refuses what is not a transaction (see ErrNotATransaction).

@@ -29,6 +29,7 @@ const (
 	CloseTimeoutDefault      = 30 * time.Second
 	AwaitHoldDefault         = 10 * time.Millisecond
 	HeartbeatIntervalDefault = 30 * time.Second
+	MaxMessageBytesDefault   = 4 << 20
 
 	MaxAttemptsDefault    = 5
 	InitialBackoffDefault = 100 * time.Millisecond
@@ -145,6 +146,13 @@ type Config struct {
 	// (Transport.ConsumerGroups). Default: HeartbeatIntervalDefault.
 	HeartbeatInterval time.Duration
 
+	// MaxMessageBytes caps a message's size (payload and metadata): a
+	// larger one is refused at publish with ErrMessageTooLarge, a
+	// permanent error, before anything is written. Every process that
+	// delivers it holds a batch of messages in memory, several times
+	// over. Default: MaxMessageBytesDefault (4 MiB); at most 256 MiB.
+	MaxMessageBytes int
+
 	// Metrics, if set, is where this process's Prometheus metrics are
 	// registered (prometheus.DefaultRegisterer, or a registry of your own):
 	// retries and dead letters here, steps and sagas in the packages built
@@ -188,6 +196,7 @@ func (c *Config) setDefaults() {
 	setDefault(&c.CloseTimeout, CloseTimeoutDefault)
 	setDefault(&c.AwaitHold, AwaitHoldDefault)
 	setDefault(&c.HeartbeatInterval, HeartbeatIntervalDefault)
+	setDefault(&c.MaxMessageBytes, MaxMessageBytesDefault)
 	c.Retry.setDefaults()
 }
 
@@ -226,6 +235,9 @@ func (c *Config) validate() error {
 		if d.d < time.Millisecond {
 			errs = append(errs, fmt.Errorf("%s must be at least 1ms, got %s", d.name, d.d))
 		}
+	}
+	if c.MaxMessageBytes < 1 || c.MaxMessageBytes > 256<<20 {
+		errs = append(errs, fmt.Errorf("MaxMessageBytes must be between 1 and %d, got %d", 256<<20, c.MaxMessageBytes))
 	}
 	if c.AwaitHold > c.AttemptTimeout {
 		errs = append(errs, fmt.Errorf("AwaitHold (%s) must not exceed AttemptTimeout (%s)", c.AwaitHold, c.AttemptTimeout))

@@ -29,6 +29,9 @@ var (
 	// ErrInvalidMessageID is returned for a message whose UUID is empty or
 	// longer than 255 bytes.
 	ErrInvalidMessageID = errors.New("transport: message UUID must be 1 to 255 bytes")
+	// ErrMessageTooLarge is returned (permanent) for a message larger than
+	// Config.MaxMessageBytes; nothing of the publish is written.
+	ErrMessageTooLarge = errors.New("transport: message larger than MaxMessageBytes")
 	// ErrHandlerPanicked wraps the value of a handler's panic; the attempt
 	// was rolled back.
 	ErrHandlerPanicked = errors.New("transport: handler panicked")

@@ -55,6 +55,9 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 		if err := storable(m); err != nil {
 			return Permanent(fmt.Errorf("transport: publishing to %s: %w", topic, err))
 		}
+		if n := messageSize(m); n > p.t.cfg.MaxMessageBytes {
+			return Permanent(fmt.Errorf("%w: message %s to %s has %d bytes, the limit is %d", ErrMessageTooLarge, m.UUID, topic, n, p.t.cfg.MaxMessageBytes))
+		}
 	}
 	for _, m := range msgs {
 		p.t.traceSend(p.tx, topic, m)
@@ -154,4 +157,14 @@ func storable(m *message.Message) error {
 		}
 	}
 	return nil
+}
+
+// messageSize is what MaxMessageBytes counts of m: its payload, and its
+// metadata's keys and values.
+func messageSize(m *message.Message) int {
+	n := len(m.Payload)
+	for k, v := range m.Metadata {
+		n += len(k) + len(v)
+	}
+	return n
 }
