@@ -20,7 +20,14 @@ type Instance struct {
 	Type              string
 	DefinitionVersion int
 	Status            Status
-	Data              json.RawMessage
+	// Data is the saga's data, filled by Get; List leaves it nil and
+	// says how large it is (DataBytes) and how it begins (DataPreview),
+	// so that listing sagas of large data stays cheap.
+	Data json.RawMessage
+	// DataBytes is the size of Data as JSON text; DataPreview its first
+	// DataPreviewChars characters (List only).
+	DataBytes   int
+	DataPreview string
 	// Step is the step whose command is in flight (or was last), "" before
 	// the first; Phase says whether its action or its compensation.
 	Step          string
@@ -37,6 +44,10 @@ type Instance struct {
 	// History is the timeline, oldest first (filled by Get).
 	History []HistoryEntry
 }
+
+// DataPreviewChars is how many characters of a saga's data List returns
+// (Instance.DataPreview).
+const DataPreviewChars = 200 // listSQL's left(data::text, 200)
 
 // HistoryEntry is one event of an instance's timeline.
 type HistoryEntry struct {
@@ -64,7 +75,7 @@ func (e *engine) public(inst *instance) Instance {
 // if it can.
 func publicInstance(inst *instance, name func(step int) (string, bool)) Instance {
 	out := Instance{
-		ID: inst.ID, Type: inst.Type, DefinitionVersion: inst.DefVersion, Status: inst.Status, Data: inst.Data,
+		ID: inst.ID, Type: inst.Type, DefinitionVersion: inst.DefVersion, Status: inst.Status, Data: inst.Data, DataBytes: len(inst.Data),
 		Phase: inst.Phase, Attempt: inst.Attempt, Generation: inst.Generation, Version: inst.Version,
 		CorrelationID: inst.CorrelationID, FailureReason: inst.FailureReason, DeadlineAt: inst.DeadlineAt,
 		CreatedAt: inst.CreatedAt, UpdatedAt: inst.UpdatedAt, FinishedAt: inst.FinishedAt,
@@ -155,13 +166,19 @@ func list(ctx context.Context, db *sql.DB, f Filter, public func(*instance) Inst
 	defer rows.Close()
 	var out []Instance
 	for rows.Next() {
-		var lastStep string
-		inst, err := scanInstance(rows, &lastStep)
+		var (
+			lastStep string
+			size     int
+			preview  string
+		)
+		inst, err := scanInstance(rows, &lastStep, &size, &preview)
 		if err != nil {
 			return nil, fmt.Errorf("saga: listing instances: %w", err)
 		}
 		inst.lastStep = lastStep
-		out = append(out, public(inst))
+		pub := public(inst)
+		pub.DataBytes, pub.DataPreview = size, preview
+		out = append(out, pub)
 	}
 	return out, rows.Err()
 }

@@ -22,6 +22,14 @@ created_at, updated_at, finished_at, coalesce(trace_parent, ''),
 coalesce(command_topic, ''), coalesce(command_id, ''), command_waiting, expires_at, coalesce(definition_fingerprint, ''),
 reply_secret, clock_timestamp()`
 
+// listColumns are instanceColumns without the data, which listings do not
+// read (see listSQL).
+const listColumns = `id, saga_type, definition_version, status, NULL::jsonb, current_step, phase, attempt,
+generation, version, coalesce(correlation_id, ''), coalesce(failure_reason, ''), deadline_at,
+created_at, updated_at, finished_at, coalesce(trace_parent, ''),
+coalesce(command_topic, ''), coalesce(command_id, ''), command_waiting, expires_at, coalesce(definition_fingerprint, ''),
+reply_secret, clock_timestamp()`
+
 const (
 	// insertInstanceSQL starts an instance unless one with its id exists,
 	// its times on the database's clock: its own deadline (expires_at) $18
@@ -151,8 +159,10 @@ FROM saga_history WHERE saga_id = $1 ORDER BY seq`
 
 	// listSQL lists instances, each with the step its timeline named
 	// last (for readers without the definitions).
-	listSQL = `SELECT ` + instanceColumns + `,
-    coalesce((SELECT h.step FROM saga_history h WHERE h.saga_id = saga_instances.id AND h.step IS NOT NULL ORDER BY h.seq DESC LIMIT 1), '')
+	// Its data is not read: its size and first characters are.
+	listSQL = `SELECT ` + listColumns + `,
+    coalesce((SELECT h.step FROM saga_history h WHERE h.saga_id = saga_instances.id AND h.step IS NOT NULL ORDER BY h.seq DESC LIMIT 1), ''),
+    octet_length(data::text), left(data::text, 200)
 ` + selectedSQL + `
 ORDER BY updated_at, id
 LIMIT $5`

@@ -37,6 +37,8 @@ type sagaJSON struct {
 	UpdatedAt     time.Time       `json:"updated_at"`
 	FinishedAt    *time.Time      `json:"finished_at"`
 	Data          json.RawMessage `json:"data,omitempty"`
+	DataBytes     int             `json:"data_bytes"`             // size of its data as JSON
+	DataPreview   string          `json:"data_preview,omitempty"` // its first characters, in listings (which do not read the data)
 	Timeline      []timelineJSON  `json:"timeline,omitempty"`
 }
 
@@ -56,7 +58,8 @@ type timelineJSON struct {
 func toJSON(in saga.Instance, now time.Time) sagaJSON {
 	out := sagaJSON{ID: in.ID.String(), Saga: in.Type, Version: in.DefinitionVersion, Status: string(in.Status), Step: in.Step,
 		Phase: string(in.Phase), Attempt: in.Attempt, AgeS: round(now.Sub(in.CreatedAt).Seconds()), CorrelationID: in.CorrelationID,
-		FailureReason: in.FailureReason, CreatedAt: in.CreatedAt, UpdatedAt: in.UpdatedAt, FinishedAt: in.FinishedAt}
+		FailureReason: in.FailureReason, CreatedAt: in.CreatedAt, UpdatedAt: in.UpdatedAt, FinishedAt: in.FinishedAt,
+		DataBytes: in.DataBytes, DataPreview: in.DataPreview}
 	for _, h := range in.History {
 		out.Timeline = append(out.Timeline, timelineJSON{Seq: h.Seq, At: h.At, SinceMs: round(float64(h.At.Sub(in.CreatedAt).Microseconds()) / 1000),
 			Kind: h.Kind, Step: h.Step, Phase: string(h.Phase), Attempt: h.Attempt, MessageID: h.MessageID, Detail: h.Detail})
