@@ -4,9 +4,8 @@
 -- group by availability first; this one keeps the relay's head a short
 -- index scan away however long the queue grows while the broker is down,
 -- and costs nothing for the rows of other groups. (Built in the
--- migration's transaction, as the others: CONCURRENTLY would deadlock with
--- the appliers queuing on their advisory lock. It holds writes to the
--- queue while it reads the queue once; a queue holds what is in flight.)
+-- migration's transaction, as indexes were until migration 18: it holds
+-- writes to the queue while it reads the queue once.)
 
 -- +goose Up
 CREATE INDEX pgsaga_queue_relay_idx ON pgsaga_queue (topic, id) WHERE consumer_group = 'pgsaga.relay';

@@ -25,8 +25,9 @@ ALTER TABLE saga_instances
     -- earlier releases.
     ADD COLUMN definition_fingerprint text;
 
--- The sweeper looks a command up by its UUID in the queues.
-CREATE INDEX pgsaga_queue_uuid_idx ON pgsaga_queue (uuid);
+-- The sweeper looks a command up by its UUID in the queues: the index,
+-- pgsaga_queue_uuid_idx, is built CONCURRENTLY by migration 18 (it was
+-- built here, holding every publish while it read the queue).
 
 -- The step list each version of each saga definition was first started
 -- with: a definition whose steps change without a new version would
@@ -46,7 +47,7 @@ CREATE TABLE saga_definitions (
 
 -- +goose Down
 DROP TABLE saga_definitions;
-DROP INDEX pgsaga_queue_uuid_idx;
+DROP INDEX IF EXISTS pgsaga_queue_uuid_idx;
 ALTER TABLE saga_instances
     DROP COLUMN command_topic,
     DROP COLUMN command_id,

@@ -15,12 +15,12 @@
 
 --
 -- Operators' requests carried out are pruned with the timelines (the
--- retention job): by when they were carried out.
+-- retention job): by when they were carried out (saga_requests_done_idx,
+-- built CONCURRENTLY by migration 18).
 
 -- +goose Up
 ALTER TABLE saga_instances ADD COLUMN reply_secret bytea;
 
-CREATE INDEX saga_requests_done_idx ON saga_requests (done_at) WHERE done_at IS NOT NULL;
 
 -- +goose StatementBegin
 CREATE FUNCTION saga_instance_changed(id uuid, version integer) RETURNS integer
@@ -33,6 +33,5 @@ $$;
 -- +goose StatementEnd
 
 -- +goose Down
-DROP INDEX saga_requests_done_idx;
 DROP FUNCTION saga_instance_changed(uuid, integer);
 ALTER TABLE saga_instances DROP COLUMN reply_secret;

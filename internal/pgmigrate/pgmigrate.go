@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"time"
 
 	"github.com/pressly/goose/v3"
 )
@@ -93,17 +94,32 @@ func (s Set) provider(db *sql.DB) (*goose.Provider, error) {
 	return p, nil
 }
 
-// advisoryLocker makes concurrent appliers wait their turn on a blocking
-// advisory lock. goose's own Postgres locker polls pg_try_advisory_lock every
-// few seconds; a blocking lock hands over the moment the holder finishes and
-// still honours ctx.
+// advisoryLocker makes concurrent appliers wait their turn on an advisory
+// lock, trying it every lockPoll. Not a blocking pg_advisory_lock: a
+// waiter's statement would hold a snapshot for as long as it waits, and a
+// migration that builds an index CONCURRENTLY waits for every snapshot
+// older than its own, so the holder and the waiter would wait for each
+// other. (goose's own Postgres locker polls every few seconds.)
 type advisoryLocker struct{ id int64 }
 
+// lockPoll is how often a waiting applier tries the migration lock.
+const lockPoll = 50 * time.Millisecond
+
 func (l advisoryLocker) SessionLock(ctx context.Context, conn *sql.Conn) error {
-	if _, err := conn.ExecContext(ctx, "SELECT pg_advisory_lock($1)", l.id); err != nil {
-		return fmt.Errorf("waiting for the migration lock: %w", err)
+	for {
+		var got bool
+		if err := conn.QueryRowContext(ctx, "SELECT pg_try_advisory_lock($1)", l.id).Scan(&got); err != nil {
+			return fmt.Errorf("waiting for the migration lock: %w", err)
+		}
+		if got {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for the migration lock: %w", context.Cause(ctx))
+		case <-time.After(lockPoll):
+		}
 	}
-	return nil
 }
 
 func (l advisoryLocker) SessionUnlock(ctx context.Context, conn *sql.Conn) error {
