@@ -74,6 +74,58 @@ func (s *callSet) wait(timeout time.Duration) bool {
 	}
 }
 
+// awaitedCalls counts the awaited calls running in a process (its
+// Transport): consumers wait for room (room) before they claim.
+type awaitedCalls struct {
+	mu      sync.Mutex
+	n       int
+	freed   chan struct{} // closed, and replaced, when a call ends
+	waiting int           // consumers waiting for room (tests read it)
+}
+
+func (a *awaitedCalls) add() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.n++
+}
+
+func (a *awaitedCalls) done() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.n--
+	if a.freed != nil {
+		close(a.freed)
+		a.freed = nil
+	}
+}
+
+// room waits until fewer than limit calls run, or ctx is done.
+func (a *awaitedCalls) room(ctx context.Context, limit int, log *slog.Logger) error {
+	a.mu.Lock()
+	for a.n >= limit {
+		if a.freed == nil {
+			a.freed = make(chan struct{})
+		}
+		freed := a.freed
+		a.waiting++
+		n := a.n
+		a.mu.Unlock()
+		log.Debug("transport: claiming waits: as many awaited calls run as MaxAwaitedCalls allows", "running", n, "max", limit)
+		select {
+		case <-freed:
+		case <-ctx.Done():
+			a.mu.Lock()
+			a.waiting--
+			a.mu.Unlock()
+			return fmt.Errorf("transport: waiting for room among the awaited calls: %w", context.Cause(ctx))
+		}
+		a.mu.Lock()
+		a.waiting--
+	}
+	a.mu.Unlock()
+	return nil
+}
+
 type afterAwaitKey struct{}
 
 // AwaitedFromContext reports whether the handler runs right after its
@@ -192,6 +244,7 @@ func (c *consumer) await(b *batch, log *slog.Logger, d delivery, n int, aw *Awai
 		call.state.Store(callParked) // no hold: parked however quick the call
 	}
 	c.gate.calls.add()
+	c.t.calls.add()
 	go c.runCall(b, log, d, n, aw, call)
 	if err, taken := call.take(wait); taken {
 		switch {
@@ -240,6 +293,7 @@ func (a *awaitedCall) take(wait time.Duration) (err error, taken bool) {
 // attempt's.
 func (c *consumer) runCall(b *batch, log *slog.Logger, d delivery, n int, aw *AwaitError, call *awaitedCall) {
 	defer c.gate.calls.done()
+	defer c.t.calls.done()
 	calls := c.gate.calls.ctx
 	began := time.Now()
 	err := runAwaited(calls, aw)

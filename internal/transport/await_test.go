@@ -486,3 +486,46 @@ func TestABatchParksItsAwaitingMessagesInOneStatement(t *testing.T) {
 	assert.Equal(t, len(ids), e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'after the call'`), "each woken and handled once")
 	assert.Empty(t, e.deadLetters(e.in))
 }
+
+// While MaxAwaitedCalls awaited calls run, the process claims nothing
+// more; when one returns, claiming goes on. (Nothing bounded them: 20,000
+// sagas against a 60 s gateway ran 8,958 calls at once, with as many open
+// files.)
+func TestClaimingWaitsWhileTheAwaitedCallsAreAtTheirCap(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, func(c *transport.Config) { c.MaxAwaitedCalls, c.BatchSize = 2, 1 })
+	release := make(chan struct{}, 4)
+	var started atomic.Int32
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		if transport.AwaitedFromContext(msg.Context()) {
+			return effect(msg, e.eff, "after the call")
+		}
+		return transport.Await(time.Hour, func(ctx context.Context) error {
+			started.Add(1)
+			select {
+			case <-release:
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		})
+	}, transport.WithConsumers(1)))
+	e.publish(4)
+	startRouter(t, r)
+
+	waitFor(t, 10*time.Second, "two calls running and the consumer waiting for room", func() bool {
+		return started.Load() == 2 && transport.ClaimsWaitingForRoom(e.tr) == 1
+	})
+	assert.Equal(t, int32(2), started.Load(), "no third call while two run")
+	assert.Equal(t, 2, e.count(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1 AND available_at <= now()`, e.in), "two messages not claimed")
+	release <- struct{}{}
+	waitFor(t, 10*time.Second, "a third call once one returned", func() bool { return started.Load() == 3 })
+	for range 3 {
+		release <- struct{}{}
+	}
+	e.drained(e.in, "g", 10*time.Second)
+	assert.Equal(t, int32(4), started.Load(), "each call ran once")
+	assert.Equal(t, 4, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'after the call'`))
+}

@@ -30,6 +30,7 @@ const (
 	AwaitHoldDefault         = 10 * time.Millisecond
 	HeartbeatIntervalDefault = 30 * time.Second
 	MaxMessageBytesDefault   = 4 << 20
+	MaxAwaitedCallsDefault   = 1000
 
 	MaxAttemptsDefault    = 5
 	InitialBackoffDefault = 100 * time.Millisecond
@@ -153,6 +154,14 @@ type Config struct {
 	// over. Default: MaxMessageBytesDefault (4 MiB); at most 256 MiB.
 	MaxMessageBytes int
 
+	// MaxAwaitedCalls caps the awaited calls (Await) running at once in
+	// this process, over all its routers: while that many run, its
+	// consumers claim nothing more (each call holds a goroutine, and
+	// usually a connection to a service, until it returns). A batch
+	// claimed before the cap was reached may take it over by up to its
+	// size. Default: MaxAwaitedCallsDefault.
+	MaxAwaitedCalls int
+
 	// Metrics, if set, is where this process's Prometheus metrics are
 	// registered (prometheus.DefaultRegisterer, or a registry of your own):
 	// retries and dead letters here, steps and sagas in the packages built
@@ -197,6 +206,7 @@ func (c *Config) setDefaults() {
 	setDefault(&c.AwaitHold, AwaitHoldDefault)
 	setDefault(&c.HeartbeatInterval, HeartbeatIntervalDefault)
 	setDefault(&c.MaxMessageBytes, MaxMessageBytesDefault)
+	setDefault(&c.MaxAwaitedCalls, MaxAwaitedCallsDefault)
 	c.Retry.setDefaults()
 }
 
@@ -238,6 +248,9 @@ func (c *Config) validate() error {
 	}
 	if c.MaxMessageBytes < 1 || c.MaxMessageBytes > 256<<20 {
 		errs = append(errs, fmt.Errorf("MaxMessageBytes must be between 1 and %d, got %d", 256<<20, c.MaxMessageBytes))
+	}
+	if c.MaxAwaitedCalls < 1 {
+		errs = append(errs, fmt.Errorf("MaxAwaitedCalls must be at least 1, got %d", c.MaxAwaitedCalls))
 	}
 	if c.AwaitHold > c.AttemptTimeout {
 		errs = append(errs, fmt.Errorf("AwaitHold (%s) must not exceed AttemptTimeout (%s)", c.AwaitHold, c.AttemptTimeout))

@@ -122,6 +122,9 @@ func newConsumer(t *Transport, rt route, g *gate, local *localRoutes) *consumer 
 // and a READ COMMITTED transaction on it that is rolled back if it is still
 // open after Config.MaxTransactionDuration.
 func (c *consumer) BeginTx(ctx context.Context, opts *sql.TxOptions) (*sql.Tx, error) {
+	if err := c.t.calls.room(ctx, c.t.cfg.MaxAwaitedCalls, c.log); err != nil {
+		return nil, err
+	}
 	cn, err := c.t.acquire(ctx)
 	if err != nil {
 		return nil, err

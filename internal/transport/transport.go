@@ -81,6 +81,8 @@ type Transport struct {
 	checked bool // the server passed checkServer
 
 	late lateLog // batches whose first delivery came too late
+
+	calls awaitedCalls // awaited calls running in this process (MaxAwaitedCalls)
 }
 
 // New validates cfg and returns a Transport. It does not connect.
