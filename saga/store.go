@@ -22,6 +22,10 @@ created_at, updated_at, finished_at, coalesce(trace_parent, ''),
 coalesce(command_topic, ''), coalesce(command_id, ''), command_waiting, expires_at, coalesce(definition_fingerprint, ''),
 reply_secret, clock_timestamp()`
 
+// preloadBytes bounds the data, as stored, that a batch preloads
+// (loadInstancesForCommandsSQL): 4 MiB.
+const preloadBytes = "4194304"
+
 // listColumns are instanceColumns without the data, which listings do not
 // read (see listSQL).
 const listColumns = `id, saga_type, definition_version, status, NULL::jsonb, current_step, phase, attempt,
@@ -74,8 +78,15 @@ FROM (SELECT count(*) AS n FROM updated) AS saved`
 	// ones it could not take one by one, deadlocked with another batch
 	// holding copies of the same replies. The reply's save locks the row
 	// and fails should it have changed since (updateInstanceCheckedSQL).
-	loadInstancesForCommandsSQL = `SELECT ` + instanceColumns + ` FROM saga_instances
-WHERE (id, command_id) IN (SELECT u.id, u.command FROM unnest($1::uuid[], $2::text[]) AS u(id, command))`
+	// Instances of large data are not all loaded at once: in id order, up
+	// to preloadBytes of data as stored (its first one whatever its size);
+	// a reply whose instance the batch did not load reads it itself.
+	loadInstancesForCommandsSQL = `SELECT ` + instanceColumns + ` FROM (
+    SELECT i.*, sum(pg_column_size(i.data)) OVER (ORDER BY i.id) - pg_column_size(i.data) AS data_before
+    FROM saga_instances i
+    WHERE (i.id, i.command_id) IN (SELECT u.id, u.command FROM unnest($1::uuid[], $2::text[]) AS u(id, command))
+) AS saga_instances
+WHERE data_before < ` + preloadBytes
 
 	loadInstanceSQL       = `SELECT ` + instanceColumns + ` FROM saga_instances WHERE id = $1`
 	loadInstanceLockedSQL = loadInstanceSQL + ` FOR UPDATE`
