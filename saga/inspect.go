@@ -43,6 +43,10 @@ type Instance struct {
 	FinishedAt    *time.Time
 	// History is the timeline, oldest first (filled by Get).
 	History []HistoryEntry
+	// ReadAt is the database's clock when the instance was read: ages
+	// of its times are ReadAt.Sub(CreatedAt) and the like, on the one
+	// clock they were set by, whatever the reader's clock says.
+	ReadAt time.Time
 }
 
 // DataPreviewChars is how many characters of a saga's data List returns
@@ -78,7 +82,7 @@ func publicInstance(inst *instance, name func(step int) (string, bool)) Instance
 		ID: inst.ID, Type: inst.Type, DefinitionVersion: inst.DefVersion, Status: inst.Status, Data: inst.Data, DataBytes: len(inst.Data),
 		Phase: inst.Phase, Attempt: inst.Attempt, Generation: inst.Generation, Version: inst.Version,
 		CorrelationID: inst.CorrelationID, FailureReason: inst.FailureReason, DeadlineAt: inst.DeadlineAt,
-		CreatedAt: inst.CreatedAt, UpdatedAt: inst.UpdatedAt, FinishedAt: inst.FinishedAt,
+		CreatedAt: inst.CreatedAt, UpdatedAt: inst.UpdatedAt, FinishedAt: inst.FinishedAt, ReadAt: inst.readDB,
 	}
 	if inst.Step >= 0 {
 		if n, ok := name(inst.Step); ok {

@@ -67,6 +67,15 @@ func toJSON(in saga.Instance, now time.Time) sagaJSON {
 	return out
 }
 
+// dbNow is the database's clock when in was read, which set its times
+// (the local clock for an instance read without it).
+func dbNow(in saga.Instance) time.Time {
+	if in.ReadAt.IsZero() {
+		return time.Now()
+	}
+	return in.ReadAt
+}
+
 func round(f float64) float64 { return float64(int64(f*1000+0.5)) / 1000 }
 
 // writeJSON writes v as indented JSON: the values exactly, the characters
@@ -106,11 +115,10 @@ func sagasCmd() *cobra.Command {
 				if err != nil {
 					return err
 				}
-				now := time.Now()
 				if asJSON {
 					out := make([]sagaJSON, len(list))
 					for i, in := range list {
-						out[i] = toJSON(in, now)
+						out[i] = toJSON(in, dbNow(in))
 					}
 					return writeJSON(cmd.OutOrStdout(), out)
 				}
@@ -118,7 +126,7 @@ func sagasCmd() *cobra.Command {
 				fmt.Fprintln(tw, "ID\tSAGA\tSTATUS\tSTEP\tPHASE\tATTEMPT\tAGE\tUPDATED")
 				for _, in := range list {
 					fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s ago\n", in.ID, cell(in.Type), cell(string(in.Status)), cell(dash(in.Step)),
-						cell(dash(string(in.Phase))), in.Attempt, age(now.Sub(in.CreatedAt)), age(now.Sub(in.UpdatedAt)))
+						cell(dash(string(in.Phase))), in.Attempt, age(dbNow(in).Sub(in.CreatedAt)), age(dbNow(in).Sub(in.UpdatedAt)))
 				}
 				if err := tw.Flush(); err != nil {
 					return err
@@ -239,7 +247,7 @@ func showCmd() *cobra.Command {
 					return err
 				}
 				if asJSON {
-					return writeJSON(cmd.OutOrStdout(), toJSON(in, time.Now()))
+					return writeJSON(cmd.OutOrStdout(), toJSON(in, dbNow(in)))
 				}
 				return printSaga(cmd.OutOrStdout(), in)
 			})

@@ -125,8 +125,8 @@ func (u *webUI) sagas(w http.ResponseWriter, r *http.Request) error {
 		v.Statuses = append(v.Statuses, statusOption{Name: string(st), Count: n, Checked: slices.Contains(f.Statuses, st), Href: "/sagas?" + link.Encode()})
 	}
 	v.Filtered = len(f.Statuses) > 0 || v.Saga != "" || olderThan > 0
-	now := u.cfg.Now()
 	for _, in := range list {
+		now := dbNow(in)
 		v.Rows = append(v.Rows, sagaRow{ID: in.ID.String(), Href: "/sagas/" + in.ID.String(), Saga: in.Type, Status: string(in.Status),
 			Step: dash(in.Step), Phase: dash(string(in.Phase)), Attempt: attempt(in.Attempt), Age: age(now.Sub(in.CreatedAt)),
 			Updated: age(now.Sub(in.UpdatedAt)) + " ago", UpdatedAt: stamp(in.UpdatedAt), Reason: clip(oneLine(in.FailureReason), 140)})
@@ -225,7 +225,7 @@ func (u *webUI) saga(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	now := u.cfg.Now()
+	now := dbNow(in)
 	v := sagaView{ID: in.ID.String(), Type: in.Type, Version: in.DefinitionVersion, Status: string(in.Status), Step: dash(in.Step),
 		Phase: dash(string(in.Phase)), Attempt: attempt(in.Attempt), Generation: in.Generation, Reason: in.FailureReason,
 		Started: stamp(in.CreatedAt), Updated: stamp(in.UpdatedAt) + " (" + age(now.Sub(in.UpdatedAt)) + " ago)",

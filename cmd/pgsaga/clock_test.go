@@ -1,0 +1,45 @@
+package main
+
+import (
+	"encoding/json"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/testdb"
+)
+
+// Ages of sagas are told on the database's clock, which set their times:
+// with the database an hour ahead of this machine, a saga started just now
+// is seconds old, not an hour in the future (the listing used the local
+// clock).
+func TestAgesAreOnTheDatabasesClock(t *testing.T) {
+	srv := testdb.StartPrivateSkewed(t, time.Hour)
+	t.Setenv("DATABASE_URL", srv.URL)
+	code, _, errOut := pgsaga(t, "migrate")
+	require.Equal(t, exitOK, code, errOut)
+	db, err := pgdb.Open(t.Context(), pgdb.Config{URL: srv.URL})
+	require.NoError(t, err)
+	t.Cleanup(db.Close)
+	id := uuid.New()
+	_, err = db.SQL.Exec(`INSERT INTO saga_instances (id, saga_type, definition_version, status, data, current_step)
+		VALUES ($1, 'job', 1, 'running', '{}', 0)`, id)
+	require.NoError(t, err)
+
+	code, out, errOut := pgsaga(t, "sagas", "--json")
+	require.Equal(t, exitOK, code, errOut)
+	var list []sagaJSON
+	require.NoError(t, json.Unmarshal([]byte(out), &list))
+	require.Len(t, list, 1)
+	assert.InDelta(t, 0, list[0].AgeS, 60, "age by the database's clock")
+
+	code, out, errOut = pgsaga(t, "show", id.String(), "--json")
+	require.Equal(t, exitOK, code, errOut)
+	var one sagaJSON
+	require.NoError(t, json.Unmarshal([]byte(out), &one))
+	assert.InDelta(t, 0, one.AgeS, 60, "age by the database's clock")
+}
