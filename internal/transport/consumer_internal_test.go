@@ -361,3 +361,54 @@ func TestClaimedInBatch(t *testing.T) {
 	none.free(7) // a batch without claims frees nothing
 	check("a batch without claims has none", &attemptTx{d: &deliveryTx{}, queueID: 7}, "step", "key-1", hash, false, false)
 }
+
+// countingLogger counts the lines logged at each level.
+type countingLogger struct {
+	watermill.NopLogger
+	mu     sync.Mutex
+	errors int
+	infos  int
+}
+
+func (l *countingLogger) Error(string, error, watermill.LogFields) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.errors++
+}
+
+func (l *countingLogger) Info(string, watermill.LogFields) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.infos++
+}
+
+func (l *countingLogger) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+// In a database outage every consumer of a process fails every backoff:
+// the failures are told together, the first at once, then a line a minute
+// at most, and the first poll that works again once. (180 s of an outage
+// logged 20,351 identical warnings.)
+func TestFailedPollsOfAProcessAreToldOnceAMinute(t *testing.T) {
+	now := time.Unix(0, 0)
+	f := &pollFailures{now: func() time.Time { return now }}
+	log := &countingLogger{}
+	consumers := make([]*pollState, 20)
+	for i := range consumers {
+		consumers[i] = &pollState{cfg: Config{RetryInterval: time.Nanosecond, MaxRetryInterval: time.Nanosecond},
+			endBatch: func(error) bool { return false }, stopping: func() bool { return false },
+			wakeCh: make(chan struct{}, 1), closed: make(chan struct{}), next: -1, failures: f}
+	}
+	for range 180 { // three minutes, a poll of every consumer every second
+		for _, p := range consumers {
+			p.HandleError(log, false, errors.New("connection refused"))
+		}
+		now = now.Add(time.Second)
+	}
+	assert.Equal(t, 1+2, log.errors, "the first failure, then one line a minute (3,600 failed polls)")
+	for _, p := range consumers {
+		p.HandleError(log, true, nil)
+	}
+	assert.Equal(t, 1, log.infos, "working again, told once")
+	consumers[0].HandleError(log, false, errors.New("connection refused"))
+	assert.Equal(t, 4, log.errors, "a new outage is told at once")
+}

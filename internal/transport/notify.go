@@ -189,11 +189,13 @@ type pollState struct {
 	next time.Duration // until the group's next message is available; <0: none known
 	held bool          // other consumers hold available messages
 
-	errWait time.Duration
+	errWait  time.Duration
+	failures *pollFailures // the process's, shared by its consumers; nil: each failure logged
 }
 
 func newPollState(t *Transport, topic string, endBatch func(error) bool, stopping func() bool) *pollState {
-	p := &pollState{cfg: t.cfg, hub: t.hub, endBatch: endBatch, stopping: stopping, wakeCh: make(chan struct{}, 1), closed: make(chan struct{}), next: -1}
+	p := &pollState{cfg: t.cfg, hub: t.hub, endBatch: endBatch, stopping: stopping, wakeCh: make(chan struct{}, 1), closed: make(chan struct{}), next: -1,
+		failures: &t.pollFailures}
 	if p.hub != nil {
 		p.waiters = p.hub.register(topic, p.wakeCh)
 	}
@@ -238,6 +240,9 @@ func (p *pollState) HandleError(logger watermill.LoggerAdapter, noMsg bool, err 
 		// failing for a long time would log ever longer lines.
 		p.pause(p.errorWait(logger, err))
 		return 0
+	}
+	if p.errWait != 0 {
+		p.failures.recovered(logger)
 	}
 	p.errWait = 0
 	if !noMsg || again {
@@ -287,8 +292,75 @@ func (p *pollState) errorWait(logger watermill.LoggerAdapter, err error) time.Du
 	} else {
 		p.errWait = min(2*p.errWait, p.cfg.MaxRetryInterval)
 	}
-	logger.Error("Polling for messages failed; backing off", err, watermill.LogFields{"wait": p.errWait.String()})
+	if p.failures == nil {
+		logger.Error("Polling for messages failed; backing off", err, watermill.LogFields{"wait": p.errWait.String()})
+		return p.errWait
+	}
+	p.failures.failed(logger, err, p.errWait)
 	return p.errWait
+}
+
+// pollFailures tells of the failed polls of a process's consumers (in a
+// database outage, every consumer of every route fails every backoff): the
+// first of a run of failures at Error, then one line a minute at most,
+// saying how many failed since, and the first poll that works again.
+type pollFailures struct {
+	mu       sync.Mutex
+	now      func() time.Time // time.Now unless a test sets it
+	since    time.Time        // the run's first failure; zero: none
+	lastLine time.Time
+	folded   int // failures since the last line
+	total    int // failures in the run
+}
+
+// pollFailureEvery is how often, at most, a run of failed polls is told.
+const pollFailureEvery = time.Minute
+
+func (f *pollFailures) clock() time.Time {
+	if f.now != nil {
+		return f.now()
+	}
+	return time.Now()
+}
+
+func (f *pollFailures) failed(logger watermill.LoggerAdapter, err error, wait time.Duration) {
+	f.mu.Lock()
+	now := f.clock()
+	f.total++
+	first := f.since.IsZero()
+	if first {
+		f.since, f.lastLine, f.folded, f.total = now, now, 0, 1
+		f.mu.Unlock()
+		logger.Error("Polling for messages failed; backing off (further failures are told once a minute)", err,
+			watermill.LogFields{"wait": wait.String()})
+		return
+	}
+	f.folded++
+	if now.Sub(f.lastLine) < pollFailureEvery {
+		f.mu.Unlock()
+		return
+	}
+	folded, since := f.folded, f.lastLine
+	f.lastLine, f.folded = now, 0
+	down := now.Sub(f.since)
+	f.mu.Unlock()
+	logger.Error("Polling for messages still fails", err, watermill.LogFields{
+		"failed_polls": folded, "in": now.Sub(since).Round(time.Second).String(), "failing_for": down.Round(time.Second).String()})
+}
+
+func (f *pollFailures) recovered(logger watermill.LoggerAdapter) {
+	if f == nil {
+		return
+	}
+	f.mu.Lock()
+	if f.since.IsZero() {
+		f.mu.Unlock()
+		return
+	}
+	down, total := f.clock().Sub(f.since), f.total
+	f.since, f.folded, f.total = time.Time{}, 0, 0
+	f.mu.Unlock()
+	logger.Info("Polling for messages works again", watermill.LogFields{"failed_for": down.Round(time.Millisecond).String(), "failed_polls": total})
 }
 
 // Wakeups is how code that reads queues its own way (a relay, see

@@ -83,6 +83,8 @@ type Transport struct {
 	late lateLog // batches whose first delivery came too late
 
 	calls awaitedCalls // awaited calls running in this process (MaxAwaitedCalls)
+
+	pollFailures pollFailures // its consumers' failed polls, told together
 }
 
 // New validates cfg and returns a Transport. It does not connect.
