@@ -396,13 +396,23 @@ func TestDeclinedCard(t *testing.T) {
 func TestGiveUpOnSlowChargeRefundsIt(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 1, func(c *orderpayment.Config) {
-		// The saga gives up on the charge a deadline after its not-after.
-		c.Timeouts = orderpayment.StepTimeouts{Deadline: 100 * time.Millisecond, MaxAttempts: 1, Saga: 100 * time.Millisecond}
+		// The saga gives up on the charge a deadline after its not-after
+		// (the saga's timeout: long enough for the command to arrive
+		// before it on a loaded machine, where it would be refused).
+		c.Timeouts = orderpayment.StepTimeouts{Deadline: 100 * time.Millisecond, MaxAttempts: 1, Saga: 2 * time.Second}
 	})
 	e.mu.Lock()
 	e.faults = func(c fakegateway.Call) fakegateway.Fault {
 		if c.Op == "charge" && c.Attempt == 1 {
-			return fakegateway.Slow // 300ms: past the saga's 100ms deadline
+			// The charge lands only once the saga has given up on it.
+			deadline := time.Now().Add(30 * time.Second)
+			for time.Now().Before(deadline) {
+				var gaveUp bool
+				if err := e.db.SQL.QueryRow(`SELECT EXISTS (SELECT FROM saga_instances WHERE status <> 'running')`).Scan(&gaveUp); err != nil || gaveUp {
+					break
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
 		}
 		return fakegateway.None
 	}
@@ -411,12 +421,13 @@ func TestGiveUpOnSlowChargeRefundsIt(t *testing.T) {
 	orderID, sagaID := e.place(cust, 2_000)
 	inst := e.terminal(sagaID)
 	assert.Equal(t, saga.StatusCompensated, inst.Status)
-	assert.Equal(t, "charge: no answer by its not-after, the saga's timeout (100ms)", inst.FailureReason)
+	assert.Equal(t, "charge: no answer by its not-after, the saga's timeout (2s)", inst.FailureReason)
 	assert.Equal(t, orders.StatusCancelled, e.order(orderID).Status)
 	assert.Equal(t, int64(10_000), e.balance(cust), "the late charge was refunded")
 	e.checkInvariants([]uuid.UUID{sagaID})
 	stats, err := e.gw.Stats(context.Background())
 	require.NoError(t, err)
+	assert.EqualValues(t, 1, stats.Charges, "the charge given up on landed")
 	assert.Equal(t, stats.Charges, stats.Refunds, "every charge at the gateway was refunded")
 }
 
