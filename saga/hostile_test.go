@@ -162,6 +162,13 @@ func TestRetryDoesNotResendACommandThatHasNotLeft(t *testing.T) {
 	s := newEnv(t, options{silent: []string{"pay"}})
 	id = s.start("oslo")
 	s.wait(id, "pay taken", func(i saga.Instance) bool { return i.Step == "pay" && s.callsOf("pay") == 1 })
+	// Taken is not left: the participant's transaction commits after its
+	// handler returns.
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, s.db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1 AND consumer_group <> 'archive' AND metadata->>'saga_id' = $2`, s.topics["pay"], id.String()).Scan(&n))
+		return n == 0
+	}, 30*time.Second, 10*time.Millisecond, "the pay command left the queue")
 	require.NoError(t, s.engine.Retry(ctx, id))
 	inst, err = s.engine.Get(ctx, id)
 	require.NoError(t, err)
