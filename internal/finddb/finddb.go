@@ -146,7 +146,7 @@ func (f *Found) Close() error {
 	if f.release == nil {
 		return nil
 	}
-	unlock, err := lockFile(filepath.Join(f.dir, serverLock))
+	unlock, err := LockFile(filepath.Join(f.dir, serverLock))
 	if err != nil {
 		return err
 	}
@@ -265,7 +265,7 @@ func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 	}
 	// Starting, or finding running, and counting users happen under one
 	// lock with stopping (see users.go).
-	unlock, err := lockFile(filepath.Join(cfg.EmbeddedDir, serverLock))
+	unlock, err := LockFile(filepath.Join(cfg.EmbeddedDir, serverLock))
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrNoDatabase, err)
 	}

@@ -9,10 +9,10 @@ import (
 	"syscall"
 )
 
-// lockFile takes an exclusive lock on path, shared by every process of the
+// LockFile takes an exclusive lock on path, shared by every process of the
 // machine, waiting for it; unlock releases it. The kernel releases it when
 // the process exits, however it exits.
-func lockFile(path string) (unlock func(), err error) {
+func LockFile(path string) (unlock func(), err error) {
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("finddb: opening %s: %w", path, err)
