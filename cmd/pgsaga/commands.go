@@ -325,8 +325,8 @@ func deadLettersCmd() *cobra.Command {
 				}
 				tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 				fmt.Fprintln(tw, "ID\tTOPIC\tGROUP\tATTEMPTS\tSIZE\tDEAD\tREPLAYED\tREASON")
-				now := time.Now()
 				for _, d := range dl {
+					now := deadLetterNow(d)
 					fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\t%s ago\t%s\t%s\n", d.ID, cell(d.Topic), cell(dash(d.ConsumerGroup)), d.Attempts, byteSize(d.PayloadSize),
 						age(now.Sub(d.DeadAt)), replayedCell(d, now), cell(clip(oneLine(d.Reason), 100)))
 				}

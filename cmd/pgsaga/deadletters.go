@@ -22,17 +22,20 @@ import (
 // of each) and `dead-letters show --json` (whole). Its field names are a
 // contract.
 type deadLetterJSON struct {
-	ID            int64      `json:"id"`
-	UUID          string     `json:"uuid"`
-	Topic         string     `json:"topic"`
-	ConsumerGroup string     `json:"consumer_group"`
-	Handler       string     `json:"handler"`
-	Reason        string     `json:"reason"` // in a listing, its first saga.DeadLetterListText characters
-	ReasonLength  int        `json:"reason_length"`
-	Attempts      int        `json:"attempts"`
-	CreatedAt     time.Time  `json:"created_at"`
-	DeadAt        time.Time  `json:"dead_at"`
-	ReplayedAt    *time.Time `json:"replayed_at"`
+	ID            int64     `json:"id"`
+	UUID          string    `json:"uuid"`
+	Topic         string    `json:"topic"`
+	ConsumerGroup string    `json:"consumer_group"`
+	Handler       string    `json:"handler"`
+	Reason        string    `json:"reason"` // in a listing, its first saga.DeadLetterListText characters
+	ReasonLength  int       `json:"reason_length"`
+	Attempts      int       `json:"attempts"`
+	CreatedAt     time.Time `json:"created_at"`
+	DeadAt        time.Time `json:"dead_at"`
+	// DeadAgeS is how long ago it was dead-lettered, in seconds, on the
+	// database's clock.
+	DeadAgeS   float64    `json:"dead_age_s"`
+	ReplayedAt *time.Time `json:"replayed_at"`
 	// Replayable is false for what a broker bridge received but could not
 	// queue: replay refuses it, the sender must send it again.
 	Replayable bool `json:"replayable"`
@@ -57,7 +60,7 @@ type deadLetterJSON struct {
 
 func toDeadLetterJSON(d saga.DeadLetter) deadLetterJSON {
 	out := deadLetterJSON{ID: d.ID, UUID: d.UUID, Topic: d.Topic, ConsumerGroup: d.ConsumerGroup, Handler: d.Handler,
-		Reason: d.Reason, ReasonLength: d.ReasonLength, Attempts: d.Attempts, CreatedAt: d.CreatedAt, DeadAt: d.DeadAt,
+		Reason: d.Reason, ReasonLength: d.ReasonLength, Attempts: d.Attempts, CreatedAt: d.CreatedAt, DeadAt: d.DeadAt, DeadAgeS: round(deadLetterNow(d).Sub(d.DeadAt).Seconds()),
 		ReplayedAt: d.ReplayedAt, Replayable: d.Replayable(), Metadata: d.Metadata, MetadataSize: d.MetadataSize,
 		PayloadSize: d.PayloadSize, PayloadComplete: d.PayloadComplete(),
 		PayloadPreview: utf8Text(d.PayloadPreview, len(d.PayloadPreview) < d.PayloadSize), PayloadPreviewBase64: base64.StdEncoding.EncodeToString(d.PayloadPreview)}
@@ -102,6 +105,15 @@ func replayedCell(d saga.DeadLetter, now time.Time) string {
 		return "cannot"
 	}
 	return "-"
+}
+
+// deadLetterNow is the database's clock when d was read, which set its
+// times (the local clock only for a dead letter read without it).
+func deadLetterNow(d saga.DeadLetter) time.Time {
+	if d.ReadAt.IsZero() {
+		return time.Now()
+	}
+	return d.ReadAt
 }
 
 // byteSize is n bytes for people: 312 B, 4.0 KiB, 20.0 MiB.
@@ -204,7 +216,7 @@ func writeNewFile(path string, b []byte) error {
 // printDeadLetter shows d whole, for people; its payload went to
 // payloadOut if that is not "".
 func printDeadLetter(w io.Writer, d saga.DeadLetter, payloadOut string) error {
-	now := time.Now()
+	now := deadLetterNow(d)
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "dead letter\t%d\n", d.ID)
 	fmt.Fprintf(tw, "message\t%s\n", cell(d.UUID))

@@ -568,9 +568,8 @@ func (u *webUI) deadLetters(w http.ResponseWriter, r *http.Request) error {
 			v.Topics = append(v.Topics, g.Topic)
 		}
 	}
-	now := u.cfg.Now()
 	for _, d := range list {
-		v.Rows = append(v.Rows, deadLetterRowOf(d, d.PayloadPreview, now, r.URL.RequestURI()))
+		v.Rows = append(v.Rows, deadLetterRowOf(d, d.PayloadPreview, deadLetterNow(d), r.URL.RequestURI()))
 	}
 	if len(list) == v.Limit {
 		next := url.Values{"after": {strconv.FormatInt(list[len(list)-1].ID, 10)}, "limit": {strconv.Itoa(v.Limit)}}
@@ -621,7 +620,7 @@ func (u *webUI) deadLetter(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	row := deadLetterRowOf(d, d.Payload[:min(len(d.Payload), pageShowBytes)], u.cfg.Now(), r.URL.Path)
+	row := deadLetterRowOf(d, d.Payload[:min(len(d.Payload), pageShowBytes)], deadLetterNow(d), r.URL.Path)
 	u.render(w, r, http.StatusOK, pageDeadLetter, "dead-letters", deadLetterView{row})
 	return nil
 }

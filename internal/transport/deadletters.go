@@ -52,6 +52,9 @@ type DeadLetter struct {
 	// ReplayedAt is when it was sent back to its queue (ReplayDeadLetter);
 	// nil if it was not.
 	ReplayedAt *time.Time
+	// ReadAt is the database's clock when d was read: the clock its times
+	// were set by, so the one to tell their ages with.
+	ReadAt time.Time
 }
 
 // Bounds of what DeadLetters reads of each dead letter.
@@ -141,7 +144,7 @@ func scanDeadLetter(row interface{ Scan(...any) error }, whole bool) (DeadLetter
 		md      []byte
 	)
 	if err := row.Scan(&d.ID, &d.UUID, &d.Topic, &d.ConsumerGroup, &d.Handler, &payload, &d.PayloadSize, &md, &d.MetadataSize,
-		&d.Reason, &d.ReasonLength, &d.Attempts, &d.CreatedAt, &d.DeadAt, &d.ReplayedAt); err != nil {
+		&d.Reason, &d.ReasonLength, &d.Attempts, &d.CreatedAt, &d.DeadAt, &d.ReplayedAt, &d.ReadAt); err != nil {
 		return DeadLetter{}, err
 	}
 	if payload == nil {

@@ -298,7 +298,7 @@ SELECT count(*)::int FROM queued LEFT JOIN LATERAL (SELECT pg_notify($2, queued.
     substring(payload FROM 1 FOR $4), coalesce(octet_length(payload), 0),
     CASE WHEN coalesce(octet_length(metadata::text), 0) <= $5 THEN coalesce(metadata, 'null'::jsonb) END,
     coalesce(octet_length(metadata::text), 0),
-    left(reason, $5), length(reason), attempts, created_at, dead_at, replayed_at
+    left(reason, $5), length(reason), attempts, created_at, dead_at, replayed_at, clock_timestamp()
 FROM pgsaga_dead_letters
 WHERE ($1 = '' OR topic = $1) AND id > $2
 ORDER BY id
@@ -307,7 +307,7 @@ LIMIT $3`
 	// deadLetterByIDSQL reads dead letter $1 whole.
 	deadLetterByIDSQL = `SELECT id, uuid, topic, consumer_group, handler, payload, coalesce(octet_length(payload), 0),
     coalesce(metadata, 'null'::jsonb), coalesce(octet_length(metadata::text), 0),
-    reason, length(reason), attempts, created_at, dead_at, replayed_at
+    reason, length(reason), attempts, created_at, dead_at, replayed_at, clock_timestamp()
 FROM pgsaga_dead_letters
 WHERE id = $1`
 )
