@@ -109,7 +109,7 @@ func (s *Store) acquireExisting(ctx context.Context, tx dbtx.DBTX, l *Lease, ins
 		return Acquisition{Lease: l}, nil
 	}
 	req := l.Request
-	rec, err := lockRecord(ctx, tx, req)
+	rec, left, err := lockRecord(ctx, tx, req)
 	if err != nil {
 		return Acquisition{}, s.claimError(req, err)
 	}
@@ -121,7 +121,7 @@ func (s *Store) acquireExisting(ctx context.Context, tx dbtx.DBTX, l *Lease, ins
 	}
 	err = tx.QueryRowContext(ctx, takeoverSQL, req.Scope, req.Key, l.Token, lease.Seconds()).Scan(&l.Attempt, &l.Until)
 	if errors.Is(err, sql.ErrNoRows) {
-		return Acquisition{}, &InProgressError{Scope: req.Scope, Key: req.Key, LockedUntil: rec.LockedUntil}
+		return Acquisition{}, &InProgressError{Scope: req.Scope, Key: req.Key, LockedUntil: rec.LockedUntil, RetryAfter: left}
 	}
 	if err != nil {
 		return Acquisition{}, fmt.Errorf("idempotency: taking over %s/%s: %w", req.Scope, req.Key, err)

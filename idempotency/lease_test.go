@@ -10,6 +10,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/migrations"
+	"github.com/pgsaga/pgsaga/steps"
 )
 
 // provider is a fake external service with its own idempotency by key.
@@ -168,4 +172,42 @@ func TestLeasedKeyBlocksSinglePhaseClaim(t *testing.T) {
 	var ipe *idempotency.InProgressError
 	require.ErrorAs(t, err, &ipe)
 	assert.False(t, ipe.LockedUntil.IsZero())
+}
+
+// A held lease says how long it has left on the database's clock, which set
+// it: with the server an hour ahead of this machine, time.Until(LockedUntil)
+// is an hour and a minute, RetryAfter a minute. A worker waiting out a
+// dead worker's lease by its own clock waited an hour too long (or, behind,
+// not at all).
+func TestAHeldLeaseSaysHowLongItHasLeftOnTheDatabasesClock(t *testing.T) {
+	srv := testdb.StartPrivateSkewed(t, time.Hour)
+	ctx := context.Background()
+	db, err := pgdb.Open(ctx, pgdb.Config{URL: srv.URL, MaxConns: 4})
+	require.NoError(t, err)
+	t.Cleanup(db.Close)
+	_, err = migrations.Apply(ctx, db.SQL)
+	require.NoError(t, err)
+	s, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})
+	require.NoError(t, err)
+
+	req := newRequest("held")
+	first, err := s.AcquireFor(ctx, req, time.Minute)
+	require.NoError(t, err)
+	require.NotNil(t, first.Lease)
+	for name, claim := range map[string]func() error{
+		"Acquire": func() error { _, err := s.AcquireFor(ctx, req, time.Minute); return err },
+		"Claim": func() error {
+			_, err := s.Do(ctx, req, func(context.Context, steps.DBTX) (idempotency.Response, error) {
+				t.Error("a held key ran")
+				return idempotency.Response{}, nil
+			})
+			return err
+		},
+	} {
+		err := claim()
+		var busy *idempotency.InProgressError
+		require.ErrorAs(t, err, &busy, name)
+		assert.InDelta(t, time.Minute.Seconds(), busy.RetryAfter.Seconds(), 30, "%s: RetryAfter on the database's clock", name)
+		assert.InDelta(t, (time.Hour + time.Minute).Seconds(), time.Until(busy.LockedUntil).Seconds(), 30, "%s: LockedUntil is the server's time", name)
+	}
 }

@@ -63,7 +63,9 @@ SELECT cfg.prev, claimed.attempts, claimed.created_at, claimed.locked_until FROM
 
 	// lockRecordSQL reads an existing key under a row lock: at READ
 	// COMMITTED it sees a concurrent claimer's outcome once that commits.
-	lockRecordSQL = `SELECT ` + recordColumns + ` FROM idempotency_keys
+	lockRecordSQL = `SELECT ` + recordColumns + `,
+    coalesce(extract(epoch FROM greatest(locked_until - clock_timestamp(), '0')), 0)::float8
+FROM idempotency_keys
 WHERE scope = $1 AND key = $2 FOR UPDATE`
 
 	getRecordSQL = `SELECT ` + recordColumns + ` FROM idempotency_keys WHERE scope = $1 AND key = $2`

@@ -138,6 +138,12 @@ type InProgressError struct {
 	// LockedUntil is when a two-phase claim's lease expires; zero when the
 	// key is held by another open transaction.
 	LockedUntil time.Time
+	// RetryAfter is how long the lease had left when the claim found it,
+	// measured on the database's clock (which LockedUntil is on too, so
+	// time.Until(LockedUntil) is off by however far this machine's clock
+	// is): wait that long before claiming again. Zero when the key is held
+	// by another open transaction, or the lease just ran out.
+	RetryAfter time.Duration
 }
 
 // Error implements error.
@@ -277,7 +283,7 @@ func (s *Store) claimExisting(ctx context.Context, tx dbtx.DBTX, req Request, in
 	if inserted {
 		return Claim{Execute: true}, nil
 	}
-	rec, err := lockRecord(ctx, tx, req)
+	rec, left, err := lockRecord(ctx, tx, req)
 	if err != nil {
 		return Claim{}, s.claimError(req, err)
 	}
@@ -292,7 +298,7 @@ func (s *Store) claimExisting(ctx context.Context, tx dbtx.DBTX, req Request, in
 			return Claim{}, fmt.Errorf("idempotency: %s/%s: %w", req.Scope, req.Key, dbtx.ErrBatchedPending)
 		}
 		// A committed pending row is a two-phase claim: its lease holds it.
-		return Claim{}, &InProgressError{Scope: req.Scope, Key: req.Key, LockedUntil: rec.LockedUntil}
+		return Claim{}, &InProgressError{Scope: req.Scope, Key: req.Key, LockedUntil: rec.LockedUntil, RetryAfter: left}
 	}
 	return Claim{Record: rec}, nil
 }
@@ -436,17 +442,21 @@ func (s *Store) GetTx(ctx context.Context, tx dbtx.DBTX, scope, key string) (Rec
 	return rec, err
 }
 
-func lockRecord(ctx context.Context, tx dbtx.DBTX, req Request) (Record, error) {
-	rec, err := scanRecord(tx.QueryRowContext(ctx, lockRecordSQL, req.Scope, req.Key), req)
+// lockRecord reads req's key under a row lock, with how long its lease
+// has left on the database's clock (zero when it has none or it ran out).
+func lockRecord(ctx context.Context, tx dbtx.DBTX, req Request) (Record, time.Duration, error) {
+	var left float64
+	rec, err := scanRecord(tx.QueryRowContext(ctx, lockRecordSQL, req.Scope, req.Key), req, &left)
 	if errors.Is(err, sql.ErrNoRows) {
 		// Deleted between our insert attempt and the lock (the reaper, or a
 		// racer that rolled back after our snapshot); the caller retries.
-		return Record{}, fmt.Errorf("%w: key vanished while claiming", ErrConflict)
+		return Record{}, 0, fmt.Errorf("%w: key vanished while claiming", ErrConflict)
 	}
-	return rec, err
+	return rec, time.Duration(left * float64(time.Second)), err
 }
 
-func scanRecord(row *sql.Row, req Request) (Record, error) {
+// scanRecord scans recordColumns, then extra.
+func scanRecord(row *sql.Row, req Request, extra ...any) (Record, error) {
 	var (
 		rec                   Record
 		status                string
@@ -455,8 +465,8 @@ func scanRecord(row *sql.Row, req Request) (Record, error) {
 		token                 uuid.NullUUID
 		lockedUntil, complete sql.NullTime
 	)
-	err := row.Scan(&rec.Hash, &status, &code, &rec.Response.Body, &meta, &rec.Attempts,
-		&token, &lockedUntil, &rec.CreatedAt, &rec.UpdatedAt, &complete)
+	err := row.Scan(append([]any{&rec.Hash, &status, &code, &rec.Response.Body, &meta, &rec.Attempts,
+		&token, &lockedUntil, &rec.CreatedAt, &rec.UpdatedAt, &complete}, extra...)...)
 	if err != nil {
 		return Record{}, err
 	}

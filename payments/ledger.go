@@ -43,15 +43,16 @@ func (s *Service) charge(ctx context.Context, tx *steps.Tx, cmd ChargePayment) (
 			return reply, err
 		}
 	}
-	chargeID, lease, err := s.reserveOnce(ctx, tx.Key(), cmd)
+	req := GatewayRequest("charge", tx.Key(), cmd.AccountID, cmd.OrderID, cmd.AmountCents)
+	lease, chargeID, err := s.reserve(ctx, req, cmd)
 	if err == nil && lease != nil {
 		return nil, steps.Await(s.cfg.GatewayLease, func(ctx context.Context) error {
 			_, err := s.capture(ctx, lease, cmd)
-			if errors.As(err, new(*refusal)) {
-				return nil // the decline is recorded: the next run answers it
-			}
-			return err
+			return answered(err)
 		})
+	}
+	if busy := (*idempotency.InProgressError)(nil); errors.As(err, &busy) {
+		return nil, s.afterLease(busy, "charge", func(ctx context.Context) error { return s.chargeCall(ctx, req, cmd) })
 	}
 	var ref *refusal
 	if errors.As(err, &ref) {
@@ -83,33 +84,78 @@ func (s *Service) recordedCharge(ctx context.Context, tx *steps.Tx, cmd ChargePa
 	return PaymentCharged{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents, ChargeID: body}, true, nil
 }
 
-// chargeOnce runs the gateway charge of key at most once, waiting out the
-// lease of a worker that died mid-call.
-func (s *Service) chargeOnce(ctx context.Context, key string, cmd ChargePayment) (string, error) {
-	chargeID, lease, err := s.reserveOnce(ctx, key, cmd)
-	if err != nil || lease == nil {
-		return chargeID, err
+// chargeCall reserves the charge of req and, unless an earlier call
+// finished it, calls the gateway under its lease and records the answer:
+// the awaited call of a charge that found req's key leased (a refusal is
+// nil: the handler's next run finds it again, or its record, and answers).
+func (s *Service) chargeCall(ctx context.Context, req idempotency.Request, cmd ChargePayment) error {
+	lease, _, err := s.reserve(ctx, req, cmd)
+	if err == nil && lease != nil {
+		_, err = s.capture(ctx, lease, cmd)
 	}
-	return s.capture(ctx, lease, cmd)
+	return answered(err)
 }
 
-// reserveOnce reserves the charge of key (see reserve), waiting out the
-// lease of a worker that died mid-call. It returns the charge id of a
-// finished call, or the lease to call the gateway under.
-func (s *Service) reserveOnce(ctx context.Context, key string, cmd ChargePayment) (string, *idempotency.Lease, error) {
-	req := GatewayRequest("charge", key, cmd.AccountID, cmd.OrderID, cmd.AmountCents)
-	giveUp := time.Now().Add(2 * s.cfg.GatewayLease)
-	for {
-		lease, done, err := s.reserve(ctx, req, cmd)
-		var busy *idempotency.InProgressError
-		if errors.As(err, &busy) {
-			if err := s.waitLease(ctx, busy, giveUp, "charge", key); err != nil {
-				return "", nil, err
-			}
-			continue
-		}
-		return done, lease, err
+// answered is the error an awaited gateway call ends with: nil once the
+// gateway's decline is recorded (or the ledger refused), for the handler's
+// next run to answer from; the failure otherwise.
+func answered(err error) error {
+	if errors.As(err, new(*refusal)) {
+		return nil
 	}
+	return err
+}
+
+// afterLease is what a handler returns when the gateway call of its key is
+// leased by another worker: one killed mid-call, or one still calling. The
+// lease is waited out in an awaited call (steps.Await), outside the
+// delivery's transaction, so the batch goes on with its other commands;
+// then call runs in the same awaited call: it takes the key over, or finds
+// its answer recorded, and the handler's next run answers from that.
+func (s *Service) afterLease(busy *idempotency.InProgressError, op string, call func(ctx context.Context) error) error {
+	wait := leaseWait(busy)
+	s.cfg.Logger.Info("waiting for the lease of an earlier gateway call", "op", op, "key", busy.Key, "wait", wait)
+	return steps.Await(wait+2*s.cfg.GatewayLease, func(ctx context.Context) error {
+		return s.pastLeases(ctx, min(wait, leasePoll), call)
+	})
+}
+
+// pastLeases runs call after wait, and again while it finds its key held
+// by another worker's lease, until ctx ends. It looks again at most
+// leasePoll after the last look (from 50 ms, doubling), however long the
+// lease has left: a holder that is alive finishes early, and its answer is
+// then taken at once instead of at the end of its lease. Only an awaited
+// call waits so: nothing of a delivery batch waits on a lease.
+func (s *Service) pastLeases(ctx context.Context, wait time.Duration, call func(ctx context.Context) error) error {
+	poll := 50 * time.Millisecond
+	for {
+		t := time.NewTimer(wait)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return fmt.Errorf("payments: waiting out the lease of an earlier gateway call: %w", ctx.Err())
+		}
+		err := call(ctx)
+		var busy *idempotency.InProgressError
+		if !errors.As(err, &busy) {
+			return err
+		}
+		wait, poll = min(leaseWait(busy), poll), min(2*poll, leasePoll)
+	}
+}
+
+// leasePoll bounds how long pastLeases waits between two looks at a key.
+const leasePoll = time.Second
+
+// leaseWait is how long to wait before claiming busy's key again: until its
+// lease runs out, by the database's clock; a moment when an open
+// transaction holds it.
+func leaseWait(busy *idempotency.InProgressError) time.Duration {
+	if busy.RetryAfter <= 0 {
+		return 50 * time.Millisecond
+	}
+	return busy.RetryAfter + 20*time.Millisecond
 }
 
 // reserve is phase one, in a transaction of its own: claim the gateway call
@@ -308,14 +354,30 @@ func (s *Service) refund(ctx context.Context, tx *steps.Tx, cmd RefundPayment) (
 	if cmd.OrderID == uuid.Nil || !accountIDPattern.MatchString(cmd.AccountID) {
 		return PaymentRefunded{OrderID: cmd.OrderID}, nil
 	}
-	if err := s.finishReservedCharge(ctx, cmd); err != nil {
+	refundCall := func(ctx context.Context) error { return s.refundCall(ctx, cmd, tx.Key()) }
+	reserved, err := s.reservedCharge(ctx, cmd)
+	if err != nil {
 		return nil, err
+	}
+	if reserved != nil {
+		// A charge reserved but never captured nor voided: its gateway
+		// call is run to the end first, under the charge's own key, then
+		// the refund's, both in one awaited call.
+		return nil, steps.Await(4*s.cfg.GatewayLease, func(ctx context.Context) error {
+			if err := s.pastLeases(ctx, 0, func(ctx context.Context) error { return s.chargeCall(ctx, reserved.req, reserved.cmd) }); err != nil {
+				return err
+			}
+			return s.pastLeases(ctx, 0, refundCall)
+		})
 	}
 	prep, err := s.prepareRefund(ctx, cmd, tx.Key())
 	var ref *refusal
 	if errors.As(err, &ref) {
 		// Final: the saga parks and reports it; a person must act.
 		return nil, steps.Fail(RefundFailed{OrderID: cmd.OrderID, Reason: ref.reason}, ref.reason)
+	}
+	if busy := (*idempotency.InProgressError)(nil); errors.As(err, &busy) {
+		return nil, s.afterLease(busy, "refund", refundCall)
 	}
 	if err != nil {
 		return nil, err
@@ -334,11 +396,20 @@ func (s *Service) refund(ctx context.Context, tx *steps.Tx, cmd RefundPayment) (
 	// recorded for this command.
 	return nil, steps.Await(s.cfg.GatewayLease, func(ctx context.Context) error {
 		_, err := s.callRefund(ctx, cmd, tx.Key(), prep)
-		if errors.As(err, new(*refusal)) {
-			return nil // recorded: the next run answers it
-		}
-		return err
+		return answered(err)
 	})
+}
+
+// refundCall prepares the refund of cmd for command and, unless what is
+// recorded answers it, calls the gateway under its lease: the awaited call
+// of a refund that had to wait (a refusal is nil: the handler's next run
+// finds it, or its record, and answers).
+func (s *Service) refundCall(ctx context.Context, cmd RefundPayment, command string) error {
+	prep, err := s.prepareRefund(ctx, cmd, command)
+	if err == nil && prep.lease != nil {
+		_, err = s.callRefund(ctx, cmd, command, prep)
+	}
+	return answered(err)
 }
 
 // RefundKey is the gateway's idempotency key for an order's refund (its
@@ -388,8 +459,7 @@ type refundPrep struct {
 // gateway call of the order's refund key with a lease, waiting out the
 // lease of a worker that died mid-call.
 func (s *Service) prepareRefund(ctx context.Context, cmd RefundPayment, command string) (refundPrep, error) {
-	giveUp := time.Now().Add(2 * s.cfg.GatewayLease)
-	for {
+	{
 		var (
 			result   = PaymentRefunded{OrderID: cmd.OrderID}
 			lease    *idempotency.Lease
@@ -445,13 +515,6 @@ func (s *Service) prepareRefund(ctx context.Context, cmd RefundPayment, command 
 				return s.postRefund(ctx, tx, version, cmd, amount, result.RefundID)
 			}
 		})
-		var busy *idempotency.InProgressError
-		if errors.As(err, &busy) {
-			if err := s.waitLease(ctx, busy, giveUp, "refund", key); err != nil {
-				return refundPrep{}, err
-			}
-			continue
-		}
 		return refundPrep{result: result, lease: lease, key: key, chargeID: chargeID, amount: amount}, err
 	}
 }
@@ -515,43 +578,29 @@ func (s *Service) postRefund(ctx context.Context, tx *sql.Tx, version int, cmd R
 	return nil
 }
 
-// finishReservedCharge resolves a charge of the order that was reserved but
-// never captured nor voided, by running its gateway call to the end under
-// the charge's own key.
-func (s *Service) finishReservedCharge(ctx context.Context, cmd RefundPayment) error {
-	charged, ref, key, found, err := orderPosting(ctx, s.cfg.DB, cmd.AccountID, cmd.OrderID, "charge")
-	if err != nil || !found || ref != "" {
-		return err
-	}
-	if _, _, _, voided, err := orderPosting(ctx, s.cfg.DB, cmd.AccountID, cmd.OrderID, "void"); err != nil || voided {
-		return err
-	}
-	s.cfg.Logger.Info("finishing a reserved charge before refunding it", "order", cmd.OrderID, "charge_key", key)
-	_, err = s.chargeOnce(ctx, key, ChargePayment{OrderID: cmd.OrderID, AccountID: cmd.AccountID, AmountCents: -charged})
-	var ref2 *refusal
-	if errors.As(err, &ref2) {
-		return nil // declined and voided: nothing to refund
-	}
-	return err
+// reservedChargeCall is a charge of an order that was reserved but never
+// captured nor voided: its gateway request, under the charge's own key,
+// and the command that reserved it.
+type reservedChargeCall struct {
+	req idempotency.Request
+	cmd ChargePayment
 }
 
-// waitLease waits for the lease of an earlier call (a worker that died after
-// calling the gateway, or one still calling) to run out.
-func (s *Service) waitLease(ctx context.Context, busy *idempotency.InProgressError, giveUp time.Time, op, key string) error {
-	wait := 50 * time.Millisecond
-	if !busy.LockedUntil.IsZero() {
-		wait = max(time.Until(busy.LockedUntil)+20*time.Millisecond, 5*time.Millisecond)
+// reservedCharge finds the charge of cmd's order that was reserved but
+// never captured nor voided, if there is one: its gateway call must run to
+// the end, so that the gateway's answer decides (captured then refunded,
+// or declined and voided), before the order is refunded.
+func (s *Service) reservedCharge(ctx context.Context, cmd RefundPayment) (*reservedChargeCall, error) {
+	charged, ref, key, found, err := orderPosting(ctx, s.cfg.DB, cmd.AccountID, cmd.OrderID, "charge")
+	if err != nil || !found || ref != "" {
+		return nil, err
 	}
-	if time.Now().Add(wait).After(giveUp) {
-		return busy
+	if _, _, _, voided, err := orderPosting(ctx, s.cfg.DB, cmd.AccountID, cmd.OrderID, "void"); err != nil || voided {
+		return nil, err
 	}
-	s.cfg.Logger.Info("waiting for the lease of an earlier gateway call", "op", op, "key", key, "wait", wait)
-	select {
-	case <-time.After(wait):
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
+	s.cfg.Logger.Info("finishing a reserved charge before refunding it", "order", cmd.OrderID, "charge_key", key)
+	charge := ChargePayment{OrderID: cmd.OrderID, AccountID: cmd.AccountID, AmountCents: -charged}
+	return &reservedChargeCall{req: GatewayRequest("charge", key, charge.AccountID, charge.OrderID, charge.AmountCents), cmd: charge}, nil
 }
 
 // reservation is what a charge's reservation decides on, read in one
