@@ -3,8 +3,11 @@ package testdb
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"fmt"
 	"net"
+	"net/url"
 	"os"
 	"os/exec"
 	"os/user"
@@ -24,9 +27,12 @@ const PrivateEnv = "PGSAGA_TEST_PRIVATE_PG"
 
 // PrivateServer is a PostgreSQL of one test's own, started from the
 // machine's server binaries, that the test may stop and start at will
-// without disturbing the server the other tests share.
+// without disturbing the server the other tests share. It trusts no
+// connection: its superuser's password is random, in a file of its
+// directory that only its owner can read, and given by SCRAM.
 type PrivateServer struct {
-	// URL connects to its postgres database.
+	// URL connects to its postgres database, as postgres, with the
+	// password.
 	URL string
 
 	bin    string
@@ -134,15 +140,36 @@ func startPrivate(bin string, env []string) (*PrivateServer, error) {
 			return nil, err
 		}
 	}
-	if err := s.run(filepath.Join(bin, "initdb"), "-D", s.data(), "-U", "postgres", "-A", "trust", "--no-sync", "-E", "UTF8"); err != nil {
+	// Its superuser's password is random, in a file only the server's
+	// owner can read, and every connection must give it by SCRAM: no
+	// other user of the machine can log in while the tests run.
+	pwFile := filepath.Join(dir, privatePasswordFile)
+	pw := make([]byte, 16)
+	if _, err := rand.Read(pw); err != nil {
+		s.remove()
+		return nil, err
+	}
+	password := hex.EncodeToString(pw)
+	if err := os.WriteFile(pwFile, []byte(password+"\n"), 0o600); err != nil {
+		s.remove()
+		return nil, err
+	}
+	if s.cred != nil {
+		if err := os.Chown(pwFile, int(s.cred.Uid), int(s.cred.Gid)); err != nil {
+			s.remove()
+			return nil, err
+		}
+	}
+	if err := s.run(filepath.Join(bin, "initdb"), "-D", s.data(), "-U", "postgres", "-A", "scram-sha-256", "--pwfile", pwFile, "--no-sync", "-E", "UTF8"); err != nil {
 		s.remove()
 		return nil, fmt.Errorf("initdb: %w", err)
 	}
+	s.URL = (&url.URL{Scheme: "postgres", User: url.UserPassword("postgres", password), Host: fmt.Sprintf("127.0.0.1:%d", s.port),
+		Path: "/postgres", RawQuery: "sslmode=disable"}).String()
 	if err := s.Start(); err != nil {
 		s.remove()
 		return nil, fmt.Errorf("starting a private PostgreSQL: %w", err)
 	}
-	s.URL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", s.port)
 	return s, nil
 }
 
@@ -191,11 +218,10 @@ func (s *PrivateServer) Start() error {
 	if err := s.pgctl("start", "-w", "-t", "60", "-l", filepath.Join(s.dir, "server.log"), "-o", opts); err != nil {
 		return err
 	}
-	url := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", s.port)
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		conn, err := pgx.Connect(ctx, url)
+		conn, err := pgx.Connect(ctx, s.URL)
 		cancel()
 		if err == nil {
 			return conn.Close(context.Background())
@@ -242,3 +268,7 @@ func freePort() (int, error) {
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
+
+// privatePasswordFile holds a private server's superuser password, in its
+// directory.
+const privatePasswordFile = "superuser-password"
