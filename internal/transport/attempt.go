@@ -316,6 +316,14 @@ type attemptTx struct {
 	// brokenBy: an in-process delivery inside this attempt broke its
 	// transaction (ErrInProcessBroke); not the handler's doing.
 	brokenBy error
+	// unwound: an in-process delivery inside this attempt failed after
+	// writing (errUnwound): the attempt cannot be kept, and runs again
+	// with plan.
+	unwound error
+	// plan says what the deliveries in process of the root attempt and
+	// of those nested in it do differently when it runs again after an
+	// unwound one; shared by them all.
+	plan     *localPlan
 	depth    int
 	deadline time.Time
 	child    atomic.Pointer[attemptTx]
@@ -340,6 +348,8 @@ func (a *attemptTx) usable() error {
 		return a.sendErr
 	case a.ended:
 		return ErrTransactionEnded
+	case a.unwound != nil:
+		return a.unwound
 	}
 	return a.check()
 }
@@ -774,17 +784,19 @@ func (a *attemptTx) keep(ctx context.Context, d *deliveryTx, id int64) error {
 // release returns what keeps the attempt's work: its queued statements,
 // then rel (the release of its savepoint), unless the attempt cannot be
 // kept. It runs after revoke; the caller holds mu.
-func (a *attemptTx) release(rel stmt) ([]stmt, error) {
+func (a *attemptTx) release(rel ...stmt) ([]stmt, error) {
 	switch {
 	case a.sendErr != nil:
 		return nil, a.sendErr
 	case a.ended:
 		return nil, ErrTransactionEnded
+	case a.unwound != nil:
+		return nil, a.unwound
 	}
 	if err := a.check(); err != nil {
 		return nil, err
 	}
-	stmts := append(a.queue, rel)
+	stmts := append(a.queue, rel...)
 	a.queue = nil
 	return stmts, nil
 }
@@ -867,6 +879,7 @@ const (
 	failed                    // rolled back; the transaction is usable
 	broken                    // the transaction can no longer commit
 	refused                   // not started: the router is closing
+	unwound                   // an in-process delivery failed after writing (see tryLocal)
 )
 
 // handle runs h on msg as attempt n in d (see attempt), and, if h asks for
@@ -880,6 +893,13 @@ func (t *Transport) handle(d *deliveryTx, g *gate, msg *message.Message, id int6
 // handleBy is handle within a given deadline.
 func (t *Transport) handleBy(d *deliveryTx, g *gate, msg *message.Message, id int64, n int, deadline time.Time, handler string, h HandlerFunc) (attemptEnd, error) {
 	out, err := t.attempt(d, g, msg, id, n, deadline, h)
+	for uw := (*unwoundError)(nil); out == failed && errors.As(err, &uw); {
+		// Rolled back: run again at once, as the same attempt, with the
+		// delivery that unwound it queued (or its Instead run in its
+		// place), the others in process again.
+		msg = withPlan(msg, uw.plan.again())
+		out, err = t.attempt(d, g, msg, id, n, deadline, h)
+	}
 	if d.own {
 		// No queue row to hand back while an awaited call runs.
 		out, err = awaitInline(out, err, deadline, func() (attemptEnd, error) { return t.attempt(d, g, afterAwait(msg), id, n, deadline, h) })
@@ -902,6 +922,7 @@ func (t *Transport) handleBy(d *deliveryTx, g *gate, msg *message.Message, id in
 func (t *Transport) attempt(d *deliveryTx, g *gate, msg *message.Message, id int64, n int, deadline time.Time, h HandlerFunc) (attemptEnd, error) {
 	a := newAttemptTx(d)
 	a.first = n == 1
+	a.plan = planFrom(msg.Context())
 	a.queueID = id
 	if g != nil {
 		if !g.track(a) {
@@ -919,6 +940,13 @@ func (t *Transport) attempt(d *deliveryTx, g *gate, msg *message.Message, id int
 			return kept, nil
 		}
 	}
+	a.mu.Lock()
+	if a.unwound != nil {
+		// Whatever the handler made of it: the delivery's writes are in
+		// the attempt, which is therefore rolled back.
+		herr = a.unwound
+	}
+	a.mu.Unlock()
 	d.spOpen = false
 	if !a.touched.Load() && a.untouchedOpen() {
 		// Nothing of it reached the server: its savepoint is as it was

@@ -4,15 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgerrcode"
-
-	"github.com/pgsaga/pgsaga/internal/pgerr"
 )
 
 // InProcess lets the handler take in-process deliveries: a message
@@ -47,6 +43,100 @@ func InProcess() HandlerOption { return func(o *handlerOptions) { o.inProcess = 
 // the transaction, it released a savepoint not its own). The publishing
 // attempt fails, as a transient failure; its retry queues the message.
 var ErrInProcessBroke = errors.New("transport: an in-process delivery broke its publisher's transaction")
+
+// errUnwound: an in-process delivery inside the attempt failed after
+// writing, with no savepoint of its own to take its writes back (see
+// tryLocal). Whatever its handler returns, the attempt is rolled back and
+// run again at once, as the same attempt (handleBy), with that delivery
+// queued, or, if it asked for Instead, its replacement run in process in
+// its place; it costs no attempt. It comes as an *unwoundError.
+var errUnwound = errors.New("transport: an in-process delivery failed after writing; its publisher runs again")
+
+// unwoundError is errUnwound with the plan of the run again.
+type unwoundError struct {
+	plan  *localPlan
+	cause error
+}
+
+func (e *unwoundError) Error() string        { return errUnwound.Error() + ": " + e.cause.Error() }
+func (e *unwoundError) Unwrap() []error      { return []error{errUnwound, e.cause} }
+func (e *unwoundError) Is(target error) bool { return target == errUnwound }
+
+// localPlan is what the in-process deliveries of an attempt run again
+// after an unwound one do: by route and message, queue it, or run its
+// Instead replacement. After maxUnwinds runs again, everything is queued.
+type localPlan struct {
+	mu      sync.Mutex
+	runs    int
+	instead map[string]HandlerFunc // nil: queued
+	done    map[string]bool
+}
+
+// maxUnwinds bounds how many times an attempt runs again for unwound
+// in-process deliveries before it queues them all.
+const maxUnwinds = 3
+
+func planKey(r route, msg *message.Message) string { return r.name + "\x00" + msg.UUID }
+
+// again counts a run again of the attempt p is for, and returns p.
+func (p *localPlan) again() *localPlan {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.runs++
+	return p
+}
+
+// of says what the delivery of msg to r does on this run: queued (no
+// in-process delivery at all), or run in process: by r's handler, or by
+// replacement (not nil), the Instead its last try asked for.
+func (p *localPlan) of(r route, msg *message.Message) (replacement HandlerFunc, queued bool) {
+	if p == nil {
+		return nil, false
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.runs > maxUnwinds {
+		return nil, true
+	}
+	k := planKey(r, msg)
+	if !p.done[k] {
+		return nil, false
+	}
+	return p.instead[k], p.instead[k] == nil
+}
+
+// unwind notes how the delivery of msg to r failed after writing: queue it
+// next time, or run replacement in its place.
+func (p *localPlan) unwind(r route, msg *message.Message, replacement HandlerFunc) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.done == nil {
+		p.done, p.instead = map[string]bool{}, map[string]HandlerFunc{}
+	}
+	k := planKey(r, msg)
+	if p.done[k] {
+		replacement = nil // its replacement failed too: queued
+	}
+	p.done[k], p.instead[k] = true, replacement
+}
+
+type planKeyCtx struct{}
+
+// planFrom is the plan of a message run again after an unwound in-process
+// delivery, or a new one.
+func planFrom(ctx context.Context) *localPlan {
+	if p, ok := ctx.Value(planKeyCtx{}).(*localPlan); ok {
+		return p
+	}
+	return &localPlan{}
+}
+
+// withPlan is msg for its attempt's run again with p.
+func withPlan(msg *message.Message, p *localPlan) *message.Message {
+	m := msg.Copy()
+	m.SetContext(context.WithValue(msg.Context(), planKeyCtx{}, p))
+	return m
+}
 
 // errInProcessRouterOnly: InProcess given where there is no router.
 var errInProcessRouterOnly = errors.New("InProcess applies to Router handlers only")
@@ -138,21 +228,32 @@ func (a *attemptTx) runLocal(t *Transport, r route, msg *message.Message) (bool,
 		// on the connection (a Publish while iterating rows): queued.
 		return false, nil
 	}
+	h := r.h
+	switch replacement, queued := a.plan.of(r, msg); {
+	case queued:
+		return false, nil // it unwound this attempt before: queued
+	case replacement != nil:
+		h = t.wrap(r.name, r.group, r.topic, replacement)
+	}
 	left := time.Until(a.deadline)
 	if left < minLocalBudget {
 		return false, nil
 	}
 	deadline := time.Now().Add(min(left/2, t.cfg.BatchTimeout))
-	out, err := a.tryLocal(r.h, msg, r.topic, deadline)
-	out, err = awaitInline(out, err, deadline, func() (attemptEnd, error) { return a.tryLocal(r.h, afterAwait(msg), r.topic, deadline) })
+	out, err := a.tryLocal(r, h, msg, deadline)
+	out, err = awaitInline(out, err, deadline, func() (attemptEnd, error) { return a.tryLocal(r, h, afterAwait(msg), deadline) })
 	var instead *InsteadError
 	if out == failed && errors.As(err, &instead) {
-		out, err = a.tryLocal(t.wrap(r.name, r.group, r.topic, instead.Handler), msg, r.topic, deadline)
+		out, err = a.tryLocal(r, t.wrap(r.name, r.group, r.topic, instead.Handler), msg, deadline)
 	}
 	switch out {
 	case kept:
 		return true, nil
 	case refused: // the publisher's own queued writes failed: its error
+		return false, err
+	case unwound:
+		t.log.Debug("transport: in-process delivery failed after writing; its publisher's attempt runs again, its messages queued",
+			"handler", r.name, "topic", r.topic, "message_uuid", msg.UUID, "reason", err)
 		return false, err
 	case failed:
 		t.log.Debug("transport: in-process delivery failed; queued instead",
@@ -167,22 +268,24 @@ func (a *attemptTx) runLocal(t *Transport, r route, msg *message.Message) (bool,
 	return false, a.brokenBy
 }
 
-// tryLocal runs h on a copy of msg in a savepoint of a, as an attempt
-// nested in a: kept (its work is in a), failed (rolled back; a goes on),
-// broken (a cannot go on) or refused (not started: a cannot go on, by its
-// own doing: what a queued failed, or a is over).
-func (a *attemptTx) tryLocal(h HandlerFunc, msg *message.Message, topic string, deadline time.Time) (attemptEnd, error) {
+// tryLocal runs h on a copy of msg in a's transaction, as an attempt
+// nested in a, without a savepoint of its own: kept (its work is in a),
+// failed (nothing of it reached the server; a goes on), unwound (it failed
+// after writing: there is nothing to take its writes back but a's own
+// savepoint, so a is marked unwound, see errUnwound), broken (a cannot go
+// on) or refused (not started: a cannot go on, by its own doing: what a
+// queued failed, or a is over). Failures are rare, and a savepoint and its
+// release for every in-process delivery were two statements each.
+func (a *attemptTx) tryLocal(r route, h HandlerFunc, msg *message.Message, deadline time.Time) (attemptEnd, error) {
 	ctx := context.Background()
-	sp := "pgsaga_local_" + strconv.Itoa(a.depth+1)
-	ch := &attemptTx{c: a.c, tx: a.tx, d: a.d, expired: a.expired, cut: make(chan struct{}), local: a.local, first: true, depth: a.depth + 1}
+	ch := &attemptTx{c: a.c, tx: a.tx, d: a.d, expired: a.expired, cut: make(chan struct{}), local: a.local, first: true, depth: a.depth + 1, plan: a.plan}
 	ch.rowsCtx, ch.cancelRows = context.WithCancel(context.Background())
-	// a's queued writes go first, so the handler sees them, in the round
-	// trip that opens the savepoint.
+	// a's queued writes go first, so the handler sees them.
 	a.mu.Lock()
 	err := a.usable()
-	if err == nil {
+	if err == nil && len(a.queue) > 0 {
 		a.touched.Store(true)
-		stmts := append(a.queue, stmt{"opening an in-process delivery", "SAVEPOINT " + sp, nil})
+		stmts := a.queue
 		a.queue = nil
 		if err = a.c.send(ctx, stmts...); err != nil {
 			a.sendErr = fmt.Errorf("transport: sending queued statements: %w", err)
@@ -197,16 +300,16 @@ func (a *attemptTx) tryLocal(h HandlerFunc, msg *message.Message, topic string, 
 		return refused, err
 	}
 	defer a.child.Store(nil)
-	herr := ch.run(copyForLocal(msg, topic), 1, deadline, h)
+	herr := ch.run(copyForLocal(msg, r.topic), 1, deadline, h)
 	// What ends the nested attempt runs only while a is not over: once a
-	// is cut off, its own rollback takes the savepoint with everything else.
+	// is cut off, its own rollback takes everything with it.
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.over {
 		return broken, fmt.Errorf("%w (%w)", ErrAttemptOver, herr)
 	}
 	if herr == nil {
-		if herr = ch.keepLocal(ctx, sp); herr == nil {
+		if herr = ch.keepLocal(a); herr == nil {
 			ch.mu.Lock()
 			a.hooks = append(a.hooks, ch.takeHooks()...)
 			a.batched = append(a.batched, ch.batched...)
@@ -216,31 +319,37 @@ func (a *attemptTx) tryLocal(h HandlerFunc, msg *message.Message, topic string, 
 		}
 	}
 	ch.dropQueued(queueMark{})
-	rerr := a.c.rollbackTo(ctx, "rolling back an in-process delivery", "ROLLBACK TO SAVEPOINT "+sp+"; RELEASE SAVEPOINT "+sp)
-	switch {
-	case rerr != nil:
-		return broken, errors.Join(herr, rerr)
-	case ch.ended:
+	if ch.ended {
 		return broken, fmt.Errorf("%w (%w)", ErrTransactionEnded, herr)
 	}
-	return failed, herr
+	if !ch.touched.Load() {
+		// Nothing of it reached the server: nothing to take back.
+		return failed, herr
+	}
+	a.touched.Store(true)
+	var replacement HandlerFunc
+	if instead := (*InsteadError)(nil); errors.As(herr, &instead) {
+		replacement = instead.Handler
+	}
+	a.plan.unwind(r, msg, replacement)
+	if a.unwound == nil {
+		a.unwound = &unwoundError{plan: a.plan, cause: fmt.Errorf("delivery of %s to %s: %w", msg.UUID, r.name, herr)}
+	}
+	return unwound, a.unwound
 }
 
-// keepLocal sends what the nested attempt queued and releases its
-// savepoint, in one round trip. It runs after revoke.
-func (a *attemptTx) keepLocal(ctx context.Context, sp string) error {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	stmts, err := a.release(stmt{"keeping an in-process delivery", "RELEASE SAVEPOINT " + sp, nil})
+// keepLocal hands what the nested attempt queued to its publisher a, to go
+// with a's next statement: with no savepoint between them, a's work and
+// its own are one. It runs after revoke; the caller holds a.mu.
+func (ch *attemptTx) keepLocal(a *attemptTx) error {
+	ch.mu.Lock()
+	defer ch.mu.Unlock()
+	stmts, err := ch.release()
 	if err != nil {
 		return err
 	}
-	err = a.c.send(ctx, stmts...)
-	if pgerr.Is(err, pgerrcode.InvalidSavepointSpecification) { // the handler released or rolled back past it
-		a.ended = true
-		return fmt.Errorf("%w: %w", ErrTransactionEnded, err)
-	}
-	return err
+	a.queue = append(a.queue, stmts...)
+	return nil
 }
 
 // copyForLocal is the message an in-process handler gets: a copy, payload

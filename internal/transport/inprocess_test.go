@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -13,6 +14,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/transport"
 )
@@ -554,4 +556,105 @@ func TestQueuedPublisherNeverDeliversInProcess(t *testing.T) {
 	assert.Equal(t, 1, e.queuedFor(e.out, "local"))
 	assert.Zero(t, e.count(`SELECT count(*) FROM txids l JOIN txids h ON h.txid = l.txid WHERE l.handler = 'l' AND h.handler = 'h'`),
 		"handled in a transaction of its own")
+}
+
+// In-process deliveries take no savepoint of their own: the four nested in
+// the publisher's attempt send no SAVEPOINT or RELEASE (they sent two
+// each), and their queued writes go with the publisher's next statement
+// instead of a round trip of their own. Failures are rare; one that wrote
+// is undone with its publisher's attempt (see the test below).
+func TestInProcessDeliveriesTakeNoSavepointOfTheirOwn(t *testing.T) {
+	t.Parallel()
+	fresh := testdb.Fresh(t)
+	var mu sync.Mutex
+	var local []string
+	pool, err := pgdb.Open(context.Background(), pgdb.Config{URL: fresh.URL, MaxConns: 8, Tracer: testdb.Tracer(func(sql string, _ []any) {
+		if strings.Contains(sql, "pgsaga_local") {
+			mu.Lock()
+			local = append(local, sql)
+			mu.Unlock()
+		}
+	})})
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	e := newEnvOn(t, &testdb.DB{Name: fresh.Name, URL: fresh.URL, Pool: pool.Pool, SQL: pool.SQL}, nil)
+	_, err = e.db.SQL.Exec(`CREATE TABLE txids (handler text NOT NULL, msg text NOT NULL, txid bigint NOT NULL, attempt int NOT NULL)`)
+	require.NoError(t, err)
+	const hops = 4
+	topic := func(i int) string { return fmt.Sprintf("%s_hop%d", e.out, i) }
+	for i := 1; i <= hops; i++ {
+		require.NoError(t, e.tr.Subscribe(context.Background(), transport.Subscription{Topic: topic(i), ConsumerGroup: "hop"}))
+	}
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	hop := func(i int) transport.HandlerFunc {
+		return func(msg *message.Message) error {
+			if err := noteTx(msg, fmt.Sprint(i)); err != nil {
+				return err
+			}
+			if i == hops {
+				return nil
+			}
+			tx, _ := transport.TxFromContext(msg.Context())
+			return e.tr.Publisher(tx).Publish(topic(i+1), message.NewMessage(fmt.Sprintf("%s-%d", msg.UUID, i+1), nil))
+		}
+	}
+	require.NoError(t, r.AddHandler("hop0", e.in, "g", hop(0)))
+	for i := 1; i <= hops; i++ {
+		require.NoError(t, r.AddHandler(fmt.Sprintf("hop%d", i), topic(i), "hop", hop(i), transport.InProcess()))
+	}
+	startRouter(t, r)
+	e.publish(1)
+	waitFor(t, 10*time.Second, "the last hop", func() bool {
+		return e.count(`SELECT count(*) FROM txids WHERE handler = $1`, fmt.Sprint(hops)) == 1
+	})
+	assert.Equal(t, hops+1, e.count(`SELECT count(*) FROM txids WHERE txid = (SELECT txid FROM txids WHERE handler = '0')`),
+		"the publisher and its nested deliveries share a transaction")
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Empty(t, local, "statements of in-process deliveries' own savepoints")
+}
+
+// An in-process delivery that fails after writing, inside a publisher that
+// ignores its Publish's error and succeeds, leaves nothing of its writes:
+// the publisher's attempt is taken back and run again at once, its messages
+// queued; it costs no attempt. The failed delivery is queued and handled
+// once.
+func TestAFailedInProcessDeliveryLeavesNothingEvenIfItsPublisherCarriesOn(t *testing.T) {
+	t.Parallel()
+	e := newLocalEnv(t, nil)
+	var calls atomic.Int32
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		if err := noteTx(msg, "h"); err != nil {
+			return err
+		}
+		if err := effect(msg, e.eff, "a"); err != nil {
+			return err
+		}
+		tx, _ := transport.TxFromContext(msg.Context())
+		_ = e.tr.Publisher(tx).Publish(e.out, message.NewMessage(replyID(msg), nil)) // its error ignored
+		return effect(msg, e.eff, "b")
+	}))
+	require.NoError(t, r.AddHandler("l", e.out, "local", func(msg *message.Message) error {
+		if err := effect(msg, e.eff, "l"); err != nil {
+			return err
+		}
+		if calls.Add(1) == 1 {
+			return errors.New("boom")
+		}
+		return nil
+	}, transport.InProcess()))
+	startRouter(t, r)
+	e.publish(1)
+	e.drained(e.in, "g", 10*time.Second)
+	e.drained(e.out, "local", 10*time.Second)
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'l'`), "the failed try's write is gone; the queued one's stays")
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'a'`))
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'b'`))
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM txids WHERE handler = 'h' AND attempt = 1`), "kept as its first attempt")
+	assert.Equal(t, 1, e.queuedFor(e.out, "local"))
+	assert.Equal(t, int32(2), calls.Load())
+	assert.Empty(t, e.deadLetters(e.out))
 }
