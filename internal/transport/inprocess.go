@@ -308,6 +308,10 @@ func (a *attemptTx) tryLocal(r route, h HandlerFunc, msg *message.Message, deadl
 	if a.over {
 		return broken, fmt.Errorf("%w (%w)", ErrAttemptOver, herr)
 	}
+	if ch.touched.Load() {
+		// What it sent is a's now: a has something to roll back.
+		a.touched.Store(true)
+	}
 	if herr == nil {
 		if herr = ch.keepLocal(a); herr == nil {
 			ch.mu.Lock()
@@ -326,12 +330,18 @@ func (a *attemptTx) tryLocal(r route, h HandlerFunc, msg *message.Message, deadl
 		// Nothing of it reached the server: nothing to take back.
 		return failed, herr
 	}
-	a.touched.Store(true)
-	var replacement HandlerFunc
-	if instead := (*InsteadError)(nil); errors.As(herr, &instead) {
-		replacement = instead.Handler
+	ch.mu.Lock()
+	passedOn := ch.unwound != nil
+	ch.mu.Unlock()
+	if !passedOn {
+		// Its own failure (not one of a delivery nested in it, which is
+		// in the plan already, and whose Instead is not its own).
+		var replacement HandlerFunc
+		if instead := (*InsteadError)(nil); errors.As(herr, &instead) && !errors.Is(herr, errUnwound) {
+			replacement = instead.Handler
+		}
+		a.plan.unwind(r, msg, replacement)
 	}
-	a.plan.unwind(r, msg, replacement)
 	if a.unwound == nil {
 		a.unwound = &unwoundError{plan: a.plan, cause: fmt.Errorf("delivery of %s to %s: %w", msg.UUID, r.name, herr)}
 	}

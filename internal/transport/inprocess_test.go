@@ -658,3 +658,83 @@ func TestAFailedInProcessDeliveryLeavesNothingEvenIfItsPublisherCarriesOn(t *tes
 	assert.Equal(t, int32(2), calls.Load())
 	assert.Empty(t, e.deadLetters(e.out))
 }
+
+// A publisher whose only work is an in-process delivery that wrote, and
+// which then fails, takes the delivery's writes back with its own: with no
+// savepoint of the delivery's, its writes are the publisher's (the
+// publisher, having sent nothing itself, was taken as untouched and its
+// savepoint kept, writes and all).
+func TestAFailingPublisherTakesBackTheWritesOfItsInProcessDelivery(t *testing.T) {
+	t.Parallel()
+	e := newLocalEnv(t, nil)
+	var failedOnce atomic.Bool
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		tx, _ := transport.TxFromContext(msg.Context())
+		if err := e.tr.Publisher(tx).Publish(e.out, message.NewMessage(replyID(msg), nil)); err != nil {
+			return err
+		}
+		if failedOnce.CompareAndSwap(false, true) {
+			return errors.New("the publisher fails after its in-process delivery")
+		}
+		return nil
+	}))
+	require.NoError(t, r.AddHandler("l", e.out, "local", func(msg *message.Message) error {
+		return effect(msg, e.eff, "l")
+	}, transport.InProcess()))
+	startRouter(t, r)
+	e.publish(1)
+	e.drained(e.in, "g", 10*time.Second)
+	e.drained(e.out, "local", 10*time.Second)
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'l'`), "the first try's write went with its failed publisher")
+}
+
+// A nested in-process delivery that asks for Instead after writing unwinds
+// the publisher of its publisher; on the run again its replacement runs in
+// its place, in process, with its own message, and the delivery between
+// them runs in process again: the replacement is not taken for the middle
+// one's own (a saga's reply was once answered with its step's failure).
+func TestANestedInsteadRunsInPlaceOfItsOwnDeliveryOnly(t *testing.T) {
+	t.Parallel()
+	e := newLocalEnv(t, nil)
+	mid := e.out + "_mid"
+	require.NoError(t, e.tr.Subscribe(context.Background(), transport.Subscription{Topic: mid, ConsumerGroup: "mid"}))
+	var tries atomic.Int32
+	var replaced sync.Map
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		tx, _ := transport.TxFromContext(msg.Context())
+		return e.tr.Publisher(tx).Publish(mid, message.NewMessage("mid-"+msg.UUID, nil))
+	}))
+	require.NoError(t, r.AddHandler("m", mid, "mid", func(msg *message.Message) error {
+		if err := effect(msg, e.eff, "m"); err != nil {
+			return err
+		}
+		tx, _ := transport.TxFromContext(msg.Context())
+		return e.tr.Publisher(tx).Publish(e.out, message.NewMessage("out-"+msg.UUID, nil))
+	}, transport.InProcess()))
+	require.NoError(t, r.AddHandler("l", e.out, "local", func(msg *message.Message) error {
+		tries.Add(1)
+		if err := effect(msg, e.eff, "l"); err != nil {
+			return err
+		}
+		return transport.Instead(func(rm *message.Message) error {
+			replaced.Store(rm.UUID, true)
+			return effect(rm, e.eff, "instead")
+		}, errors.New("refused"))
+	}, transport.InProcess()))
+	startRouter(t, r)
+	ids := e.publish(1)
+	e.drained(e.in, "g", 10*time.Second)
+	var got []string
+	replaced.Range(func(k, _ any) bool { got = append(got, k.(string)); return true })
+	assert.Equal(t, []string{"out-mid-" + ids[0]}, got, "the replacement ran with its own delivery's message only")
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'instead'`))
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'm'`), "the middle delivery ran again in process, kept once")
+	assert.Zero(t, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'l'`), "the refused try's write was taken back")
+	assert.Zero(t, e.queuedFor(mid, "mid"))
+	assert.Zero(t, e.queuedFor(e.out, "local"))
+	assert.Equal(t, int32(1), tries.Load())
+}
