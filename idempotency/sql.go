@@ -116,8 +116,9 @@ WHERE scope = $1 AND key = $2 AND status = 'pending' AND lease_token = $7`
 SET locked_until = clock_timestamp(), updated_at = now()
 WHERE scope = $1 AND key = $2 AND status = 'pending' AND lease_token = $3`
 
-	// savepointSQL and rollbackToSavepointSQL bracket a request's own work,
-	// so a final failure is stored without the writes that led to it.
+	// savepointSQL and rollbackToSavepointSQL bracket an HTTP request's own
+	// work (Middleware), so a final failure is stored without the writes
+	// that led to it. Do takes none: it rolls a failure back whole.
 	savepointSQL           = "SAVEPOINT pgsaga_request"
 	rollbackToSavepointSQL = "ROLLBACK TO SAVEPOINT pgsaga_request"
 

@@ -384,7 +384,10 @@ type Result struct {
 // that also holds the claim: fn's writes through tx commit with the stored
 // response or not at all. fn returns the response, a *Failure (stored as
 // failed, without fn's writes) or another error (rolled back, nothing
-// stored, returned).
+// stored, returned). No savepoint guards fn: a *Failure rolls the whole
+// transaction back and is stored in one of its own; should a request of
+// the same key finish it in between, the failed request gets that
+// outcome, replayed.
 func (s *Store) Do(ctx context.Context, req Request, fn func(ctx context.Context, tx dbtx.DBTX) (Response, error)) (Result, error) {
 	if s.cfg.DB == nil {
 		return Result{}, errors.New("idempotency: Config.DB is required for Do")
@@ -401,27 +404,62 @@ func (s *Store) Do(ctx context.Context, req Request, fn func(ctx context.Context
 	if !claim.Execute {
 		return Result{Status: claim.Record.Status, Response: claim.Record.Response, Replayed: true}, tx.Commit()
 	}
-	if _, err := tx.ExecContext(ctx, savepointSQL); err != nil {
-		return Result{}, fmt.Errorf("idempotency: %w", err)
-	}
 	resp, err := fn(ctx, tx)
-	status := StatusCompleted
 	var fail *Failure
 	if errors.As(err, &fail) {
-		status, resp = StatusFailed, fail.Response
-		if _, err := tx.ExecContext(ctx, rollbackToSavepointSQL); err != nil {
+		// No savepoint guards fn's writes (it was a statement and a round
+		// trip of every request; failures are rare): the transaction,
+		// claim and all, is rolled back, and the failure stored in a
+		// transaction of its own.
+		if err := tx.Rollback(); err != nil {
 			return Result{}, fmt.Errorf("idempotency: discarding the writes of a failed request: %w", err)
 		}
-	} else if err != nil {
+		if afterFailureRollback != nil {
+			afterFailureRollback(req)
+		}
+		return s.storeFailure(ctx, req, fail.Response)
+	}
+	if err != nil {
 		return Result{}, err
 	}
-	if err := s.CompleteTx(ctx, tx, req, status, resp); err != nil {
+	if err := s.CompleteTx(ctx, tx, req, StatusCompleted, resp); err != nil {
 		return Result{}, err
 	}
 	if err := tx.Commit(); err != nil {
 		return Result{}, fmt.Errorf("idempotency: committing %s/%s: %w", req.Scope, req.Key, err)
 	}
-	return Result{Status: status, Response: resp}, nil
+	return Result{Status: StatusCompleted, Response: resp}, nil
+}
+
+// afterFailureRollback, if set (by the package's tests), runs between the
+// rollback of a request that failed and the storing of its failure.
+var afterFailureRollback func(Request)
+
+// storeFailure stores the failure resp of req in a transaction of its own,
+// once Do rolled back the one that led to it. A request of the same key
+// that claimed it meanwhile (the claim went with the rollback) decides:
+// its stored outcome is returned, replayed, as it would be to any later
+// request.
+func (s *Store) storeFailure(ctx context.Context, req Request, resp Response) (Result, error) {
+	tx, err := s.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return Result{}, fmt.Errorf("idempotency: beginning transaction: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+	claim, err := s.claimTx(ctx, tx, req, s.lockTimeout, false)
+	if err != nil {
+		return Result{}, err
+	}
+	if !claim.Execute {
+		return Result{Status: claim.Record.Status, Response: claim.Record.Response, Replayed: true}, tx.Commit()
+	}
+	if err := s.CompleteTx(ctx, tx, req, StatusFailed, resp); err != nil {
+		return Result{}, err
+	}
+	if err := tx.Commit(); err != nil {
+		return Result{}, fmt.Errorf("idempotency: committing the failure of %s/%s: %w", req.Scope, req.Key, err)
+	}
+	return Result{Status: StatusFailed, Response: resp}, nil
 }
 
 // Get returns the stored record of a key.
