@@ -392,55 +392,39 @@ func (s *Store) Do(ctx context.Context, req Request, fn func(ctx context.Context
 	if s.cfg.DB == nil {
 		return Result{}, errors.New("idempotency: Config.DB is required for Do")
 	}
-	tx, err := s.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
-	if err != nil {
-		return Result{}, fmt.Errorf("idempotency: beginning transaction: %w", err)
-	}
-	defer tx.Rollback() //nolint:errcheck // no-op after Commit
-	claim, err := s.claimTx(ctx, tx, req, s.lockTimeout, false)
-	if err != nil {
-		return Result{}, err
-	}
-	if !claim.Execute {
-		return Result{Status: claim.Record.Status, Response: claim.Record.Response, Replayed: true}, tx.Commit()
-	}
-	resp, err := fn(ctx, tx)
 	var fail *Failure
-	if errors.As(err, &fail) {
-		// No savepoint guards fn's writes (it was a statement and a round
-		// trip of every request; failures are rare): the transaction,
-		// claim and all, is rolled back, and the failure stored in a
-		// transaction of its own.
-		if err := tx.Rollback(); err != nil {
-			return Result{}, fmt.Errorf("idempotency: discarding the writes of a failed request: %w", err)
+	res, err := s.inClaim(ctx, req, func(ctx context.Context, tx *sql.Tx) (Status, Response, error) {
+		resp, err := fn(ctx, tx)
+		if errors.As(err, &fail) {
+			return "", Response{}, err
 		}
-		if afterFailureRollback != nil {
-			afterFailureRollback(req)
-		}
-		return s.storeFailure(ctx, req, fail.Response)
+		return StatusCompleted, resp, err
+	})
+	if fail == nil {
+		return res, err
 	}
-	if err != nil {
-		return Result{}, err
+	// No savepoint guards fn's writes (it was a statement and a round trip
+	// of every request; failures are rare): its transaction, claim and
+	// all, is rolled back now, and the failure is stored in one of its
+	// own. A request of the same key that claimed it meanwhile decides:
+	// its stored outcome is replayed, as it would be to any later request.
+	if afterFailureRollback != nil {
+		afterFailureRollback(req)
 	}
-	if err := s.CompleteTx(ctx, tx, req, StatusCompleted, resp); err != nil {
-		return Result{}, err
-	}
-	if err := tx.Commit(); err != nil {
-		return Result{}, fmt.Errorf("idempotency: committing %s/%s: %w", req.Scope, req.Key, err)
-	}
-	return Result{Status: StatusCompleted, Response: resp}, nil
+	return s.inClaim(ctx, req, func(context.Context, *sql.Tx) (Status, Response, error) {
+		return StatusFailed, fail.Response, nil
+	})
 }
 
 // afterFailureRollback, if set (by the package's tests), runs between the
 // rollback of a request that failed and the storing of its failure.
 var afterFailureRollback func(Request)
 
-// storeFailure stores the failure resp of req in a transaction of its own,
-// once Do rolled back the one that led to it. A request of the same key
-// that claimed it meanwhile (the claim went with the rollback) decides:
-// its stored outcome is returned, replayed, as it would be to any later
-// request.
-func (s *Store) storeFailure(ctx context.Context, req Request, resp Response) (Result, error) {
+// inClaim claims req in a READ COMMITTED transaction of its own and, if
+// the key is this caller's to execute, runs fn in it and stores the
+// outcome fn returns, in the same commit; a key finished already is
+// replayed. An error of fn rolls everything back.
+func (s *Store) inClaim(ctx context.Context, req Request, fn func(ctx context.Context, tx *sql.Tx) (Status, Response, error)) (Result, error) {
 	tx, err := s.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return Result{}, fmt.Errorf("idempotency: beginning transaction: %w", err)
@@ -453,13 +437,17 @@ func (s *Store) storeFailure(ctx context.Context, req Request, resp Response) (R
 	if !claim.Execute {
 		return Result{Status: claim.Record.Status, Response: claim.Record.Response, Replayed: true}, tx.Commit()
 	}
-	if err := s.CompleteTx(ctx, tx, req, StatusFailed, resp); err != nil {
+	status, resp, err := fn(ctx, tx)
+	if err != nil {
+		return Result{}, err
+	}
+	if err := s.CompleteTx(ctx, tx, req, status, resp); err != nil {
 		return Result{}, err
 	}
 	if err := tx.Commit(); err != nil {
-		return Result{}, fmt.Errorf("idempotency: committing the failure of %s/%s: %w", req.Scope, req.Key, err)
+		return Result{}, fmt.Errorf("idempotency: committing %s/%s: %w", req.Scope, req.Key, err)
 	}
-	return Result{Status: StatusFailed, Response: resp}, nil
+	return Result{Status: status, Response: resp}, nil
 }
 
 // Get returns the stored record of a key.
