@@ -313,7 +313,28 @@ func TestInProcessDeliveriesNestFourDeep(t *testing.T) {
 	t.Parallel()
 	e := newLocalEnv(t, nil)
 	const hops = 6
-	topic := func(i int) string { return fmt.Sprintf("%s_hop%d", e.out, i) }
+	topic := e.routeHops(t, hops)
+	e.publish(1)
+	waitFor(t, 10*time.Second, "the last hop", func() bool {
+		return e.count(`SELECT count(*) FROM txids WHERE handler = $1`, fmt.Sprint(hops)) == 1
+	})
+	assert.Equal(t, 5, e.count(`SELECT count(*) FROM txids WHERE txid = (SELECT txid FROM txids WHERE handler = '0')`),
+		"the publisher and four nested deliveries share a transaction")
+	for i := 1; i <= hops; i++ {
+		want := 0
+		if i == 5 {
+			want = 1
+		}
+		assert.Equal(t, want, e.queuedFor(topic(i), "hop"), "queue rows of hop %d", i)
+	}
+}
+
+// routeHops runs a chain of hops handlers on one router: hop 0 on the
+// input topic (queued), then hop i on topic(i) in process, each noting its
+// transaction (txids) and publishing to the next. It returns topic.
+func (e *env) routeHops(t *testing.T, hops int) (topic func(int) string) {
+	t.Helper()
+	topic = func(i int) string { return fmt.Sprintf("%s_hop%d", e.out, i) }
 	for i := 1; i <= hops; i++ {
 		require.NoError(t, e.tr.Subscribe(context.Background(), transport.Subscription{Topic: topic(i), ConsumerGroup: "hop"}))
 	}
@@ -336,19 +357,7 @@ func TestInProcessDeliveriesNestFourDeep(t *testing.T) {
 		require.NoError(t, r.AddHandler(fmt.Sprintf("hop%d", i), topic(i), "hop", hop(i), transport.InProcess()))
 	}
 	startRouter(t, r)
-	e.publish(1)
-	waitFor(t, 10*time.Second, "the last hop", func() bool {
-		return e.count(`SELECT count(*) FROM txids WHERE handler = $1`, fmt.Sprint(hops)) == 1
-	})
-	assert.Equal(t, 5, e.count(`SELECT count(*) FROM txids WHERE txid = (SELECT txid FROM txids WHERE handler = '0')`),
-		"the publisher and four nested deliveries share a transaction")
-	for i := 1; i <= hops; i++ {
-		want := 0
-		if i == 5 {
-			want = 1
-		}
-		assert.Equal(t, want, e.queuedFor(topic(i), "hop"), "queue rows of hop %d", i)
-	}
+	return topic
 }
 
 // InProcess is a Router handler option: a Subscriber and HandleInTx refuse
@@ -581,29 +590,7 @@ func TestInProcessDeliveriesTakeNoSavepointOfTheirOwn(t *testing.T) {
 	_, err = e.db.SQL.Exec(`CREATE TABLE txids (handler text NOT NULL, msg text NOT NULL, txid bigint NOT NULL, attempt int NOT NULL)`)
 	require.NoError(t, err)
 	const hops = 4
-	topic := func(i int) string { return fmt.Sprintf("%s_hop%d", e.out, i) }
-	for i := 1; i <= hops; i++ {
-		require.NoError(t, e.tr.Subscribe(context.Background(), transport.Subscription{Topic: topic(i), ConsumerGroup: "hop"}))
-	}
-	r, err := e.tr.NewRouter()
-	require.NoError(t, err)
-	hop := func(i int) transport.HandlerFunc {
-		return func(msg *message.Message) error {
-			if err := noteTx(msg, fmt.Sprint(i)); err != nil {
-				return err
-			}
-			if i == hops {
-				return nil
-			}
-			tx, _ := transport.TxFromContext(msg.Context())
-			return e.tr.Publisher(tx).Publish(topic(i+1), message.NewMessage(fmt.Sprintf("%s-%d", msg.UUID, i+1), nil))
-		}
-	}
-	require.NoError(t, r.AddHandler("hop0", e.in, "g", hop(0)))
-	for i := 1; i <= hops; i++ {
-		require.NoError(t, r.AddHandler(fmt.Sprintf("hop%d", i), topic(i), "hop", hop(i), transport.InProcess()))
-	}
-	startRouter(t, r)
+	e.routeHops(t, hops)
 	e.publish(1)
 	waitFor(t, 10*time.Second, "the last hop", func() bool {
 		return e.count(`SELECT count(*) FROM txids WHERE handler = $1`, fmt.Sprint(hops)) == 1
