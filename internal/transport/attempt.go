@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"reflect"
 	"runtime/debug"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -84,7 +83,12 @@ func Queue(ctx context.Context, tx Tx, name, query string, args ...any) error {
 // roll back part of a step: a handler must not run SAVEPOINT or ROLLBACK
 // itself, or end its transaction.
 func Savepoint(ctx context.Context, tx Tx, fn func(tx Tx) error) (err error) {
-	name := "pgsaga_sp_" + strconv.FormatUint(savepointSeq.Add(1), 10)
+	// One name for every savepoint: nested ones shadow it, and RELEASE and
+	// ROLLBACK TO take the innermost, which is this call's. A name of its
+	// own for each call was a statement PostgreSQL had never seen: pgx
+	// prepared it (a round trip of its own in a pipeline) and cached it,
+	// and pg_stat_statements kept an entry for each.
+	const name = "pgsaga_savepoint"
 	a, isAttempt := tx.(*attemptTx)
 	exec := func(query string) error {
 		if isAttempt {
@@ -124,8 +128,6 @@ func Savepoint(ctx context.Context, tx Tx, fn func(tx Tx) error) (err error) {
 	}()
 	return fn(tx)
 }
-
-var savepointSeq atomic.Uint64
 
 // stmt is a statement the transport sends in a pipeline.
 type stmt struct {

@@ -2,6 +2,7 @@ package transport_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"strings"
@@ -221,4 +222,63 @@ func TestQueuedStatementErrorsNameTheStatement(t *testing.T) {
 	assert.Contains(t, dead[0].Reason, "the broken statement: ")
 	assert.Contains(t, dead[0].Reason, "23502", "the server's error, with its code")
 	assert.Zero(t, e.count(`SELECT count(*) FROM `+e.eff))
+}
+
+// recordingTx is a transaction that notes the statements it runs.
+type recordingTx struct {
+	*sql.Tx
+	ran []string
+}
+
+func (r *recordingTx) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
+	r.ran = append(r.ran, query)
+	return r.Tx.ExecContext(ctx, query, args...)
+}
+
+// Savepoints nest under one name: a failing inner one takes back its
+// own work only, and every call sends the same statements. (A name of
+// its own for each call was a statement the server had never seen: pgx
+// prepared and cached each, and pg_stat_statements kept an entry each.)
+func TestSavepointsNestUnderOneName(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := context.Background()
+	sqlTx, err := e.db.SQL.Begin()
+	require.NoError(t, err)
+	tx := &recordingTx{Tx: sqlTx}
+	insert := func(tx transport.Tx, part string) error {
+		_, err := tx.ExecContext(ctx, `INSERT INTO `+e.eff+` (msg, part) VALUES ('nested', $1)`, part)
+		return err
+	}
+	require.NoError(t, transport.Savepoint(ctx, tx, func(tx transport.Tx) error {
+		if err := insert(tx, "outer-before"); err != nil {
+			return err
+		}
+		require.Error(t, transport.Savepoint(ctx, tx, func(tx transport.Tx) error {
+			require.NoError(t, insert(tx, "inner"))
+			return errors.New("undo the inner one")
+		}))
+		return insert(tx, "outer-after")
+	}))
+	require.NoError(t, transport.Savepoint(ctx, tx, func(tx transport.Tx) error { return insert(tx, "second") }))
+	require.NoError(t, sqlTx.Commit())
+
+	var parts []string
+	rows, err := e.db.SQL.Query(`SELECT part FROM ` + e.eff + ` WHERE msg = 'nested' ORDER BY part`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var p string
+		require.NoError(t, rows.Scan(&p))
+		parts = append(parts, p)
+	}
+	require.NoError(t, rows.Err())
+	assert.Equal(t, []string{"outer-after", "outer-before", "second"}, parts, "the inner savepoint took back its own row only")
+
+	opened := map[string]bool{}
+	for _, q := range tx.ran {
+		if strings.HasPrefix(q, "SAVEPOINT ") {
+			opened[q] = true
+		}
+	}
+	assert.Len(t, opened, 1, "every savepoint is opened by the same statement: %v", tx.ran)
 }
