@@ -162,8 +162,9 @@ func TestABatchOfRepliesLoadsItsInstancesInOneStatement(t *testing.T) {
 // An instance loaded for a batch, then changed by an earlier attempt of
 // the batch (a reply to an older copy of the command in flight, which
 // the batch did not load for, applied it), is not applied again by the
-// reply it was loaded for: saving the stale copy fails the attempt, and
-// its retry reads the instance and ignores the reply.
+// reply it was loaded for: the instance as the earlier attempt saved it
+// (pending, for the batch's end) takes precedence over the stale copy,
+// and says the reply is no longer for the command in flight.
 func TestAnInstanceChangedEarlierInTheBatchIsNotAppliedTwice(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, options{silent: []string{"pay"}})

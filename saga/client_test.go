@@ -50,15 +50,7 @@ func newSignupClientTraced(t *testing.T, maxConns int32, tracer pgx.QueryTracer,
 	require.NoError(t, err)
 	pool := db.Pool
 	if maxConns > 0 || tracer != nil {
-		pcfg, err := pgxpool.ParseConfig(db.URL)
-		require.NoError(t, err)
-		if maxConns > 0 {
-			pcfg.MaxConns = maxConns
-		}
-		pcfg.ConnConfig.Tracer = tracer
-		pool, err = pgxpool.NewWithConfig(context.Background(), pcfg)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
+		pool = tracedPool(t, db, maxConns, tracer)
 	}
 	cfg := saga.ClientConfig{
 		Transport:       transport.Config{PollInterval: 20 * time.Millisecond, IdlePollInterval: testdb.NoSafetyPoll},
@@ -70,13 +62,7 @@ func newSignupClientTraced(t *testing.T, maxConns int32, tracer pgx.QueryTracer,
 	}
 	c, err := saga.NewClient(pool, cfg)
 	require.NoError(t, err)
-	open := steps.Define("accounts.open", "accounts.open", func(ctx context.Context, tx *steps.Tx, cmd OpenAccount) (steps.Message, error) {
-		if during != nil {
-			during(ctx, cmd)
-		}
-		_, err := tx.ExecContext(ctx, `INSERT INTO opened VALUES ($1)`, cmd.Email)
-		return Done{}, err
-	})
+	open := openStep(during)
 	def := saga.MustDefine(saga.Spec[signup]{
 		Name:    "signup",
 		Trigger: saga.On("signups", func(s SignedUp) (string, signup, error) { return s.Email, signup(s), nil }),
@@ -86,6 +72,34 @@ func newSignupClientTraced(t *testing.T, maxConns int32, tracer pgx.QueryTracer,
 	require.NoError(t, c.Register(def))
 	require.NoError(t, c.AddSteps(open))
 	return c, def, db
+}
+
+// tracedPool is a pool on db of maxConns connections at most (0: pgx's
+// default) whose statements go to tracer.
+func tracedPool(t *testing.T, db *testdb.DB, maxConns int32, tracer pgx.QueryTracer) *pgxpool.Pool {
+	t.Helper()
+	pcfg, err := pgxpool.ParseConfig(db.URL)
+	require.NoError(t, err)
+	if maxConns > 0 {
+		pcfg.MaxConns = maxConns
+	}
+	pcfg.ConnConfig.Tracer = tracer
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// openStep opens an account (a row of table opened), running during
+// first if it is not nil.
+func openStep(during func(context.Context, OpenAccount)) steps.Step[OpenAccount] {
+	return steps.Define("accounts.open", "accounts.open", func(ctx context.Context, tx *steps.Tx, cmd OpenAccount) (steps.Message, error) {
+		if during != nil {
+			during(ctx, cmd)
+		}
+		_, err := tx.ExecContext(ctx, `INSERT INTO opened VALUES ($1)`, cmd.Email)
+		return Done{}, err
+	})
 }
 
 func trigger(email string) SignedUp { return SignedUp{Email: email} }

@@ -438,8 +438,9 @@ func (e *engine) handleReply(msg *message.Message) (err error) {
 	if err != nil {
 		return err
 	}
-	// An instance the batch loaded is not locked, but its save is checked:
-	// it fails if the instance changed since, and the reply is read again.
+	// An instance the batch loaded, or an earlier reaction of the batch
+	// saved, is not locked, but the batch's save is checked: it fails if
+	// the instance changed since, and the batch's replies are run again.
 	locked := inst != nil
 	if !locked {
 		if inst, def, err = e.replyInstance(ctx, tx, id, msg, false); err != nil {

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -61,23 +62,36 @@ RETURNING i.expires_at, i.deadline_at, i.created_at`
     command_topic = nullif($12, ''), command_id = nullif($13, ''), command_waiting = $14, expires_at = $15
 WHERE id = $1::uuid AND version = $11`
 
-	// updateInstanceCheckedSQL is updateInstanceSQL for a statement queued
-	// with the attempt's others, whose count of rows is never read: it
-	// fails unless it wrote the row, as when an instance loaded for the
-	// batch (see loadInstancesForCommandsSQL) was changed since, by an
-	// earlier attempt of the same transaction or by another transaction. (The failing branch reads
-	// the count: made of parameters alone, it would be evaluated when the
-	// statement is planned, and fail every time.)
-	updateInstanceCheckedSQL = `WITH updated AS (` + updateInstanceSQL + ` RETURNING 1)
-SELECT CASE WHEN n = 1 THEN 1 ELSE saga_instance_changed($1::uuid, $11::int) END
-FROM (SELECT count(*) AS n FROM updated) AS saved`
+	// saveInstancesSQL writes the instances of a batch (see instanceWrite):
+	// each where its version is still the one its batch read, locking them
+	// in id order. It fails unless it wrote every one, naming one it did
+	// not (saga_instance_changed, a serialization failure). (The failing
+	// branch reads the count: made of parameters alone, it would be
+	// evaluated when the statement is planned, and fail every time.)
+	saveInstancesSQL = `WITH u AS (
+    SELECT * FROM unnest($1::uuid[], $2::text[], $3::jsonb[], $4::int[], $5::text[], $6::int[], $7::int[], $8::text[],
+        $9::timestamptz[], $10::timestamptz[], $11::int[], $12::int[], $13::text[], $14::text[], $15::bool[], $16::timestamptz[])
+        AS u(id, status, data, step, phase, attempt, generation, reason, deadline_at, finished_at, read, version, topic, command, waiting, expires_at)
+), locked AS (
+    SELECT i.id FROM saga_instances i JOIN u ON u.id = i.id AND u.read = i.version ORDER BY i.id FOR UPDATE OF i
+), saved AS (
+    UPDATE saga_instances AS i SET status = u.status, data = u.data, current_step = u.step, phase = u.phase,
+        attempt = u.attempt, generation = u.generation, version = u.version, failure_reason = nullif(u.reason, ''),
+        deadline_at = u.deadline_at, finished_at = u.finished_at, updated_at = clock_timestamp(),
+        command_topic = nullif(u.topic, ''), command_id = nullif(u.command, ''), command_waiting = u.waiting, expires_at = u.expires_at
+    FROM u JOIN locked ON locked.id = u.id
+    WHERE i.id = u.id AND i.version = u.read
+    RETURNING i.id
+)
+SELECT CASE WHEN (SELECT count(*) FROM saved) = (SELECT count(*) FROM u) THEN 1
+    ELSE (SELECT saga_instance_changed(u.id, u.read) FROM u WHERE u.id NOT IN (SELECT id FROM saved) LIMIT 1) END`
 
 	// loadInstancesForCommandsSQL loads, for a batch, each instance ($1)
 	// whose command in flight is the message's ($2). It takes no lock: a
 	// batch locking its instances up front, while its attempts lock the
 	// ones it could not take one by one, deadlocked with another batch
-	// holding copies of the same replies. The reply's save locks the row
-	// and fails should it have changed since (updateInstanceCheckedSQL).
+	// holding copies of the same replies. The batch's save locks the rows
+	// and fails should one have changed since (saveInstancesSQL).
 	// Instances of large data are not all loaded at once: in id order, up
 	// to preloadBytes of data as stored (its first one whatever its size);
 	// a reply whose instance the batch did not load reads it itself.
@@ -206,21 +220,26 @@ func insertInstance(ctx context.Context, tx steps.DBTX, inst *instance, timeout,
 	return true, nil
 }
 
-// updateInstance writes inst's new state. Every caller holds the
-// instance's row lock (it loaded it FOR UPDATE in tx), so inside a delivery
-// attempt the statement is queued with the attempt's other writes (see
-// transport.Queuer); elsewhere it runs at once and checks the version.
+// updateInstance writes inst's new state. Inside a delivery attempt it is
+// a batched write (see instanceWrite): the instance's row is written once
+// for the batch, when the batch ends, however many reactions of the batch
+// changed it, and the reactions after this one in the same transaction
+// take it from there (pendingInstance), not from the table. Elsewhere it
+// runs at once and checks the version.
 func updateInstance(ctx context.Context, tx steps.DBTX, inst *instance) error {
-	args := []any{inst.ID.String(), string(inst.Status), string(inst.Data), inst.Step, string(inst.Phase),
-		inst.Attempt, inst.Generation, inst.FailureReason, inst.DeadlineAt, inst.FinishedAt, inst.Version,
-		inst.CommandTopic, inst.CommandID, inst.CommandWaiting, inst.ExpiresAt}
-	if q, ok := tx.(transport.Queuer); ok {
-		if err := q.QueueExec("saving saga "+inst.ID.String(), updateInstanceCheckedSQL, args...); err != nil {
+	if q, ok := tx.(dbtx.BatchQueuer); ok {
+		saved := *inst
+		saved.Version++
+		saved.history, saved.outbox, saved.finished, saved.told = nil, nil, false, saved.Status
+		if err := q.QueueBatched(instanceWrite, inst.ID.String(), inst.Version, &saved); err != nil {
 			return fmt.Errorf("saga %s: saving: %w", inst.ID, err)
 		}
 		inst.Version++
 		return nil
 	}
+	args := []any{inst.ID.String(), string(inst.Status), string(inst.Data), inst.Step, string(inst.Phase),
+		inst.Attempt, inst.Generation, inst.FailureReason, inst.DeadlineAt, inst.FinishedAt, inst.Version,
+		inst.CommandTopic, inst.CommandID, inst.CommandWaiting, inst.ExpiresAt}
 	res, err := tx.ExecContext(ctx, updateInstanceSQL, args...)
 	if err != nil {
 		return fmt.Errorf("saga %s: saving: %w", inst.ID, err)
@@ -230,6 +249,68 @@ func updateInstance(ctx context.Context, tx steps.DBTX, inst *instance) error {
 	}
 	inst.Version++
 	return nil
+}
+
+// instanceWrite saves the instances the reactions of a batch changed: a
+// row is the instance's id, the version its reaction read and the state it
+// saved (an *instance, version included). An instance saved by several
+// reactions of the batch (a chain of in-process deliveries: a reply, the
+// next step, its reply) is written once, with its last state, where its
+// version is still the one the first read; one that changed since (another
+// transaction saved it) fails the batch (saveInstancesSQL), which is then
+// run again, one message a transaction, on what the table holds.
+var instanceWrite = &dbtx.Batched{
+	Name: "saving saga instances",
+	Statement: func(rows [][]any) (string, []any) {
+		type saved struct {
+			read int
+			last *instance
+		}
+		byID := map[string]*saved{}
+		var ids []string
+		for _, row := range rows {
+			id, read, inst := row[0].(string), row[1].(int), row[2].(*instance)
+			s, ok := byID[id]
+			switch {
+			case !ok:
+				byID[id] = &saved{read: read, last: inst}
+				ids = append(ids, id)
+			case read != s.last.Version:
+				panic(fmt.Sprintf("saga %s: saved from version %d after version %d", id, read, s.last.Version))
+			default:
+				s.last = inst
+			}
+		}
+		slices.Sort(ids) // rows are locked in one order by every batch
+		n := len(ids)
+		var (
+			status, data, phase, reason, topic, command = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+			step, attempt, generation, read, version    = make([]int32, n), make([]int32, n), make([]int32, n), make([]int32, n), make([]int32, n)
+			deadline, finished, expires                 = make([]*time.Time, n), make([]*time.Time, n), make([]*time.Time, n)
+			waiting                                     = make([]bool, n)
+		)
+		for i, id := range ids {
+			s := byID[id]
+			in := s.last
+			status[i], data[i], phase[i], reason[i], topic[i], command[i] = string(in.Status), string(in.Data), string(in.Phase), in.FailureReason, in.CommandTopic, in.CommandID
+			step[i], attempt[i], generation[i], read[i], version[i] = int32(in.Step), int32(in.Attempt), int32(in.Generation), int32(s.read), int32(in.Version)
+			deadline[i], finished[i], expires[i], waiting[i] = in.DeadlineAt, in.FinishedAt, in.ExpiresAt, in.CommandWaiting
+		}
+		return saveInstancesSQL, []any{ids, status, data, step, phase, attempt, generation, reason, deadline, finished,
+			read, version, topic, command, waiting, expires}
+	},
+}
+
+// pendingInstance is instance id as a reaction earlier in tx's batch saved
+// it, not written yet (see instanceWrite): a copy, nil if none did.
+func pendingInstance(tx steps.DBTX, id uuid.UUID) *instance {
+	key := id.String()
+	row, ok := transport.PendingBatched(tx, instanceWrite, func(row []any) bool { return row[0] == key })
+	if !ok {
+		return nil
+	}
+	inst := *row[2].(*instance)
+	return &inst
 }
 
 type scanner interface{ Scan(dest ...any) error }
@@ -259,6 +340,12 @@ func scanInstance(row scanner, more ...any) (*instance, error) {
 // loadInstanceForCommand loads and locks instance id if its command in
 // flight is message command; ErrNotFound otherwise.
 func loadInstanceForCommand(ctx context.Context, tx steps.DBTX, id uuid.UUID, command string) (*instance, error) {
+	if inst := pendingInstance(tx, id); inst != nil {
+		if inst.CommandID != command {
+			return nil, fmt.Errorf("%w: %s", ErrNotFound, id)
+		}
+		return inst, nil
+	}
 	inst, err := scanInstance(tx.QueryRowContext(ctx, loadInstanceForCommandSQL, id, command))
 	if errors.Is(err, sql.ErrNoRows) {
 		return nil, fmt.Errorf("%w: %s", ErrNotFound, id)
@@ -270,6 +357,9 @@ func loadInstanceForCommand(ctx context.Context, tx steps.DBTX, id uuid.UUID, co
 }
 
 func loadInstance(ctx context.Context, tx steps.DBTX, id uuid.UUID, lock bool) (*instance, error) {
+	if inst := pendingInstance(tx, id); inst != nil {
+		return inst, nil // saved earlier in the batch: what it writes is checked then
+	}
 	q := loadInstanceSQL
 	if lock {
 		q = loadInstanceLockedSQL
@@ -359,9 +449,17 @@ func preloadKey(id uuid.UUID, command string) string { return id.String() + " " 
 
 // preloadedInstance is the instance id, loaded for tx's batch (not
 // locked), if its command in flight was command when the batch began; nil
-// if the batch did not load it. Its saving locks it, and fails should it
-// have changed since (updateInstanceCheckedSQL).
+// if the batch did not load it. An instance a reaction earlier in the
+// batch saved is taken as it saved it instead (pendingInstance). The
+// batch's save locks it, and fails should it have changed since
+// (saveInstancesSQL).
 func preloadedInstance(tx steps.DBTX, id uuid.UUID, command string) *instance {
+	if inst := pendingInstance(tx, id); inst != nil {
+		if inst.CommandID != command {
+			return nil
+		}
+		return inst
+	}
 	v, ok := transport.Preloaded(tx, preloadKey(id, command))
 	if !ok {
 		return nil

@@ -326,6 +326,7 @@ type attemptTx struct {
 	// of those nested in it do differently when it runs again after an
 	// unwound one; shared by them all.
 	plan     *localPlan
+	parent   *attemptTx // the attempt whose publish this one delivers in process
 	depth    int
 	deadline time.Time
 	child    atomic.Pointer[attemptTx]

@@ -142,3 +142,44 @@ func (a *attemptTx) queuePublishQuery(args []any, skip []string) error {
 	}
 	return nil
 }
+
+// PendingBatched returns the newest row of w for which match reports true
+// among those queued in the transaction of tx and not written yet: by the
+// attempt running on tx, by the attempts it is delivered in process from,
+// and by the kept attempts of its batch. It is how a handler reads back
+// what its own transaction will write, such as a saga instance saved by
+// an earlier reaction of the same chain: a row taken back (its attempt or
+// savepoint rolled back) is gone, and one written early (see
+// ErrBatchedPending) is in the database and no longer pending. ok is
+// false outside a delivery attempt.
+func PendingBatched(tx Tx, w *dbtx.Batched, match func(row []any) bool) (row []any, ok bool) {
+	a, isAttempt := tx.(*attemptTx)
+	if !isAttempt {
+		return nil, false
+	}
+	for at := a; at != nil; at = at.parent {
+		if row, ok := at.pendingRow(w, match); ok {
+			return row, true
+		}
+	}
+	if a.d == nil {
+		return nil, false
+	}
+	return newestRow(a.d.batched, w, match)
+}
+
+// pendingRow is the newest row of w matching match that a queued.
+func (a *attemptTx) pendingRow(w *dbtx.Batched, match func(row []any) bool) ([]any, bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return newestRow(a.batched, w, match)
+}
+
+func newestRow(rows []batchedRow, w *dbtx.Batched, match func(row []any) bool) ([]any, bool) {
+	for i := len(rows) - 1; i >= 0; i-- {
+		if rows[i].w == w && match(rows[i].values) {
+			return rows[i].values, true
+		}
+	}
+	return nil, false
+}

@@ -278,7 +278,7 @@ func (a *attemptTx) runLocal(t *Transport, r route, msg *message.Message) (bool,
 // release for every in-process delivery were two statements each.
 func (a *attemptTx) tryLocal(r route, h HandlerFunc, msg *message.Message, deadline time.Time) (attemptEnd, error) {
 	ctx := context.Background()
-	ch := &attemptTx{c: a.c, tx: a.tx, d: a.d, expired: a.expired, cut: make(chan struct{}), local: a.local, first: true, depth: a.depth + 1, plan: a.plan}
+	ch := &attemptTx{c: a.c, tx: a.tx, d: a.d, expired: a.expired, cut: make(chan struct{}), local: a.local, first: true, depth: a.depth + 1, plan: a.plan, parent: a}
 	ch.rowsCtx, ch.cancelRows = context.WithCancel(context.Background())
 	// a's queued writes go first, so the handler sees them.
 	a.mu.Lock()
