@@ -88,15 +88,16 @@ func (s *Store) acquireTx(ctx context.Context, tx dbtx.DBTX, req Request, lease 
 		prev     string
 		attempts sql.NullInt64
 		until    sql.NullTime
+		restored bool
 	)
 	err := tx.QueryRowContext(ctx, claimLeaseSQL, req.Scope, req.Key, req.Hash, s.lockTimeout, token, lease.Seconds()).
-		Scan(&prev, &attempts, new(sql.NullTime), &until)
+		Scan(&prev, &attempts, new(sql.NullTime), &until, &restored)
 	if err != nil {
 		return Acquisition{}, s.claimError(req, err)
 	}
 	l := &Lease{Request: req, Token: token, Attempt: int(attempts.Int64), Until: until.Time}
 	acq, err := s.acquireExisting(ctx, tx, l, attempts.Valid, lease)
-	if restore {
+	if restore && !restored {
 		err = restoreLockTimeout(ctx, tx, prev, err)
 	}
 	return acq, err

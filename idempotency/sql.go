@@ -3,11 +3,15 @@ package idempotency
 // Statements of the store. Values always travel as parameters.
 const (
 	// claimSQL inserts a pending claim unless the key exists. Its first CTE
-	// reads the transaction's lock_timeout (prev, which restoreLockTimeoutSQL
-	// puts back once the claim is made) and then sets the claim's, before
-	// the insert can wait on a concurrent claim, so the wait is bounded in
-	// the same round trip. The OFFSET 0 keeps the read below the set. It
-	// returns one row: prev, and attempts and created_at when it inserted.
+	// reads the transaction's lock_timeout (prev) and then sets the claim's,
+	// before the insert can wait on a concurrent claim, so the wait is
+	// bounded in the same round trip. The OFFSET 0 keeps the read below the
+	// set. It returns one row: prev; attempts and created_at when it
+	// inserted; and restored, true when it inserted: the outer SELECT can
+	// only project the inserted row once the insert (and any wait of it) is
+	// over, and then sets prev back, so a new key costs no statement of
+	// restoreLockTimeoutSQL. The key existing, the claim goes on under the
+	// claim's lock_timeout (lockRecordSQL waits too) and is restored after.
 	claimSQL = `WITH cfg AS MATERIALIZED (
     SELECT prev, set_config('lock_timeout', $4, true) AS claim_timeout
     FROM (SELECT current_setting('lock_timeout') AS prev OFFSET 0) AS p
@@ -17,10 +21,13 @@ const (
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING attempts, created_at
 )
-SELECT cfg.prev, claimed.attempts, claimed.created_at FROM cfg LEFT JOIN claimed ON true`
+SELECT cfg.prev, claimed.attempts, claimed.created_at,
+    CASE WHEN claimed.attempts IS NOT NULL THEN set_config('lock_timeout', cfg.prev, true) IS NOT NULL ELSE false END AS restored
+FROM cfg LEFT JOIN claimed ON true`
 
 	// restoreLockTimeoutSQL ends a claim's lock_timeout: it sets back the
-	// value claimSQL or claimLeaseSQL read, for the rest of the transaction.
+	// value claimSQL or claimLeaseSQL read, for the rest of the transaction,
+	// when they did not (the key existed).
 	restoreLockTimeoutSQL = `SELECT set_config('lock_timeout', $1, true)`
 
 	// claimManySQL claims many keys at once, for a delivery batch (see
@@ -48,8 +55,8 @@ WHERE k.scope = u.scope AND k.key = u.key AND k.status = 'pending' AND k.lease_t
 
 	// claimLeaseSQL is claimSQL for the two-phase form: the claim carries a
 	// lease that only its token can complete and that others may take over
-	// once it expires. It returns prev, and attempts, created_at and
-	// locked_until when it inserted.
+	// once it expires. It returns prev; attempts, created_at and
+	// locked_until when it inserted; and restored, as claimSQL does.
 	claimLeaseSQL = `WITH cfg AS MATERIALIZED (
     SELECT prev, set_config('lock_timeout', $4, true) AS claim_timeout
     FROM (SELECT current_setting('lock_timeout') AS prev OFFSET 0) AS p
@@ -59,7 +66,9 @@ WHERE k.scope = u.scope AND k.key = u.key AND k.status = 'pending' AND k.lease_t
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING attempts, created_at, locked_until
 )
-SELECT cfg.prev, claimed.attempts, claimed.created_at, claimed.locked_until FROM cfg LEFT JOIN claimed ON true`
+SELECT cfg.prev, claimed.attempts, claimed.created_at, claimed.locked_until,
+    CASE WHEN claimed.attempts IS NOT NULL THEN set_config('lock_timeout', cfg.prev, true) IS NOT NULL ELSE false END AS restored
+FROM cfg LEFT JOIN claimed ON true`
 
 	// lockRecordSQL reads an existing key under a row lock: at READ
 	// COMMITTED it sees a concurrent claimer's outcome once that commits.

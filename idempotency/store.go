@@ -266,12 +266,13 @@ func (s *Store) claimTx(ctx context.Context, tx dbtx.DBTX, req Request, lockTime
 		prev     string
 		attempts sql.NullInt64
 		created  sql.NullTime
+		restored bool
 	)
-	if err := tx.QueryRowContext(ctx, claimSQL, req.Scope, req.Key, req.Hash, lockTimeout).Scan(&prev, &attempts, &created); err != nil {
+	if err := tx.QueryRowContext(ctx, claimSQL, req.Scope, req.Key, req.Hash, lockTimeout).Scan(&prev, &attempts, &created, &restored); err != nil {
 		return Claim{}, s.claimError(req, err)
 	}
 	claim, err := s.claimExisting(ctx, tx, req, attempts.Valid)
-	if restore {
+	if restore && !restored {
 		err = restoreLockTimeout(ctx, tx, prev, err)
 	}
 	return claim, err

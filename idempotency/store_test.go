@@ -440,3 +440,45 @@ func TestClaimRestoresLockTimeout(t *testing.T) {
 		require.NoError(t, tx.Rollback())
 	}
 }
+
+// countingTx is a transaction that counts the statements it is given.
+type countingTx struct {
+	*sql.Tx
+	n int
+}
+
+func (c *countingTx) ExecContext(ctx context.Context, q string, args ...any) (sql.Result, error) {
+	c.n++
+	return c.Tx.ExecContext(ctx, q, args...)
+}
+
+func (c *countingTx) QueryContext(ctx context.Context, q string, args ...any) (*sql.Rows, error) {
+	c.n++
+	return c.Tx.QueryContext(ctx, q, args...)
+}
+
+func (c *countingTx) QueryRowContext(ctx context.Context, q string, args ...any) *sql.Row {
+	c.n++
+	return c.Tx.QueryRowContext(ctx, q, args...)
+}
+
+// The claim of a new key is one statement: it sets the claim's
+// lock_timeout, inserts, and puts the transaction's own back (a separate
+// restore was a round trip and a statement on every step).
+// TestClaimRestoresLockTimeout says the setting is put back.
+func TestANewClaimIsOneStatement(t *testing.T) {
+	t.Parallel()
+	s, db := newStore(t, nil)
+	ctx := context.Background()
+	for name, claim := range map[string]func(tx *countingTx) error{
+		"ClaimTx":   func(tx *countingTx) error { _, err := s.ClaimTx(ctx, tx, newRequest("one")); return err },
+		"AcquireTx": func(tx *countingTx) error { _, err := s.AcquireTx(ctx, tx, newRequest("one"), time.Minute); return err },
+	} {
+		sqlTx, err := db.SQL.BeginTx(ctx, nil)
+		require.NoError(t, err)
+		tx := &countingTx{Tx: sqlTx}
+		require.NoError(t, claim(tx), name)
+		assert.Equal(t, 1, tx.n, "%s of a new key: statements", name)
+		require.NoError(t, sqlTx.Rollback())
+	}
+}
