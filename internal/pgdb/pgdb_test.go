@@ -4,6 +4,8 @@ import (
 	"context"
 	"testing"
 
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -54,4 +56,33 @@ func TestOpenErrors(t *testing.T) {
 	assert.NotContains(t, err.Error(), "sec")
 	_, err = pgdb.Open(context.Background(), pgdb.Config{URL: "postgres://h/db", MaxConns: 1})
 	require.ErrorContains(t, err, "MaxConns")
+}
+
+// A google/uuid value is encoded as the 16 bytes it is. Without the pool's
+// encode plan, pgx takes it as a driver.Valuer: its text, an encode error
+// for the binary format, a scan of the text and a second encode, for every
+// uuid argument of every statement. (Not parallel: AllocsPerRun counts
+// the process's allocations.)
+func TestOpenEncodesUUIDsDirectly(t *testing.T) {
+	db := testdb.Shared(t)
+	h, err := pgdb.Open(context.Background(), pgdb.Config{URL: db.URL, MaxConns: 2})
+	require.NoError(t, err)
+	defer h.Close()
+	c, err := h.Pool.Acquire(context.Background())
+	require.NoError(t, err)
+	defer c.Release()
+	m := c.Conn().TypeMap()
+	id := uuid.New()
+	buf := make([]byte, 0, 64)
+	got, err := m.Encode(pgtype.UUIDOID, pgtype.BinaryFormatCode, id, buf)
+	require.NoError(t, err)
+	assert.Equal(t, id[:], got)
+	allocs := testing.AllocsPerRun(50, func() {
+		_, _ = m.Encode(pgtype.UUIDOID, pgtype.BinaryFormatCode, id, buf)
+	})
+	assert.LessOrEqual(t, allocs, 2.0, "allocations to encode a uuid.UUID argument (20 through driver.Valuer)")
+
+	var back uuid.UUID
+	require.NoError(t, h.SQL.QueryRow(`SELECT $1::uuid`, id).Scan(&back), "database/sql still scans uuid.UUID")
+	assert.Equal(t, id, back)
 }
