@@ -862,7 +862,8 @@ func (a *attemptTx) run(msg *message.Message, n int, deadline time.Time, h Handl
 	hm := handlerCopy(msg)
 	hm.SetContext(context.WithValue(ContextWithTx(ctx, a), attemptKey{}, n))
 	done := make(chan error, 1)
-	go func() { done <- call(h, hm) }()
+	var herr error
+	attemptWorkers.Go(func() { herr = call(h, hm) }, func() { done <- herr })
 	select {
 	case err := <-done:
 		a.revoke()

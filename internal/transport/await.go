@@ -245,7 +245,7 @@ func (c *consumer) await(b *batch, log *slog.Logger, d delivery, n int, aw *Awai
 	}
 	c.gate.calls.add()
 	c.t.calls.add()
-	go c.runCall(b, log, d, n, aw, call)
+	attemptWorkers.Go(func() { c.runCall(b, log, d, n, aw, call) }, nil)
 	if err, taken := call.take(wait); taken {
 		switch {
 		case err == nil:

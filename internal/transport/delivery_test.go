@@ -724,3 +724,26 @@ func TestLateBatchesAreToldOnceWithWhereTheTimeWent(t *testing.T) {
 	assert.Regexp(t, `claim_took=[2-9]\.[0-9]+s`, logs.String())
 	assert.NotContains(t, logs.String(), "middleware")
 }
+
+// Attempts run one after another share goroutines (whose stacks have grown
+// already) instead of starting one each. Not parallel: the goroutines are
+// the process's, and other tests' attempts would take them in between.
+func TestAttemptsReuseTheirGoroutines(t *testing.T) {
+	e := newEnv(t, nil)
+	const n = 20
+	var mu sync.Mutex
+	ids := map[string]bool{}
+	var ran atomic.Int32
+	e.route(t, func(msg *message.Message) error {
+		mu.Lock()
+		ids[transport.GoroutineID()] = true
+		mu.Unlock()
+		ran.Add(1)
+		return nil
+	})
+	e.publish(n)
+	waitFor(t, 30*time.Second, "every message handled", func() bool { return ran.Load() >= n })
+	mu.Lock()
+	defer mu.Unlock()
+	assert.LessOrEqual(t, len(ids), n/2, "goroutines for %d attempts", n)
+}

@@ -7,3 +7,6 @@ func ClaimsWaitingForRoom(t *Transport) int {
 	defer t.calls.mu.Unlock()
 	return t.calls.waiting
 }
+
+// GoroutineID is the id of the calling goroutine, as runtime.Stack prints it.
+var GoroutineID = goroutineID
