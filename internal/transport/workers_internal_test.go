@@ -49,7 +49,8 @@ func TestWorkersKeepTheirGoroutines(t *testing.T) {
 	<-done
 
 	short := &workers{idleFor: time.Millisecond}
-	short.Go(func() {}, nil)
+	short.Go(func() {}, signal)
+	<-done // idle now: back in the list before then ran
 	require.Eventually(t, func() bool {
 		short.mu.Lock()
 		defer short.mu.Unlock()
