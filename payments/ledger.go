@@ -178,7 +178,7 @@ func (s *Service) reserve(ctx context.Context, req idempotency.Request, cmd Char
 			chargeID = string(rec.Response.Body)
 			return nil
 		}
-		version, err := lockAccount(ctx, tx, s.cfg.Events, cmd.AccountID)
+		err = lockAccount(ctx, tx, cmd.AccountID)
 		if errors.Is(err, ErrUnknownAccount) {
 			return &refusal{reason: ReasonUnknownAccount}
 		}
@@ -218,7 +218,7 @@ func (s *Service) reserve(ctx context.Context, req idempotency.Request, cmd Char
 				return &refusal{reason: ReasonInsufficientFunds}
 			}
 			md := events.Metadata{CorrelationID: cmd.OrderID.String(), IdempotencyKey: req.Key}
-			recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), version, md, Charged{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents})
+			recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), events.AnyVersion, md, Charged{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents})
 			if err != nil {
 				return err
 			}
@@ -250,8 +250,7 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 			if err := s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(id)}); err != nil {
 				return err
 			}
-			version, err := lockAccount(ctx, tx, s.cfg.Events, cmd.AccountID)
-			if err != nil {
+			if err := lockAccount(ctx, tx, cmd.AccountID); err != nil {
 				return err
 			}
 			res, err := tx.ExecContext(ctx, captureSQL, cmd.AccountID, cmd.OrderID, id)
@@ -276,7 +275,7 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 					cmd.OrderID, captured, id)
 			}
 			md := events.Metadata{CorrelationID: cmd.OrderID.String(), IdempotencyKey: lease.Key}
-			_, err = s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), version, md, ChargeCaptured{OrderID: cmd.OrderID, ChargeID: id})
+			_, err = s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), events.AnyVersion, md, ChargeCaptured{OrderID: cmd.OrderID, ChargeID: id})
 			return err
 		})
 		if err != nil && captured != "" && captured != id {
@@ -300,12 +299,11 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 			if err := s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, lease, idempotency.StatusFailed, idempotency.Response{Body: []byte(ReasonDeclined)}); err != nil {
 				return err
 			}
-			version, err := lockAccount(ctx, tx, s.cfg.Events, cmd.AccountID)
-			if err != nil {
+			if err := lockAccount(ctx, tx, cmd.AccountID); err != nil {
 				return err
 			}
 			md := events.Metadata{CorrelationID: cmd.OrderID.String(), IdempotencyKey: lease.Key}
-			recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), version, md, ChargeVoided{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents, Reason: ReasonDeclined})
+			recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), events.AnyVersion, md, ChargeVoided{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents, Reason: ReasonDeclined})
 			if err != nil {
 				return err
 			}
@@ -468,7 +466,7 @@ func (s *Service) prepareRefund(ctx context.Context, cmd RefundPayment, command 
 			amount   int64
 		)
 		err := s.inTx(ctx, func(tx *sql.Tx) error {
-			version, err := lockAccount(ctx, tx, s.cfg.Events, cmd.AccountID)
+			err := lockAccount(ctx, tx, cmd.AccountID)
 			if errors.Is(err, ErrUnknownAccount) {
 				return nil
 			}
@@ -512,7 +510,7 @@ func (s *Service) prepareRefund(ctx context.Context, cmd RefundPayment, command 
 				// Refunded at the gateway and recorded, yet not posted:
 				// post it now.
 				result = PaymentRefunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: string(rec.Response.Body)}
-				return s.postRefund(ctx, tx, version, cmd, amount, result.RefundID)
+				return s.postRefund(ctx, tx, cmd, amount, result.RefundID)
 			}
 		})
 		return refundPrep{result: result, lease: lease, key: key, chargeID: chargeID, amount: amount}, err
@@ -549,11 +547,10 @@ func (s *Service) callRefund(ctx context.Context, cmd RefundPayment, command str
 		if err := s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(id)}); err != nil {
 			return err
 		}
-		version, err := lockAccount(ctx, tx, s.cfg.Events, cmd.AccountID)
-		if err != nil {
+		if err := lockAccount(ctx, tx, cmd.AccountID); err != nil {
 			return err
 		}
-		return s.postRefund(ctx, tx, version, cmd, amount, id)
+		return s.postRefund(ctx, tx, cmd, amount, id)
 	})
 	if err != nil {
 		// The gateway refunded; the next attempt asks it again with the
@@ -566,9 +563,9 @@ func (s *Service) callRefund(ctx context.Context, cmd RefundPayment, command str
 	return PaymentRefunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: id}, nil
 }
 
-func (s *Service) postRefund(ctx context.Context, tx *sql.Tx, version int, cmd RefundPayment, amount int64, refundID string) error {
+func (s *Service) postRefund(ctx context.Context, tx *sql.Tx, cmd RefundPayment, amount int64, refundID string) error {
 	md := events.Metadata{CorrelationID: cmd.OrderID.String(), IdempotencyKey: RefundKey(cmd.OrderID)}
-	recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), version, md, Refunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: refundID})
+	recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), events.AnyVersion, md, Refunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: refundID})
 	if err != nil {
 		return err
 	}

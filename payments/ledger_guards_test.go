@@ -203,15 +203,17 @@ func TestOneChargePostingPerOrderAcrossAccounts(t *testing.T) {
 }
 
 // The account row lock (lockAccount's UPDATE) makes the writers of one
-// account queue. Correctness does not hang on it: every posting appends to
-// the account's event stream in its transaction, so a charge decided on a
-// balance that changed meanwhile loses the stream's version check and
-// commits nothing. What only the lock gives is that racing writers wait for
-// each other instead of one of them failing with that version conflict: an
-// error the step can only retry (and a capture that loses it after the
-// gateway charged must wait out its lease). So with retries off, two
-// charges racing for one balance must end as one charge and one business
-// refusal, never as an error.
+// account queue, and it is what keeps a charge from being decided on a
+// balance that changed meanwhile: the ledger appends to the account's
+// stream at events.AnyVersion, after whatever is there, with no version
+// read of its own to check against. Without the lock, two charges racing
+// for one balance both read it, and then either both append (the second
+// after the first's commit: an overdraft) or the second loses the
+// stream's unique version to the first's uncommitted append and fails with
+// a version conflict, an error the step can only retry (and a capture that
+// loses it after the gateway charged must wait out its lease). So with
+// retries off, two charges racing for one balance must end as one charge
+// and one business refusal, never as an error.
 //
 // The race is forced: the test holds a SHARE lock on domain_events, which
 // every charge's reserve needs (to append its Charged event) after it has

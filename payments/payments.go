@@ -290,11 +290,10 @@ func (s *Service) Deposit(ctx context.Context, account string, amountCents int64
 	req := idempotency.Request{Scope: "payments.deposit:" + account, Key: key, Hash: idempotency.Fingerprint([]byte(fmt.Sprint(amountCents)))}
 	return pgerr.RetryLost(ctx, func(ctx context.Context) error {
 		_, err := s.cfg.Idempotency.Do(ctx, req, func(ctx context.Context, tx steps.DBTX) (idempotency.Response, error) {
-			v, err := lockAccount(ctx, tx, s.cfg.Events, account)
-			if err != nil {
+			if err := lockAccount(ctx, tx, account); err != nil {
 				return idempotency.Response{}, err
 			}
-			recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(account), v, events.Metadata{IdempotencyKey: key}, Deposited{AmountCents: amountCents})
+			recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(account), events.AnyVersion, events.Metadata{IdempotencyKey: key}, Deposited{AmountCents: amountCents})
 			if err != nil {
 				return idempotency.Response{}, err
 			}
@@ -314,25 +313,32 @@ func (s *Service) Balance(ctx context.Context, account string) (int64, error) {
 	return b, nil
 }
 
-// lockAccount locks an account against other postings and returns its
-// stream's version. The lock is an update: under REPEATABLE READ a posting
-// committed after the transaction's snapshot makes it fail with a
-// serialization error, instead of a balance computed without that posting.
-func lockAccount(ctx context.Context, tx steps.DBTX, es *events.Store, account string) (int, error) {
-	var version int64
-	err := tx.QueryRowContext(ctx, lockAccountSQL, account).Scan(&version)
-	if errors.Is(err, sql.ErrNoRows) {
-		return 0, fmt.Errorf("%w: %s", ErrUnknownAccount, account)
-	}
+// lockAccount locks an account against other postings. The lock is what
+// keeps the account's writers in turn: each decides on what it reads after
+// it (the balance, the order's postings) and appends to the account's
+// stream at events.AnyVersion, after whatever the writers before it
+// appended, with no read of the stream's version of its own. Under
+// REPEATABLE READ, a posting committed after the transaction's snapshot
+// makes the lock fail with a serialization error, instead of a balance
+// computed without that posting.
+func lockAccount(ctx context.Context, tx steps.DBTX, account string) error {
+	res, err := tx.ExecContext(ctx, lockAccountSQL, account)
 	if err != nil {
-		return 0, fmt.Errorf("payments: locking account %s: %w", account, err)
+		return fmt.Errorf("payments: locking account %s: %w", account, err)
 	}
-	return es.VersionTx(ctx, tx, Stream(account))
+	n, err := res.RowsAffected()
+	if err != nil {
+		return fmt.Errorf("payments: locking account %s: %w", account, err)
+	}
+	if n == 0 {
+		return fmt.Errorf("%w: %s", ErrUnknownAccount, account)
+	}
+	return nil
 }
 
 const (
 	openAccountSQL = `INSERT INTO accounts (account_id) VALUES ($1) ON CONFLICT (account_id) DO NOTHING`
-	lockAccountSQL = `UPDATE accounts SET version = version + 1 WHERE account_id = $1 RETURNING version`
+	lockAccountSQL = `UPDATE accounts SET version = version + 1 WHERE account_id = $1`
 	balanceSQL     = `SELECT coalesce(sum(delta_cents), 0) FROM account_postings WHERE account_id = $1`
 
 	insertPostingSQL = `INSERT INTO account_postings (account_id, event_id, delta_cents, order_id, kind, reference, request_key)

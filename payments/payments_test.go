@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -258,15 +259,14 @@ func TestChargeThenRefund(t *testing.T) {
 	assert.Equal(t, 4, e.count(`SELECT count(*) FROM domain_events WHERE stream_id = $1`, payments.Stream(acct)), "deposited, charged, captured, refunded, and nothing more")
 }
 
-// The reservation reads what it decides on (the order's fence, its
-// postings, the account's balance) in one statement, after the account's
-// lock; the capture reads no posting at all.
-func TestAChargeReadsItsLedgerInOneStatement(t *testing.T) {
-	t.Parallel()
+// chargeReads runs one charge of 300 from an account holding 1000 and
+// returns the SELECTs of it that match.
+func chargeReads(t *testing.T, match func(sql string) bool) (*env, string, []string) {
+	t.Helper()
 	var mu sync.Mutex
 	var reads []string
 	e := newEnvWith(t, envOptions{tracer: testdb.Tracer(func(sql string, _ []any) {
-		if strings.HasPrefix(strings.TrimSpace(sql), "SELECT") && (strings.Contains(sql, "account_postings") || strings.Contains(sql, "charge_fences")) {
+		if strings.HasPrefix(strings.TrimSpace(sql), "SELECT") && match(sql) {
 			mu.Lock()
 			reads = append(reads, sql)
 			mu.Unlock()
@@ -280,9 +280,32 @@ func TestAChargeReadsItsLedgerInOneStatement(t *testing.T) {
 	r := e.execute(e.svc.ChargeStep(), charge(order, acct, 300), "saga-"+order.String()+":charge")
 	require.Equal(t, steps.OutcomeOK, r.env.Outcome, "%+v", r)
 	mu.Lock()
-	assert.Len(t, reads, 1, "the ledger's reads of one charge: %q", reads)
+	got := slices.Clone(reads)
 	mu.Unlock()
 	assert.Equal(t, int64(700), e.balance(acct))
+	return e, acct, got
+}
+
+// The reservation reads what it decides on (the order's fence, its
+// postings, the account's balance) in one statement, after the account's
+// lock; the capture reads no posting at all.
+func TestAChargeReadsItsLedgerInOneStatement(t *testing.T) {
+	t.Parallel()
+	_, _, reads := chargeReads(t, func(sql string) bool {
+		return strings.Contains(sql, "account_postings") || strings.Contains(sql, "charge_fences")
+	})
+	assert.Len(t, reads, 1, "the ledger's reads of one charge: %q", reads)
+}
+
+// A charge appends to the account's stream after whatever it holds
+// (events.AnyVersion): under the account's lock no one else appends, so
+// neither of its transactions reads the stream's version first.
+func TestAChargeReadsNoStreamVersion(t *testing.T) {
+	t.Parallel()
+	e, acct, reads := chargeReads(t, func(sql string) bool { return strings.Contains(sql, "domain_events") })
+	assert.Empty(t, reads, "reads of the event store by one charge")
+	assert.Equal(t, 3, e.count(`SELECT count(*) FROM domain_events WHERE stream_id = $1`, payments.Stream(acct)), "deposited, charged, captured")
+	assert.Equal(t, 3, e.count(`SELECT max(version) FROM domain_events WHERE stream_id = $1`, payments.Stream(acct)), "gapless")
 }
 
 func TestInsufficientFundsIsABusinessFailure(t *testing.T) {

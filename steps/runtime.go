@@ -653,9 +653,10 @@ func (t *Tx) Key() string { return t.key }
 var ErrNoEventStore = errors.New("steps: the runtime has no event store (Config.Events)")
 
 // Append appends evs to stream in the step's transaction, expecting the
-// stream at version expected, with the command's correlation, causation,
-// saga id and key as metadata. A conflict (events.ErrVersionConflict) is
-// transient: returning it retries the step on fresh state.
+// stream at version expected (events.AnyVersion: after its last event), with
+// the command's correlation, causation, saga id and key as metadata. A
+// conflict (events.ErrVersionConflict) is transient: returning it retries
+// the step on fresh state.
 func (t *Tx) Append(ctx context.Context, stream string, expected int, evs ...events.Event) ([]events.Recorded, error) {
 	if t.rt.events == nil {
 		return nil, ErrNoEventStore

@@ -859,3 +859,24 @@ func randomHex(n int) string {
 func oneLine(err error) string {
 	return strings.Join(strings.Fields(err.Error()), " ")
 }
+
+// WaitForLockWait waits until a session of db waits for a lock, and fails
+// t if none does within 30 seconds: a test's barrier for "the other
+// transaction is blocked on mine".
+func (db *DB) WaitForLockWait(t testing.TB) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var n int
+		if err := db.SQL.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&n); err != nil {
+			t.Fatalf("reading lock waits: %v", err)
+		}
+		if n > 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no session waits for a lock")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}

@@ -146,7 +146,7 @@ func TestRecordAfterWaitsForTheRow(t *testing.T) {
 	id := queued(t, c)
 	holder := holdRow(t, db, id)
 	done := recordInBackground(c, failure{d: delivery{id: id}, n: 1, cause: errors.New("broke")})
-	waitForLockWait(t, db)
+	db.WaitForLockWait(t)
 	require.NoError(t, holder.Rollback())
 	<-done
 	assert.Equal(t, 1, attemptsOf(t, db, id))
@@ -195,23 +195,6 @@ func attemptsOf(t *testing.T, db *testdb.DB, id int64) int {
 	var n int
 	require.NoError(t, db.SQL.QueryRow(`SELECT attempts FROM pgsaga_queue WHERE id = $1`, id).Scan(&n))
 	return n
-}
-
-// waitForLockWait waits until a session of db waits for a lock.
-func waitForLockWait(t *testing.T, db *testdb.DB) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		var n int
-		require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&n))
-		if n > 0 {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no session waits for a lock")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 // A message is admitted only into the batch that claimed it: one that

@@ -12,6 +12,10 @@
 // stream is still at the expected version, in one statement. A racing writer
 // makes it return ErrVersionConflict without aborting the transaction; the
 // step runtime treats that as transient and retries the step on fresh state.
+// A writer that decides on no state of the stream, its appends kept in turn
+// by a lock of its own (the sample's ledger locks the account's row),
+// appends at AnyVersion: after the stream's last event, found in the
+// append's statement, with no read before it.
 // (Under REPEATABLE READ a conflict with a write committed after the
 // transaction's snapshot is a serialization failure instead, which pgsaga's
 // transport answers by redelivering the batch in a new transaction.)
@@ -23,6 +27,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -217,15 +222,28 @@ func NewStore(cfg Config) (*Store, error) {
 // Registry returns the store's registry.
 func (s *Store) Registry() *Registry { return s.cfg.Registry }
 
+// AnyVersion, as AppendTx's expected version, appends after the stream's
+// last event, whatever its version: the append reads the stream's version
+// in its own statement (under READ COMMITTED, that statement's snapshot,
+// taken after any lock the transaction waited for before it). It is for a
+// writer that decides on nothing read from the stream and whose appends to
+// it are serialized by a lock it holds; without such a lock, two writers
+// that each read some other state and then append both succeed. A writer
+// that appends to the stream after the statement's snapshot (committed while
+// the append waited for it on the stream's version) still makes it append
+// nothing and return a *VersionConflictError.
+const AnyVersion = -1
+
 // AppendTx appends evs to stream in tx, as versions expected+1…, provided the
-// stream is at version expected (0: the stream must not exist). It returns
-// the recorded events, or a *VersionConflictError and appends nothing.
+// stream is at version expected (0: the stream must not exist; AnyVersion:
+// after its last event). It returns the recorded events, or a
+// *VersionConflictError and appends nothing.
 func (s *Store) AppendTx(ctx context.Context, tx dbtx.DBTX, stream string, expected int, md Metadata, evs ...Event) ([]Recorded, error) {
 	if stream == "" || len(stream) > 200 {
 		return nil, fmt.Errorf("%w: stream id must be 1 to 200 bytes", ErrInvalidAppend)
 	}
-	if expected < 0 {
-		return nil, fmt.Errorf("%w: expected version %d is negative", ErrInvalidAppend, expected)
+	if expected < 0 && expected != AnyVersion {
+		return nil, fmt.Errorf("%w: expected version %d is negative (and not AnyVersion)", ErrInvalidAppend, expected)
 	}
 	if len(evs) == 0 {
 		return nil, nil
@@ -247,18 +265,29 @@ func (s *Store) AppendTx(ctx context.Context, tx dbtx.DBTX, stream string, expec
 	if err != nil {
 		return nil, fmt.Errorf("events: encoding metadata: %w", err)
 	}
-	rows, err := tx.QueryContext(ctx, appendSQL, stream, expected, ids, types, payloads, string(meta))
+	query, args := appendSQL, []any{stream, expected, ids, types, payloads, string(meta)}
+	if expected == AnyVersion {
+		query, args = appendAnySQL, []any{stream, ids, types, payloads, string(meta)}
+	}
+	rows, err := tx.QueryContext(ctx, query, args...)
 	if err != nil {
 		return nil, fmt.Errorf("events: appending to %s: %w", stream, err)
 	}
 	recorded := make([]Recorded, 0, len(evs))
 	for rows.Next() {
-		var r Recorded
-		if err := rows.Scan(&r.Position, &r.Version, &r.RecordedAt); err != nil {
+		var (
+			r   Recorded
+			ord int
+		)
+		if err := rows.Scan(&r.Position, &r.Version, &r.RecordedAt, &ord); err != nil {
 			rows.Close()
 			return nil, fmt.Errorf("events: appending to %s: %w", stream, err)
 		}
-		i := r.Version - expected - 1
+		if ord < 1 || ord > len(evs) {
+			rows.Close()
+			return nil, fmt.Errorf("events: appending to %s: version %d came back as event %d of %d", stream, r.Version, ord, len(evs))
+		}
+		i := ord - 1
 		r.ID, r.StreamID, r.Type, r.Data, r.Metadata = uuid.MustParse(ids[i]), stream, types[i], evs[i], md
 		recorded = append(recorded, r)
 	}
@@ -270,9 +299,12 @@ func (s *Store) AppendTx(ctx context.Context, tx dbtx.DBTX, stream string, expec
 	}
 	if len(recorded) != len(evs) {
 		// Nothing or only part was written; the caller must roll back (a
-		// partial append needs a writer that skipped the version check).
+		// partial append needs a writer that skipped the version check, or
+		// one that appended at AnyVersion past this one's snapshot).
 		return nil, &VersionConflictError{Stream: stream, Expected: expected}
 	}
+	// RETURNING gives no order: the events are put back in theirs.
+	slices.SortFunc(recorded, func(a, b Recorded) int { return a.Version - b.Version })
 	if err := s.project(ctx, tx, recorded, payloads); err != nil {
 		return nil, err
 	}
@@ -406,13 +438,27 @@ func (s *Store) FoldTx(ctx context.Context, q dbtx.DBTX, stream string, upTo int
 
 const (
 	// appendSQL inserts the events only if the stream is at the expected
-	// version; a racer that got there first makes it insert nothing.
+	// version; a racer that got there first makes it insert nothing. Each
+	// row comes back with its event's place in the append (version -
+	// expected).
 	appendSQL = `INSERT INTO domain_events (event_id, stream_id, version, event_type, payload, metadata)
 SELECT e.event_id::uuid, $1, $2 + e.ord, e.event_type, e.payload::jsonb, $6::jsonb
 FROM unnest($3::text[], $4::text[], $5::text[]) WITH ORDINALITY AS e(event_id, event_type, payload, ord)
 WHERE (SELECT coalesce(max(version), 0) FROM domain_events WHERE stream_id = $1) = $2
 ON CONFLICT (stream_id, version) DO NOTHING
-RETURNING position, version, recorded_at`
+RETURNING position, version, recorded_at, version - $2`
+
+	// appendAnySQL inserts the events after the stream's last event as the
+	// statement's snapshot sees it. A racer that appended after that
+	// snapshot holds those versions: the insert waits for it and, once it
+	// commits, skips them, so the append comes back short. Each row comes
+	// back with its event's place in the append (its version - the head).
+	appendAnySQL = `WITH head AS (SELECT coalesce(max(version), 0) AS v FROM domain_events WHERE stream_id = $1)
+INSERT INTO domain_events (event_id, stream_id, version, event_type, payload, metadata)
+SELECT e.event_id::uuid, $1, head.v + e.ord, e.event_type, e.payload::jsonb, $5::jsonb
+FROM head, unnest($2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS e(event_id, event_type, payload, ord)
+ON CONFLICT (stream_id, version) DO NOTHING
+RETURNING position, version, recorded_at, version - (SELECT v FROM head)`
 
 	versionSQL = `SELECT coalesce(max(version), 0) FROM domain_events WHERE stream_id = $1`
 

@@ -192,6 +192,83 @@ func TestConcurrentWritersAreGapless(t *testing.T) {
 	}
 }
 
+// AnyVersion appends after the stream's last event, whatever its version,
+// reading it in the append's own statement: on a new stream from 1, on one
+// with events after them, each recorded event with its own version.
+func TestAppendAtAnyVersionGoesAfterTheLastEvent(t *testing.T) {
+	t.Parallel()
+	s, db := newStore(t)
+	ctx := context.Background()
+	stream := "acct-" + uuid.NewString()
+	var recs []events.Recorded
+	require.NoError(t, inTx(t, db, func(tx *sql.Tx) error {
+		var err error
+		recs, err = s.AppendTx(ctx, tx, stream, events.AnyVersion, events.Metadata{}, opened{Owner: "a"})
+		return err
+	}))
+	require.Len(t, recs, 1)
+	assert.Equal(t, 1, recs[0].Version)
+	require.NoError(t, inTx(t, db, func(tx *sql.Tx) error {
+		var err error
+		recs, err = s.AppendTx(ctx, tx, stream, events.AnyVersion, events.Metadata{}, deposited{Cents: 5}, deposited{Cents: 7})
+		return err
+	}))
+	require.Len(t, recs, 2)
+	for i, want := range []int{5, 7} {
+		assert.Equal(t, i+2, recs[i].Version)
+		assert.Equal(t, deposited{Cents: want}, recs[i].Data, "recorded event %d is the one appended as version %d", i, recs[i].Version)
+		assert.Equal(t, stream, recs[i].StreamID)
+	}
+	var a account
+	v, err := s.FoldTx(ctx, db.SQL, stream, 0, &a)
+	require.NoError(t, err)
+	assert.Equal(t, 3, v)
+	assert.Equal(t, "a", a.owner)
+	assert.Equal(t, 12, a.balance)
+}
+
+// AnyVersion checks nothing against the caller's view of the stream, yet
+// it never writes over or beside a racing append: a writer that appended
+// after the statement's snapshot (committed while it waited) makes it
+// append nothing and return ErrVersionConflict, with the transaction still
+// usable. The race is forced: the second append is started while the
+// first is uncommitted and waits for it on the stream's unique version.
+func TestAppendAtAnyVersionConflictsWithARacingAppend(t *testing.T) {
+	t.Parallel()
+	s, _ := newStore(t)
+	db := testdb.Fresh(t) // its own database: the wait is found by its locks
+	ctx := context.Background()
+	stream := "acct-" + uuid.NewString()
+
+	first, err := db.SQL.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer first.Rollback() //nolint:errcheck // no-op after Commit
+	_, err = s.AppendTx(ctx, first, stream, events.AnyVersion, events.Metadata{}, opened{Owner: "first"})
+	require.NoError(t, err)
+
+	second, err := db.SQL.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer second.Rollback() //nolint:errcheck
+	done := make(chan error, 1)
+	go func() {
+		_, err := s.AppendTx(ctx, second, stream, events.AnyVersion, events.Metadata{}, opened{Owner: "second"})
+		done <- err
+	}()
+	db.WaitForLockWait(t)
+	require.NoError(t, first.Commit())
+	err = <-done
+	require.ErrorIs(t, err, events.ErrVersionConflict)
+	_, err = second.Exec(`SELECT 1`)
+	require.NoError(t, err, "the transaction is still usable")
+	require.NoError(t, second.Commit())
+
+	var a account
+	v, err := s.FoldTx(ctx, db.SQL, stream, 0, &a)
+	require.NoError(t, err)
+	assert.Equal(t, 1, v)
+	assert.Equal(t, "first", a.owner)
+}
+
 func TestUnknownEventTypeIsAClearError(t *testing.T) {
 	t.Parallel()
 	s, db := newStore(t)
@@ -226,7 +303,7 @@ func TestInvalidAppends(t *testing.T) {
 	ctx := context.Background()
 	_, err := s.AppendTx(ctx, db.SQL, "", 0, events.Metadata{}, opened{})
 	require.ErrorIs(t, err, events.ErrInvalidAppend)
-	_, err = s.AppendTx(ctx, db.SQL, "x", -1, events.Metadata{}, opened{})
+	_, err = s.AppendTx(ctx, db.SQL, "x", -2, events.Metadata{}, opened{})
 	require.ErrorIs(t, err, events.ErrInvalidAppend)
 	_, err = s.AppendTx(ctx, db.SQL, "x", 0, events.Metadata{}, nil)
 	require.ErrorIs(t, err, events.ErrInvalidAppend)
