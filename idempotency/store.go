@@ -54,6 +54,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/internal/outcome"
@@ -394,7 +395,7 @@ func (s *Store) Do(ctx context.Context, req Request, fn func(ctx context.Context
 		return Result{}, errors.New("idempotency: Config.DB is required for Do")
 	}
 	var fail *Failure
-	res, err := s.inClaim(ctx, req, func(ctx context.Context, tx *sql.Tx) (Status, Response, error) {
+	res, err := s.inClaim(ctx, req, func(ctx context.Context, tx dbtx.DBTX) (Status, Response, error) {
 		resp, err := fn(ctx, tx)
 		if errors.As(err, &fail) {
 			return "", Response{}, err
@@ -412,7 +413,7 @@ func (s *Store) Do(ctx context.Context, req Request, fn func(ctx context.Context
 	if afterFailureRollback != nil {
 		afterFailureRollback(req)
 	}
-	return s.inClaim(ctx, req, func(context.Context, *sql.Tx) (Status, Response, error) {
+	return s.inClaim(ctx, req, func(context.Context, dbtx.DBTX) (Status, Response, error) {
 		return StatusFailed, fail.Response, nil
 	})
 }
@@ -425,18 +426,56 @@ var afterFailureRollback func(Request)
 // the key is this caller's to execute, runs fn in it and stores the
 // outcome fn returns, in the same commit; a key finished already is
 // replayed. An error of fn rolls everything back.
-func (s *Store) inClaim(ctx context.Context, req Request, fn func(ctx context.Context, tx *sql.Tx) (Status, Response, error)) (Result, error) {
+//
+// On a pgx pool the transaction is a dbtx.Pipe: BEGIN goes with the
+// claim, and what fn queues (dbtx.Queue) with the completion, so that a
+// request costs its callback's round trips and three of its own (claim,
+// completion, commit).
+func (s *Store) inClaim(ctx context.Context, req Request, fn func(ctx context.Context, tx dbtx.DBTX) (Status, Response, error)) (Result, error) {
+	if _, ok := s.cfg.DB.Driver().(*stdlib.Driver); ok {
+		return s.inPipe(ctx, req, fn)
+	}
 	tx, err := s.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return Result{}, fmt.Errorf("idempotency: beginning transaction: %w", err)
 	}
 	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+	return s.claimAndRun(ctx, tx, req, fn, tx.Commit)
+}
+
+// inPipe is inClaim on a connection of a pgx pool.
+func (s *Store) inPipe(ctx context.Context, req Request, fn func(ctx context.Context, tx dbtx.DBTX) (Status, Response, error)) (Result, error) {
+	sc, err := s.cfg.DB.Conn(ctx)
+	if err != nil {
+		return Result{}, fmt.Errorf("idempotency: beginning transaction: %w", err)
+	}
+	defer sc.Close() //nolint:errcheck // returns it to the pool
+	var res Result
+	err = sc.Raw(func(dc any) error {
+		pc, ok := dc.(*stdlib.Conn)
+		if !ok {
+			return fmt.Errorf("idempotency: a connection of pgx's database/sql driver is a %T", dc)
+		}
+		p := dbtx.BeginPipe(pc.Conn())
+		defer p.Rollback(ctx) //nolint:errcheck // no-op after Commit
+		var err error
+		res, err = s.claimAndRun(ctx, p, req, fn, func() error { return p.Commit(ctx) })
+		return err
+	})
+	return res, err
+}
+
+// claimAndRun is inClaim in tx, which commit commits.
+func (s *Store) claimAndRun(ctx context.Context, tx dbtx.DBTX, req Request, fn func(ctx context.Context, tx dbtx.DBTX) (Status, Response, error), commit func() error) (Result, error) {
 	claim, err := s.claimTx(ctx, tx, req, s.lockTimeout, false)
 	if err != nil {
 		return Result{}, err
 	}
 	if !claim.Execute {
-		return Result{Status: claim.Record.Status, Response: claim.Record.Response, Replayed: true}, tx.Commit()
+		if err := commit(); err != nil {
+			return Result{}, fmt.Errorf("idempotency: committing %s/%s: %w", req.Scope, req.Key, err)
+		}
+		return Result{Status: claim.Record.Status, Response: claim.Record.Response, Replayed: true}, nil
 	}
 	status, resp, err := fn(ctx, tx)
 	if err != nil {
@@ -445,7 +484,7 @@ func (s *Store) inClaim(ctx context.Context, req Request, fn func(ctx context.Co
 	if err := s.CompleteTx(ctx, tx, req, status, resp); err != nil {
 		return Result{}, err
 	}
-	if err := tx.Commit(); err != nil {
+	if err := commit(); err != nil {
 		return Result{}, fmt.Errorf("idempotency: committing %s/%s: %w", req.Scope, req.Key, err)
 	}
 	return Result{Status: status, Response: resp}, nil

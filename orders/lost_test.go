@@ -41,7 +41,7 @@ func TestWritesRetryALostConnection(t *testing.T) {
 		db := testlost.OpenCuttable(t, testdb.Shared(t), 4)
 		e := newEnv(t, db.DB)
 		req := orders.PlaceRequest{Key: "k-" + uuid.NewString(), CustomerID: e.customer(), AmountCents: 1500}
-		db.CutAfter(testlost.Commit)
+		db.CutAfter(testlost.Commits...)
 		res, err := e.svc.Place(ctx, req)
 		require.NoError(t, err)
 		assert.True(t, db.Cut(), "a COMMIT was cut off")
@@ -77,7 +77,7 @@ func TestWritesRetryALostConnection(t *testing.T) {
 		db := testlost.OpenCuttable(t, testdb.Shared(t), 4)
 		e := newEnv(t, db.DB)
 		order := e.place(e.customer(), 1500)
-		db.CutAfter(testlost.Commit)
+		db.CutAfter(testlost.Commits...)
 		require.NoError(t, e.svc.CancelByCustomer(ctx, order, "changed their mind"))
 		assert.True(t, db.Cut(), "a COMMIT was cut off")
 		assertCancelledOnce(t, e, order)

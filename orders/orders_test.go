@@ -339,3 +339,20 @@ func publish(tr *transport.Transport) func(context.Context, steps.DBTX, string, 
 		return tr.Publisher(tx).Publish(topic, msgs...)
 	}
 }
+
+// Place sends what it can together (a dbtx.Pipe under its idempotency
+// claim): BEGIN with the claim; the order's events, their publish and
+// OrderCreated with the key's completion; then COMMIT. Five round trips:
+// the claim, the customer's check, the append, the completion, the
+// commit.
+func TestPlaceIsFiveRoundTrips(t *testing.T) {
+	t.Parallel()
+	db, trips := testdb.RoundTrips(t, testdb.Shared(t))
+	e := newEnv(t, db)
+	e.place(e.customer(), 1500) // each statement is prepared once, a round trip of its own
+	customer := e.customer()
+	trips.Store(0)
+	order := e.place(customer, 1500)
+	assert.EqualValues(t, 5, trips.Load(), "round trips of one Place")
+	assertPlacedOnce(t, e, customer, order)
+}

@@ -126,13 +126,11 @@ func knownAfter(ctx context.Context, stream string, version int, payload []byte)
 	return o, true
 }
 
+// upsertView writes o's row; nothing reads it back in the transaction, so
+// it is queued where tx can (steps.Queue).
 func upsertView(ctx context.Context, tx steps.DBTX, o Order) error {
-	_, err := tx.ExecContext(ctx, upsertViewSQL, o.ID, o.CustomerID, o.AmountCents, string(o.Status), o.Version,
+	return steps.Queue(ctx, tx, "orders: projecting "+o.ID.String(), upsertViewSQL, o.ID, o.CustomerID, o.AmountCents, string(o.Status), o.Version,
 		o.PlacedAt, nullTime(o.ConfirmedAt), nullTime(o.CancelledAt), nullString(o.CancelledBy), nullString(o.CancelReason), o.UpdatedAt)
-	if err != nil {
-		return fmt.Errorf("orders: projecting %s: %w", o.ID, err)
-	}
-	return nil
 }
 
 // RebuildViews recomputes order_views from the event store, from scratch, in

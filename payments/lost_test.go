@@ -45,7 +45,7 @@ func TestSeedingRetriesALostConnection(t *testing.T) {
 		db := testlost.OpenCuttable(t, testdb.Shared(t), 4)
 		e := newEnvWith(t, envOptions{db: db.DB})
 		id := e.account(0)
-		db.CutAfter(testlost.Commit)
+		db.CutAfter(testlost.Commits...)
 		require.NoError(t, e.svc.Deposit(ctx, id, 700, "seed"))
 		assert.True(t, db.Cut(), "a COMMIT was cut off")
 		assert.Equal(t, int64(700), e.balance(id), "deposited once")

@@ -19,6 +19,18 @@ import (
 // and event stores take one too.
 type DBTX = dbtx.DBTX
 
+// Queue runs a write that nothing reads back in tx's transaction (a view
+// row, an audit line) the cheapest way tx allows: in a step's or a
+// delivery's transaction, and in the transaction of idempotency.Store.Do
+// on a pgx pool, it is queued and sent with the transaction's next
+// statement or its end, in the same round trip; on any other DBTX it runs
+// at once. Either way it commits with the transaction or not at all, and
+// its failure fails the transaction (a Savepoint's, if it was queued in
+// one). name says what the write does, in its error.
+func Queue(ctx context.Context, tx DBTX, name, query string, args ...any) error {
+	return dbtx.Queue(ctx, tx, name, query, args...)
+}
+
 // RetryPolicy says how often and how soon a failed delivery is tried again
 // before it is dead-lettered (saga.ClientConfig.Transport.Retry for every
 // handler; Config.Retry and saga.ClientConfig.Retry for steps' and sagas').

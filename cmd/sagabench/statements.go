@@ -137,8 +137,8 @@ func (g *gatewayTracer) TraceQueryStart(ctx context.Context, conn *pgx.Conn, d p
 
 func (*gatewayTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
-func (g *gatewayTracer) TraceBatchStart(ctx context.Context, conn *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
-	if outside(conn) {
+func (g *gatewayTracer) TraceBatchStart(ctx context.Context, conn *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+	if outside(conn) && !beginsATransaction(d.Batch) {
 		g.c.gatewayCommits.Add(1)
 	}
 	return ctx
@@ -146,21 +146,34 @@ func (g *gatewayTracer) TraceBatchStart(ctx context.Context, conn *pgx.Conn, _ p
 
 func (g *gatewayTracer) TraceBatchQuery(_ context.Context, _ *pgx.Conn, d pgx.TraceBatchQueryData) {
 	g.c.count(d.SQL)
+	if hasPrefixFold(strings.TrimSpace(d.SQL), "commit") {
+		g.c.gatewayCommits.Add(1)
+	}
 }
 
 func (*gatewayTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
 
 func (*statementCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
-func (c *statementCounter) TraceBatchStart(ctx context.Context, conn *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
-	if outside(conn) {
+func (c *statementCounter) TraceBatchStart(ctx context.Context, conn *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+	if outside(conn) && !beginsATransaction(d.Batch) {
 		c.commits.Add(1) // a pipeline outside a transaction commits once, at its end
 	}
 	return ctx
 }
 
+// beginsATransaction reports whether b's first statement is BEGIN (a
+// dbtx.Pipe sends it with the transaction's first statement): its COMMIT
+// is counted where it is sent.
+func beginsATransaction(b *pgx.Batch) bool {
+	return b != nil && len(b.QueuedQueries) > 0 && hasPrefixFold(strings.TrimSpace(b.QueuedQueries[0].SQL), "begin")
+}
+
 func (c *statementCounter) TraceBatchQuery(_ context.Context, _ *pgx.Conn, d pgx.TraceBatchQueryData) {
 	c.count(d.SQL)
+	if hasPrefixFold(strings.TrimSpace(d.SQL), "commit") {
+		c.commits.Add(1)
+	}
 }
 
 func (*statementCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 )
 
@@ -136,7 +137,24 @@ func TestCommitsCounted(t *testing.T) {
 		}
 		return tx.Commit(ctx)
 	})
-	assert.Equal(t, int64(3), c.texts()["SELECT 2"], "counted by text too")
+	step("a pipelined transaction (dbtx.Pipe)", 1, func() error {
+		p := dbtx.BeginPipe(conn)
+		if _, err := p.ExecContext(ctx, "SELECT 1"); err != nil {
+			return err
+		}
+		if err := p.QueueExec("two", "SELECT 2"); err != nil {
+			return err
+		}
+		return p.Commit(ctx)
+	})
+	step("a pipelined transaction rolled back", 0, func() error {
+		p := dbtx.BeginPipe(conn)
+		if _, err := p.ExecContext(ctx, "SELECT 1"); err != nil {
+			return err
+		}
+		return p.Rollback(ctx)
+	})
+	assert.Equal(t, int64(4), c.texts()["SELECT 2"], "counted by text too")
 
 	// The gateway's pool: its statements counted, its commits apart.
 	gcfg := cfg.Copy()

@@ -50,7 +50,8 @@ type BatchQueuer interface {
 var ErrBatchedPending = errors.New("rows an earlier attempt of the batch queued are not written yet")
 
 // WriteBatched queues rows of w on tx if tx is a BatchQueuer, and writes
-// them at once, in one statement, otherwise.
+// them in one statement otherwise: queued, if tx is a Queuer, else at
+// once.
 func WriteBatched(ctx context.Context, tx DBTX, w *Batched, rows ...[]any) error {
 	if len(rows) == 0 {
 		return nil
@@ -64,10 +65,7 @@ func WriteBatched(ctx context.Context, tx DBTX, w *Batched, rows ...[]any) error
 		return nil
 	}
 	query, args := w.Statement(rows)
-	if _, err := tx.ExecContext(ctx, query, args...); err != nil {
-		return fmt.Errorf("%s: %w", w.Name, err)
-	}
-	return nil
+	return Queue(ctx, tx, w.Name, query, args...)
 }
 
 // Column returns column i of rows as a []T. A value of another type is a

@@ -57,23 +57,18 @@ func (p pgxTx) read(ctx context.Context, query string, args []any) Result {
 	if err != nil {
 		return Result{Err: err}
 	}
+	return readPgxRows(rows, p.tx.Conn())
+}
+
+// readPgxRows reads rows of a query on conn, in full, and closes them.
+func readPgxRows(rows pgx.Rows, conn *pgx.Conn) Result {
 	defer rows.Close()
 	fields := rows.FieldDescriptions()
-	r := Result{Columns: make([]string, len(fields))}
-	for i, f := range fields {
-		r.Columns[i] = f.Name
-	}
-	types := p.tx.Conn().TypeMap()
+	r := Result{Columns: columnNames(fields)}
 	for rows.Next() {
-		raw := rows.RawValues()
-		row := make([]driver.Value, len(raw))
-		for i, b := range raw {
-			if b == nil {
-				continue
-			}
-			if row[i], err = sqlValue(types, fields[i], b); err != nil {
-				return Result{Err: fmt.Errorf("dbtx: reading column %s: %w", fields[i].Name, err)}
-			}
+		row, err := decodeRow(conn.TypeMap(), fields, rows.RawValues())
+		if err != nil {
+			return Result{Err: err}
 		}
 		r.Values = append(r.Values, row)
 	}
@@ -81,6 +76,29 @@ func (p pgxTx) read(ctx context.Context, query string, args []any) Result {
 		return Result{Err: err}
 	}
 	return r
+}
+
+func columnNames(fields []pgconn.FieldDescription) []string {
+	names := make([]string, len(fields))
+	for i, f := range fields {
+		names[i] = f.Name
+	}
+	return names
+}
+
+// decodeRow is the database/sql values of a row's columns (see sqlValue).
+func decodeRow(types *pgtype.Map, fields []pgconn.FieldDescription, raw [][]byte) ([]driver.Value, error) {
+	row := make([]driver.Value, len(raw))
+	for i, b := range raw {
+		if b == nil {
+			continue
+		}
+		var err error
+		if row[i], err = sqlValue(types, fields[i], b); err != nil {
+			return nil, fmt.Errorf("dbtx: reading column %s: %w", fields[i].Name, err)
+		}
+	}
+	return row, nil
 }
 
 // positional passes database/sql's named arguments by their values, as

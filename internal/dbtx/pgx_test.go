@@ -53,6 +53,20 @@ func scanAll(t *testing.T, rows *sql.Rows, err error) []scanned {
 	return out
 }
 
+// assertSameProbe checks that two reads of probeSQL scanned the same.
+func assertSameProbe(t *testing.T, want, got []scanned) {
+	t.Helper()
+	require.Len(t, want, 2)
+	require.Len(t, got, len(want))
+	for i := range want {
+		assert.True(t, want[i].T.Equal(got[i].T), "times: %v %v", want[i].T, got[i].T)
+		want[i].T, got[i].T = time.Time{}, time.Time{}
+		assert.JSONEq(t, string(want[i].JSON), string(got[i].JSON))
+		want[i].JSON, got[i].JSON = nil, nil
+	}
+	assert.Equal(t, want, got)
+}
+
 // A pgx transaction as a DBTX scans what pgx's database/sql driver scans,
 // type by type, and runs its statements in that transaction.
 func TestFromPgxScansAsDatabaseSQLDoes(t *testing.T) {
@@ -72,15 +86,7 @@ func TestFromPgxScansAsDatabaseSQLDoes(t *testing.T) {
 	want := scanAll(t, rows, err)
 	rows, err = q.QueryContext(ctx, probeSQL, 7, 3, []int{1, 3})
 	got := scanAll(t, rows, err)
-	require.Len(t, want, 2)
-	require.Len(t, got, len(want))
-	for i := range want {
-		assert.True(t, want[i].T.Equal(got[i].T), "times: %v %v", want[i].T, got[i].T)
-		want[i].T, got[i].T = time.Time{}, time.Time{}
-		assert.JSONEq(t, string(want[i].JSON), string(got[i].JSON))
-		want[i].JSON, got[i].JSON = nil, nil
-	}
-	assert.Equal(t, want, got)
+	assertSameProbe(t, want, got)
 	assert.Equal(t, []byte{0, 0xff, 0x10}, got[0].Bytes)
 
 	// Where the session's settings change the text of times, dates and

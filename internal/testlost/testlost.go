@@ -11,6 +11,7 @@ import (
 	"encoding/binary"
 	"io"
 	"net"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -79,14 +80,22 @@ func wait(t testing.TB, cond func() bool, what string) {
 	}
 }
 
-// Commit is how pgx sends COMMIT: a simple query message.
-const Commit = "Q\x00\x00\x00\x0bcommit\x00"
+// The ways COMMIT is sent, for CutAfter: Commit as pgx sends it (a
+// simple query message, database/sql's Commit), PipelinedCommit as a
+// dbtx.Pipe sends it (the unnamed statement of a pipeline's Parse).
+const (
+	Commit          = "Q\x00\x00\x00\x0bcommit\x00"
+	PipelinedCommit = "\x00commit\x00"
+)
+
+// Commits are the markers of every way COMMIT is sent.
+var Commits = []string{Commit, PipelinedCommit}
 
 // Cuttable is a pool over a test database whose connections can be cut;
 // DB plugs into what takes a *testdb.DB.
 type Cuttable struct {
 	DB    *testdb.DB
-	armed atomic.Pointer[[]byte]
+	armed atomic.Pointer[[][]byte]
 }
 
 // OpenCuttable opens a pool of maxConns over db's database, closed when
@@ -120,10 +129,13 @@ func OpenCuttable(t testing.TB, db *testdb.DB, maxConns int32) *Cuttable {
 }
 
 // CutAfter arms the cut: the next connection to send a message holding
-// marker (such as Commit) closes once the server has carried it out,
-// without the client hearing back.
-func (c *Cuttable) CutAfter(marker string) {
-	m := []byte(marker)
+// one of markers (such as Commits) closes once the server has carried it
+// out, without the client hearing back.
+func (c *Cuttable) CutAfter(markers ...string) {
+	m := make([][]byte, len(markers))
+	for i, s := range markers {
+		m[i] = []byte(s)
+	}
 	c.armed.Store(&m)
 }
 
@@ -141,7 +153,7 @@ type cutConn struct {
 // closes the connection, so that the client's next read fails.
 func (n *cutConn) Write(p []byte) (int, error) {
 	m := n.c.armed.Load()
-	if m == nil || !bytes.Contains(p, *m) || !n.c.armed.CompareAndSwap(m, nil) {
+	if m == nil || !slices.ContainsFunc(*m, func(marker []byte) bool { return bytes.Contains(p, marker) }) || !n.c.armed.CompareAndSwap(m, nil) {
 		return n.Conn.Write(p)
 	}
 	n.cut.Store(true)

@@ -53,28 +53,19 @@ func AttemptFromContext(ctx context.Context) int {
 	return n
 }
 
-// Queuer is implemented by the Tx of a delivery attempt. A statement queued
-// with QueueExec is sent, with every other statement queued, in one
-// pipelined round trip at the end of the attempt, or before the handler's
-// next statement, whichever comes first; either way inside the attempt, so
-// it commits with the attempt or not at all, and a failure fails the
-// attempt. name says what the statement does, in errors. Arguments are
-// encoded when the statement is sent: do not change them after the call.
-type Queuer interface {
-	QueueExec(name, query string, args ...any) error
-}
+// Queuer is implemented by the Tx of a delivery attempt and by a
+// dbtx.Pipe (see dbtx.Queuer). A statement queued with QueueExec on an
+// attempt is sent, with every other statement queued, in one pipelined
+// round trip at the end of the attempt, or before the handler's next
+// statement, whichever comes first; either way inside the attempt, so it
+// commits with the attempt or not at all, and a failure fails the attempt.
+type Queuer = dbtx.Queuer
 
 // Queue queues query on tx if tx is a Queuer (see Queuer), and runs it at
 // once otherwise. It is how pgsaga writes what nobody reads back in the
 // same attempt: published messages, completed keys, timelines.
 func Queue(ctx context.Context, tx Tx, name, query string, args ...any) error {
-	if q, ok := tx.(Queuer); ok {
-		return q.QueueExec(name, query, args...)
-	}
-	if _, err := tx.ExecContext(ctx, query, args...); err != nil {
-		return fmt.Errorf("%s: %w", name, err)
-	}
-	return nil
+	return dbtx.Queue(ctx, tx, name, query, args...)
 }
 
 // Savepoint runs fn inside a savepoint of tx: if fn returns an error (or
@@ -89,6 +80,17 @@ func Savepoint(ctx context.Context, tx Tx, fn func(tx Tx) error) (err error) {
 	// prepared it (a round trip of its own in a pipeline) and cached it,
 	// and pg_stat_statements kept an entry for each.
 	const name = "pgsaga_savepoint"
+	if p, ok := tx.(*dbtx.Pipe); ok {
+		// Its SAVEPOINT and RELEASE go with the statements around them.
+		return p.Savepoint(ctx, name, func() (err error) {
+			defer func() {
+				if p := recover(); p != nil {
+					err = Recovered("savepoint's function", p)
+				}
+			}()
+			return fn(tx)
+		})
+	}
 	a, isAttempt := tx.(*attemptTx)
 	exec := func(query string) error {
 		if isAttempt {
@@ -600,10 +602,15 @@ func (a *attemptTx) dropQueued(mark queueMark) {
 // it). fn runs on the consumer's goroutine: it must be quick and must not
 // block (count, log). pgsaga counts its metrics this way.
 //
-// It reports whether tx is a delivery attempt's transaction. For any other
-// Tx (a transaction of the caller's) it registers nothing and returns
-// false: the transport cannot see that commit, and the caller decides.
+// It reports whether tx is a delivery attempt's transaction or a
+// dbtx.Pipe (whose commit it sees too). For any other Tx (a transaction of
+// the caller's) it registers nothing and returns false: the transport
+// cannot see that commit, and the caller decides.
 func OnCommit(tx Tx, fn func()) bool {
+	if p, ok := tx.(*dbtx.Pipe); ok {
+		p.OnCommit(fn)
+		return true
+	}
 	a, ok := tx.(*attemptTx)
 	if !ok {
 		return false

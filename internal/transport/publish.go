@@ -10,6 +10,8 @@ import (
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/pgsaga/pgsaga/internal/dbtx"
 )
 
 // Publisher returns a watermill-sql publisher that inserts messages through
@@ -68,6 +70,8 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 			return p.publishLocal(a, topic, routes, msgs)
 		}
 		exec = queueExecutor{a: a, name: "publishing to " + topic}
+	} else if q, ok := p.tx.(dbtx.Queuer); ok {
+		exec = queuingExecutor{executor: executor{p.tx}, q: q, name: "publishing to " + topic}
 	}
 	pub, err := wsql.NewPublisher(exec, wsql.PublisherConfig{SchemaAdapter: p.t.schema}, p.t.wlog)
 	if err != nil {
@@ -95,6 +99,25 @@ func (e executor) Query(query string, args ...any) (*sql.Rows, error) {
 
 func (e executor) QueryRow(query string, args ...any) *sql.Row {
 	return e.QueryRowContext(context.Background(), query, args...)
+}
+
+// queuingExecutor is the publisher's executor on a dbtx.Queuer other than
+// an attempt (a dbtx.Pipe): its inserts are queued, its reads run.
+type queuingExecutor struct {
+	executor
+	q    dbtx.Queuer
+	name string
+}
+
+func (q queuingExecutor) ExecContext(_ context.Context, query string, args ...any) (sql.Result, error) {
+	if err := q.q.QueueExec(q.name, query, args...); err != nil {
+		return nil, err
+	}
+	return result{}, nil
+}
+
+func (q queuingExecutor) Exec(query string, args ...any) (sql.Result, error) {
+	return q.ExecContext(context.Background(), query, args...)
 }
 
 // queueExecutor is the publisher's executor inside a delivery attempt: its
