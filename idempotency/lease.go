@@ -50,17 +50,14 @@ func (s *Store) AcquireFor(ctx context.Context, req Request, lease time.Duration
 	if s.cfg.DB == nil {
 		return Acquisition{}, errors.New("idempotency: Config.DB is required for Acquire")
 	}
-	tx, err := s.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
-	if err != nil {
-		return Acquisition{}, fmt.Errorf("idempotency: beginning transaction: %w", err)
-	}
-	defer tx.Rollback() //nolint:errcheck // no-op after Commit
-	acq, err := s.acquireTx(ctx, tx, req, lease, false)
+	var acq Acquisition
+	err := dbtx.InTx(ctx, s.cfg.DB, "idempotency", func(tx dbtx.DBTX) error {
+		var err error
+		acq, err = s.acquireTx(ctx, tx, req, lease, false)
+		return err
+	})
 	if err != nil {
 		return Acquisition{}, err
-	}
-	if err := tx.Commit(); err != nil {
-		return Acquisition{}, fmt.Errorf("idempotency: committing lease of %s/%s: %w", req.Scope, req.Key, err)
 	}
 	return acq, nil
 }
@@ -158,7 +155,7 @@ func (s *Store) CompleteLease(ctx context.Context, l *Lease, status Status, resp
 	if s.cfg.DB == nil {
 		return errors.New("idempotency: Config.DB is required for CompleteLease")
 	}
-	return inTx(ctx, s.cfg.DB, func(tx *sql.Tx) error { return s.CompleteLeaseTx(ctx, tx, l, status, resp) })
+	return dbtx.InTx(ctx, s.cfg.DB, "idempotency", func(tx dbtx.DBTX) error { return s.CompleteLeaseTx(ctx, tx, l, status, resp) })
 }
 
 // ReleaseLease ends a lease early without an outcome, so the next attempt
@@ -169,7 +166,7 @@ func (s *Store) ReleaseLease(ctx context.Context, l *Lease) error {
 	if s.cfg.DB == nil {
 		return errors.New("idempotency: Config.DB is required for ReleaseLease")
 	}
-	return inTx(ctx, s.cfg.DB, func(tx *sql.Tx) error {
+	return dbtx.InTx(ctx, s.cfg.DB, "idempotency", func(tx dbtx.DBTX) error {
 		res, err := tx.ExecContext(ctx, releaseLeaseSQL, l.Scope, l.Key, l.Token)
 		if err != nil {
 			return fmt.Errorf("idempotency: releasing %s/%s: %w", l.Scope, l.Key, err)
@@ -179,19 +176,4 @@ func (s *Store) ReleaseLease(ctx context.Context, l *Lease) error {
 		}
 		return nil
 	})
-}
-
-func inTx(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) error {
-	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
-	if err != nil {
-		return fmt.Errorf("idempotency: beginning transaction: %w", err)
-	}
-	defer tx.Rollback() //nolint:errcheck // no-op after Commit
-	if err := fn(tx); err != nil {
-		return err
-	}
-	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("idempotency: committing: %w", err)
-	}
-	return nil
 }

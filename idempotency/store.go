@@ -54,7 +54,6 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/internal/outcome"
@@ -432,8 +431,14 @@ var afterFailureRollback func(Request)
 // request costs its callback's round trips and three of its own (claim,
 // completion, commit).
 func (s *Store) inClaim(ctx context.Context, req Request, fn func(ctx context.Context, tx dbtx.DBTX) (Status, Response, error)) (Result, error) {
-	if _, ok := s.cfg.DB.Driver().(*stdlib.Driver); ok {
-		return s.inPipe(ctx, req, fn)
+	var res Result
+	piped, err := dbtx.WithPipe(ctx, s.cfg.DB, "idempotency", func(p *dbtx.Pipe) error {
+		var err error
+		res, err = s.claimAndRun(ctx, p, req, fn, func() error { return p.Commit(ctx) })
+		return err
+	})
+	if piped {
+		return res, err
 	}
 	tx, err := s.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
@@ -441,28 +446,6 @@ func (s *Store) inClaim(ctx context.Context, req Request, fn func(ctx context.Co
 	}
 	defer tx.Rollback() //nolint:errcheck // no-op after Commit
 	return s.claimAndRun(ctx, tx, req, fn, tx.Commit)
-}
-
-// inPipe is inClaim on a connection of a pgx pool.
-func (s *Store) inPipe(ctx context.Context, req Request, fn func(ctx context.Context, tx dbtx.DBTX) (Status, Response, error)) (Result, error) {
-	sc, err := s.cfg.DB.Conn(ctx)
-	if err != nil {
-		return Result{}, fmt.Errorf("idempotency: beginning transaction: %w", err)
-	}
-	defer sc.Close() //nolint:errcheck // returns it to the pool
-	var res Result
-	err = sc.Raw(func(dc any) error {
-		pc, ok := dc.(*stdlib.Conn)
-		if !ok {
-			return fmt.Errorf("idempotency: a connection of pgx's database/sql driver is a %T", dc)
-		}
-		p := dbtx.BeginPipe(pc.Conn())
-		defer p.Rollback(ctx) //nolint:errcheck // no-op after Commit
-		var err error
-		res, err = s.claimAndRun(ctx, p, req, fn, func() error { return p.Commit(ctx) })
-		return err
-	})
-	return res, err
 }
 
 // claimAndRun is inClaim in tx, which commit commits.

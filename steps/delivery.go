@@ -2,6 +2,7 @@ package steps
 
 import (
 	"context"
+	"database/sql"
 	"time"
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
@@ -29,6 +30,19 @@ type DBTX = dbtx.DBTX
 // one). name says what the write does, in its error.
 func Queue(ctx context.Context, tx DBTX, name, query string, args ...any) error {
 	return dbtx.Queue(ctx, tx, name, query, args...)
+}
+
+// InTx runs fn in a READ COMMITTED transaction of its own on db, and
+// commits it if fn returns nil; fn's error, or that of a write it queued,
+// rolls it back and is returned. It is for a participant's writes that
+// must commit apart from its step's transaction: a reservation committed
+// before an external call, the call's answer recorded after it. On a pgx
+// pool (pgx's database/sql driver, as pgsaga opens pools) BEGIN goes with
+// fn's first statement and what fn queues (Queue) with its next statement
+// or the commit, each group in one round trip. Its own errors (beginning,
+// committing) start with "steps: ".
+func InTx(ctx context.Context, db *sql.DB, fn func(tx DBTX) error) error {
+	return dbtx.InTx(ctx, db, "steps", fn)
 }
 
 // RetryPolicy says how often and how soon a failed delivery is tried again

@@ -52,9 +52,9 @@ func pipeConn(t *testing.T) (*pgx.Conn, *atomic.Int64, *testdb.DB) {
 	return conn, rt, db
 }
 
-func probeRows(t *testing.T, db *testdb.DB) []int {
+func probeRows(t *testing.T, db *sql.DB) []int {
 	t.Helper()
-	rows, err := db.SQL.Query(`SELECT n FROM pipe_probe ORDER BY n`)
+	rows, err := db.Query(`SELECT n FROM pipe_probe ORDER BY n`)
 	require.NoError(t, err)
 	defer rows.Close()
 	var out []int
@@ -87,9 +87,9 @@ func TestAPipeSendsWhatItCanTogether(t *testing.T) {
 		require.NoError(t, err)
 		assert.EqualValues(t, 2, affected)
 		require.NoError(t, p.QueueExec("third", `INSERT INTO pipe_probe VALUES (5)`))
-		assert.Empty(t, probeRows(t, db), "nothing is committed before the commit")
+		assert.Empty(t, probeRows(t, db.SQL), "nothing is committed before the commit")
 		require.NoError(t, p.Commit(ctx))
-		assert.Equal(t, []int{1, 2, 3, 4, 5}, probeRows(t, db))
+		assert.Equal(t, []int{1, 2, 3, 4, 5}, probeRows(t, db.SQL))
 		assert.Equal(t, byte('I'), conn.PgConn().TxStatus())
 		_, err = p.ExecContext(ctx, `SELECT 1`)
 		assert.ErrorIs(t, err, dbtx.ErrPipeEnded)
@@ -120,7 +120,7 @@ func TestAFailedQueuedWriteFailsTheTransaction(t *testing.T) {
 	_, err = p.ExecContext(ctx, `SELECT 1`)
 	require.ErrorContains(t, err, "inserting a duplicate", "the transaction stays failed")
 	require.Error(t, p.Commit(ctx))
-	assert.Empty(t, probeRows(t, db))
+	assert.Empty(t, probeRows(t, db.SQL))
 	assert.Equal(t, byte('I'), conn.PgConn().TxStatus(), "rolled back")
 }
 
@@ -135,7 +135,7 @@ func TestACommitAfterAFailedWriteKeepsNothing(t *testing.T) {
 	require.NoError(t, p.QueueExec("inserting a duplicate", `INSERT INTO pipe_probe VALUES (1)`))
 	err := p.Commit(ctx)
 	require.ErrorContains(t, err, "inserting a duplicate")
-	assert.Empty(t, probeRows(t, db))
+	assert.Empty(t, probeRows(t, db.SQL))
 	assert.Equal(t, byte('I'), conn.PgConn().TxStatus(), "rolled back")
 }
 
@@ -147,7 +147,7 @@ func TestARollbackOfUnsentWorkSendsNothing(t *testing.T) {
 	require.NoError(t, p.QueueExec("inserting", `INSERT INTO pipe_probe VALUES (1)`))
 	require.NoError(t, p.Rollback(context.Background()))
 	assert.Zero(t, rt.Load())
-	assert.Empty(t, probeRows(t, db))
+	assert.Empty(t, probeRows(t, db.SQL))
 	require.NoError(t, p.Rollback(context.Background()), "a second rollback is a no-op")
 }
 
@@ -197,7 +197,7 @@ func TestAPipeSavepointUndoesItsWrites(t *testing.T) {
 		return p.QueueExec("five", `INSERT INTO pipe_probe VALUES (5)`)
 	}))
 	require.NoError(t, p.Commit(ctx))
-	assert.Equal(t, []int{1, 5}, probeRows(t, db))
+	assert.Equal(t, []int{1, 5}, probeRows(t, db.SQL))
 }
 
 // A savepoint cannot hide a failure that came before it.
@@ -214,7 +214,7 @@ func TestAPipeSavepointAfterAFailureFails(t *testing.T) {
 	})
 	require.ErrorContains(t, err, "a duplicate")
 	require.Error(t, p.Commit(ctx))
-	assert.Empty(t, probeRows(t, db))
+	assert.Empty(t, probeRows(t, db.SQL))
 }
 
 // Rows read in a round trip with queued writes scan as database/sql's.
@@ -277,7 +277,7 @@ func TestAPipeSavepointThatCannotSendFailsTheTransaction(t *testing.T) {
 	})
 	require.ErrorIs(t, err, context.Canceled)
 	require.Error(t, p.Commit(ctx))
-	assert.Empty(t, probeRows(t, db))
+	assert.Empty(t, probeRows(t, db.SQL))
 }
 
 // What waits for the commit runs after it, and never for work taken back

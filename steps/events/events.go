@@ -239,35 +239,13 @@ const AnyVersion = -1
 // after its last event). It returns the recorded events, or a
 // *VersionConflictError and appends nothing.
 func (s *Store) AppendTx(ctx context.Context, tx dbtx.DBTX, stream string, expected int, md Metadata, evs ...Event) ([]Recorded, error) {
-	if stream == "" || len(stream) > 200 {
-		return nil, fmt.Errorf("%w: stream id must be 1 to 200 bytes", ErrInvalidAppend)
+	ids, types, payloads, meta, err := encode(stream, expected, md, evs)
+	if err != nil || len(evs) == 0 {
+		return nil, err
 	}
-	if expected < 0 && expected != AnyVersion {
-		return nil, fmt.Errorf("%w: expected version %d is negative (and not AnyVersion)", ErrInvalidAppend, expected)
-	}
-	if len(evs) == 0 {
-		return nil, nil
-	}
-	ids := make([]string, len(evs))
-	types := make([]string, len(evs))
-	payloads := make([]string, len(evs))
-	for i, ev := range evs {
-		if ev == nil {
-			return nil, fmt.Errorf("%w: nil event", ErrInvalidAppend)
-		}
-		b, err := json.Marshal(ev)
-		if err != nil {
-			return nil, fmt.Errorf("%w: encoding %s: %v", ErrInvalidAppend, ev.EventType(), err)
-		}
-		ids[i], types[i], payloads[i] = uuid.NewString(), ev.EventType(), string(b)
-	}
-	meta, err := json.Marshal(md)
-	if err != nil {
-		return nil, fmt.Errorf("events: encoding metadata: %w", err)
-	}
-	query, args := appendSQL, []any{stream, expected, ids, types, payloads, string(meta)}
+	query, args := appendSQL, []any{stream, expected, ids, types, payloads, meta}
 	if expected == AnyVersion {
-		query, args = appendAnySQL, []any{stream, ids, types, payloads, string(meta)}
+		query, args = appendAnySQL, []any{stream, ids, types, payloads, meta}
 	}
 	rows, err := tx.QueryContext(ctx, query, args...)
 	if err != nil {
@@ -309,6 +287,71 @@ func (s *Store) AppendTx(ctx context.Context, tx dbtx.DBTX, stream string, expec
 		return nil, err
 	}
 	return recorded, nil
+}
+
+// QueueAppendTx appends evs to stream after its last event, as AppendTx
+// does at AnyVersion, and reads nothing back: in a transaction that
+// queues writes (steps.Queue), the append is sent with the transaction's
+// next statement or its commit, in the same round trip. It returns the
+// events' ids. It is for a writer that needs nothing of the append but
+// the ids (their versions and positions are the database's), and whose
+// appends to stream are serialized by a lock it holds (see AnyVersion):
+// a writer that appended to the stream past the statement's snapshot
+// makes it fail, and fail tx, with a unique violation of the stream's
+// versions instead of coming back short. A stream whose events are
+// projected or published (Config.Topic names a topic for it) is appended
+// with AppendTx, at once, for the projections' sake.
+func (s *Store) QueueAppendTx(ctx context.Context, tx dbtx.DBTX, stream string, md Metadata, evs ...Event) ([]uuid.UUID, error) {
+	if s.cfg.Topic != nil && s.cfg.Topic(stream) != "" && (s.cfg.Publisher != nil || s.cfg.Project != nil) {
+		recs, err := s.AppendTx(ctx, tx, stream, AnyVersion, md, evs...)
+		if err != nil {
+			return nil, err
+		}
+		out := make([]uuid.UUID, len(recs))
+		for i, r := range recs {
+			out[i] = r.ID
+		}
+		return out, nil
+	}
+	ids, types, payloads, meta, err := encode(stream, AnyVersion, md, evs)
+	if err != nil || len(evs) == 0 {
+		return nil, err
+	}
+	if err := dbtx.Queue(ctx, tx, "events: appending to "+stream, appendQueuedSQL, stream, ids, types, payloads, meta); err != nil {
+		return nil, err
+	}
+	out := make([]uuid.UUID, len(ids))
+	for i, id := range ids {
+		out[i] = uuid.MustParse(id)
+	}
+	return out, nil
+}
+
+// encode checks an append and encodes its events and metadata, each
+// event with a new id.
+func encode(stream string, expected int, md Metadata, evs []Event) (ids, types, payloads []string, meta string, err error) {
+	if stream == "" || len(stream) > 200 {
+		return nil, nil, nil, "", fmt.Errorf("%w: stream id must be 1 to 200 bytes", ErrInvalidAppend)
+	}
+	if expected < 0 && expected != AnyVersion {
+		return nil, nil, nil, "", fmt.Errorf("%w: expected version %d is negative (and not AnyVersion)", ErrInvalidAppend, expected)
+	}
+	ids, types, payloads = make([]string, len(evs)), make([]string, len(evs)), make([]string, len(evs))
+	for i, ev := range evs {
+		if ev == nil {
+			return nil, nil, nil, "", fmt.Errorf("%w: nil event", ErrInvalidAppend)
+		}
+		b, err := json.Marshal(ev)
+		if err != nil {
+			return nil, nil, nil, "", fmt.Errorf("%w: encoding %s: %v", ErrInvalidAppend, ev.EventType(), err)
+		}
+		ids[i], types[i], payloads[i] = uuid.NewString(), ev.EventType(), string(b)
+	}
+	m, err := json.Marshal(md)
+	if err != nil {
+		return nil, nil, nil, "", fmt.Errorf("events: encoding metadata: %w", err)
+	}
+	return ids, types, payloads, string(m), nil
 }
 
 // project hands the appended events to the inline projections and the
@@ -459,6 +502,14 @@ SELECT e.event_id::uuid, $1, head.v + e.ord, e.event_type, e.payload::jsonb, $5:
 FROM head, unnest($2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS e(event_id, event_type, payload, ord)
 ON CONFLICT (stream_id, version) DO NOTHING
 RETURNING position, version, recorded_at, version - (SELECT v FROM head)`
+
+	// appendQueuedSQL is appendAnySQL for an append nobody reads back: a
+	// racer's versions past the snapshot make it fail (a unique
+	// violation) rather than skip them.
+	appendQueuedSQL = `WITH head AS (SELECT coalesce(max(version), 0) AS v FROM domain_events WHERE stream_id = $1)
+INSERT INTO domain_events (event_id, stream_id, version, event_type, payload, metadata)
+SELECT e.event_id::uuid, $1, head.v + e.ord, e.event_type, e.payload::jsonb, $5::jsonb
+FROM head, unnest($2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS e(event_id, event_type, payload, ord)`
 
 	versionSQL = `SELECT coalesce(max(version), 0) FROM domain_events WHERE stream_id = $1`
 

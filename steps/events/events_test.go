@@ -240,23 +240,13 @@ func TestAppendAtAnyVersionConflictsWithARacingAppend(t *testing.T) {
 	ctx := context.Background()
 	stream := "acct-" + uuid.NewString()
 
-	first, err := db.SQL.BeginTx(ctx, nil)
-	require.NoError(t, err)
-	defer first.Rollback() //nolint:errcheck // no-op after Commit
-	_, err = s.AppendTx(ctx, first, stream, events.AnyVersion, events.Metadata{}, opened{Owner: "first"})
-	require.NoError(t, err)
-
 	second, err := db.SQL.BeginTx(ctx, nil)
 	require.NoError(t, err)
 	defer second.Rollback() //nolint:errcheck
-	done := make(chan error, 1)
-	go func() {
+	err = afterARacingAppend(t, s, db, stream, func() error {
 		_, err := s.AppendTx(ctx, second, stream, events.AnyVersion, events.Metadata{}, opened{Owner: "second"})
-		done <- err
-	}()
-	db.WaitForLockWait(t)
-	require.NoError(t, first.Commit())
-	err = <-done
+		return err
+	})
 	require.ErrorIs(t, err, events.ErrVersionConflict)
 	_, err = second.Exec(`SELECT 1`)
 	require.NoError(t, err, "the transaction is still usable")
@@ -267,6 +257,24 @@ func TestAppendAtAnyVersionConflictsWithARacingAppend(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 1, v)
 	assert.Equal(t, "first", a.owner)
+}
+
+// afterARacingAppend starts append while another transaction of db holds
+// an uncommitted first event of stream, owned by "first", and commits
+// that once append waits for it; it returns append's error.
+func afterARacingAppend(t *testing.T, s *events.Store, db *testdb.DB, stream string, append func() error) error {
+	t.Helper()
+	ctx := context.Background()
+	first, err := db.SQL.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer first.Rollback() //nolint:errcheck // no-op after Commit
+	_, err = s.AppendTx(ctx, first, stream, events.AnyVersion, events.Metadata{}, opened{Owner: "first"})
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { done <- append() }()
+	db.WaitForLockWait(t)
+	require.NoError(t, first.Commit())
+	return <-done
 }
 
 func TestUnknownEventTypeIsAClearError(t *testing.T) {
@@ -316,19 +324,12 @@ func TestInvalidAppends(t *testing.T) {
 // transaction, with their stream and version.
 func TestAppendPublishesThroughTransaction(t *testing.T) {
 	t.Parallel()
-	reg := events.NewRegistry()
-	events.MustRegister[opened](reg)
-	pub := &recorder{}
-	s, err := events.NewStore(events.Config{
-		Registry:  reg,
-		Topic:     func(stream string) string { return "topic-of-" + stream[:4] },
-		Publisher: func(steps.DBTX) message.Publisher { return pub },
-	})
-	require.NoError(t, err)
+	s, pub := publishingStore(t, func(stream string) string { return "topic-of-" + stream[:4] })
 	db := testdb.Shared(t)
 	stream := "acct-" + uuid.NewString()
 	var recs []events.Recorded
 	require.NoError(t, inTx(t, db, func(tx *sql.Tx) error {
+		var err error
 		recs, err = s.AppendTx(context.Background(), tx, stream, 0, events.Metadata{SagaID: "s"}, opened{Owner: "o"})
 		return err
 	}))
@@ -341,6 +342,22 @@ func TestAppendPublishesThroughTransaction(t *testing.T) {
 	assert.Equal(t, "test.opened", m.Metadata.Get("type"))
 	assert.Equal(t, "s", m.Metadata.Get("saga_id"))
 	assert.JSONEq(t, `{"owner":"o"}`, string(m.Payload))
+}
+
+// publishingStore is a Store that publishes to pub the events of the
+// streams topic names a topic for.
+func publishingStore(t *testing.T, topic func(stream string) string) (*events.Store, *recorder) {
+	t.Helper()
+	reg := events.NewRegistry()
+	events.MustRegister[opened](reg)
+	pub := &recorder{}
+	s, err := events.NewStore(events.Config{
+		Registry:  reg,
+		Topic:     topic,
+		Publisher: func(steps.DBTX) message.Publisher { return pub },
+	})
+	require.NoError(t, err)
+	return s, pub
 }
 
 type recorder struct {

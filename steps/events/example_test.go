@@ -8,6 +8,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
 
@@ -77,5 +78,44 @@ func Example() {
 	// Output:
 	// balance 10000 at version 1
 	// stale writer refused: true
+	// balance 7500 at version 2
+}
+
+// Append without reading anything back when a lock serializes the
+// stream's writers: in a transaction of steps.InTx, the append is sent
+// with the commit, in the same round trip.
+func ExampleStore_QueueAppendTx() {
+	ctx := context.Background()
+	db := testdb.ForExample().SQL
+	reg := events.NewRegistry()
+	events.MustRegister[Deposited](reg)
+	events.MustRegister[Withdrawn](reg)
+	store, err := events.NewStore(events.Config{Registry: reg})
+	if err != nil {
+		panic(err)
+	}
+	stream := "account-" + uuid.NewString()
+
+	err = steps.InTx(ctx, db, func(tx steps.DBTX) error {
+		// Every writer of the stream takes this lock first (the sample's
+		// ledger locks the account's row).
+		if _, err := tx.ExecContext(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, stream); err != nil {
+			return err
+		}
+		ids, err := store.QueueAppendTx(ctx, tx, stream, events.Metadata{}, Deposited{Cents: 10_000}, Withdrawn{Cents: 2_500})
+		fmt.Println("queued", len(ids), "events")
+		return err
+	})
+	if err != nil {
+		panic(err)
+	}
+	var acc wallet
+	version, err := store.FoldTx(ctx, db, stream, 0, &acc)
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println("balance", acc.balance, "at version", version)
+	// Output:
+	// queued 2 events
 	// balance 7500 at version 2
 }
