@@ -166,7 +166,7 @@ func (s *Service) reserve(ctx context.Context, req idempotency.Request, cmd Char
 		lease    *idempotency.Lease
 		chargeID string
 	)
-	err := s.inTx(ctx, func(tx *sql.Tx) error {
+	err := s.inTx(ctx, func(tx steps.DBTX) error {
 		acq, err := s.cfg.Idempotency.AcquireTx(ctx, tx, req, s.cfg.GatewayLease)
 		if err != nil {
 			return err
@@ -178,16 +178,15 @@ func (s *Service) reserve(ctx context.Context, req idempotency.Request, cmd Char
 			chargeID = string(rec.Response.Body)
 			return nil
 		}
-		err = lockAccount(ctx, tx, cmd.AccountID)
-		if errors.Is(err, ErrUnknownAccount) {
-			return &refusal{reason: ReasonUnknownAccount}
-		}
-		if err != nil {
+		if err := queueLock(ctx, tx, cmd.AccountID); err != nil {
 			return err
 		}
 		led, err := readReservation(ctx, tx, cmd.AccountID, cmd.OrderID)
 		if err != nil {
 			return err
+		}
+		if !led.account {
+			return &refusal{reason: ReasonUnknownAccount}
 		}
 		if led.fenced {
 			// The order's payment was compensated before this charge got
@@ -218,25 +217,30 @@ func (s *Service) reserve(ctx context.Context, req idempotency.Request, cmd Char
 				return &refusal{reason: ReasonInsufficientFunds}
 			}
 			md := events.Metadata{CorrelationID: cmd.OrderID.String(), IdempotencyKey: req.Key}
-			recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), events.AnyVersion, md, Charged{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents})
+			ids, err := s.cfg.Events.QueueAppendTx(ctx, tx, Stream(cmd.AccountID), md, Charged{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents})
 			if err != nil {
 				return err
 			}
-			_, err = tx.ExecContext(ctx, insertPostingSQL, cmd.AccountID, recs[0].ID, -cmd.AmountCents, cmd.OrderID, "charge", nil, req.Key)
-			if violates(err, oneChargeIndex) {
-				// The order is charged to another account (the lookup above
-				// is per account, as is the account's lock): a command that
-				// can never succeed, so a business failure, not a retry.
-				return &refusal{reason: ReasonChargedElsewhere}
-			}
+			err = steps.Queue(ctx, tx, "payments: reserving the charge of "+cmd.OrderID.String(), insertPostingSQL,
+				cmd.AccountID, ids[0], -cmd.AmountCents, cmd.OrderID, "charge", nil, req.Key)
 			if err != nil {
-				return fmt.Errorf("payments: reserving the charge of %s: %w", cmd.OrderID, err)
+				return err
 			}
 		}
 		lease = acq.Lease
 		return nil
 	})
-	return lease, chargeID, err
+	if violates(err, oneChargeIndex) {
+		// The order is charged to another account (the lookup above is per
+		// account, as is the account's lock): a command that can never
+		// succeed, so a business failure, not a retry. The posting is
+		// queued: its violation comes with the commit.
+		return nil, "", &refusal{reason: ReasonChargedElsewhere}
+	}
+	if err != nil {
+		return nil, "", err
+	}
+	return lease, chargeID, nil
 }
 
 // capture calls the gateway under lease and records its answer: captured,
@@ -246,11 +250,11 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 	switch {
 	case err == nil:
 		var captured string // the reference the ledger held already
-		err := s.inTx(ctx, func(tx *sql.Tx) error {
+		err := s.inTx(ctx, func(tx steps.DBTX) error {
 			if err := s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(id)}); err != nil {
 				return err
 			}
-			if err := lockAccount(ctx, tx, cmd.AccountID); err != nil {
+			if err := queueLock(ctx, tx, cmd.AccountID); err != nil {
 				return err
 			}
 			res, err := tx.ExecContext(ctx, captureSQL, cmd.AccountID, cmd.OrderID, id)
@@ -275,7 +279,7 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 					cmd.OrderID, captured, id)
 			}
 			md := events.Metadata{CorrelationID: cmd.OrderID.String(), IdempotencyKey: lease.Key}
-			_, err = s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), events.AnyVersion, md, ChargeCaptured{OrderID: cmd.OrderID, ChargeID: id})
+			_, err = s.cfg.Events.QueueAppendTx(ctx, tx, Stream(cmd.AccountID), md, ChargeCaptured{OrderID: cmd.OrderID, ChargeID: id})
 			return err
 		})
 		if err != nil && captured != "" && captured != id {
@@ -295,20 +299,20 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 		}
 		return id, nil
 	case errors.Is(err, ErrDeclined):
-		err := s.inTx(ctx, func(tx *sql.Tx) error {
+		err := s.inTx(ctx, func(tx steps.DBTX) error {
 			if err := s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, lease, idempotency.StatusFailed, idempotency.Response{Body: []byte(ReasonDeclined)}); err != nil {
 				return err
 			}
-			if err := lockAccount(ctx, tx, cmd.AccountID); err != nil {
+			if err := queueLock(ctx, tx, cmd.AccountID); err != nil {
 				return err
 			}
 			md := events.Metadata{CorrelationID: cmd.OrderID.String(), IdempotencyKey: lease.Key}
-			recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), events.AnyVersion, md, ChargeVoided{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents, Reason: ReasonDeclined})
+			ids, err := s.cfg.Events.QueueAppendTx(ctx, tx, Stream(cmd.AccountID), md, ChargeVoided{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents, Reason: ReasonDeclined})
 			if err != nil {
 				return err
 			}
-			_, err = tx.ExecContext(ctx, insertPostingSQL, cmd.AccountID, recs[0].ID, cmd.AmountCents, cmd.OrderID, "void", nil, lease.Key)
-			return err
+			return steps.Queue(ctx, tx, "payments: voiding the charge of "+cmd.OrderID.String(), insertPostingSQL,
+				cmd.AccountID, ids[0], cmd.AmountCents, cmd.OrderID, "void", nil, lease.Key)
 		})
 		if err != nil {
 			return "", fmt.Errorf("payments: voiding the declined charge of %s: %w", cmd.OrderID, err)
@@ -465,7 +469,7 @@ func (s *Service) prepareRefund(ctx context.Context, cmd RefundPayment, command 
 			chargeID string
 			amount   int64
 		)
-		err := s.inTx(ctx, func(tx *sql.Tx) error {
+		err := s.inTx(ctx, func(tx steps.DBTX) error {
 			err := lockAccount(ctx, tx, cmd.AccountID)
 			if errors.Is(err, ErrUnknownAccount) {
 				return nil
@@ -543,7 +547,7 @@ func (s *Service) callRefund(ctx context.Context, cmd RefundPayment, command str
 		}
 		return PaymentRefunded{}, err
 	}
-	err = s.inTx(ctx, func(tx *sql.Tx) error {
+	err = s.inTx(ctx, func(tx steps.DBTX) error {
 		if err := s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(id)}); err != nil {
 			return err
 		}
@@ -563,16 +567,14 @@ func (s *Service) callRefund(ctx context.Context, cmd RefundPayment, command str
 	return PaymentRefunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: id}, nil
 }
 
-func (s *Service) postRefund(ctx context.Context, tx *sql.Tx, cmd RefundPayment, amount int64, refundID string) error {
+func (s *Service) postRefund(ctx context.Context, tx steps.DBTX, cmd RefundPayment, amount int64, refundID string) error {
 	md := events.Metadata{CorrelationID: cmd.OrderID.String(), IdempotencyKey: RefundKey(cmd.OrderID)}
-	recs, err := s.cfg.Events.AppendTx(ctx, tx, Stream(cmd.AccountID), events.AnyVersion, md, Refunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: refundID})
+	ids, err := s.cfg.Events.QueueAppendTx(ctx, tx, Stream(cmd.AccountID), md, Refunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: refundID})
 	if err != nil {
 		return err
 	}
-	if _, err := tx.ExecContext(ctx, insertPostingSQL, cmd.AccountID, recs[0].ID, amount, cmd.OrderID, "refund", refundID, RefundKey(cmd.OrderID)); err != nil {
-		return fmt.Errorf("payments: posting refund of %s: %w", cmd.OrderID, err)
-	}
-	return nil
+	return steps.Queue(ctx, tx, "payments: posting the refund of "+cmd.OrderID.String(), insertPostingSQL,
+		cmd.AccountID, ids[0], amount, cmd.OrderID, "refund", refundID, RefundKey(cmd.OrderID))
 }
 
 // reservedChargeCall is a charge of an order that was reserved but never
@@ -603,6 +605,7 @@ func (s *Service) reservedCharge(ctx context.Context, cmd RefundPayment) (*reser
 // reservation is what a charge's reservation decides on, read in one
 // statement after the account's lock (see reservationSQL).
 type reservation struct {
+	account bool   // the account exists
 	fenced  bool   // the order's payment was compensated
 	charged bool   // the order has a charge posting on the account
 	delta   int64  // its amount (negative)
@@ -615,7 +618,7 @@ type reservation struct {
 func readReservation(ctx context.Context, q steps.DBTX, account string, order uuid.UUID) (reservation, error) {
 	var r reservation
 	var delta sql.NullInt64
-	err := q.QueryRowContext(ctx, reservationSQL, account, order).Scan(&r.fenced, &delta, &r.ref, &r.owner, &r.voided, &r.balance)
+	err := q.QueryRowContext(ctx, reservationSQL, account, order).Scan(&r.account, &r.fenced, &delta, &r.ref, &r.owner, &r.voided, &r.balance)
 	if err != nil {
 		return r, fmt.Errorf("payments: reading the ledger of %s for %s: %w", account, order, err)
 	}
@@ -640,19 +643,11 @@ func violates(err error, index string) bool {
 	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UniqueViolation && pgErr.ConstraintName == index
 }
 
-func (s *Service) inTx(ctx context.Context, fn func(tx *sql.Tx) error) error {
-	tx, err := s.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
-	if err != nil {
-		return fmt.Errorf("payments: beginning transaction: %w", err)
-	}
-	defer tx.Rollback() //nolint:errcheck // no-op after Commit
-	if err := fn(tx); err != nil {
-		return err
-	}
-	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("payments: committing: %w", err)
-	}
-	return nil
+// inTx runs fn in a transaction of its own (steps.InTx): on the sample's
+// pgx pools, the account's lock and the writes after it are queued and
+// go with the next read or the commit.
+func (s *Service) inTx(ctx context.Context, fn func(tx steps.DBTX) error) error {
+	return steps.InTx(ctx, s.cfg.DB, fn)
 }
 
 // GatewayRequest is the idempotency claim of one gateway call: op is

@@ -321,6 +321,15 @@ func (s *Service) Balance(ctx context.Context, account string) (int64, error) {
 // REPEATABLE READ, a posting committed after the transaction's snapshot
 // makes the lock fail with a serialization error, instead of a balance
 // computed without that posting.
+// queueLock queues the account's lock (lockAccountSQL) with the
+// statement that comes after it: that statement, which must find out
+// whether the account exists, starts once the lock is held, so that
+// under READ COMMITTED it sees what the account's earlier holders
+// committed.
+func queueLock(ctx context.Context, tx steps.DBTX, account string) error {
+	return steps.Queue(ctx, tx, "payments: locking account "+account, lockAccountSQL, account)
+}
+
 func lockAccount(ctx context.Context, tx steps.DBTX, account string) error {
 	res, err := tx.ExecContext(ctx, lockAccountSQL, account)
 	if err != nil {
@@ -351,11 +360,12 @@ WHERE account_id = $1 AND order_id = $2 AND kind = $3`
 	fenceSQL = `INSERT INTO charge_fences (order_id, account_id) VALUES ($1, $2) ON CONFLICT (order_id) DO NOTHING`
 
 	// reservationSQL reads what a charge's reservation decides on: whether
-	// the order is fenced, its charge posting on the account (one at most:
+	// the account exists, whether the order is fenced, its charge posting on the account (one at most:
 	// account_postings_one_charge_idx), whether that was voided, and the
 	// account's balance. It runs after the account's lock, so that its
 	// snapshot holds what the charges before it committed.
-	reservationSQL = `SELECT EXISTS (SELECT FROM charge_fences WHERE order_id = $2),
+	reservationSQL = `SELECT EXISTS (SELECT FROM accounts WHERE account_id = $1),
+    EXISTS (SELECT FROM charge_fences WHERE order_id = $2),
     c.delta_cents, coalesce(c.reference, ''), coalesce(c.request_key, ''),
     EXISTS (SELECT FROM account_postings WHERE account_id = $1 AND order_id = $2 AND kind = 'void'),
     (SELECT coalesce(sum(delta_cents), 0) FROM account_postings WHERE account_id = $1)

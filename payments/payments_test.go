@@ -286,6 +286,31 @@ func chargeReads(t *testing.T, match func(sql string) bool) (*env, string, []str
 	return e, acct, got
 }
 
+// A charge's ledger work goes in few round trips: each of its two
+// transactions sends BEGIN with its first statement, the account's lock
+// with the read (or update) after it, and its appends and postings with
+// the commit. The count is of the whole step, its delivery included,
+// the gateway's own pool apart, in the test's runtime (the reply read
+// back included); 24 before the ledger's transactions were pipelined
+// (BEGIN, claim, lock, read, append, posting, COMMIT; BEGIN, completion,
+// lock, capture, append, COMMIT: 3 each now).
+func TestAChargeIsSeventeenRoundTrips(t *testing.T) {
+	t.Parallel()
+	db, trips := testdb.RoundTrips(t, testdb.Shared(t))
+	e := newEnvWith(t, envOptions{db: db})
+	acct := e.account(1000)
+	for i, want := range []int64{-1, 17} { // the first prepares each statement, a round trip of its own
+		order := uuid.New()
+		trips.Store(0)
+		r := e.execute(e.svc.ChargeStep(), charge(order, acct, 300), "saga-"+order.String()+":charge")
+		require.Equal(t, steps.OutcomeOK, r.env.Outcome, "%+v", r)
+		if i > 0 {
+			assert.Equal(t, want, trips.Load(), "round trips of one charge")
+		}
+	}
+	assert.Equal(t, int64(400), e.balance(acct))
+}
+
 // The reservation reads what it decides on (the order's fence, its
 // postings, the account's balance) in one statement, after the account's
 // lock; the capture reads no posting at all.
