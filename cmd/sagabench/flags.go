@@ -185,6 +185,10 @@ are 0):
     gateway_commits_per_saga
                             the fake gateway's own commits a saga (its
                             bookkeeping, not the saga's)
+    round_trips_per_saga    round trips this process's pools made a saga:
+                            each statement sent on its own, each pipeline
+                            once; the fake gateway's apart; 0 with
+                            -worker-processes
   Latency phase (open loop, -rate, -duration):
     rate                    sagas offered a second
     latency_sagas           sagas timed, each from its scheduled placement to

@@ -88,6 +88,10 @@ func TestSmallRun(t *testing.T) {
 	assert.GreaterOrEqual(t, r.CommitsPerSaga, 3.0)
 	assert.Less(t, r.CommitsPerSaga, r.StatementsPerSaga)
 	assert.Positive(t, r.GatewayCommitsPerSaga, "the gateway records each call")
+	// A round trip carries one statement or more, and each commit needs
+	// one, with more before it.
+	assert.Greater(t, r.RoundTripsPerSaga, r.CommitsPerSaga)
+	assert.LessOrEqual(t, r.RoundTripsPerSaga, r.ClientStatementsPerSaga)
 	if r.StatementsSource == "client" {
 		assert.Contains(t, stdout.String(), "does not preload pg_stat_statements", "said once")
 		assert.Equal(t, 1, strings.Count(stdout.String(), "does not preload pg_stat_statements"))

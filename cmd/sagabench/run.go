@@ -70,9 +70,13 @@ type result struct {
 	// CommitsPerSaga counts the commits of this process's pools (COMMIT,
 	// and each statement or pipeline outside a transaction), but the fake
 	// gateway's (GatewayCommitsPerSaga); 0 with -worker-processes.
-	CommitsPerSaga        float64    `json:"commits_per_saga"`
-	GatewayCommitsPerSaga float64    `json:"gateway_commits_per_saga"`
-	IdleCPUPct            cpuFigures `json:"idle_cpu_pct"`
+	CommitsPerSaga        float64 `json:"commits_per_saga"`
+	GatewayCommitsPerSaga float64 `json:"gateway_commits_per_saga"`
+	// RoundTripsPerSaga counts the round trips of this process's pools
+	// (each statement sent on its own, each pipeline once), the fake
+	// gateway's apart; 0 with -worker-processes.
+	RoundTripsPerSaga float64    `json:"round_trips_per_saga"`
+	IdleCPUPct        cpuFigures `json:"idle_cpu_pct"`
 
 	Completed    int      `json:"completed"`
 	Compensated  int      `json:"compensated"`
@@ -338,6 +342,7 @@ func (b *bench) throughput(ctx context.Context, r *result) (bool, error) {
 	sf := perSaga(stmtStart, stmtEnd, r.Sagas, b.opts.workerProcs > 0)
 	r.StatementsPerSaga, r.ClientStatementsPerSaga, r.StatementsSource = sf.perSaga, sf.clientPerSaga, sf.source
 	r.StatementsByOwner, r.CommitsPerSaga, r.GatewayCommitsPerSaga = sf.byOwner, sf.commitsPerSaga, sf.gatewayCommitsPerSaga
+	r.RoundTripsPerSaga = sf.tripsPerSaga
 	if b.opts.statementList != "" {
 		if err := writeListFile(b.opts.statementList, sf.list); err != nil {
 			return false, fmt.Errorf("-statement-list: %w", err)

@@ -64,6 +64,10 @@ func ownerOf(query string) string {
 type statementCounter struct {
 	n       atomic.Int64
 	commits atomic.Int64
+	// trips counts round trips: each statement sent on its own, and each
+	// pipeline (a pgx batch, a dbtx.Pipe's group) once; the fake
+	// gateway's pool apart.
+	trips atomic.Int64
 	// gatewayCommits are the commits of the fake gateway's own pool (see
 	// gateway), not counted in commits.
 	gatewayCommits atomic.Int64
@@ -93,6 +97,7 @@ func outside(conn *pgx.Conn) bool { return conn != nil && conn.PgConn().TxStatus
 
 func (c *statementCounter) TraceQueryStart(ctx context.Context, conn *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
 	c.count(d.SQL)
+	c.trips.Add(1)
 	if commits(conn, d.SQL) {
 		c.commits.Add(1)
 	}
@@ -156,6 +161,7 @@ func (*gatewayTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEn
 func (*statementCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
 func (c *statementCounter) TraceBatchStart(ctx context.Context, conn *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+	c.trips.Add(1)
 	if outside(conn) && !beginsATransaction(d.Batch) {
 		c.commits.Add(1) // a pipeline outside a transaction commits once, at its end
 	}
@@ -196,6 +202,7 @@ type statementCount struct {
 	clientByText map[string]int64
 	commits      int64
 	gwCommits    int64
+	trips        int64
 }
 
 // serverStatementsSQL reads the calls pg_stat_statements counted in this
@@ -239,7 +246,7 @@ func readServerStatements(ctx context.Context, db *sql.DB) (map[string]int64, er
 // pools do not use.
 func (b *bench) countStatements(ctx context.Context) statementCount {
 	c := statementCount{client: b.statements.n.Load(), clientByText: b.statements.texts(),
-		commits: b.statements.commits.Load(), gwCommits: b.statements.gatewayCommits.Load()}
+		commits: b.statements.commits.Load(), gwCommits: b.statements.gatewayCommits.Load(), trips: b.statements.trips.Load()}
 	if b.statementStats {
 		m, err := readServerStatements(ctx, b.statsDB)
 		if c.serverOK = err == nil; c.serverOK {
@@ -254,10 +261,10 @@ func (b *bench) countStatements(ctx context.Context) statementCount {
 
 // statementFigures are the statements of a phase, a saga.
 type statementFigures struct {
-	perSaga, clientPerSaga, commitsPerSaga, gatewayCommitsPerSaga float64
-	source                                                        string
-	byOwner                                                       map[string]float64
-	list                                                          []statementLine
+	perSaga, clientPerSaga, commitsPerSaga, gatewayCommitsPerSaga, tripsPerSaga float64
+	source                                                                      string
+	byOwner                                                                     map[string]float64
+	list                                                                        []statementLine
 }
 
 // statementLine is one statement's calls a saga.
@@ -292,6 +299,7 @@ func perSaga(from, to statementCount, sagas int, elsewhere bool) statementFigure
 	if !elsewhere {
 		f.commitsPerSaga = round(float64(to.commits-from.commits) / n)
 		f.gatewayCommitsPerSaga = round(float64(to.gwCommits-from.gwCommits) / n)
+		f.tripsPerSaga = round(float64(to.trips-from.trips) / n)
 	}
 	if after == nil {
 		return f

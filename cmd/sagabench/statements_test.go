@@ -85,17 +85,18 @@ func TestCommitsCounted(t *testing.T) {
 	conn, err := pgx.ConnectConfig(ctx, cfg)
 	require.NoError(t, err)
 	defer conn.Close(ctx)
-	step := func(what string, want int64, fn func() error) {
+	step := func(what string, want, wantTrips int64, fn func() error) {
 		t.Helper()
-		before := c.commits.Load()
+		before, trips := c.commits.Load(), c.trips.Load()
 		require.NoError(t, fn(), what)
-		assert.Equal(t, want, c.commits.Load()-before, what)
+		assert.Equal(t, want, c.commits.Load()-before, "commits of "+what)
+		assert.Equal(t, wantTrips, c.trips.Load()-trips, "round trips of "+what)
 	}
 	exec := func(q string) func() error {
 		return func() error { _, err := conn.Exec(ctx, q); return err }
 	}
-	step("a statement on its own", 1, exec("SELECT 1"))
-	step("a transaction", 1, func() error {
+	step("a statement on its own", 1, 1, exec("SELECT 1"))
+	step("a transaction", 1, 4, func() error {
 		tx, err := conn.Begin(ctx)
 		if err != nil {
 			return err
@@ -108,7 +109,7 @@ func TestCommitsCounted(t *testing.T) {
 		}
 		return tx.Commit(ctx)
 	})
-	step("a transaction rolled back", 0, func() error {
+	step("a transaction rolled back", 0, 3, func() error {
 		tx, err := conn.Begin(ctx)
 		if err != nil {
 			return err
@@ -118,13 +119,13 @@ func TestCommitsCounted(t *testing.T) {
 		}
 		return tx.Rollback(ctx)
 	})
-	step("a pipeline on its own", 1, func() error {
+	step("a pipeline on its own", 1, 1, func() error {
 		b := &pgx.Batch{}
 		b.Queue("SELECT 1")
 		b.Queue("SELECT 2")
 		return conn.SendBatch(ctx, b).Close()
 	})
-	step("a pipeline in a transaction", 1, func() error {
+	step("a pipeline in a transaction", 1, 3, func() error {
 		tx, err := conn.Begin(ctx)
 		if err != nil {
 			return err
@@ -137,7 +138,7 @@ func TestCommitsCounted(t *testing.T) {
 		}
 		return tx.Commit(ctx)
 	})
-	step("a pipelined transaction (dbtx.Pipe)", 1, func() error {
+	step("a pipelined transaction (dbtx.Pipe)", 1, 2, func() error {
 		p := dbtx.BeginPipe(conn)
 		if _, err := p.ExecContext(ctx, "SELECT 1"); err != nil {
 			return err
@@ -147,7 +148,7 @@ func TestCommitsCounted(t *testing.T) {
 		}
 		return p.Commit(ctx)
 	})
-	step("a pipelined transaction rolled back", 0, func() error {
+	step("a pipelined transaction rolled back", 0, 2, func() error {
 		p := dbtx.BeginPipe(conn)
 		if _, err := p.ExecContext(ctx, "SELECT 1"); err != nil {
 			return err
@@ -162,7 +163,7 @@ func TestCommitsCounted(t *testing.T) {
 	gconn, err := pgx.ConnectConfig(ctx, gcfg)
 	require.NoError(t, err)
 	defer gconn.Close(ctx)
-	before, commitsBefore := c.n.Load(), c.commits.Load()
+	before, commitsBefore, tripsBefore := c.n.Load(), c.commits.Load(), c.trips.Load()
 	_, err = gconn.Exec(ctx, "SELECT 1")
 	require.NoError(t, err)
 	b := &pgx.Batch{}
@@ -170,5 +171,6 @@ func TestCommitsCounted(t *testing.T) {
 	require.NoError(t, gconn.SendBatch(ctx, b).Close())
 	assert.Equal(t, int64(2), c.n.Load()-before)
 	assert.Equal(t, commitsBefore, c.commits.Load())
+	assert.Equal(t, tripsBefore, c.trips.Load(), "the gateway's round trips are not the saga's")
 	assert.Equal(t, int64(2), c.gatewayCommits.Load())
 }
