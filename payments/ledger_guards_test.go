@@ -277,3 +277,54 @@ func TestRacingChargesOfOneAccountWaitForTheAccount(t *testing.T) {
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM account_postings WHERE account_id = $1 AND kind = 'charge'`, acct))
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM fake_gateway_operations WHERE account_id = $1 AND outcome = 'succeeded'`, acct))
 }
+
+// The account's lock is queued with the reservation's read, two
+// statements with a snapshot each: the read must find the account locked
+// by its own transaction, not merely existing. An account opened and
+// funded between the two (the lock matched no row, so it holds nothing)
+// is refused as unknown, as the lock found it; reading it as funded would
+// reserve without the lock, and two such charges overdraw it.
+//
+// The window is forced: a statement trigger on accounts waits on an
+// advisory lock the test holds whenever an update matched no row; the
+// account is opened and funded meanwhile.
+func TestAChargeReservesOnlyUnderTheAccountsLock(t *testing.T) {
+	t.Parallel()
+	db := testdb.Fresh(t) // its own database: the trigger is the test's
+	_, err := db.SQL.Exec(`CREATE FUNCTION test_hold_unlocked() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM changed) THEN
+        PERFORM pg_advisory_xact_lock(4242);
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER test_hold_unlocked AFTER UPDATE ON accounts REFERENCING NEW TABLE AS changed
+    FOR EACH STATEMENT EXECUTE FUNCTION test_hold_unlocked();`)
+	require.NoError(t, err)
+	e := newEnvWith(t, envOptions{db: db, retry: &transport.RetryPolicy{MaxAttempts: 1}})
+	ctx := context.Background()
+
+	hold, err := db.SQL.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer hold.Rollback() //nolint:errcheck // no-op after Commit
+	_, err = hold.ExecContext(ctx, `SELECT pg_advisory_xact_lock(4242)`)
+	require.NoError(t, err)
+
+	acct := "acct-" + uuid.NewString()[:8]
+	order := uuid.New()
+	key := "late-" + order.String()
+	msg, err := steps.NewMessage(charge(order, acct, 100), steps.Envelope{Key: key, ReplyTo: e.replies})
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { done <- e.rt.Execute(ctx, e.svc.ChargeStep(), msg) }()
+	db.WaitForLockWait(t) // the charge's lock matched no row, and waits
+	require.NoError(t, e.svc.OpenAccount(ctx, acct))
+	require.NoError(t, e.svc.Deposit(ctx, acct, 1000, "seed-"+acct))
+	require.NoError(t, hold.Commit())
+	require.NoError(t, <-done)
+
+	r := e.reply(key)
+	require.Equal(t, steps.OutcomeFailed, r.env.Outcome, "%+v", r)
+	assert.Equal(t, payments.ReasonUnknownAccount, r.payload["reason"])
+	assert.Equal(t, int64(1000), e.balance(acct), "nothing reserved")
+}

@@ -313,6 +313,17 @@ func (s *Service) Balance(ctx context.Context, account string) (int64, error) {
 	return b, nil
 }
 
+// queueLock queues the account's lock (lockAccountSQL, as lockAccount
+// runs it) with the statement that comes after it: that statement starts
+// once the lock is held, so that under READ COMMITTED it sees what the
+// account's earlier holders committed. Its row count is not read: the
+// statement after it must check that the transaction holds the lock (the
+// reservation reads the account's row as the lock wrote it), unless the
+// account is known to exist (it has postings).
+func queueLock(ctx context.Context, tx steps.DBTX, account string) error {
+	return steps.Queue(ctx, tx, "payments: locking account "+account, lockAccountSQL, account)
+}
+
 // lockAccount locks an account against other postings. The lock is what
 // keeps the account's writers in turn: each decides on what it reads after
 // it (the balance, the order's postings) and appends to the account's
@@ -321,15 +332,6 @@ func (s *Service) Balance(ctx context.Context, account string) (int64, error) {
 // REPEATABLE READ, a posting committed after the transaction's snapshot
 // makes the lock fail with a serialization error, instead of a balance
 // computed without that posting.
-// queueLock queues the account's lock (lockAccountSQL) with the
-// statement that comes after it: that statement, which must find out
-// whether the account exists, starts once the lock is held, so that
-// under READ COMMITTED it sees what the account's earlier holders
-// committed.
-func queueLock(ctx context.Context, tx steps.DBTX, account string) error {
-	return steps.Queue(ctx, tx, "payments: locking account "+account, lockAccountSQL, account)
-}
-
 func lockAccount(ctx context.Context, tx steps.DBTX, account string) error {
 	res, err := tx.ExecContext(ctx, lockAccountSQL, account)
 	if err != nil {
@@ -360,11 +362,15 @@ WHERE account_id = $1 AND order_id = $2 AND kind = $3`
 	fenceSQL = `INSERT INTO charge_fences (order_id, account_id) VALUES ($1, $2) ON CONFLICT (order_id) DO NOTHING`
 
 	// reservationSQL reads what a charge's reservation decides on: whether
-	// the account exists, whether the order is fenced, its charge posting on the account (one at most:
+	// the account is locked by this transaction (its row's version is the
+	// one the queued lock wrote: an account opened after the lock matched
+	// no row exists, but is not locked, and counts as unknown, as the lock
+	// found it; the transaction takes no savepoint before it), whether
+	// the order is fenced, its charge posting on the account (one at most:
 	// account_postings_one_charge_idx), whether that was voided, and the
 	// account's balance. It runs after the account's lock, so that its
 	// snapshot holds what the charges before it committed.
-	reservationSQL = `SELECT EXISTS (SELECT FROM accounts WHERE account_id = $1),
+	reservationSQL = `SELECT EXISTS (SELECT FROM accounts WHERE account_id = $1 AND xmin = pg_current_xact_id()::xid),
     EXISTS (SELECT FROM charge_fences WHERE order_id = $2),
     c.delta_cents, coalesce(c.reference, ''), coalesce(c.request_key, ''),
     EXISTS (SELECT FROM account_postings WHERE account_id = $1 AND order_id = $2 AND kind = 'void'),

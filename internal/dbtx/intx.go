@@ -20,7 +20,7 @@ func InTx(ctx context.Context, db *sql.DB, pkg string, fn func(tx DBTX) error) e
 			return err
 		}
 		if err := p.Commit(ctx); err != nil {
-			return fmt.Errorf("%s: committing: %w", pkg, err)
+			return fmt.Errorf("%s: %w", pkg, err) // it says what failed: the commit, or a write sent with it
 		}
 		return nil
 	})

@@ -68,9 +68,6 @@ func TestQueueAppendFailsOnARacingAppend(t *testing.T) {
 
 	err := afterARacingAppend(t, s, db, stream, func() error {
 		return steps.InTx(ctx, db.SQL, func(tx steps.DBTX) error {
-			if _, err := tx.ExecContext(ctx, `SELECT 1`); err != nil { // the snapshot's statement comes first
-				return err
-			}
 			_, err := s.QueueAppendTx(ctx, tx, stream, events.Metadata{}, opened{Owner: "second"})
 			return err
 		})
