@@ -328,3 +328,82 @@ CREATE TRIGGER test_hold_unlocked AFTER UPDATE ON accounts REFERENCING NEW TABLE
 	assert.Equal(t, payments.ReasonUnknownAccount, r.payload["reason"])
 	assert.Equal(t, int64(1000), e.balance(acct), "nothing reserved")
 }
+
+// The capture appends to the account's stream at events.AnyVersion too,
+// under the account's lock, as does the void of a declined charge: a
+// reservation of another order of the account that comes meanwhile waits
+// for it, and both append in turn. Without that lock the two appends take
+// the same version and one of them fails. The race is forced as in
+// TestRacingChargesOfOneAccountWaitForTheAccount: the first charge's
+// gateway call is held until the test holds a SHARE lock on
+// domain_events, so that its record waits there for the append, and the
+// second charge is started then; the barrier is released once both wait.
+func TestARecordAndAReservationOfOneAccountTakeTurns(t *testing.T) {
+	t.Parallel()
+	for name, fault := range map[string]fakegateway.Fault{"captured": fakegateway.None, "declined": fakegateway.Decline} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			recordAndReservationTakeTurns(t, fault)
+		})
+	}
+}
+
+func recordAndReservationTakeTurns(t *testing.T, fault fakegateway.Fault) {
+	db := testdb.Fresh(t) // its own database: the barrier locks a whole table
+	reached, release := make(chan struct{}), make(chan struct{})
+	first := uuid.New()
+	firstKey := "record-" + first.String()
+	e := newEnvWith(t, envOptions{db: db, retry: &transport.RetryPolicy{MaxAttempts: 1}, gatewayTimeout: 20 * time.Second, gatewayLease: 30 * time.Second,
+		hook: func(c fakegateway.Call) {
+			if c.Op == "charge" && c.Key == firstKey {
+				close(reached)
+				<-release
+			}
+		}})
+	e.plan(firstKey, fault)
+	ctx := context.Background()
+	acct := e.account(1000)
+	second := uuid.New()
+	secondKey := "reserve-" + second.String()
+
+	errs := make(chan error, 2)
+	run := func(order uuid.UUID, key string) {
+		msg, err := steps.NewMessage(charge(order, acct, 100), steps.Envelope{Key: key, ReplyTo: e.replies})
+		if err != nil {
+			errs <- err
+			return
+		}
+		errs <- e.rt.Execute(ctx, e.svc.ChargeStep(), msg)
+	}
+	waiting := func(n int, what string) {
+		deadline := time.Now().Add(30 * time.Second)
+		for e.count(`SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`) < n {
+			require.True(t, time.Now().Before(deadline), what)
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	go run(first, firstKey)
+	<-reached // reserved; its gateway call is held
+	barrier, err := db.SQL.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer barrier.Rollback() //nolint:errcheck // no-op after Commit
+	_, err = barrier.ExecContext(ctx, `LOCK TABLE domain_events IN SHARE MODE`)
+	require.NoError(t, err)
+	close(release)
+	waiting(1, "the record locked the account and waits for its append")
+	go run(second, secondKey)
+	waiting(2, "the reservation waits too (on the account, or on the barrier without the lock)")
+	require.NoError(t, barrier.Commit())
+	for range 2 {
+		require.NoError(t, <-errs)
+	}
+	want, balance := steps.OutcomeOK, int64(800)
+	if fault == fakegateway.Decline {
+		want, balance = steps.OutcomeFailed, 900
+	}
+	r := e.reply(firstKey)
+	assert.Equal(t, want, r.env.Outcome, "%+v", r)
+	r = e.reply(secondKey)
+	assert.Equal(t, steps.OutcomeOK, r.env.Outcome, "%+v", r)
+	assert.Equal(t, balance, e.balance(acct))
+}
