@@ -39,7 +39,10 @@ func Queue(ctx context.Context, tx DBTX, name, query string, args ...any) error 
 // before an external call, the call's answer recorded after it. On a pgx
 // pool (pgx's database/sql driver, as pgsaga opens pools) BEGIN goes with
 // fn's first statement and what fn queues (Queue) with its next statement
-// or the commit, each group in one round trip. Its own errors (beginning,
+// or the commit, each group in one round trip. A queued statement's row
+// count is never read: queue only what nothing decides on, and check
+// what a queued lock took in the statement after it (the sample's
+// ledger reads the locked row back). Its own errors (beginning,
 // committing) start with "steps: ".
 func InTx(ctx context.Context, db *sql.DB, fn func(tx DBTX) error) error {
 	return dbtx.InTx(ctx, db, "steps", fn)
