@@ -38,7 +38,11 @@ func (s *Service) charge(ctx context.Context, tx *steps.Tx, cmd ChargePayment) (
 	}
 	if steps.Awaited(ctx) {
 		// The call this run awaited recorded the gateway's answer: reply
-		// from it, read in the step's transaction, without reserving again.
+		// from it, kept by this process or read in the step's
+		// transaction, without reserving again.
+		if ans, ok := s.answers.take(tx.Key()); ok {
+			return ans.reply(cmd)
+		}
 		if reply, found, err := s.recordedCharge(ctx, tx, cmd); found || err != nil {
 			return reply, err
 		}
@@ -77,11 +81,24 @@ func (s *Service) recordedCharge(ctx context.Context, tx *steps.Tx, cmd ChargePa
 	if err != nil {
 		return nil, false, err
 	}
-	body := string(rec.Response.Body)
+	ans := answer{chargeID: string(rec.Response.Body)}
 	if rec.Status == idempotency.StatusFailed {
-		return nil, true, steps.Fail(PaymentFailed{OrderID: cmd.OrderID, Reason: body}, body)
+		ans = answer{declined: true}
+		if body := string(rec.Response.Body); body != ReasonDeclined {
+			return nil, true, steps.Fail(PaymentFailed{OrderID: cmd.OrderID, Reason: body}, body)
+		}
 	}
-	return PaymentCharged{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents, ChargeID: body}, true, nil
+	reply, err = ans.reply(cmd)
+	return reply, true, err
+}
+
+// reply is the charge's reply from a recorded gateway call: charged, or
+// declined (a business failure).
+func (a answer) reply(cmd ChargePayment) (steps.Message, error) {
+	if a.declined {
+		return nil, steps.Fail(PaymentFailed{OrderID: cmd.OrderID, Reason: ReasonDeclined}, ReasonDeclined)
+	}
+	return PaymentCharged{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents, ChargeID: a.chargeID}, nil
 }
 
 // chargeCall reserves the charge of req and, unless an earlier call
@@ -297,6 +314,7 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 			// replays the gateway's answer or asks again with the same key.
 			return "", fmt.Errorf("payments: recording charge %s of %s: %w", id, cmd.OrderID, err)
 		}
+		s.answers.keep(lease.Key, answer{chargeID: id})
 		return id, nil
 	case errors.Is(err, ErrDeclined):
 		err := s.inTx(ctx, func(tx steps.DBTX) error {
@@ -317,6 +335,7 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 		if err != nil {
 			return "", fmt.Errorf("payments: voiding the declined charge of %s: %w", cmd.OrderID, err)
 		}
+		s.answers.keep(lease.Key, answer{declined: true})
 		return "", &refusal{reason: ReasonDeclined}
 	default:
 		// The outcome is unknown: record nothing, let the next attempt ask

@@ -223,7 +223,8 @@ type Config struct {
 
 // Service is the payments domain.
 type Service struct {
-	cfg Config
+	cfg     Config
+	answers answers // of the gateway calls this process recorded
 }
 
 // New validates cfg and returns a Service.

@@ -293,13 +293,15 @@ func chargeReads(t *testing.T, match func(sql string) bool) (*env, string, []str
 // the gateway's own pool apart, in the test's runtime (the reply read
 // back included); 24 before the ledger's transactions were pipelined
 // (BEGIN, claim, lock, read, append, posting, COMMIT; BEGIN, completion,
-// lock, capture, append, COMMIT: 3 each now).
-func TestAChargeIsSeventeenRoundTrips(t *testing.T) {
+// lock, capture, append, COMMIT: 3 each now), 17 before the run after the
+// gateway call answered from what the call kept instead of reading the
+// record back.
+func TestAChargeIsSixteenRoundTrips(t *testing.T) {
 	t.Parallel()
 	db, trips := testdb.RoundTrips(t, testdb.Shared(t))
 	e := newEnvWith(t, envOptions{db: db})
 	acct := e.account(1000)
-	for i, want := range []int64{-1, 17} { // the first prepares each statement, a round trip of its own
+	for i, want := range []int64{-1, 16} { // the first prepares each statement, a round trip of its own
 		order := uuid.New()
 		trips.Store(0)
 		r := e.execute(e.svc.ChargeStep(), charge(order, acct, 300), "saga-"+order.String()+":charge")
@@ -309,6 +311,44 @@ func TestAChargeIsSeventeenRoundTrips(t *testing.T) {
 		}
 	}
 	assert.Equal(t, int64(400), e.balance(acct))
+}
+
+// The charge's run after its awaited call answers from what the call
+// recorded in this process, without reading the gateway key's record
+// back; a run whose process did not keep it (another process made the
+// call, this one restarted) reads the record, and answers the same, a
+// decline included.
+func TestTheRunAfterTheCallAnswersFromWhatItKept(t *testing.T) {
+	t.Parallel()
+	_, _, reads := chargeReads(t, func(sql string) bool { return strings.Contains(sql, "FROM idempotency_keys") })
+	assert.Empty(t, reads, "the charge's reads of idempotency records")
+
+	var mu sync.Mutex
+	records := 0
+	e := newEnvWith(t, envOptions{tracer: testdb.Tracer(func(sql string, _ []any) {
+		if strings.HasPrefix(strings.TrimSpace(sql), "SELECT") && strings.Contains(sql, "FROM idempotency_keys") {
+			mu.Lock()
+			records++
+			mu.Unlock()
+		}
+	})})
+	payments.KeepNoAnswers(e.svc)
+	acct := e.account(1000)
+	charged, declined := uuid.New(), uuid.New()
+	e.plan("saga-"+declined.String()+":charge", fakegateway.Decline)
+	mu.Lock()
+	records = 0
+	mu.Unlock()
+	r := e.execute(e.svc.ChargeStep(), charge(charged, acct, 300), "saga-"+charged.String()+":charge")
+	require.Equal(t, steps.OutcomeOK, r.env.Outcome, "%+v", r)
+	assert.NotEmpty(t, r.payload["charge_id"])
+	r = e.execute(e.svc.ChargeStep(), charge(declined, acct, 200), "saga-"+declined.String()+":charge")
+	require.Equal(t, steps.OutcomeFailed, r.env.Outcome, "%+v", r)
+	assert.Equal(t, payments.ReasonDeclined, r.payload["reason"])
+	mu.Lock()
+	assert.Equal(t, 2, records, "each run after its call read the record")
+	mu.Unlock()
+	assert.Equal(t, int64(700), e.balance(acct))
 }
 
 // The reservation reads what it decides on (the order's fence, its
