@@ -33,3 +33,11 @@ func KeepNoAnswers(s *Service) {
 	defer s.answers.mu.Unlock()
 	s.answers.off = true
 }
+
+// Kept reports whether s keeps an answer for the gateway call of key.
+func Kept(s *Service, key string) bool {
+	s.answers.mu.Lock()
+	defer s.answers.mu.Unlock()
+	_, ok := s.answers.m[key]
+	return ok
+}

@@ -36,18 +36,18 @@ func (s *Service) charge(ctx context.Context, tx *steps.Tx, cmd ChargePayment) (
 	if cmd.AmountCents <= 0 || cmd.OrderID == uuid.Nil || !accountIDPattern.MatchString(cmd.AccountID) {
 		return nil, steps.Fail(PaymentFailed{OrderID: cmd.OrderID, Reason: ReasonInvalidCharge}, ReasonInvalidCharge)
 	}
+	req := GatewayRequest("charge", tx.Key(), cmd.AccountID, cmd.OrderID, cmd.AmountCents)
 	if steps.Awaited(ctx) {
 		// The call this run awaited recorded the gateway's answer: reply
 		// from it, kept by this process or read in the step's
 		// transaction, without reserving again.
-		if ans, ok := s.answers.take(tx.Key()); ok {
+		if ans, ok := s.answers.take(keyHash{req.Key, req.Hash}); ok {
 			return ans.reply(cmd)
 		}
 		if reply, found, err := s.recordedCharge(ctx, tx, cmd); found || err != nil {
 			return reply, err
 		}
 	}
-	req := GatewayRequest("charge", tx.Key(), cmd.AccountID, cmd.OrderID, cmd.AmountCents)
 	lease, chargeID, err := s.reserve(ctx, req, cmd)
 	if err == nil && lease != nil {
 		return nil, steps.Await(s.cfg.GatewayLease, func(ctx context.Context) error {
@@ -314,7 +314,7 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 			// replays the gateway's answer or asks again with the same key.
 			return "", fmt.Errorf("payments: recording charge %s of %s: %w", id, cmd.OrderID, err)
 		}
-		s.answers.keep(lease.Key, answer{chargeID: id})
+		s.answers.keep(keyHash{lease.Key, lease.Hash}, answer{chargeID: id})
 		return id, nil
 	case errors.Is(err, ErrDeclined):
 		err := s.inTx(ctx, func(tx steps.DBTX) error {
@@ -335,7 +335,7 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 		if err != nil {
 			return "", fmt.Errorf("payments: voiding the declined charge of %s: %w", cmd.OrderID, err)
 		}
-		s.answers.keep(lease.Key, answer{declined: true})
+		s.answers.keep(keyHash{lease.Key, lease.Hash}, answer{declined: true})
 		return "", &refusal{reason: ReasonDeclined}
 	default:
 		// The outcome is unknown: record nothing, let the next attempt ask

@@ -152,6 +152,7 @@ func TestCaptureNeverOverwritesTheChargeReference(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, idempotency.StatusPending, rec.Status, "the claim is not completed with the orphaned charge")
 	assert.False(t, rec.LockedUntil.After(time.Now()), "its lease was released, so a retry answers from the ledger at once")
+	assert.False(t, payments.Kept(e.svc, rogue), "no answer kept for a capture that did not commit")
 }
 
 // The unique index account_postings_one_charge_idx is the only guard
