@@ -44,7 +44,7 @@ func (s *Service) charge(ctx context.Context, tx *steps.Tx, cmd ChargePayment) (
 		if ans, ok := s.answers.take(keyHash{req.Key, req.Hash}); ok {
 			return ans.reply(cmd)
 		}
-		if reply, found, err := s.recordedCharge(ctx, tx, cmd); found || err != nil {
+		if reply, found, err := s.recordedCharge(ctx, tx, req, cmd); found || err != nil {
 			return reply, err
 		}
 	}
@@ -68,12 +68,11 @@ func (s *Service) charge(ctx context.Context, tx *steps.Tx, cmd ChargePayment) (
 	return PaymentCharged{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents, ChargeID: chargeID}, nil
 }
 
-// recordedCharge reads the finished gateway call of the charge's key, if
+// recordedCharge reads the finished gateway call of req, the charge's, if
 // there is one (found), and answers from it: the charge, or its decline (a
 // business failure). The step's claim has checked that the command is the
 // key's (same payload, so same account, order and amount).
-func (s *Service) recordedCharge(ctx context.Context, tx *steps.Tx, cmd ChargePayment) (reply steps.Message, found bool, err error) {
-	req := GatewayRequest("charge", tx.Key(), cmd.AccountID, cmd.OrderID, cmd.AmountCents)
+func (s *Service) recordedCharge(ctx context.Context, tx *steps.Tx, req idempotency.Request, cmd ChargePayment) (reply steps.Message, found bool, err error) {
 	rec, err := s.cfg.Idempotency.GetTx(ctx, tx, req.Scope, req.Key)
 	if errors.Is(err, idempotency.ErrNotFound) || (err == nil && !rec.Finished()) {
 		return nil, false, nil // reaped, or not finished: the usual way decides
@@ -81,15 +80,11 @@ func (s *Service) recordedCharge(ctx context.Context, tx *steps.Tx, cmd ChargePa
 	if err != nil {
 		return nil, false, err
 	}
-	ans := answer{chargeID: string(rec.Response.Body)}
+	body := string(rec.Response.Body)
 	if rec.Status == idempotency.StatusFailed {
-		ans = answer{declined: true}
-		if body := string(rec.Response.Body); body != ReasonDeclined {
-			return nil, true, steps.Fail(PaymentFailed{OrderID: cmd.OrderID, Reason: body}, body)
-		}
+		return nil, true, steps.Fail(PaymentFailed{OrderID: cmd.OrderID, Reason: body}, body)
 	}
-	reply, err = ans.reply(cmd)
-	return reply, true, err
+	return PaymentCharged{OrderID: cmd.OrderID, AmountCents: cmd.AmountCents, ChargeID: body}, true, nil
 }
 
 // reply is the charge's reply from a recorded gateway call: charged, or
