@@ -70,7 +70,9 @@ func IsPermanent(err error) bool { return transport.IsPermanent(err) }
 // runs outside any transaction within the given bound, and then the
 // handler runs again (Awaited reports true) and finds what call recorded.
 //
-// A queued command is handed back meanwhile, so its batch goes on; a call
+// A queued command's batch goes on meanwhile, and runs the handler again
+// before it commits if the call returned within its hold
+// (saga.TransportConfig.AwaitHold); else it is handed back; a call
 // that fails counts as a failed attempt (retried, then dead-lettered); if
 // the process dies the command comes back after within. A command awaited
 // more times than its retry policy's attempts ends in a dead letter. A

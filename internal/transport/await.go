@@ -145,28 +145,6 @@ func afterAwait(msg *message.Message) *message.Message {
 	return m
 }
 
-// callTime is a moving average of how long a handler's awaited calls take
-// (the last eight or so weigh most): a delivery holds its batch for a call
-// only while they have been quick (Config.AwaitHold).
-type callTime struct {
-	mu  sync.Mutex
-	avg time.Duration
-}
-
-func (t *callTime) add(d time.Duration) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.avg += (d - t.avg) / 8
-}
-
-// within reports whether the average is at most limit (which is never so
-// for a negative limit).
-func (t *callTime) within(limit time.Duration) bool {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return limit > 0 && t.avg <= limit
-}
-
 // runAwaited runs an awaited call within its bound, turning a panic into
 // ErrHandlerPanicked.
 func runAwaited(ctx context.Context, aw *AwaitError) (err error) {
@@ -206,7 +184,7 @@ func awaitInline(out attemptEnd, err error, deadline time.Time, again func() (at
 
 // awaitedCall is a call under way for a queued delivery: the delivery
 // holds its batch for it a little (Config.AwaitHold), and whichever of the
-// two gets there first decides who finishes it: the delivery, if the call
+// two gets there first decides who finishes it: the batch, if the call
 // returned while held; else the call's own goroutine, once the message is
 // parked.
 type awaitedCall struct {
@@ -220,23 +198,35 @@ const (
 	callTaken   // the call returned while held: the delivery finishes
 )
 
+// heldCall is a delivery of a batch whose handler awaits a call the batch
+// holds for: its handler runs again before the batch commits if the call
+// returned by the end of the hold (see runHeld).
+type heldCall struct {
+	call     *awaitedCall
+	log      *slog.Logger
+	d        delivery
+	msg      *message.Message
+	n        int
+	aw       *AwaitError
+	deadline time.Time // its attempt's
+}
+
 // await carries out a handler's Await for a queued delivery. The call
-// starts at once, outside the batch. If it returns within the hold (and
-// hold is allowed), await returns true, or records its failure as the
-// attempt's; true means the handler is to run again, in the same batch and
-// by the same deadline. Otherwise the message is parked in the batch (no
-// attempt counted) and the call's goroutine wakes it, or records the
+// starts at once, outside the batch, and the batch goes on with its other
+// messages. If hold is allowed, the batch holds for the call, and runs
+// the handler again before its commit if the call returned by then (see
+// runHeld): the calls of a batch's messages so overlap, and a batch waits
+// at most one hold, whatever its size. Otherwise the message is parked in the batch
+// (no attempt counted) and the call's goroutine wakes it, or records the
 // call's failure, once the call and the batch are over. A message that
 // awaited too often fails its attempt instead.
-func (c *consumer) await(b *batch, log *slog.Logger, d delivery, n int, aw *AwaitError, hold bool, deadline time.Time) (again bool) {
+func (c *consumer) await(b *batch, log *slog.Logger, d delivery, msg *message.Message, n int, aw *AwaitError, hold bool, deadline time.Time) {
 	if d.awaited >= c.rt.retry.MaxAttempts {
 		c.fail(b, log, d, n, fmt.Errorf("%w (%d times)", ErrAwaitedTooOften, d.awaited))
-		return false
+		return
 	}
 	wait := time.Duration(0)
-	if hold && c.callTime.within(c.t.cfg.AwaitHold/2) {
-		// The handler's calls have been quick: holding the batch for this
-		// one costs less than parking the message and delivering it again.
+	if hold {
 		wait = min(c.t.cfg.AwaitHold, time.Until(deadline))
 	}
 	call := &awaitedCall{result: make(chan error, 1)}
@@ -246,39 +236,110 @@ func (c *consumer) await(b *batch, log *slog.Logger, d delivery, n int, aw *Awai
 	c.gate.calls.add()
 	c.t.calls.add()
 	attemptWorkers.Go(func() { c.runCall(b, log, d, n, aw, call) }, nil)
-	if err, taken := call.take(wait); taken {
+	if wait <= 0 {
+		c.park(b, log, d, aw)
+		return
+	}
+	b.mu.Lock()
+	b.held = append(b.held, &heldCall{call: call, log: log, d: d, msg: msg, n: n, aw: aw, deadline: deadline})
+	b.mu.Unlock()
+}
+
+// park parks d in its batch, with the batch's other writes, right before
+// its commit, while its handler's call runs: if the batch does not
+// commit, the call goes on (the handler committed what it needs, a lease,
+// say), and the message is delivered again.
+func (c *consumer) park(b *batch, log *slog.Logger, d delivery, aw *AwaitError) {
+	b.d.batched = append(b.d.batched, batchedRow{w: parkWrite,
+		values: []any{d.id, aw.Within.Seconds(), strconv.Itoa(d.awaited + 1), reason(aw), metaAwaited}})
+	log.Debug("message handed back while its handler's call runs", "within", aw.Within)
+}
+
+// runHeld ends the holds of b once its deliveries have settled, right
+// before its commit, in the order the calls started. The hold ends
+// Config.AwaitHold from now (every call started before), or at the
+// attempt's deadline if that is sooner: a handler whose call returned by
+// then runs again (its hold is over; a second
+// Await parks it), in the batch, by its attempt's deadline; a call that
+// failed costs the attempt; the others are parked. Deliveries of a batch
+// that broke are left to be delivered again, their calls to go on alone.
+func (c *consumer) runHeld(b *batch) {
+	b.mu.Lock()
+	none := len(b.held) == 0
+	b.mu.Unlock()
+	if none {
+		return
+	}
+	b.run.Lock()
+	defer b.run.Unlock()
+	end := time.Now().Add(c.t.cfg.AwaitHold)
+	for {
+		b.mu.Lock()
+		if len(b.held) == 0 || b.broken != nil {
+			b.mu.Unlock()
+			return
+		}
+		h := b.held[0]
+		b.held = b.held[1:]
+		late := b.deadline.Sub(time.Now()) < c.t.cfg.AttemptTimeout+2*c.t.cfg.StatementTimeout
+		b.mu.Unlock()
+		if late {
+			// No room left in the transaction for another attempt: the
+			// message is parked, and woken when its call is over.
+			if !h.call.state.CompareAndSwap(callRunning, callParked) {
+				err, stopped := <-h.call.result, c.gate.calls.ctx.Err() != nil
+				c.gate.calls.add() // Close waits for the wake-up, as for a call's
+				attemptWorkers.Go(func() {
+					defer c.gate.calls.done()
+					c.afterCall(b, h.log, h.d, h.n, h.aw, err, stopped)
+				}, nil)
+			}
+			c.park(b, h.log, h.d, h.aw)
+			continue
+		}
+		err, taken := h.call.take(min(time.Until(end), time.Until(h.deadline)))
 		switch {
+		case !taken:
+			c.park(b, h.log, h.d, h.aw)
 		case err == nil:
-			return true
+			if !c.run(b, h.log, h.d, afterAwait(h.msg), h.n, h.deadline, false) {
+				b.d.claims.free(h.d.id)
+			}
 		case c.gate.calls.ctx.Err() != nil:
 			// Cancelled by Close: the message goes back untouched.
 			c.release(b)
 		default:
-			c.fail(b, log, d, n, err)
+			c.fail(b, h.log, h.d, h.n, err)
 		}
-		return false
 	}
-	// Parked with the batch's other writes, right before its commit: if
-	// the batch does not commit, the call goes on (the handler committed
-	// what it needs, a lease, say), and the message is delivered again.
-	b.d.batched = append(b.d.batched, batchedRow{w: parkWrite,
-		values: []any{d.id, aw.Within.Seconds(), strconv.Itoa(d.awaited + 1), reason(aw), metaAwaited}})
-	log.Debug("message handed back while its handler's call runs", "within", aw.Within)
-	return false
+}
+
+// letGo leaves the calls b still holds to their goroutines: the batch ended
+// without running them again (it broke, or was never allowed to commit).
+func (b *batch) letGo() {
+	b.mu.Lock()
+	held := b.held
+	b.held = nil
+	b.mu.Unlock()
+	for _, h := range held {
+		// One whose result is in already needs nothing more: its message
+		// is delivered again as the batch was not committed.
+		h.call.state.CompareAndSwap(callRunning, callParked)
+	}
 }
 
 // take waits up to wait for the call's result: taken reports whether the
-// delivery got it (and must finish the call), or the call goes on alone.
+// batch got it (and must finish the call), or the call goes on alone. A
+// result already in is taken however late.
 func (a *awaitedCall) take(wait time.Duration) (err error, taken bool) {
-	if wait <= 0 {
-		return nil, false
-	}
-	t := time.NewTimer(wait)
-	defer t.Stop()
-	select {
-	case err := <-a.result:
-		return err, true
-	case <-t.C:
+	if wait > 0 {
+		t := time.NewTimer(wait)
+		defer t.Stop()
+		select {
+		case err := <-a.result:
+			return err, true
+		case <-t.C:
+		}
 	}
 	if a.state.CompareAndSwap(callRunning, callParked) {
 		return nil, false
@@ -286,23 +347,25 @@ func (a *awaitedCall) take(wait time.Duration) (err error, taken bool) {
 	return <-a.result, true // it returned just now
 }
 
-// runCall runs an awaited call. If the delivery took its result, that is
+// runCall runs an awaited call. If the batch takes its result, that is
 // all; otherwise, once the batch that parked its message is over, it wakes
-// the message (the call succeeded, or was cancelled by Close: the next
-// worker delivers it at once) or records the call's failure as the
-// attempt's.
+// the message or records the call's failure (afterCall).
 func (c *consumer) runCall(b *batch, log *slog.Logger, d delivery, n int, aw *AwaitError, call *awaitedCall) {
 	defer c.gate.calls.done()
 	defer c.t.calls.done()
-	calls := c.gate.calls.ctx
-	began := time.Now()
-	err := runAwaited(calls, aw)
-	c.callTime.add(time.Since(began))
+	err := runAwaited(c.gate.calls.ctx, aw)
 	if call.state.CompareAndSwap(callRunning, callTaken) {
 		call.result <- err
 		return
 	}
-	stopped := calls.Err() != nil
+	c.afterCall(b, log, d, n, aw, err, c.gate.calls.ctx.Err() != nil)
+}
+
+// afterCall finishes an awaited call whose message was parked, once the
+// batch that parked it is over: it wakes the message (the call succeeded,
+// or was cancelled by Close (stopped): the next worker delivers it at
+// once) or records the call's failure as the attempt's.
+func (c *consumer) afterCall(b *batch, log *slog.Logger, d delivery, n int, aw *AwaitError, err error, stopped bool) {
 	<-b.ended
 	if err != nil && !stopped {
 		c.recordAfter(failure{d: d, n: n, cause: err, what: "awaited call"})

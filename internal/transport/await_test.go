@@ -529,3 +529,110 @@ func TestClaimingWaitsWhileTheAwaitedCallsAreAtTheirCap(t *testing.T) {
 	assert.Equal(t, int32(4), started.Load(), "each call ran once")
 	assert.Equal(t, 4, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'after the call'`))
 }
+
+// The awaited calls of a batch overlap: each starts when its handler
+// awaits, the batch goes on with its other messages meanwhile, and the
+// handlers whose calls returned within the hold (counted from each call's
+// start) run again before the batch commits, in its transaction. Here no
+// call returns before every call of the batch has started: held one after
+// another, each would run out its hold and be parked.
+func TestTheAwaitedCallsOfABatchOverlap(t *testing.T) {
+	t.Parallel()
+	const n = 5
+	e, log := newLoggedEnv(t, func(c *transport.Config) {
+		c.AwaitHold = 2 * time.Second
+		c.BatchSize = 50
+		c.BatchTimeout = time.Minute
+	})
+	done := newCalls()
+	var started atomic.Int32
+	all := make(chan struct{}) // closed when the n-th call starts
+	var mu sync.Mutex
+	txids := map[int64]int{}
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		tx, _ := transport.TxFromContext(msg.Context())
+		var txid int64
+		if err := tx.QueryRowContext(msg.Context(), `SELECT txid_current()`).Scan(&txid); err != nil {
+			return err
+		}
+		mu.Lock()
+		txids[txid]++
+		mu.Unlock()
+		if done.of(msg.UUID) > 0 {
+			return effect(msg, e.eff, "after the call")
+		}
+		return transport.Await(time.Hour, func(ctx context.Context) error {
+			if started.Add(1) == n {
+				close(all)
+			}
+			select {
+			case <-all:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+			done.finish(msg.UUID)
+			return nil
+		})
+	}, transport.WithConsumers(1)))
+	ids := e.publish(n) // one batch
+	startRouter(t, r)
+	e.drained(e.in, "g", 30*time.Second)
+
+	assert.Equal(t, n, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'after the call'`), "each handled once after its call")
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Len(t, txids, 1, "every run of every message in the batch's transaction: none was parked")
+	for _, runs := range txids {
+		assert.Equal(t, 2*len(ids), runs, "each handler ran twice: before and after its call")
+	}
+	parks, _ := log.around("SET available_at = clock_timestamp() + make_interval")
+	assert.Empty(t, parks, "nothing parked")
+	assert.Empty(t, e.deadLetters(e.in))
+}
+
+// A batch that breaks while one of its messages' calls is held lets the
+// call go on alone: the batch is rolled back, the call's message is
+// delivered again and finds the call's outcome, nothing waits for a
+// result no one takes, and the router stops.
+func TestABrokenBatchLetsItsHeldCallsGo(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, func(c *transport.Config) {
+		c.AwaitHold = 20 * time.Second
+		c.BatchSize = 50
+		c.BatchTimeout = time.Minute
+	})
+	done := newCalls()
+	returned := make(chan struct{})
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		switch {
+		case msg.Metadata.Get("ends") == "yes":
+			<-returned // the held call has returned
+			tx, _ := transport.TxFromContext(msg.Context())
+			_, _ = tx.ExecContext(msg.Context(), "COMMIT")
+			return nil
+		case done.of(msg.UUID) > 0:
+			return effect(msg, e.eff, "after the call")
+		}
+		return transport.Await(time.Hour, func(context.Context) error {
+			done.finish(msg.UUID)
+			close(returned)
+			return nil
+		})
+	}, transport.WithConsumers(1)))
+	awaiting := message.NewMessage("await-"+e.id, []byte(`{}`))
+	breaking := message.NewMessage("ends-"+e.id, []byte(`{}`))
+	breaking.Metadata.Set("ends", "yes")
+	require.NoError(t, e.tr.Publisher(e.db.SQL).Publish(e.in, awaiting, breaking)) // one batch, the breaking one last
+	stop := startRouter(t, r)
+	e.drained(e.in, "g", 30*time.Second)
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE msg = $1 AND part = 'after the call'`, awaiting.UUID), "delivered again, it found the call's outcome")
+	assert.Equal(t, 1, done.of(awaiting.UUID), "the call ran once")
+	dead := e.deadLetters(e.in)
+	require.Len(t, dead, 1)
+	assert.Equal(t, breaking.UUID, dead[0].UUID)
+	stop()
+}

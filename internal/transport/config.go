@@ -130,15 +130,16 @@ type Config struct {
 	// Default: CloseTimeoutDefault.
 	CloseTimeout time.Duration
 
-	// AwaitHold is how long a queued delivery whose handler awaits a call
-	// (Await) may hold its batch for the call before handing the message
-	// back: a call that returns by then (a fast service) is followed at once
-	// by the handler's next run in the same batch, without parking the
-	// message and delivering it again; a slower one holds the batch no
-	// longer. A delivery holds only while the handler's recent calls took
-	// half of AwaitHold or less on average, so a slow service costs no hold
-	// at all. It never reaches past the attempt's deadline. Negative: hand
-	// the message back at once. Default: AwaitHoldDefault.
+	// AwaitHold is how long a batch holds, once its deliveries are done,
+	// for the calls their handlers await (Await) before handing their
+	// messages back: a call that returned by then (a fast service) is
+	// followed by the handler's next run in the same batch, right before
+	// its commit, without parking the message and delivering it again. The
+	// batch goes on with its other messages while the calls run, so they
+	// run together and a batch waits at most one AwaitHold for them,
+	// whatever its size; a slow service costs each batch that much. It
+	// never reaches past the attempt's deadline. Negative: hand the message
+	// back at once. Default: AwaitHoldDefault.
 	AwaitHold time.Duration
 
 	// HeartbeatInterval is how often a running router records its consumer

@@ -47,7 +47,6 @@ type consumer struct {
 	poll  *pollState   // set when it subscribes
 	log   *slog.Logger
 
-	callTime callTime // of the handler's awaited calls (see Await)
 	// commitFailed: the subscriber could not commit the last batch (see
 	// commitWatch).
 	commitFailed atomic.Bool
@@ -100,6 +99,9 @@ type batch struct {
 	// ended is closed when the batch is over (committed or rolled back),
 	// so that an awaited call's end can touch its message's row.
 	ended chan struct{}
+	// held: the deliveries whose awaited calls hold the batch (see
+	// await), in order, until runHeld runs them again or parks them.
+	held []*heldCall
 }
 
 // failure is a failed attempt of a message, to record.
@@ -190,7 +192,7 @@ func (c *consumer) claimedOne(id int64, msg *message.Message, dbNow time.Time) {
 func (b *batch) more() bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return b.handedOut < b.claimed && !b.committing && b.broken == nil
+	return (b.handedOut < b.claimed && !b.committing || len(b.held) > 0) && b.broken == nil
 }
 
 // commitQuery is what the subscriber runs right before committing the
@@ -212,6 +214,11 @@ func (c *consumer) commitQuery() string {
 	for b.pending > 0 {
 		b.settled.Wait()
 	}
+	b.mu.Unlock()
+	// The handlers whose calls returned by their hold run again, and the
+	// others are parked, before anything is allowed.
+	c.runHeld(b)
+	b.mu.Lock()
 	broken := b.broken != nil
 	b.commitAsked = !broken
 	b.mu.Unlock()
@@ -273,6 +280,7 @@ func (c *consumer) endBatch(err error) (again bool) {
 		return false
 	}
 	b.inFlight.Wait()
+	b.letGo() // calls still held when the batch ended without its commit
 	expired := b.d.expired()
 	// After a commit the connection is idle; after a commit whose
 	// connection was lost, the outcome is unknown and nothing is told.
@@ -476,7 +484,9 @@ func (c *consumer) deliver(msg *message.Message) error {
 	wasKept := false
 	defer func() {
 		if !wasKept {
-			b.d.claims.free(d.id) // a copy later in the batch may take its claim
+			// A copy later in the batch may take its claim; a held
+			// delivery's run after its call takes it again (runHeld).
+			b.d.claims.free(d.id)
 		}
 	}()
 	if ok, late := b.start(d, c.t.cfg, c.gate.closing()); !ok {
@@ -492,16 +502,25 @@ func (c *consumer) deliver(msg *message.Message) error {
 	}
 	n := d.failed + 1
 	deadline := time.Now().Add(c.t.cfg.AttemptTimeout)
-	hold := true   // an awaited call may hold the batch once
-	wrote := false // the batch's queued rows were written for it once
 	if d.awaited > 0 {
 		msg = afterAwait(msg) // delivered again after its park
 	}
+	wasKept = c.run(b, log, d, msg, n, deadline, true)
+	return nil
+}
+
+// run runs the attempts of delivery d of b (the connection is the
+// caller's: it holds b.run) until one ends it, and reports whether the
+// message's work was kept. hold: an awaited call may hold the batch (see
+// await); a call it holds is run again by the batch before its commit
+// (runHeld).
+func (c *consumer) run(b *batch, log *slog.Logger, d delivery, msg *message.Message, n int, deadline time.Time, hold bool) (wasKept bool) {
+	wrote := false // the batch's queued rows were written for it once
 	for {
 		out, err := c.t.handleBy(&b.d, c.gate, msg, d.id, n, deadline, c.rt.name, c.rt.h)
-		wasKept = out == kept
 		switch out {
 		case kept:
+			return true
 		case refused:
 			c.release(b)
 		case broken:
@@ -514,26 +533,22 @@ func (c *consumer) deliver(msg *message.Message) error {
 				wrote = true
 				if werr := b.d.writeBatched(context.Background()); werr != nil {
 					c.breakBatchedWrite(b, log, werr)
-					return nil
+					return false
 				}
 				continue
 			}
 			if hb := (*HandBackError)(nil); errors.As(err, &hb) {
 				c.handBack(b, log, d, hb)
-				return nil
+				return false
 			}
 			aw := (*AwaitError)(nil)
 			if !errors.As(err, &aw) {
 				c.fail(b, log, d, n, err)
-				return nil
+				return false
 			}
-			if c.await(b, log, d, n, aw, hold, deadline) {
-				hold = false
-				msg = afterAwait(msg)
-				continue // the call returned while held: the handler runs again
-			}
+			c.await(b, log, d, msg, n, aw, hold, deadline)
 		}
-		return nil
+		return false
 	}
 }
 

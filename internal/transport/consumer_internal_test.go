@@ -278,23 +278,6 @@ func TestUnscannedReplayedRowIsClosedAtTheEndOfTheAttempt(t *testing.T) {
 	}
 }
 
-// A delivery holds its batch for an awaited call only while the handler's
-// recent calls have been quick: a slow service turns holding off, a quick
-// one again turns it back on, and a negative hold never holds.
-func TestCallTimeHoldsOnlyForQuickCalls(t *testing.T) {
-	var ct callTime
-	assert.True(t, ct.within(5*time.Millisecond), "no call yet: hold")
-	for range 20 {
-		ct.add(100 * time.Millisecond)
-	}
-	assert.False(t, ct.within(5*time.Millisecond), "slow calls: no hold")
-	for range 40 {
-		ct.add(time.Millisecond)
-	}
-	assert.True(t, ct.within(5*time.Millisecond), "quick again: hold")
-	assert.False(t, ct.within(-time.Millisecond), "a negative AwaitHold never holds")
-}
-
 // A handler statement that may set, roll back to or release a savepoint
 // is told by its words in any case; others are not.
 func TestMentionsSavepoint(t *testing.T) {

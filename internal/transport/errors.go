@@ -165,7 +165,10 @@ func (e *AwaitError) Error() string {
 // dies, the message comes back after within. A message whose handler
 // awaits more than RetryPolicy.MaxAttempts times fails its attempts with
 // ErrAwaitedTooOften from then on, so a handler that awaits for ever still
-// ends in a dead letter.
+// ends in a dead letter. A call that returns while its batch holds for it
+// (Config.AwaitHold: the batch holds for its calls once its deliveries are
+// done) is followed by the handler's run in that batch, right before it
+// commits, and its message is not handed back.
 //
 // Outside a queue (HandleInTx, an in-process delivery) there is nothing to
 // hand back: call runs inline, within the attempt's deadline, and the
