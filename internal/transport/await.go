@@ -200,15 +200,17 @@ const (
 
 // heldCall is a delivery of a batch whose handler awaits a call the batch
 // holds for: its handler runs again before the batch commits if the call
-// returned by the end of the hold (see runHeld).
+// returned by the end of the hold (see runHeld). Until the batch is done
+// with it, it counts as in flight for the router's gate (Close waits for
+// it), and a call whose result the batch took counts among the calls
+// under way until the batch is done with that result.
 type heldCall struct {
-	call     *awaitedCall
-	log      *slog.Logger
-	d        delivery
-	msg      *message.Message
-	n        int
-	aw       *AwaitError
-	deadline time.Time // its attempt's
+	call *awaitedCall
+	log  *slog.Logger
+	d    delivery
+	msg  *message.Message
+	n    int
+	aw   *AwaitError
 }
 
 // await carries out a handler's Await for a queued delivery. The call
@@ -216,33 +218,32 @@ type heldCall struct {
 // messages. If hold is allowed, the batch holds for the call, and runs
 // the handler again before its commit if the call returned by then (see
 // runHeld): the calls of a batch's messages so overlap, and a batch waits
-// at most one hold, whatever its size. Otherwise the message is parked in the batch
-// (no attempt counted) and the call's goroutine wakes it, or records the
-// call's failure, once the call and the batch are over. A message that
-// awaited too often fails its attempt instead.
-func (c *consumer) await(b *batch, log *slog.Logger, d delivery, msg *message.Message, n int, aw *AwaitError, hold bool, deadline time.Time) {
+// at most one hold, whatever its size. Otherwise the message is parked in
+// the batch (no attempt counted) and the call's goroutine wakes it, or
+// records the call's failure, once the call and the batch are over. A
+// message that awaited too often fails its attempt instead.
+func (c *consumer) await(b *batch, log *slog.Logger, d delivery, msg *message.Message, n int, aw *AwaitError, hold bool) {
 	if d.awaited >= c.rt.retry.MaxAttempts {
 		c.fail(b, log, d, n, fmt.Errorf("%w (%d times)", ErrAwaitedTooOften, d.awaited))
 		return
 	}
-	wait := time.Duration(0)
-	if hold {
-		wait = min(c.t.cfg.AwaitHold, time.Until(deadline))
-	}
+	hold = hold && c.t.cfg.AwaitHold > 0
 	call := &awaitedCall{result: make(chan error, 1)}
-	if wait <= 0 {
+	if !hold {
 		call.state.Store(callParked) // no hold: parked however quick the call
 	}
 	c.gate.calls.add()
 	c.t.calls.add()
-	attemptWorkers.Go(func() { c.runCall(b, log, d, n, aw, call) }, nil)
-	if wait <= 0 {
-		c.park(b, log, d, aw)
-		return
+	if hold {
+		c.gate.hold() // left by runHeld or letGo
+		b.mu.Lock()
+		b.held = append(b.held, &heldCall{call: call, log: log, d: d, msg: msg, n: n, aw: aw})
+		b.mu.Unlock()
 	}
-	b.mu.Lock()
-	b.held = append(b.held, &heldCall{call: call, log: log, d: d, msg: msg, n: n, aw: aw, deadline: deadline})
-	b.mu.Unlock()
+	attemptWorkers.Go(func() { c.runCall(b, log, d, n, aw, call) }, nil)
+	if !hold {
+		c.park(b, log, d, aw)
+	}
 }
 
 // park parks d in its batch, with the batch's other writes, right before
@@ -257,21 +258,24 @@ func (c *consumer) park(b *batch, log *slog.Logger, d delivery, aw *AwaitError) 
 
 // runHeld ends the holds of b once its deliveries have settled, right
 // before its commit, in the order the calls started. The hold ends
-// Config.AwaitHold from now (every call started before), or at the
-// attempt's deadline if that is sooner: a handler whose call returned by
-// then runs again (its hold is over; a second
-// Await parks it), in the batch, by its attempt's deadline; a call that
-// failed costs the attempt; the others are parked. Deliveries of a batch
-// that broke are left to be delivered again, their calls to go on alone.
+// Config.AwaitHold from now (every call started before): a handler whose
+// call returned by then runs again (its hold is over; a second Await parks
+// it), in the batch, as the same attempt with an attempt's full time; a
+// call that failed costs the attempt; the others are parked. A message
+// whose call returned when the batch has no room left for an attempt, or
+// the router is closing, is parked and woken once the batch is over, so
+// that its next delivery knows of the call. Deliveries of a batch that
+// broke are left to be delivered again, their calls to go on alone
+// (letGo).
 func (c *consumer) runHeld(b *batch) {
+	b.run.Lock() // a middleware may have returned before its delivery's attempt
+	defer b.run.Unlock()
 	b.mu.Lock()
 	none := len(b.held) == 0
 	b.mu.Unlock()
 	if none {
 		return
 	}
-	b.run.Lock()
-	defer b.run.Unlock()
 	end := time.Now().Add(c.t.cfg.AwaitHold)
 	for {
 		b.mu.Lock()
@@ -283,48 +287,67 @@ func (c *consumer) runHeld(b *batch) {
 		b.held = b.held[1:]
 		late := b.deadline.Sub(time.Now()) < c.t.cfg.AttemptTimeout+2*c.t.cfg.StatementTimeout
 		b.mu.Unlock()
-		if late {
-			// No room left in the transaction for another attempt: the
-			// message is parked, and woken when its call is over.
-			if !h.call.state.CompareAndSwap(callRunning, callParked) {
-				err, stopped := <-h.call.result, c.gate.calls.ctx.Err() != nil
-				c.gate.calls.add() // Close waits for the wake-up, as for a call's
-				attemptWorkers.Go(func() {
-					defer c.gate.calls.done()
-					c.afterCall(b, h.log, h.d, h.n, h.aw, err, stopped)
-				}, nil)
-			}
-			c.park(b, h.log, h.d, h.aw)
-			continue
+		c.endHold(b, h, end, late)
+		c.gate.leave()
+	}
+}
+
+// endHold ends one hold of runHeld's.
+func (c *consumer) endHold(b *batch, h *heldCall, end time.Time, late bool) {
+	wait := time.Until(end)
+	if late {
+		wait = 0
+	}
+	err, taken := h.call.take(wait)
+	if !taken {
+		c.park(b, h.log, h.d, h.aw) // the call goes on: its goroutine wakes the message
+		return
+	}
+	stopped := c.gate.calls.ctx.Err() != nil
+	switch {
+	case err != nil && stopped:
+		// Cancelled by Close: the message goes back untouched.
+		c.release(b)
+	case err != nil:
+		c.fail(b, h.log, h.d, h.n, err)
+	case !late && !c.gate.closing():
+		deadline := time.Now().Add(c.t.cfg.AttemptTimeout)
+		out := c.run(b, h.log, h.d, afterAwait(h.msg), h.n, deadline, false)
+		if out != kept {
+			b.d.claims.free(h.d.id)
 		}
-		err, taken := h.call.take(min(time.Until(end), time.Until(h.deadline)))
-		switch {
-		case !taken:
-			c.park(b, h.log, h.d, h.aw)
-		case err == nil:
-			if !c.run(b, h.log, h.d, afterAwait(h.msg), h.n, h.deadline, false) {
-				b.d.claims.free(h.d.id)
-			}
-		case c.gate.calls.ctx.Err() != nil:
-			// Cancelled by Close: the message goes back untouched.
-			c.release(b)
-		default:
-			c.fail(b, h.log, h.d, h.n, err)
+		if out != refused { // the router began closing meanwhile
+			c.gate.calls.done()
+			return
 		}
 	}
+	if err == nil {
+		// Parked, and woken when the batch is over, as if the call had
+		// returned after its hold.
+		c.park(b, h.log, h.d, h.aw)
+		attemptWorkers.Go(func() {
+			defer c.gate.calls.done()
+			c.afterCall(b, h.log, h.d, h.n, h.aw, nil, stopped)
+		}, nil)
+		return
+	}
+	c.gate.calls.done()
 }
 
 // letGo leaves the calls b still holds to their goroutines: the batch ended
 // without running them again (it broke, or was never allowed to commit).
-func (b *batch) letGo() {
+func (c *consumer) letGo(b *batch) {
 	b.mu.Lock()
 	held := b.held
 	b.held = nil
 	b.mu.Unlock()
 	for _, h := range held {
-		// One whose result is in already needs nothing more: its message
-		// is delivered again as the batch was not committed.
-		h.call.state.CompareAndSwap(callRunning, callParked)
+		if !h.call.state.CompareAndSwap(callRunning, callParked) {
+			// Its result is in: nothing more to do, its message is
+			// delivered again as the batch did not commit.
+			c.gate.calls.done()
+		}
+		c.gate.leave()
 	}
 }
 
@@ -351,13 +374,13 @@ func (a *awaitedCall) take(wait time.Duration) (err error, taken bool) {
 // all; otherwise, once the batch that parked its message is over, it wakes
 // the message or records the call's failure (afterCall).
 func (c *consumer) runCall(b *batch, log *slog.Logger, d delivery, n int, aw *AwaitError, call *awaitedCall) {
-	defer c.gate.calls.done()
 	defer c.t.calls.done()
 	err := runAwaited(c.gate.calls.ctx, aw)
 	if call.state.CompareAndSwap(callRunning, callTaken) {
-		call.result <- err
+		call.result <- err // the batch ends its count in gate.calls once done with it
 		return
 	}
+	defer c.gate.calls.done()
 	c.afterCall(b, log, d, n, aw, err, c.gate.calls.ctx.Err() != nil)
 }
 

@@ -2,6 +2,7 @@ package transport_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"log/slog"
 	"strings"
@@ -579,6 +580,9 @@ func TestTheAwaitedCallsOfABatchOverlap(t *testing.T) {
 	ids := e.publish(n) // one batch
 	startRouter(t, r)
 	e.drained(e.in, "g", 30*time.Second)
+	waitFor(t, 10*time.Second, "nothing left in flight", func() bool {
+		return transport.InFlight(r) == 0 && transport.AwaitedCalls(r) == 0
+	})
 
 	assert.Equal(t, n, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'after the call'`), "each handled once after its call")
 	mu.Lock()
@@ -629,10 +633,147 @@ func TestABrokenBatchLetsItsHeldCallsGo(t *testing.T) {
 	require.NoError(t, e.tr.Publisher(e.db.SQL).Publish(e.in, awaiting, breaking)) // one batch, the breaking one last
 	stop := startRouter(t, r)
 	e.drained(e.in, "g", 30*time.Second)
+	waitFor(t, 10*time.Second, "nothing left in flight", func() bool {
+		return transport.InFlight(r) == 0 && transport.AwaitedCalls(r) == 0
+	})
 	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE msg = $1 AND part = 'after the call'`, awaiting.UUID), "delivered again, it found the call's outcome")
 	assert.Equal(t, 1, done.of(awaiting.UUID), "the call ran once")
 	dead := e.deadLetters(e.in)
 	require.Len(t, dead, 1)
 	assert.Equal(t, breaking.UUID, dead[0].UUID)
 	stop()
+}
+
+// indexOf is the index publish gave msg.
+func indexOf(msg *message.Message) int {
+	var p struct{ I int }
+	_ = json.Unmarshal(msg.Payload, &p)
+	return p.I
+}
+
+// Close waits for the run after a held call as for any attempt in
+// flight, up to CloseTimeout, and then cuts it off: the run, made by the
+// batch right before its commit, is in flight for the router until it
+// ends.
+func TestCloseCutsOffARunAfterItsHeldCall(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, func(c *transport.Config) {
+		c.AttemptTimeout, c.BatchTimeout, c.CloseTimeout = 20*time.Second, 10*time.Second, 300*time.Millisecond
+		c.AwaitHold = 2 * time.Second
+		c.StatementTimeout = 2 * time.Second // Watermill's own close gives up after 7 s
+	})
+	done := newCalls()
+	rerun := make(chan struct{})
+	var once sync.Once
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		if done.of(msg.UUID) > 0 {
+			once.Do(func() { close(rerun) })
+			<-msg.Context().Done() // ends when cut off (or at its deadline)
+			return msg.Context().Err()
+		}
+		return transport.Await(time.Hour, func(context.Context) error { done.finish(msg.UUID); return nil })
+	}, transport.WithConsumers(1)))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, r.Start(ctx))
+	e.publish(1)
+	select {
+	case <-rerun:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the run after the call never started")
+	}
+	stopped := make(chan error, 1)
+	go func() { stopped <- r.Stop() }()
+	select {
+	case err := <-stopped:
+		assert.NoError(t, err, "the run was cut off at CloseTimeout, and the router closed")
+	case <-time.After(5 * time.Second): // Watermill's close would fail after 7 s
+		t.Fatal("Stop did not cut off the run after the held call")
+	}
+}
+
+// The run after a held call has an attempt's whole time, however long the
+// batch's other deliveries took since the first run: its call succeeded,
+// so it costs no attempt.
+func TestTheRunAfterAHeldCallHasAnAttemptsTime(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, func(c *transport.Config) {
+		c.AttemptTimeout, c.BatchTimeout = 300*time.Millisecond, 5*time.Second
+		c.AwaitHold = 100 * time.Millisecond
+	})
+	done := newCalls()
+	var calls, maxAttempt atomic.Int32
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		if indexOf(msg) != 0 {
+			time.Sleep(200 * time.Millisecond) // slow work, within its own attempt's 300 ms
+			return effect(msg, e.eff, "other")
+		}
+		if n := int32(transport.AttemptFromContext(msg.Context())); n > maxAttempt.Load() {
+			maxAttempt.Store(n)
+		}
+		if done.of(msg.UUID) > 0 {
+			return effect(msg, e.eff, "after the call")
+		}
+		return transport.Await(time.Hour, func(context.Context) error {
+			calls.Add(1)
+			done.finish(msg.UUID)
+			return nil
+		})
+	}, transport.WithConsumers(1)))
+	e.publish(3) // one batch: 0 awaits a quick call, 1 and 2 take 200 ms each
+	startRouter(t, r)
+	e.drained(e.in, "g", 20*time.Second)
+	assert.Equal(t, 1, e.count(`SELECT count(*) FROM `+e.eff+` WHERE part = 'after the call'`))
+	assert.Equal(t, int32(1), maxAttempt.Load(), "no attempt of the awaiting message failed")
+	assert.Equal(t, int32(1), calls.Load(), "the call ran once")
+}
+
+// A held call that returned while the router closes is not followed by
+// its run in the batch (no attempt starts then): its message is parked
+// and woken once the batch is over, so that its next delivery, in the
+// next router, knows of the call and does not make it again.
+func TestAHeldCallThatReturnedAsTheRouterClosesIsNotMadeAgain(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, func(c *transport.Config) {
+		c.AttemptTimeout, c.BatchTimeout, c.CloseTimeout = 20*time.Second, 10*time.Second, 10*time.Second
+		c.AwaitHold = 2 * time.Second
+	})
+	var calls, awaitedRuns atomic.Int32
+	closing := make(chan struct{})
+	handler := func(msg *message.Message) error {
+		if indexOf(msg) == 1 {
+			<-closing
+			return effect(msg, e.eff, "other")
+		}
+		if transport.AwaitedFromContext(msg.Context()) {
+			awaitedRuns.Add(1)
+			return effect(msg, e.eff, "after the call")
+		}
+		return transport.Await(time.Hour, func(context.Context) error { calls.Add(1); return nil })
+	}
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", handler, transport.WithConsumers(1)))
+	e.publish(2) // one batch: 0 awaits a quick call, 1 waits for the close
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, r.Start(ctx))
+	waitFor(t, 10*time.Second, "the call ran", func() bool { return calls.Load() == 1 })
+	stopped := make(chan error, 1)
+	go func() { stopped <- r.Stop() }()
+	waitFor(t, 10*time.Second, "the router closes", func() bool { return transport.Closing(r) })
+	close(closing)
+	require.NoError(t, <-stopped)
+
+	r2, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r2.AddHandler("h", e.in, "g", handler, transport.WithConsumers(1)))
+	startRouter(t, r2)
+	e.drained(e.in, "g", 20*time.Second)
+	assert.Equal(t, int32(1), calls.Load(), "the call ran once for its message")
+	assert.Equal(t, int32(1), awaitedRuns.Load(), "the run after the call knew of it")
 }

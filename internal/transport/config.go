@@ -137,9 +137,11 @@ type Config struct {
 	// its commit, without parking the message and delivering it again. The
 	// batch goes on with its other messages while the calls run, so they
 	// run together and a batch waits at most one AwaitHold for them,
-	// whatever its size; a slow service costs each batch that much. It
-	// never reaches past the attempt's deadline. Negative: hand the message
-	// back at once. Default: AwaitHoldDefault.
+	// whatever its size; a slow service costs each batch that much. The run
+	// after the call has an attempt's whole time (AttemptTimeout); one
+	// whose call returns when the batch has no room left for it, or the
+	// router closes, is parked and woken instead. Negative: hand the
+	// message back at once. Default: AwaitHoldDefault.
 	AwaitHold time.Duration
 
 	// HeartbeatInterval is how often a running router records its consumer

@@ -280,7 +280,7 @@ func (c *consumer) endBatch(err error) (again bool) {
 		return false
 	}
 	b.inFlight.Wait()
-	b.letGo() // calls still held when the batch ended without its commit
+	c.letGo(b) // calls still held when the batch ended without its commit
 	expired := b.d.expired()
 	// After a commit the connection is idle; after a commit whose
 	// connection was lost, the outcome is unknown and nothing is told.
@@ -505,24 +505,26 @@ func (c *consumer) deliver(msg *message.Message) error {
 	if d.awaited > 0 {
 		msg = afterAwait(msg) // delivered again after its park
 	}
-	wasKept = c.run(b, log, d, msg, n, deadline, true)
+	out := c.run(b, log, d, msg, n, deadline, true)
+	wasKept = out == kept
+	if out == refused {
+		c.release(b)
+	}
 	return nil
 }
 
 // run runs the attempts of delivery d of b (the connection is the
-// caller's: it holds b.run) until one ends it, and reports whether the
-// message's work was kept. hold: an awaited call may hold the batch (see
-// await); a call it holds is run again by the batch before its commit
-// (runHeld).
-func (c *consumer) run(b *batch, log *slog.Logger, d delivery, msg *message.Message, n int, deadline time.Time, hold bool) (wasKept bool) {
+// caller's: it holds b.run) until one ends it, and returns how the last
+// ended: kept, refused (not started: the router is closing; the caller
+// hands the message back), or else failed or broken, recorded. hold: an
+// awaited call may hold the batch (see await); a call it holds is run
+// again by the batch before its commit (runHeld).
+func (c *consumer) run(b *batch, log *slog.Logger, d delivery, msg *message.Message, n int, deadline time.Time, hold bool) attemptEnd {
 	wrote := false // the batch's queued rows were written for it once
 	for {
 		out, err := c.t.handleBy(&b.d, c.gate, msg, d.id, n, deadline, c.rt.name, c.rt.h)
 		switch out {
-		case kept:
-			return true
-		case refused:
-			c.release(b)
+		case kept, refused:
 		case broken:
 			c.breakBatch(b, log, d, n, err)
 		case failed:
@@ -533,22 +535,19 @@ func (c *consumer) run(b *batch, log *slog.Logger, d delivery, msg *message.Mess
 				wrote = true
 				if werr := b.d.writeBatched(context.Background()); werr != nil {
 					c.breakBatchedWrite(b, log, werr)
-					return false
+					return broken
 				}
 				continue
 			}
 			if hb := (*HandBackError)(nil); errors.As(err, &hb) {
 				c.handBack(b, log, d, hb)
-				return false
-			}
-			aw := (*AwaitError)(nil)
-			if !errors.As(err, &aw) {
+			} else if aw := (*AwaitError)(nil); errors.As(err, &aw) {
+				c.await(b, log, d, msg, n, aw, hold)
+			} else {
 				c.fail(b, log, d, n, err)
-				return false
 			}
-			c.await(b, log, d, msg, n, aw, hold, deadline)
 		}
-		return false
+		return out
 	}
 }
 

@@ -170,7 +170,9 @@ func (r *Router) Subscriptions() []Subscription {
 // call of the handler for one message does nothing; a middleware that
 // returns without calling the handler costs the message a failed attempt
 // (ErrHandlerNotCalled). Work before the handler must take less than
-// Config.BatchTimeout, or the batch hands its messages back.
+// Config.BatchTimeout, or the batch hands its messages back. A handler's
+// run after a call it awaited (Await) and its batch held for is made by
+// the batch right before its commit, after the middleware returned.
 func (r *Router) AddMiddleware(m ...message.HandlerMiddleware) { r.router.AddMiddleware(m...) }
 
 // Run checks the database, records the router's subscriptions and runs the
@@ -488,6 +490,14 @@ func (g *gate) enter() bool {
 	}
 	g.inFlight++
 	return true
+}
+
+// hold counts a delivery's held call as in flight (see heldCall), until
+// leave: its delivery was admitted, so it counts even while draining.
+func (g *gate) hold() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.inFlight++
 }
 
 func (g *gate) leave() {
