@@ -83,9 +83,10 @@ func TestSmallRun(t *testing.T) {
 		sum += r.StatementsByOwner[o]
 	}
 	assert.InDelta(t, r.StatementsPerSaga, sum, 0.05)
-	// Placing the order, the charge's batch, the reservation and the
-	// gateway's record at least; fewer than the statements.
-	assert.GreaterOrEqual(t, r.CommitsPerSaga, 3.0)
+	// Placing the order and the reservation for every saga, the capture
+	// for those charged, and the batches' own (a batch's held charges
+	// share one); fewer than the statements.
+	assert.GreaterOrEqual(t, r.CommitsPerSaga, 2.0)
 	assert.Less(t, r.CommitsPerSaga, r.StatementsPerSaga)
 	assert.Positive(t, r.GatewayCommitsPerSaga, "the gateway records each call")
 	// A round trip carries one statement or more, and each commit needs
