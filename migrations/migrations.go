@@ -48,7 +48,44 @@ func Apply(ctx context.Context, db *sql.DB) ([]int64, error) {
 
 // Version reports the newest applied migration version of db and the newest
 // version this binary knows. A database ahead of the binary was migrated by a
-// newer release.
+// newer release. It only reads db.
 func Version(ctx context.Context, db *sql.DB) (current, known int64, err error) {
 	return set.Version(ctx, db)
+}
+
+// Migration is one of pgsaga's migrations.
+type Migration struct {
+	Version int64
+	// File is its file's name (00001_idempotency_keys.sql).
+	File string
+	// SQL is what it runs (its file's Up section).
+	SQL string
+	// NoTransaction: it runs outside a transaction (it builds indexes
+	// CONCURRENTLY).
+	NoTransaction bool
+}
+
+// Pending lists the migrations db has yet to apply, in order, as Apply
+// would apply them. It only reads db.
+func Pending(ctx context.Context, db *sql.DB) ([]Migration, error) {
+	ms, err := set.Pending(ctx, db)
+	pending := make([]Migration, len(ms))
+	for i, m := range ms {
+		pending[i] = Migration(m)
+	}
+	return pending, err
+}
+
+// Script is SQL that applies pending (see Pending) as Apply would, for
+// teams that apply migrations with their own tool: the version table
+// (VersionTable) if it is missing, then each migration in a transaction of
+// its own (but the one that builds indexes concurrently, which cannot run
+// in one), with the row that records it, so that Apply and the workers
+// then find nothing to do. It is empty when nothing is pending.
+func Script(pending []Migration) string {
+	ms := make([]pgmigrate.Migration, len(pending))
+	for i, m := range pending {
+		ms[i] = pgmigrate.Migration(m)
+	}
+	return set.Script(ms)
 }

@@ -116,6 +116,7 @@ func newDemo(ctx context.Context, opts options, stdout, stderr io.Writer) (*demo
 	}
 	d.found = found
 	fmt.Fprintln(d.status, "using", found.Describe())
+	fmt.Fprintln(d.status, inspectHint(found))
 	// Each worker holds a connection per busy lane (seven handlers) and a
 	// charge a second one for its gateway lease.
 	d.db, err = pgdb.Open(ctx, pgdb.Config{URL: found.URL, MaxConns: int32(12 + 10*opts.workers), ApplicationName: "orderdemo"})
@@ -1144,4 +1145,18 @@ func fmtMillis(v float64) string {
 		return fmt.Sprintf("%.2fs", v/1000)
 	}
 	return fmt.Sprintf("%.0fms", v)
+}
+
+// inspectHint says how the operator's tool reads the database the sample
+// uses: pgsaga finds only what it is told, or a sample's embedded server
+// while it runs.
+func inspectHint(found *finddb.Found) string {
+	switch found.Source {
+	case finddb.FromLocalhost: // the probe's URL: no password
+		return "inspect it with: go run ./cmd/pgsaga --database-url '" + found.URL + "' sagas"
+	case finddb.FromEnv:
+		return "inspect it with (DATABASE_URL names it): go run ./cmd/pgsaga sagas"
+	default:
+		return "inspect it with (while this server runs: -orders 0 -serve keeps it): go run ./cmd/pgsaga sagas"
+	}
 }

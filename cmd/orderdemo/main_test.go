@@ -68,7 +68,7 @@ func TestRunPlacesOrdersAndReports(t *testing.T) {
 	stdout.Reset()
 	code = run(context.Background(), []string{"-orders", "5"}, &stdout, &stderr)
 	require.Equal(t, exitOK, code)
-	for _, want := range []string{"completed", "compensated", "failed", "latency", "p50", "p99", "time taken", "invariants   all hold"} {
+	for _, want := range []string{"go run ./cmd/pgsaga", "completed", "compensated", "failed", "latency", "p50", "p99", "time taken", "invariants   all hold"} {
 		assert.Contains(t, stdout.String(), want)
 	}
 }

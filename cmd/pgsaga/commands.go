@@ -15,6 +15,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/pgserver"
 	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/migrations"
@@ -397,25 +398,61 @@ func clip(s string, n int) string {
 }
 
 func migrateCmd() *cobra.Command {
-	return &cobra.Command{
+	var dryRun, showSQL bool
+	cmd := &cobra.Command{
 		Use:   "migrate",
-		Short: "Apply the migrations this binary knows to the database",
-		Args:  noArgs,
+		Short: "Apply the migrations this binary knows to the database, or say what it would apply",
+		Long: "migrate applies pgsaga's pending migrations (its tables only; an application's own come from its migrations). " +
+			"--dry-run lists them and changes nothing, not even the version table; --show-sql prints their SQL, " +
+			"with the rows that record them, for teams that apply migrations with their own tool: " +
+			"`pgsaga migrate --dry-run --show-sql | psql` leaves the database as migrate would.",
+		Args: noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return withDB(cmd.Context(), func(db *pgdb.DB) error {
-				applied, err := migrations.Apply(cmd.Context(), db.SQL)
+			ctx, out := cmd.Context(), cmd.OutOrStdout()
+			return withDB(ctx, func(db *pgdb.DB) error {
+				if dryRun || showSQL {
+					if err := pgserver.RequireUTF8(ctx, db.SQL); err != nil {
+						return err
+					}
+					pending, err := migrations.Pending(ctx, db.SQL)
+					if err != nil {
+						return err
+					}
+					switch {
+					case len(pending) == 0 && showSQL:
+						fmt.Fprintln(out, "-- the schema is up to date: nothing to apply")
+						return nil
+					case len(pending) == 0:
+						fmt.Fprintln(out, "the schema is up to date")
+						return nil
+					case showSQL:
+						fmt.Fprint(out, migrations.Script(pending))
+					default:
+						fmt.Fprintf(out, "would apply %d migrations:\n", len(pending))
+						for _, m := range pending {
+							fmt.Fprintf(out, "  %s\n", m.File)
+						}
+					}
+					if dryRun {
+						return nil
+					}
+				}
+				applied, err := migrations.Apply(ctx, db.SQL)
 				if err != nil {
 					return err
 				}
 				if len(applied) == 0 {
-					fmt.Fprintln(cmd.OutOrStdout(), "the schema is up to date")
+					fmt.Fprintln(out, "the schema is up to date")
 					return nil
 				}
-				fmt.Fprintf(cmd.OutOrStdout(), "applied %v\n", applied)
+				fmt.Fprintf(out, "applied %v\n", applied)
 				return nil
 			})
 		},
 	}
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "say what would be applied, and apply nothing")
+	cmd.Flags().BoolVar(&showSQL, "show-sql", false, "print the SQL of the pending migrations (only that, with --dry-run, so that it can be piped to psql)")
+	return cmd
 }
 
 // versionJSON is `version --json`. Its field names are a contract.

@@ -1,8 +1,11 @@
 // Command pgsaga is the operator's tool: it lists and inspects sagas, dead
-// letters and the schema of the database the workers use (DATABASE_URL,
-// else the local server the sample uses; it never starts one), and serves
-// the same as web pages.
+// letters and the schema of the database the workers use, and serves the
+// same as web pages. The database is --database-url, else DATABASE_URL,
+// else the PG* variables as libpq reads them, else the embedded server of
+// a sample running on this machine; pgsaga starts no server and creates no
+// database (only migrate creates tables).
 //
+//	pgsaga [--database-url URL] <command>
 //	pgsaga sagas [--status S]... [--saga NAME] [--older-than D] [--limit N] [--json]
 //	pgsaga show <saga-id> [--json]
 //	pgsaga retry <saga-id> [--no-wait] [--timeout D] [--json]
@@ -17,7 +20,7 @@
 //	pgsaga consumers drop <group> [--topic T] [--stale D] [--force] --yes
 //	pgsaga relay --broker URL --topic T [--topic T]... [--batch N] [--report-every D] [--verbose]
 //	pgsaga ui [--addr 127.0.0.1:8080] [--allow-host NAME]... [--verbose]
-//	pgsaga migrate
+//	pgsaga migrate [--dry-run] [--show-sql]
 //	pgsaga version [--json]
 //
 // ui serves the operator's web view until SIGINT or SIGTERM: the sagas by
@@ -29,6 +32,9 @@
 // relay relays topics of the workers' database to a message broker (NATS
 // JetStream, nats://; Kafka, kafka://) until SIGINT or SIGTERM, as a
 // process of its own (workers can run it themselves: saga.ClientConfig.Broker).
+//
+// migrate --dry-run --show-sql prints the SQL of the pending migrations,
+// with the rows that record them, for a team's own migration tool.
 //
 // Exit status: 0 done, 1 the operation failed (no database, no such saga,
 // a request refused or not carried out), 2 usage (a bad flag or argument;
@@ -52,7 +58,6 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/pgsaga/pgsaga/cmd/internal/cliargs"
-	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/migrations"
@@ -139,11 +144,17 @@ func failed(err error) error {
 
 func newRoot(stdout, stderr io.Writer) *cobra.Command {
 	root := &cobra.Command{
-		Use:           "pgsaga",
-		Short:         "Operate pgsaga: sagas, dead letters, consumers, schema; a web view of them",
-		Long:          "pgsaga reads the database the workers use: DATABASE_URL, else PostgreSQL on 127.0.0.1:5432 (database pgsaga), else the embedded server of a running sample. It never starts a server.",
+		Use:   "pgsaga",
+		Short: "Operate pgsaga: sagas, dead letters, consumers, schema; a web view of them",
+		Long: "pgsaga reads the database the workers use: --database-url, else DATABASE_URL, else the PG* variables as libpq reads them (PGHOST, PGPORT, PGDATABASE, PGUSER, PGPASSWORD, ~/.pgpass, …), " +
+			"else the embedded server of a sample running on this machine. It starts no server and creates no database; only migrate creates tables.",
 		SilenceUsage:  true,
 		SilenceErrors: true,
+	}
+	var databaseURL string
+	root.PersistentFlags().StringVar(&databaseURL, "database-url", "", "the workers' database, as a libpq URL or keyword/value string (default $DATABASE_URL, then the PG* variables); a password is better kept in $PGPASSWORD or ~/.pgpass than on the command line")
+	root.PersistentPreRun = func(cmd *cobra.Command, _ []string) {
+		cmd.SetContext(withDatabaseURL(cmd.Context(), databaseURL))
 	}
 	root.SetOut(stdout)
 	root.SetErr(stderr)
@@ -152,18 +163,20 @@ func newRoot(stdout, stderr io.Writer) *cobra.Command {
 	return root
 }
 
-// open finds and opens the workers' database, with a pool of conns.
-func open(ctx context.Context, conns int32) (*pgdb.DB, *finddb.Found, error) {
-	found, err := finddb.Find(ctx, finddb.Config{Existing: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+// open opens the workers' database (see resolve), with a pool of conns.
+func open(ctx context.Context, conns int32) (*pgdb.DB, target, error) {
+	t, err := resolve(ctx)
 	if err != nil {
-		return nil, nil, failed(err)
+		return nil, t, failed(err)
 	}
-	db, err := pgdb.Open(ctx, pgdb.Config{URL: found.URL, MaxConns: conns, ApplicationName: "pgsaga"})
+	db, err := pgdb.Open(ctx, pgdb.Config{URL: t.url, Environment: t.env, MaxConns: conns, ApplicationName: "pgsaga"})
 	if err != nil {
-		_ = found.Close()
-		return nil, nil, failed(err)
+		if t.found != nil {
+			_ = t.found.Close()
+		}
+		return nil, t, failed(fmt.Errorf("%w (the database named by %s)", err, t.from))
 	}
-	return db, found, nil
+	return db, t, nil
 }
 
 // withDB runs fn on the workers' database.
@@ -200,7 +213,7 @@ func operatorClient(db *sql.DB, log *slog.Logger) (*saga.Client, error) {
 }
 
 func onDB(ctx context.Context, needSchema bool, fn func(db *pgdb.DB) error) error {
-	return onFound(ctx, needSchema, commandConns, func(db *pgdb.DB, _ *finddb.Found) error { return fn(db) })
+	return onFound(ctx, needSchema, commandConns, func(db *pgdb.DB, _ target) error { return fn(db) })
 }
 
 // commandConns is the pool of a command: the operator's commands and the
@@ -209,12 +222,14 @@ const commandConns = 4
 
 // onFound is onDB for a command that also says where the database is, with
 // a pool of conns.
-func onFound(ctx context.Context, needSchema bool, conns int32, fn func(db *pgdb.DB, found *finddb.Found) error) error {
+func onFound(ctx context.Context, needSchema bool, conns int32, fn func(db *pgdb.DB, found target) error) error {
 	db, found, err := open(ctx, conns)
 	if err != nil {
 		return err
 	}
-	defer found.Close()
+	if found.found != nil {
+		defer found.found.Close()
+	}
 	defer db.Close()
 	if needSchema {
 		current, _, err := migrations.Version(ctx, db.SQL)
@@ -222,7 +237,7 @@ func onFound(ctx context.Context, needSchema bool, conns int32, fn func(db *pgdb
 			return failed(err)
 		}
 		if current == 0 {
-			return failed(fmt.Errorf("%s holds no pgsaga schema: point DATABASE_URL at the database your workers use, or run `pgsaga migrate`", found.Describe()))
+			return failed(fmt.Errorf("%s holds no pgsaga schema: point --database-url (or DATABASE_URL) at the database your workers use, or run `pgsaga migrate`", found.describe()))
 		}
 	}
 	return failed(fn(db, found))

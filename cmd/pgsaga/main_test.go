@@ -268,15 +268,7 @@ func TestNoDatabase(t *testing.T) {
 // is named, with the two ways out, instead of a "relation does not exist";
 // migrate then brings it up to date.
 func TestDatabaseWithoutTheSchema(t *testing.T) {
-	admin := testdb.Shared(t)
-	name := "pgsaga_cli_empty_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
-	_, err := admin.SQL.Exec(`CREATE DATABASE ` + name)
-	require.NoError(t, err)
-	t.Cleanup(func() { _, _ = admin.SQL.Exec(`DROP DATABASE IF EXISTS ` + name + ` WITH (FORCE)`) })
-	u, err := url.Parse(admin.URL)
-	require.NoError(t, err)
-	u.Path = "/" + name
-	t.Setenv("DATABASE_URL", u.String())
+	t.Setenv("DATABASE_URL", emptyDatabase(t))
 
 	for _, args := range [][]string{{"sagas"}, {"show", uuid.NewString()}, {"dead-letters"}} {
 		code, _, errOut := pgsaga(t, args...)
@@ -292,6 +284,31 @@ func TestDatabaseWithoutTheSchema(t *testing.T) {
 	assert.Contains(t, out, "applied")
 	code, _, errOut = pgsaga(t, "sagas")
 	assert.Equal(t, exitOK, code, errOut)
+}
+
+// emptyDatabase creates a database with no tables, dropped at the end of
+// the test, and returns its URL.
+func emptyDatabase(t *testing.T) string {
+	t.Helper()
+	admin := testdb.Shared(t)
+	name := "pgsaga_cli_empty_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
+	_, err := admin.SQL.Exec(`CREATE DATABASE ` + name)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = admin.SQL.Exec(`DROP DATABASE IF EXISTS ` + name + ` WITH (FORCE)`) })
+	u, err := url.Parse(admin.URL)
+	require.NoError(t, err)
+	u.Path = "/" + name
+	return u.String()
+}
+
+// tablesIn counts the tables of the database url names, in any schema but
+// the system's.
+func tablesIn(t *testing.T, url string) int {
+	t.Helper()
+	var n int
+	require.NoError(t, testdb.Open(t, url, 2).SQL.QueryRow(
+		`SELECT count(*) FROM pg_tables WHERE schemaname NOT IN ('pg_catalog', 'information_schema')`).Scan(&n))
+	return n
 }
 
 // sqlDB is a handle on the database DATABASE_URL names.

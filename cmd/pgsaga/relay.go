@@ -11,7 +11,6 @@ import (
 
 	"github.com/pgsaga/pgsaga/cmd/internal/brokers"
 	"github.com/pgsaga/pgsaga/internal/brokers/brokerurl"
-	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps/broker"
@@ -72,7 +71,7 @@ func relayCmd() *cobra.Command {
 			stderr := cmd.ErrOrStderr()
 			log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
 			ctx := cmd.Context()
-			return onFound(ctx, true, relayConns(len(topics)), func(db *pgdb.DB, found *finddb.Found) error {
+			return onFound(ctx, true, relayConns(len(topics)), func(db *pgdb.DB, found target) error {
 				tr, err := transport.New(transport.Config{DB: db.SQL, Logger: log})
 				if err != nil {
 					return err
@@ -92,7 +91,7 @@ func relayCmd() *cobra.Command {
 				if err != nil {
 					return err
 				}
-				fmt.Fprintf(cmd.OutOrStdout(), "pgsaga relay: relaying %v from %s to %s; stop with Ctrl-C (SIGINT) or SIGTERM\n", topics, found.Describe(), brokerurl.Describe(brokerURL))
+				fmt.Fprintf(cmd.OutOrStdout(), "pgsaga relay: relaying %v from %s to %s; stop with Ctrl-C (SIGINT) or SIGTERM\n", topics, found.describe(), brokerurl.Describe(brokerURL))
 				var tick <-chan time.Time
 				if every > 0 {
 					t := time.NewTicker(every)

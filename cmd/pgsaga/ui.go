@@ -32,7 +32,6 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/saga"
@@ -87,7 +86,7 @@ func uiCmd() *cobra.Command {
 			stderr := cmd.ErrOrStderr()
 			log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
 			ctx := cmd.Context()
-			return onFound(ctx, true, commandConns, func(db *pgdb.DB, found *finddb.Found) error {
+			return onFound(ctx, true, commandConns, func(db *pgdb.DB, found target) error {
 				ln, err := net.Listen("tcp", addr)
 				if err != nil {
 					return fmt.Errorf("cannot listen on %s: %w", addr, err)
@@ -98,7 +97,7 @@ func uiCmd() *cobra.Command {
 					fmt.Fprintf(stderr, "pgsaga ui: reachable from other machines; it answers to %s, with the login. It speaks plain HTTP: "+
 						"put a proxy that speaks HTTPS in front, or the login crosses the network readable.\n", strings.Join(hosts, ", "))
 				}
-				h, err := newUI(uiConfig{DB: db.SQL, Logger: log, Where: found.Describe(), Hosts: hosts, Auth: auth})
+				h, err := newUI(uiConfig{DB: db.SQL, Logger: log, Where: found.describe(), Hosts: hosts, Auth: auth})
 				if err != nil {
 					_ = ln.Close()
 					return err

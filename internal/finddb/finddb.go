@@ -79,11 +79,6 @@ type Config struct {
 	Timeout time.Duration
 	// IsRoot reports whether the process runs as root. Default: euid 0.
 	IsRoot func() bool
-	// Existing uses only a server that is already running: DATABASE_URL,
-	// the local server, or an embedded server a running sample started;
-	// it never starts one (an operator's tool reads the workers' database,
-	// and a fresh one would be empty).
-	Existing bool
 
 	skipped string // why a local server that answered was not used
 }
@@ -196,18 +191,26 @@ func Find(ctx context.Context, cfg Config) (*Found, error) {
 	} else {
 		cfg.Logger.Debug("no local PostgreSQL answered", "err", probeErr)
 	}
-	if cfg.Existing {
-		return runningEmbedded(ctx, cfg)
-	}
 	return startEmbedded(ctx, cfg)
 }
 
 // oneLine is err's message on one line.
 func oneLine(err error) string { return strings.Join(strings.Fields(err.Error()), " ") }
 
-// runningEmbedded is the embedded server a running program started, if
-// one answers; it is not stopped on Close.
-func runningEmbedded(ctx context.Context, cfg Config) (*Found, error) {
+// ErrNoRunningSample is returned by Running when no embedded server of a
+// running sample answers.
+var ErrNoRunningSample = errors.New("no embedded PostgreSQL of a running sample answered")
+
+// Running returns the embedded server of a sample running on this machine
+// as this user, if one answers (cfg's EmbeddedDir, EmbeddedPort and
+// Database say where): it reads nothing from the environment, probes no
+// other server, starts nothing and creates no database, and Close leaves
+// the server running (an operator's tool reads the workers' database, and
+// a fresh one would be empty). Otherwise its error wraps
+// ErrNoRunningSample, and says how to start the sample's server again when
+// its data is there.
+func Running(ctx context.Context, cfg Config) (*Found, error) {
+	cfg.setDefaults()
 	dataDir := filepath.Join(cfg.EmbeddedDir, "data")
 	// The data directory's password, else one a run has yet to move
 	// there, else an earlier release's.
@@ -215,7 +218,7 @@ func runningEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 	for _, path := range []string{filepath.Join(dataDir, passwordFile), filepath.Join(cfg.EmbeddedDir, pendingPasswordFile)} {
 		pw, ok, err := readPassword(path)
 		if err != nil {
-			return nil, fmt.Errorf("%w: %w; the embedded PostgreSQL is its user's alone: run this as that user, or set DATABASE_URL", ErrNoDatabase, err)
+			return nil, fmt.Errorf("%w: %w; the embedded PostgreSQL is its user's alone: run this as that user, or name the workers' database", ErrNoRunningSample, err)
 		}
 		if ok {
 			candidates = append(candidates, pw)
@@ -228,17 +231,12 @@ func runningEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 			return &Found{URL: url, Source: FromEmbedded, Detail: dataDir}, nil
 		}
 	}
-	local := "nothing answered for " + pgdb.Describe(cfg.ProbeURL)
-	if cfg.skipped != "" {
-		local = cfg.skipped
-	}
 	if version, err := os.ReadFile(filepath.Join(dataDir, "PG_VERSION")); err == nil {
 		// A sample ran on its embedded server and has exited, stopping it:
 		// its data is there. An operator's tool starts nothing; it says how.
-		return nil, fmt.Errorf("%w: %s; %s", ErrNoDatabase, local, restartHint(cfg, dataDir, strings.TrimSpace(string(version))))
+		return nil, fmt.Errorf("%w: %s", ErrNoRunningSample, restartHint(cfg, dataDir, strings.TrimSpace(string(version))))
 	}
-	return nil, fmt.Errorf("%w: %s, and no embedded PostgreSQL of a running sample answered on port %d; "+
-		"set DATABASE_URL to the database your workers use", ErrNoDatabase, local, cfg.EmbeddedPort)
+	return nil, fmt.Errorf("%w on port %d", ErrNoRunningSample, cfg.EmbeddedPort)
 }
 
 func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {

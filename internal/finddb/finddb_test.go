@@ -410,25 +410,20 @@ func dropDatabase(t *testing.T, name string) {
 	}
 }
 
-// An operator's tool (Existing) never starts a server: with nothing
-// running it says so and how to point it at the workers' database, even
-// as a user who could start an embedded one; with the embedded server of a
-// running sample it uses that.
-func TestExistingNeverStartsAServer(t *testing.T) {
+// Running never starts a server: with nothing running it says so, even
+// as a user who could start an embedded one, and sets nothing up; with the
+// embedded server of a running sample it uses that.
+func TestRunningNeverStartsAServer(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
-	_, err := finddb.Find(context.Background(), finddb.Config{
-		Getenv:       noEnv,
-		ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
+	_, err := finddb.Running(context.Background(), finddb.Config{
 		EmbeddedPort: freePort(t),
 		EmbeddedDir:  dir,
 		IsRoot:       func() bool { return false },
 		Logger:       quiet,
 		Timeout:      time.Second,
-		Existing:     true,
 	})
-	require.ErrorIs(t, err, finddb.ErrNoDatabase)
-	assert.Contains(t, err.Error(), "set DATABASE_URL to the database your workers use")
+	require.ErrorIs(t, err, finddb.ErrNoRunningSample)
 	entries, _ := os.ReadDir(dir)
 	assert.Empty(t, entries, "nothing was set up for an embedded server")
 }
@@ -436,7 +431,7 @@ func TestExistingNeverStartsAServer(t *testing.T) {
 // With a sample's embedded server running (here: a server on 127.0.0.1 that
 // takes the embedded server's credentials, posing as one), an operator's
 // tool uses it and will not stop it.
-func TestExistingUsesARunningEmbeddedServer(t *testing.T) {
+func TestRunningUsesARunningEmbeddedServer(t *testing.T) {
 	t.Parallel()
 	u, err := url.Parse(testdb.ServerURL())
 	require.NoError(t, err)
@@ -449,16 +444,13 @@ func TestExistingUsesARunningEmbeddedServer(t *testing.T) {
 		_ = conn.Close(context.Background())
 	}
 	dir := t.TempDir()
-	found, err := finddb.Find(context.Background(), finddb.Config{
-		Getenv:       noEnv,
-		ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
+	found, err := finddb.Running(context.Background(), finddb.Config{
 		EmbeddedPort: uint32(port),
 		EmbeddedDir:  dir,
 		Database:     "postgres",
 		IsRoot:       func() bool { return false },
 		Logger:       quiet,
 		Timeout:      5 * time.Second,
-		Existing:     true,
 	})
 	require.NoError(t, err)
 	assert.Equal(t, finddb.FromEmbedded, found.Source)
@@ -481,7 +473,7 @@ func pingURL(u string) error {
 // behind, its server stopped: an operator's tool still starts nothing, and
 // says exactly how to bring that server back, with binaries of the data's
 // version only.
-func TestExistingSaysHowToStartAStoppedSampleServer(t *testing.T) {
+func TestRunningSaysHowToStartAStoppedSampleServer(t *testing.T) {
 	t.Parallel()
 	bin := pgbin.Find()
 	if bin == "" {
@@ -496,18 +488,15 @@ func TestExistingSaysHowToStartAStoppedSampleServer(t *testing.T) {
 		require.NoError(t, os.MkdirAll(data, 0o700))
 		require.NoError(t, os.WriteFile(filepath.Join(data, "PG_VERSION"), []byte(version+"\n"), 0o600))
 		port := freePort(t)
-		_, err := finddb.Find(context.Background(), finddb.Config{
-			Getenv:       noEnv,
-			ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
+		_, err := finddb.Running(context.Background(), finddb.Config{
 			EmbeddedPort: port,
 			EmbeddedDir:  dir,
 			BinDirs:      []string{bin},
 			IsRoot:       func() bool { return false },
 			Logger:       quiet,
 			Timeout:      time.Second,
-			Existing:     true,
 		})
-		require.ErrorIs(t, err, finddb.ErrNoDatabase)
+		require.ErrorIs(t, err, finddb.ErrNoRunningSample)
 		entries, _ := os.ReadDir(dir)
 		assert.Len(t, entries, 1, "nothing started or set up")
 		return err.Error(), dir, port
@@ -587,23 +576,20 @@ func TestSiblingOfADatabaseNamedInAParameter(t *testing.T) {
 // An operator's tool that cannot read the embedded server's password file
 // (another user's server, or a damaged file) says so and what to do,
 // instead of trying a password it does not have.
-func TestExistingWithAnUnreadablePasswordFile(t *testing.T) {
+func TestRunningWithAnUnreadablePasswordFile(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	data := filepath.Join(dir, "data")
 	require.NoError(t, os.MkdirAll(data, 0o700))
 	require.NoError(t, os.WriteFile(filepath.Join(data, passwordFile), []byte("not a password\n"), 0o600))
-	_, err := finddb.Find(context.Background(), finddb.Config{
-		Getenv:       noEnv,
-		ProbeURL:     "postgres://postgres@127.0.0.1:1/postgres",
+	_, err := finddb.Running(context.Background(), finddb.Config{
 		EmbeddedPort: freePort(t),
 		EmbeddedDir:  dir,
 		Logger:       quiet,
 		Timeout:      time.Second,
-		Existing:     true,
 	})
-	require.ErrorIs(t, err, finddb.ErrNoDatabase)
+	require.ErrorIs(t, err, finddb.ErrNoRunningSample)
 	require.ErrorIs(t, err, finddb.ErrPasswordUnreadable)
-	assert.Contains(t, err.Error(), "set DATABASE_URL")
+	assert.Contains(t, err.Error(), "name the workers' database")
 	assert.NotContains(t, err.Error(), "not a password")
 }

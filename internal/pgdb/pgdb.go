@@ -29,8 +29,14 @@ var ErrNoURL = errors.New("pgdb: no database URL (set " + EnvURL + ")")
 
 // Config configures Open.
 type Config struct {
-	// URL is the libpq connection string. Default: the DATABASE_URL environment variable.
+	// URL is the libpq connection string. Default: the DATABASE_URL
+	// environment variable, unless Environment is set.
 	URL string
+	// Environment, with no URL, connects as libpq would with an empty
+	// connection string: with the PG* variables (PGHOST, PGPORT,
+	// PGDATABASE, PGUSER, PGPASSWORD, PGSSLMODE, …), ~/.pgpass and
+	// libpq's defaults.
+	Environment bool
 	// MaxConns bounds the pool, and so everything the process does with the database.
 	// Default: 16.
 	MaxConns int32
@@ -44,7 +50,7 @@ type Config struct {
 }
 
 func (c *Config) setDefaults() {
-	if c.URL == "" {
+	if c.URL == "" && !c.Environment {
 		c.URL = os.Getenv(EnvURL)
 	}
 	if c.MaxConns == 0 {
@@ -59,7 +65,7 @@ func (c *Config) setDefaults() {
 }
 
 func (c *Config) validate() error {
-	if c.URL == "" {
+	if c.URL == "" && !c.Environment {
 		return ErrNoURL
 	}
 	if c.MaxConns < 2 {
