@@ -18,10 +18,14 @@
 //	pgsaga dead-letters delete (<id>... | --topic T --older-than D) --yes
 //	pgsaga consumers [--stale D] [--json]
 //	pgsaga consumers drop <group> [--topic T] [--stale D] [--force] --yes
-//	pgsaga relay --broker URL --topic T [--topic T]... [--batch N] [--report-every D] [--verbose]
-//	pgsaga ui [--addr 127.0.0.1:8080] [--allow-host NAME]... [--verbose]
+//	pgsaga relay --broker URL --topic T [--topic T]... [--batch N] [--report-every D] [serving flags]
+//	pgsaga ui [--addr 127.0.0.1:8080] [--allow-host NAME]... [serving flags]
 //	pgsaga migrate [--dry-run] [--show-sql]
 //	pgsaga version [--json]
+//
+// The serving flags of relay and ui: [-v | --log-level L] [--log-format
+// text|json] [--metrics-addr A]; both trace from the standard
+// OpenTelemetry environment (OTEL_TRACES_EXPORTER, OTEL_EXPORTER_OTLP_*).
 //
 // ui serves the operator's web view until SIGINT or SIGTERM: the sagas by
 // status, a saga's timeline drawn as a picture with its Retry and Cancel

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"os"
 	"time"
 
@@ -26,7 +25,7 @@ func relayCmd() *cobra.Command {
 		topics    []string
 		batch     int
 		every     time.Duration
-		verbose   bool
+		serving   serveFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "relay --broker URL --topic T [--topic T…]",
@@ -64,17 +63,28 @@ func relayCmd() *cobra.Command {
 			if every < 0 {
 				return usagef("--report-every must not be negative")
 			}
-			level := slog.LevelInfo
-			if verbose {
-				level = slog.LevelDebug
-			}
 			stderr := cmd.ErrOrStderr()
-			log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
+			log, err := serving.logger(cmd.Flags(), stderr)
+			if err != nil {
+				return err
+			}
 			ctx := cmd.Context()
 			return onFound(ctx, true, relayConns(len(topics)), func(db *pgdb.DB, found target) error {
-				tr, err := transport.New(transport.Config{DB: db.SQL, Logger: log})
+				reg, stop, err := serving.serve(ctx, "relay", stderr, log)
 				if err != nil {
 					return err
+				}
+				defer stop()
+				tr, err := transport.New(transport.Config{DB: db.SQL, Logger: log, Metrics: registerer(reg)})
+				if err != nil {
+					return err
+				}
+				if reg != nil {
+					c, err := operatorClient(db.SQL, log)
+					if err != nil {
+						return err
+					}
+					reg.MustRegister(c.Collector()) // the relay's lag: pgsaga_consumer_depth{consumer_group="pgsaga.relay"}
 				}
 				br, err := brokers.Open(brokerURL, log)
 				if err != nil {
@@ -121,7 +131,7 @@ func relayCmd() *cobra.Command {
 	cmd.Flags().StringArrayVar(&topics, "topic", nil, "a topic to relay (repeat for several)")
 	cmd.Flags().IntVar(&batch, "batch", broker.BatchSizeDefault, "messages of a topic taken from the queue per transaction")
 	cmd.Flags().DurationVar(&every, "report-every", time.Minute, "print what was relayed this often (0: only when stopping)")
-	cmd.Flags().BoolVarP(&verbose, "verbose", "v", false, "log each batch (debug level)")
+	serving.register(cmd.Flags(), "log each batch")
 	return cmd
 }
 

@@ -44,7 +44,7 @@ func uiCmd() *cobra.Command {
 	var (
 		addr    string
 		allow   []string
-		verbose bool
+		serving serveFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "ui",
@@ -79,14 +79,25 @@ func uiCmd() *cobra.Command {
 			if err := exposedWithout(addr, auth, names); err != nil {
 				return usageError{err}
 			}
-			level := slog.LevelInfo
-			if verbose {
-				level = slog.LevelDebug
-			}
 			stderr := cmd.ErrOrStderr()
-			log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
+			log, err := serving.logger(cmd.Flags(), stderr)
+			if err != nil {
+				return err
+			}
 			ctx := cmd.Context()
 			return onFound(ctx, true, commandConns, func(db *pgdb.DB, found target) error {
+				reg, stop, err := serving.serve(ctx, "ui", stderr, log)
+				if err != nil {
+					return err
+				}
+				defer stop()
+				if reg != nil {
+					c, err := operatorClient(db.SQL, log)
+					if err != nil {
+						return err
+					}
+					reg.MustRegister(c.Collector())
+				}
 				ln, err := net.Listen("tcp", addr)
 				if err != nil {
 					return fmt.Errorf("cannot listen on %s: %w", addr, err)
@@ -109,7 +120,7 @@ func uiCmd() *cobra.Command {
 	}
 	cmd.Flags().StringVar(&addr, "addr", "127.0.0.1:8080", "host:port to listen on (port 0: any free port); off loopback it needs a login and --allow-host")
 	cmd.Flags().StringArrayVar(&allow, "allow-host", nil, "a host name (or IP address, optionally with :port) the view is reached by; repeat for each")
-	cmd.Flags().BoolVarP(&verbose, "verbose", "v", false, "log one line per request on stderr (at debug level)")
+	serving.register(cmd.Flags(), "log one line per request")
 	return cmd
 }
 
