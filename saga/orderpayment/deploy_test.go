@@ -4,6 +4,7 @@ import (
 	"context"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
@@ -27,6 +28,7 @@ import (
 // whose charge had succeeded were refunded.)
 func TestARollingDeployCostsNoSaga(t *testing.T) {
 	t.Parallel()
+	const early = 3 // sagas of the new version placed before its worker starts
 	for _, c := range []struct {
 		name string
 		also []int // versions the new release still serves besides 2
@@ -49,17 +51,27 @@ func TestARollingDeployCostsNoSaga(t *testing.T) {
 				require.NoError(t, next.Client.Register(saga.MustDefine(spec)))
 			}
 			require.NoError(t, next.Setup(context.Background()))
-			w, err := next.NewWorker()
-			require.NoError(t, err)
-			require.NoError(t, w.Start(context.Background()))
-			t.Cleanup(func() { _ = w.Stop() })
-
 			customer := e.customer(1_000_000_000)
 			var (
 				mu  sync.Mutex
 				ids []uuid.UUID
 				wg  sync.WaitGroup
 			)
+			// The case under test, made to happen: sagas of the new
+			// version while only the old release works, whose replies
+			// only the new release can take.
+			for range early {
+				res, err := next.Orders.Place(context.Background(), orders.PlaceRequest{Key: uuid.NewString(), CustomerID: customer, AmountCents: 1_000})
+				require.NoError(t, err)
+				ids = append(ids, saga.ID(orderpayment.Name, res.OrderID.String()))
+			}
+			require.Eventually(t, func() bool { return counterSum(t, oldMetrics, "pgsaga_delivery_handed_back_total") > 0 },
+				30*time.Second, 5*time.Millisecond, "the old release hands back the new version's replies")
+			w, err := next.NewWorker()
+			require.NoError(t, err)
+			require.NoError(t, w.Start(context.Background()))
+			t.Cleanup(func() { _ = w.Stop() })
+
 			for g, svc := range []*orders.Service{e.app.Orders, next.Orders, e.app.Orders, next.Orders} {
 				wg.Go(func() {
 					for range 75 {
@@ -74,22 +86,22 @@ func TestARollingDeployCostsNoSaga(t *testing.T) {
 				})
 			}
 			wg.Wait()
-			require.Len(t, ids, 300)
+			require.Len(t, ids, 300+early)
 			versions := map[int]int{}
 			for _, id := range ids {
 				inst := e.terminal(id)
 				assert.Equal(t, saga.StatusCompleted, inst.Status, "saga %s (version %d): %s", id, inst.DefinitionVersion, inst.FailureReason)
 				versions[inst.DefinitionVersion]++
 			}
-			assert.Equal(t, map[int]int{1: 150, 2: 150}, versions, "each process started sagas of its newest version")
+			assert.Equal(t, map[int]int{1: 150, 2: 150 + early}, versions, "each process started sagas of its newest version")
 			r := e.checkInvariants(ids)
-			assert.Equal(t, 300, r.Sagas[saga.StatusCompleted])
+			assert.Equal(t, 300+early, r.Sagas[saga.StatusCompleted])
 			var dead int
 			require.NoError(t, e.db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_dead_letters`).Scan(&dead))
 			assert.Zero(t, dead, "nothing dead-lettered")
 			stats, err := e.gw.Stats(context.Background())
 			require.NoError(t, err)
-			assert.Equal(t, 300, stats.Charges)
+			assert.Equal(t, 300+early, stats.Charges)
 			assert.Zero(t, stats.Refunds, "no charge refunded")
 			handedBack := counterSum(t, oldMetrics, "pgsaga_delivery_handed_back_total")
 			if c.also == nil {
