@@ -389,6 +389,16 @@ func (rt *runtime) handler(s core) transport.HandlerFunc {
 				// span), not an error of the step.
 				span.SetAttributes(telemetry.AttrOutcome.String(telemetry.StepFailed), attribute.String("pgsaga.reason", biz.Reason))
 				spanErr = nil
+			case transport.IsAwait(err) || transport.IsHandBack(err):
+				// Not a failure: the attempt waits on a call, or leaves its
+				// message to the key's holder.
+				outcome := telemetry.StepAwaiting
+				if transport.IsHandBack(err) {
+					outcome = telemetry.StepHandedBack
+				}
+				rt.metrics.StepAttempt(s.Name, outcome, time.Since(start), transport.AttemptFromContext(ctx))
+				span.SetAttributes(telemetry.AttrOutcome.String(outcome))
+				spanErr = nil
 			case err != nil:
 				rt.metrics.StepAttempt(s.Name, telemetry.StepError, time.Since(start), transport.AttemptFromContext(ctx))
 				span.SetAttributes(telemetry.AttrOutcome.String(telemetry.StepError))

@@ -28,17 +28,7 @@ import (
 // retry that follows completes.
 func TestPanickingStepIsCountedAndTraced(t *testing.T) {
 	t.Parallel()
-	db := testdb.Shared(t)
-	exp := tracetest.NewInMemoryExporter()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
-	reg := prometheus.NewRegistry()
-	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: logger(), Metrics: reg, TracerProvider: tp,
-		Retry: transport.RetryPolicy{MaxAttempts: 3, InitialBackoff: time.Millisecond}})
-	require.NoError(t, err)
-	store, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})
-	require.NoError(t, err)
-	rt, err := stepsrt.New(stepsrt.Config{Transport: tr, Store: store, Logger: logger()})
-	require.NoError(t, err)
+	rt, exp, reg := observedRuntime(t)
 	name := "panicky-" + uuid.NewString()[:8]
 	var calls atomic.Int32
 	step := steps.Define(name, "cmds_"+name, func(ctx context.Context, tx *steps.Tx, cmd addCmd) (steps.Message, error) {
@@ -65,6 +55,42 @@ func TestPanickingStepIsCountedAndTraced(t *testing.T) {
 	for _, f := range failed {
 		assert.True(t, strings.Contains(f, "panicked") && strings.Contains(f, "boom"), f)
 	}
+	outcomes := stepOutcomes(t, reg)
+	assert.Equal(t, map[string]uint64{telemetry.StepError: 1, telemetry.StepCompleted: 1}, outcomes)
+}
+
+// A step that awaits a call is not failing: its attempt is counted as
+// awaiting, not as an error, and its spans end without an error status;
+// its run after the call completes.
+func TestAnAwaitingStepIsNotAnError(t *testing.T) {
+	t.Parallel()
+	rt, exp, reg := observedRuntime(t)
+	name := "awaiting-" + uuid.NewString()[:8]
+	step := steps.Define(name, "cmds_"+name, func(ctx context.Context, tx *steps.Tx, cmd addCmd) (steps.Message, error) {
+		if !steps.Awaited(ctx) {
+			return nil, steps.Await(time.Minute, func(context.Context) error { return nil })
+		}
+		return added{Account: cmd.Account}, nil
+	})
+	msg, err := steps.NewMessage(addCmd{Account: "a", Amount: 1}, steps.Envelope{ID: uuid.NewString(), Key: uuid.NewString()})
+	require.NoError(t, err)
+	require.NoError(t, rt.Execute(context.Background(), step, msg))
+
+	spans := 0
+	for _, s := range exp.GetSpans() {
+		if s.Name == "step "+name || s.Name == "process cmds_"+name {
+			spans++
+			assert.NotEqual(t, codes.Error, s.Status.Code, "%s: %s", s.Name, s.Status.Description)
+		}
+	}
+	assert.Equal(t, 4, spans, "two runs, each a delivery span and a step span")
+	outcomes := stepOutcomes(t, reg)
+	assert.Equal(t, map[string]uint64{telemetry.StepAwaiting: 1, telemetry.StepCompleted: 1}, outcomes)
+}
+
+// stepOutcomes counts the step attempts reg saw, by outcome.
+func stepOutcomes(t *testing.T, reg *prometheus.Registry) map[string]uint64 {
+	t.Helper()
 	fams, err := reg.Gather()
 	require.NoError(t, err)
 	outcomes := map[string]uint64{}
@@ -80,5 +106,23 @@ func TestPanickingStepIsCountedAndTraced(t *testing.T) {
 			}
 		}
 	}
-	assert.Equal(t, map[string]uint64{telemetry.StepError: 1, telemetry.StepCompleted: 1}, outcomes)
+	return outcomes
+}
+
+// observedRuntime is a step runtime whose spans go to exp and metrics to
+// reg; failed attempts are retried at once, three in all.
+func observedRuntime(t *testing.T) (rt stepsrt.Runtime, exp *tracetest.InMemoryExporter, reg *prometheus.Registry) {
+	t.Helper()
+	db := testdb.Shared(t)
+	exp = tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
+	reg = prometheus.NewRegistry()
+	tr, err := transport.New(transport.Config{DB: db.SQL, Logger: logger(), Metrics: reg, TracerProvider: tp,
+		Retry: transport.RetryPolicy{MaxAttempts: 3, InitialBackoff: time.Millisecond}})
+	require.NoError(t, err)
+	store, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})
+	require.NoError(t, err)
+	rt, err = stepsrt.New(stepsrt.Config{Transport: tr, Store: store, Logger: logger()})
+	require.NoError(t, err)
+	return rt, exp, reg
 }

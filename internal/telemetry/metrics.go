@@ -25,6 +25,12 @@ const (
 	StepFailed    = "failed"    // a business failure, stored and answered
 	StepReplayed  = "replayed"  // a duplicate answered from the store
 	StepError     = "error"     // the attempt failed and was rolled back (retried or dead-lettered)
+	// StepAwaiting: the handler awaits a call outside the transaction
+	// (steps.Await); its run after the call answers. Not a failure.
+	StepAwaiting = "awaiting"
+	// StepHandedBack: the attempt handed its message back untouched (its
+	// key is another's for now). Not a failure.
+	StepHandedBack = "handed_back"
 )
 
 // Metrics are the counters and histograms a pgsaga process keeps of its own
@@ -210,7 +216,8 @@ func (m *Metrics) CommandResent(saga, step string) {
 }
 
 // StepAttempt records one attempt of step: how long it took and how it
-// ended (StepCompleted, StepFailed, StepReplayed, StepError). attempt is
+// ended (StepCompleted, StepFailed, StepReplayed, StepError, StepAwaiting,
+// StepHandedBack). attempt is
 // the delivery attempt's number; it goes to pgsaga_step_attempts when the
 // command was answered by running the step (completed or failed).
 func (m *Metrics) StepAttempt(step, outcome string, took time.Duration, attempt int) {

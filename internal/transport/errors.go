@@ -209,6 +209,12 @@ func HandBack(cause error) error {
 	return &HandBackError{Cause: cause}
 }
 
+// IsAwait reports whether err awaits a call (Await).
+func IsAwait(err error) bool {
+	var aw *AwaitError
+	return errors.As(err, &aw)
+}
+
 // IsHandBack reports whether err hands its message back (HandBack).
 func IsHandBack(err error) bool {
 	var hb *HandBackError

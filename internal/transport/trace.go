@@ -6,20 +6,29 @@ import (
 	"sync/atomic"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	"go.opentelemetry.io/otel/attribute"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgsaga/pgsaga/internal/telemetry"
 )
 
-// OpenTelemetry's messaging attributes.
-const (
-	attrSystem      = attribute.Key("messaging.system")
-	attrDestination = attribute.Key("messaging.destination.name")
-	attrMessageID   = attribute.Key("messaging.message.id")
-	attrGroup       = attribute.Key("messaging.consumer.group.name")
-	attrOperation   = attribute.Key("messaging.operation.type")
-)
+// The messaging.system of pgsaga's spans (OpenTelemetry's semantic
+// conventions name no such system: pgsaga's own queue).
+var attrSystem = semconv.MessagingSystemKey.String("pgsaga")
+
+// notFailed reports whether err, returned by a handler, ends its attempt
+// without failing it: it awaits a call (Await) or hands its message back
+// (HandBack). Such an attempt's span is not an error; its outcome says
+// which (telemetry.AttrOutcome).
+func notFailed(err error) (outcome string, ok bool) {
+	switch {
+	case IsAwait(err):
+		return telemetry.StepAwaiting, true
+	case IsHandBack(err):
+		return telemetry.StepHandedBack, true
+	}
+	return "", false
+}
 
 // traced wraps h, a handler of topic named name, in a span of each
 // attempt: "process <topic>", a child of the span whose context the
@@ -32,8 +41,8 @@ func (t *Transport) traced(name, group, topic string, h HandlerFunc) HandlerFunc
 		ctx = t.trace.Extract(ctx, msg.Metadata)
 		ctx, span := t.trace.Start(ctx, "process "+topic, trace.SpanKindConsumer)
 		if span.IsRecording() { // tracing off costs no attributes
-			span.SetAttributes(attrSystem.String("pgsaga"), attrDestination.String(topic), attrMessageID.String(msg.UUID),
-				attrGroup.String(group), attrOperation.String("process"),
+			span.SetAttributes(attrSystem, semconv.MessagingDestinationName(topic), semconv.MessagingMessageID(msg.UUID),
+				semconv.MessagingConsumerGroupName(group), semconv.MessagingOperationTypeProcess, semconv.MessagingOperationName("process"),
 				telemetry.AttrHandler.String(name), telemetry.AttrAttempt.Int(AttemptFromContext(ctx)),
 				telemetry.AttrInProcess.Bool(InProcessFromContext(ctx)))
 		}
@@ -41,6 +50,11 @@ func (t *Transport) traced(name, group, topic string, h HandlerFunc) HandlerFunc
 			if p := recover(); p != nil {
 				telemetry.End(span, fmt.Errorf("%w: %v", ErrHandlerPanicked, p))
 				panic(p)
+			}
+			if outcome, ok := notFailed(err); ok {
+				span.SetAttributes(telemetry.AttrOutcome.String(outcome))
+				telemetry.End(span, nil)
+				return
 			}
 			telemetry.End(span, err)
 		}()
@@ -78,7 +92,8 @@ func (t *Transport) traceSend(tx Tx, topic string, msg *message.Message) {
 	}
 	ctx, span := t.trace.Start(ctx, "send "+topic, trace.SpanKindProducer)
 	if span.IsRecording() {
-		span.SetAttributes(attrSystem.String("pgsaga"), attrDestination.String(topic), attrMessageID.String(msg.UUID), attrOperation.String("send"))
+		span.SetAttributes(attrSystem, semconv.MessagingDestinationName(topic), semconv.MessagingMessageID(msg.UUID),
+			semconv.MessagingOperationTypeSend, semconv.MessagingOperationName("send"))
 	}
 	if span.SpanContext().IsValid() {
 		if msg.Metadata == nil {

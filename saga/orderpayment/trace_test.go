@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
@@ -162,6 +163,16 @@ func TestOneSagaIsOneTrace(t *testing.T) {
 			paidTrace := s.ofSaga(t, paid)
 			got := s.chain(final(t, paidTrace, saga.StatusCompleted))
 			assert.Equal(t, want, got)
+			// The charge's first run awaits its gateway call: neither that
+			// step span nor its delivery's is an error, nor is any other.
+			awaiting := 0
+			for _, sp := range paidTrace {
+				assert.NotEqual(t, codes.Error, sp.Status.Code, "%s: %s", sp.Name, sp.Status.Description)
+				if attr(sp, telemetry.AttrOutcome) == telemetry.StepAwaiting {
+					awaiting++
+				}
+			}
+			assert.Positive(t, awaiting, "the charge's spans say it awaited its call")
 
 			// The refunded one: confirmation refused, refund, cancel.
 			want = join(start,
