@@ -59,13 +59,17 @@ var (
 type collector struct {
 	tr      *transport.Transport
 	timeout time.Duration
+	// registered lists the sagas the client registered: each reads 0
+	// when none of its instances is in that state (nil: none).
+	registered func() []string
 }
 
 var _ prometheus.Collector = (*collector)(nil)
 
-// newCollector returns a collector of the database tr delivers through.
-func newCollector(tr *transport.Transport) *collector {
-	return &collector{tr: tr, timeout: CollectTimeoutDefault}
+// newCollector returns a collector of the database tr delivers through;
+// the sagas registered lists read 0 rather than go missing.
+func newCollector(tr *transport.Transport, registered func() []string) *collector {
+	return &collector{tr: tr, timeout: CollectTimeoutDefault, registered: registered}
 }
 
 // Collector returns a Prometheus collector of what the client's database
@@ -77,7 +81,7 @@ func newCollector(tr *transport.Transport) *collector {
 // CollectTimeoutDefault) leaves its values out, rather than report stale
 // ones, sets pgsaga_database_up to 0 and is logged; the scrape goes on, so
 // the process's own metrics are served. The client need not be started.
-func (c *Client) Collector() prometheus.Collector { return newCollector(c.transport) }
+func (c *Client) Collector() prometheus.Collector { return newCollector(c.transport, c.engine.names) }
 
 // Describe implements prometheus.Collector.
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
@@ -133,19 +137,36 @@ func (c *collector) collectSagas(ctx context.Context, ch chan<- prometheus.Metri
 		return err
 	}
 	defer rows.Close()
+	type key struct{ name, status string }
+	counts := map[key]int64{}
 	for rows.Next() {
 		var (
-			name, status string
-			n            int64
+			k key
+			n int64
 		)
-		if err := rows.Scan(&name, &status, &n); err != nil {
+		if err := rows.Scan(&k.name, &k.status, &n); err != nil {
 			return err
 		}
-		if Status(status) == StatusFailed {
-			ch <- prometheus.MustNewConstMetric(parkedDesc, prometheus.GaugeValue, float64(n), name)
+		counts[k] = n
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	if c.registered != nil {
+		for _, name := range c.registered() {
+			for _, st := range []Status{StatusRunning, StatusCompensating, StatusFailed} {
+				if k := (key{name, string(st)}); counts[k] == 0 {
+					counts[k] = 0 // a registered saga's gauges read 0, not nothing
+				}
+			}
+		}
+	}
+	for k, n := range counts {
+		if Status(k.status) == StatusFailed {
+			ch <- prometheus.MustNewConstMetric(parkedDesc, prometheus.GaugeValue, float64(n), k.name)
 			continue
 		}
-		ch <- prometheus.MustNewConstMetric(inFlightDesc, prometheus.GaugeValue, float64(n), name, status)
+		ch <- prometheus.MustNewConstMetric(inFlightDesc, prometheus.GaugeValue, float64(n), k.name, k.status)
 	}
-	return rows.Err()
+	return nil
 }

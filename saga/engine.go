@@ -166,6 +166,17 @@ func (e *engine) Register(d *Definition) error {
 	return nil
 }
 
+// names lists the sagas registered, in no order.
+func (e *engine) names() []string {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	names := make([]string, 0, len(e.defs))
+	for name := range e.defs {
+		names = append(names, name)
+	}
+	return names
+}
+
 func (e *engine) definition(name string, version int) (*Definition, bool) {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
@@ -465,7 +476,7 @@ func (e *engine) handleReply(msg *message.Message) (err error) {
 	span.SetAttributes(telemetry.AttrKey.String(env.Key), telemetry.AttrOutcome.String(env.Outcome))
 	if !inst.forCommandInFlight(def, env.Key) {
 		span.SetAttributes(telemetry.AttrOutcome.String("ignored: not for the command in flight"))
-		e.log.Debug("reply is not for the command in flight; ignored", "saga", id, "key", env.Key, "message_uuid", msg.UUID)
+		e.log.Debug("reply is not for the command in flight; ignored", "saga", inst.Type, "saga_id", id, "key", env.Key, "message_uuid", msg.UUID)
 		return nil
 	}
 	if !inst.tokenMatches(env.Key, env.ReplyToken) {
@@ -843,7 +854,7 @@ func (e *engine) flush(ctx context.Context, tx steps.DBTX, inst *instance) error
 	if err := appendHistory(ctx, tx, inst.ID, inst.history); err != nil {
 		return err
 	}
-	told := e.tell(inst)
+	told := e.tell(ctx, inst)
 	inst.history = nil
 	pub := e.cfg.Transport.Publisher(tx)
 	for _, c := range inst.outbox {
@@ -871,7 +882,7 @@ func (e *engine) flush(ctx context.Context, tx steps.DBTX, inst *instance) error
 // pgsaga_sagas_finished_total) and the commands it sent again
 // (pgsaga_saga_commands_resent_total). Call it before the reaction's
 // timeline is written.
-func (e *engine) tell(inst *instance) func() {
+func (e *engine) tell(ctx context.Context, inst *instance) func() {
 	from, to := inst.told, inst.Status
 	var resent []string
 	for _, h := range inst.history {
@@ -888,6 +899,8 @@ func (e *engine) tell(inst *instance) func() {
 		step = def.steps[inst.Step].name
 	}
 	name, id, phase, reason := inst.Type, inst.ID, inst.Phase, inst.FailureReason
+	took := inst.now().Sub(inst.CreatedAt) // the database's clock, both
+	ids := telemetry.LogIDs(ctx)           // the reaction's span
 	return func() {
 		m := e.metrics
 		for _, st := range resent {
@@ -906,12 +919,13 @@ func (e *engine) tell(inst *instance) func() {
 		if reason != "" && to != StatusCompleted && to != StatusRunning {
 			attrs = append(attrs, "reason", reason)
 		}
+		attrs = append(attrs, ids...)
 		if from == "" {
 			m.SagaStarted(name)
 			e.log.Info("saga started", attrs...)
 		}
 		if to.Terminal() {
-			m.SagaFinished(name, string(to))
+			m.SagaFinished(name, string(to), took)
 		}
 		if from != "" || to.Terminal() {
 			e.log.Info("saga "+string(to), attrs...)

@@ -14,6 +14,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/pgsaga/pgsaga/internal/telemetry"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps"
 )
@@ -133,10 +134,10 @@ func (e *engine) sweepOne(ctx context.Context, known knownDefinitions, res *swee
 	e.postponed.done(inst.ID)
 	if outcome == &res.Waiting {
 		e.log.Debug("a saga command overdue has not left this database yet; its deadline starts when it leaves",
-			"saga", inst.ID, "step", stepName(def, inst.Step), "phase", inst.Phase, "message_uuid", inst.CommandID)
+			"saga", inst.Type, "saga_id", inst.ID, "step", stepName(def, inst.Step), "phase", inst.Phase, "message_uuid", inst.CommandID)
 		return true, nil
 	}
-	e.log.Info(what, "saga", inst.ID, "step", stepName(def, inst.Step), "phase", inst.Phase, "status", inst.Status, "attempt", inst.Attempt)
+	e.log.Info(what, "saga", inst.Type, "saga_id", inst.ID, "step", stepName(def, inst.Step), "phase", inst.Phase, "status", inst.Status, "attempt", inst.Attempt)
 	return true, nil
 }
 
@@ -147,7 +148,7 @@ func (e *engine) overdue(ctx context.Context, tx steps.DBTX, inst *instance, def
 	ctx, span := e.decide(ctx, "deadline", inst)
 	defer func() {
 		if p := recover(); p != nil {
-			e.log.Error("deciding on an overdue saga panicked; parking it", "saga", inst.ID, "panic", p, "stack", string(debug.Stack()))
+			e.log.Error("deciding on an overdue saga panicked; parking it", "saga", inst.Type, "saga_id", inst.ID, "panic", p, "stack", string(debug.Stack()))
 			err = fmt.Errorf("%w: %s", errDecisionPanicked, transport.PanicValue(p))
 		}
 		e.decided(span, inst, err)
@@ -232,21 +233,21 @@ func (e *engine) setAside(ctx context.Context, inst *instance, def *Definition, 
 		}
 		var parked int
 		if err := e.cfg.DB.QueryRowContext(ctx, parkBrokenSQL, inst.ID, reason, e.cfg.FinishedChannel).Scan(&parked); err != nil {
-			e.log.Error("parking a saga the sweeper cannot handle", "saga", inst.ID, "cause", cause, "err", err)
+			e.log.Error("parking a saga the sweeper cannot handle", "saga", inst.Type, "saga_id", inst.ID, "cause", cause, "err", err)
 			return
 		}
 		if parked == 1 {
-			e.metrics.SagaFinished(inst.Type, string(StatusFailed))
+			e.metrics.SagaFinished(inst.Type, string(StatusFailed), inst.now().Sub(inst.CreatedAt))
 			e.log.Error("parked a saga the sweeper cannot handle", "saga", inst.Type, "saga_id", inst.ID, "status", StatusFailed, "step", step, "reason", reason)
 		}
 		return
 	}
 	wait := e.postponed.next(inst.ID, e.cfg.SweepInterval)
 	if _, err := e.cfg.DB.ExecContext(ctx, postponeSQL, inst.ID, wait.Seconds()); err != nil {
-		e.log.Error("postponing a saga the sweeper cannot handle", "saga", inst.ID, "cause", cause, "err", err)
+		e.log.Error("postponing a saga the sweeper cannot handle", "saga", inst.Type, "saga_id", inst.ID, "cause", cause, "err", err)
 		return
 	}
-	e.log.Warn("sweeping a saga failed; trying it again later", "saga", inst.ID, "step", step, "again_in", wait, "err", cause)
+	e.log.Warn("sweeping a saga failed; trying it again later", "saga", inst.Type, "saga_id", inst.ID, "step", step, "again_in_ms", telemetry.Millis(wait), "err", cause)
 }
 
 // postponements counts, per instance, the sweeps in a row that failed on

@@ -488,13 +488,14 @@ func (rt *runtime) observe(ctx context.Context, tx DBTX, s core, env Envelope, k
 	attempt := transport.AttemptFromContext(ctx)
 	done := func() {
 		rt.metrics.StepAttempt(s.Name, outcome, took, attempt)
-		attrs := []any{"step", s.Name, "outcome", outcome, "key", key, "attempt", attempt, "took", took}
+		attrs := []any{"step", s.Name, "outcome", outcome, "key", key, "attempt", attempt, "took_ms", telemetry.Millis(took)}
 		if env.SagaID != "" {
 			attrs = append(attrs, "saga_id", env.SagaID)
 		}
 		if detail != "" {
 			attrs = append(attrs, "reason", detail)
 		}
+		attrs = append(attrs, telemetry.LogIDs(ctx)...)
 		rt.log.Info("step "+outcome, attrs...)
 	}
 	if !transport.OnCommit(tx, done) {

@@ -1,8 +1,13 @@
 package steps_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -28,7 +33,7 @@ import (
 // retry that follows completes.
 func TestPanickingStepIsCountedAndTraced(t *testing.T) {
 	t.Parallel()
-	rt, exp, reg := observedRuntime(t)
+	rt, exp, reg := observedRuntime(t, logger())
 	name := "panicky-" + uuid.NewString()[:8]
 	var calls atomic.Int32
 	step := steps.Define(name, "cmds_"+name, func(ctx context.Context, tx *steps.Tx, cmd addCmd) (steps.Message, error) {
@@ -64,7 +69,7 @@ func TestPanickingStepIsCountedAndTraced(t *testing.T) {
 // its run after the call completes.
 func TestAnAwaitingStepIsNotAnError(t *testing.T) {
 	t.Parallel()
-	rt, exp, reg := observedRuntime(t)
+	rt, exp, reg := observedRuntime(t, logger())
 	name := "awaiting-" + uuid.NewString()[:8]
 	step := steps.Define(name, "cmds_"+name, func(ctx context.Context, tx *steps.Tx, cmd addCmd) (steps.Message, error) {
 		if !steps.Awaited(ctx) {
@@ -109,9 +114,9 @@ func stepOutcomes(t *testing.T, reg *prometheus.Registry) map[string]uint64 {
 	return outcomes
 }
 
-// observedRuntime is a step runtime whose spans go to exp and metrics to
-// reg; failed attempts are retried at once, three in all.
-func observedRuntime(t *testing.T) (rt stepsrt.Runtime, exp *tracetest.InMemoryExporter, reg *prometheus.Registry) {
+// observedRuntime is a step runtime whose spans go to exp, metrics to reg
+// and step logs to log; failed attempts are retried at once, three in all.
+func observedRuntime(t *testing.T, log *slog.Logger) (rt stepsrt.Runtime, exp *tracetest.InMemoryExporter, reg *prometheus.Registry) {
 	t.Helper()
 	db := testdb.Shared(t)
 	exp = tracetest.NewInMemoryExporter()
@@ -122,7 +127,59 @@ func observedRuntime(t *testing.T) (rt stepsrt.Runtime, exp *tracetest.InMemoryE
 	require.NoError(t, err)
 	store, err := idempotency.NewStore(idempotency.Config{DB: db.SQL})
 	require.NoError(t, err)
-	rt, err = stepsrt.New(stepsrt.Config{Transport: tr, Store: store, Logger: logger()})
+	rt, err = stepsrt.New(stepsrt.Config{Transport: tr, Store: store, Logger: log})
 	require.NoError(t, err)
 	return rt, exp, reg
+}
+
+// A step's log line, written under its span, names the span's trace and
+// itself (trace_id, span_id), and its duration in milliseconds (took_ms).
+func TestAStepsLogLineNamesItsTrace(t *testing.T) {
+	t.Parallel()
+	var buf bytes.Buffer
+	var mu sync.Mutex
+	log := slog.New(slog.NewJSONHandler(lockedWriter{&mu, &buf}, nil))
+	rt, exp, _ := observedRuntime(t, log)
+	name := "logged-" + uuid.NewString()[:8]
+	step := steps.Define(name, "cmds_"+name, func(ctx context.Context, tx *steps.Tx, cmd addCmd) (steps.Message, error) {
+		return added{Account: cmd.Account}, nil
+	})
+	msg, err := steps.NewMessage(addCmd{Account: "a", Amount: 1}, steps.Envelope{ID: uuid.NewString(), Key: uuid.NewString()})
+	require.NoError(t, err)
+	require.NoError(t, rt.Execute(context.Background(), step, msg))
+
+	var stepSpan tracetest.SpanStub
+	for _, s := range exp.GetSpans() {
+		if s.Name == "step "+name {
+			stepSpan = s
+		}
+	}
+	require.True(t, stepSpan.SpanContext.IsValid(), "the step's span")
+	mu.Lock()
+	defer mu.Unlock()
+	var line map[string]any
+	for _, l := range strings.Split(strings.TrimSpace(buf.String()), "\n") {
+		var rec map[string]any
+		require.NoError(t, json.Unmarshal([]byte(l), &rec), l)
+		if rec["msg"] == "step completed" && rec["step"] == name {
+			line = rec
+		}
+	}
+	require.NotNil(t, line, buf.String())
+	assert.Equal(t, stepSpan.SpanContext.TraceID().String(), line["trace_id"])
+	assert.Equal(t, stepSpan.SpanContext.SpanID().String(), line["span_id"])
+	assert.IsType(t, float64(0), line["took_ms"])
+	assert.NotContains(t, line, "took")
+}
+
+// lockedWriter serializes writes to w.
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
 }

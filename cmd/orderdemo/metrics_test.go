@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil/promlint"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
@@ -24,6 +25,16 @@ import (
 // labels (pairs), counters and gauges alike.
 func sum(fams map[string]*dto.MetricFamily, name string, labels ...string) float64 {
 	var total float64
+	for _, m := range matching(fams, name, labels...) {
+		total += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+	}
+	return total
+}
+
+// matching are the series of family name whose labels include labels
+// (pairs).
+func matching(fams map[string]*dto.MetricFamily, name string, labels ...string) []*dto.Metric {
+	var out []*dto.Metric
 	for _, m := range fams[name].GetMetric() {
 		have := map[string]string{}
 		for _, l := range m.GetLabel() {
@@ -34,10 +45,25 @@ func sum(fams map[string]*dto.MetricFamily, name string, labels ...string) float
 			ok = ok && have[labels[i]] == labels[i+1]
 		}
 		if ok {
-			total += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+			out = append(out, m)
 		}
 	}
-	return total
+	return out
+}
+
+// series counts the series of family name whose labels include labels.
+func series(fams map[string]*dto.MetricFamily, name string, labels ...string) int {
+	return len(matching(fams, name, labels...))
+}
+
+// histogramCount adds the sample counts of histogram name's series whose
+// labels include labels.
+func histogramCount(fams map[string]*dto.MetricFamily, name string, labels ...string) float64 {
+	var n float64
+	for _, m := range matching(fams, name, labels...) {
+		n += float64(m.GetHistogram().GetSampleCount())
+	}
+	return n
 }
 
 // -metrics-addr serves the workers' metrics while the demo runs and
@@ -72,6 +98,15 @@ func TestMetricsAddrServesTheRun(t *testing.T) {
 	assert.Equal(t, float64(s.Completed), sum(fams, "pgsaga_sagas_finished_total", "outcome", "completed"))
 	assert.Equal(t, float64(s.Compensated), sum(fams, "pgsaga_sagas_finished_total", "outcome", "compensated"))
 	assert.Zero(t, sum(fams, "pgsaga_sagas_in_flight"))
+	assert.Equal(t, float64(s.Completed), histogramCount(fams, "pgsaga_saga_duration_seconds", "outcome", "completed"), "each finished saga's duration")
+	assert.Equal(t, float64(s.Compensated), histogramCount(fams, "pgsaga_saga_duration_seconds", "outcome", "compensated"))
+	// A registered saga's gauges read 0 when none of its instances is so.
+	assert.Equal(t, 1, series(fams, "pgsaga_sagas_parked", "saga", "order-payment"), "parked reads 0, not nothing")
+	assert.Equal(t, 1, series(fams, "pgsaga_sagas_in_flight", "saga", "order-payment", "status", "running"))
+	assert.Equal(t, 1, series(fams, "pgsaga_sagas_in_flight", "saga", "order-payment", "status", "compensating"))
+	problems, err := promlint.New(bytes.NewReader(body)).Lint()
+	require.NoError(t, err)
+	assert.Empty(t, problems, "the scrape follows Prometheus' conventions")
 	assert.NotEmpty(t, fams["pgsaga_consumer_depth"].GetMetric(), "the database's gauges are there")
 	assert.Contains(t, fams, "go_goroutines", "and the process's")
 	cancel()

@@ -33,6 +33,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/pgsaga/pgsaga/internal/pgdb"
+	"github.com/pgsaga/pgsaga/internal/telemetry"
 	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/saga"
 )
@@ -483,7 +484,7 @@ func (u *webUI) logRequests(next http.Handler) http.Handler {
 		rec := &statusRecorder{ResponseWriter: w}
 		next.ServeHTTP(rec, r)
 		u.log.LogAttrs(r.Context(), slog.LevelDebug, "request", slog.String("method", r.Method), slog.String("uri", r.URL.RequestURI()),
-			slog.Int("status", rec.status), slog.Int("bytes", rec.bytes), slog.Duration("took", time.Since(start).Round(time.Microsecond)),
+			slog.Int("status", rec.status), slog.Int("bytes", rec.bytes), slog.Float64("took_ms", telemetry.Millis(time.Since(start))),
 			slog.String("remote", r.RemoteAddr))
 	})
 }

@@ -448,7 +448,7 @@ func TestUIPagesOnARealRun(t *testing.T) {
 	assert.Contains(t, css.header.Get("Content-Type"), "text/css")
 	assert.Equal(t, http.StatusNotFound, b.get("/static/").status, "no listing")
 	assert.Equal(t, 1, strings.Count(w.log.String(), "uri=/healthz"), w.log.String())
-	assert.Regexp(t, `level=DEBUG msg=request method=GET uri=/healthz status=200 bytes=3 took=\S+ remote=127\.0\.0\.1:\d+`, w.log.String())
+	assert.Regexp(t, `level=DEBUG msg=request method=GET uri=/healthz status=200 bytes=3 took_ms=\S+ remote=127\.0\.0\.1:\d+`, w.log.String())
 }
 
 // The buttons: refused from another site (403, nothing done), a replay

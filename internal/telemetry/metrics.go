@@ -48,6 +48,7 @@ const (
 type Metrics struct {
 	sagasStarted  *prometheus.CounterVec
 	sagasFinished *prometheus.CounterVec
+	sagaDuration  *prometheus.HistogramVec
 	resent        *prometheus.CounterVec
 	stepDuration  *prometheus.HistogramVec
 	stepAttempts  *prometheus.HistogramVec
@@ -78,10 +79,15 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Namespace: Namespace, Name: "sagas_finished_total",
 			Help: "Saga instances this process brought to a terminal state, by outcome (completed, compensated, failed: parked for an operator). A parked saga retried by an operator counts again when it ends.",
 		}, []string{"saga", "outcome"}),
+		sagaDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: Namespace, Name: "saga_duration_seconds",
+			Help:    "Time a saga instance took from its start to the terminal state this process brought it to, on the database's clock, by outcome (completed, compensated, failed).",
+			Buckets: []float64{.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600, 21600, 86400},
+		}, []string{"saga", "outcome"}),
 		resent: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: Namespace, Name: "saga_commands_resent_total",
-			Help: "Saga commands sent again because their reply was overdue (the deadline sweeper) or an operator retried them.",
-		}, []string{"saga", "step"}),
+			Help: "Saga commands sent again because their reply was overdue (the deadline sweeper) or an operator retried them, by saga and the saga's step (saga_step; step is a participant's step elsewhere).",
+		}, []string{"saga", "saga_step"}),
 		stepDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: Namespace, Name: "step_duration_seconds",
 			Help:    "Time a step attempt took, from its claim of the command's key to its reply, by outcome (completed, failed, replayed, error).",
@@ -140,7 +146,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			return fail(err)
 		}
 	}
-	for _, h := range []**prometheus.HistogramVec{&m.stepDuration, &m.stepAttempts} {
+	for _, h := range []**prometheus.HistogramVec{&m.sagaDuration, &m.stepDuration, &m.stepAttempts} {
 		if err := register(reg, h, &added); err != nil {
 			return fail(err)
 		}
@@ -201,17 +207,24 @@ func (m *Metrics) SagaStarted(saga string) {
 	}
 }
 
-// SagaFinished counts an instance of saga that reached a terminal state.
-func (m *Metrics) SagaFinished(saga, outcome string) {
+// Millis is d in milliseconds, to the microsecond: how pgsaga's log
+// records write durations (under keys ending in _ms), whatever the
+// handler's format.
+func Millis(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+// SagaFinished counts an instance of saga that reached a terminal state,
+// took after its start (on the database's clock).
+func (m *Metrics) SagaFinished(saga, outcome string, took time.Duration) {
 	if m != nil {
 		m.sagasFinished.WithLabelValues(saga, outcome).Inc()
+		m.sagaDuration.WithLabelValues(saga, outcome).Observe(max(took, 0).Seconds())
 	}
 }
 
-// CommandResent counts a saga command sent again.
-func (m *Metrics) CommandResent(saga, step string) {
+// CommandResent counts a command of sagaStep, a step of saga, sent again.
+func (m *Metrics) CommandResent(saga, sagaStep string) {
 	if m != nil {
-		m.resent.WithLabelValues(saga, step).Inc()
+		m.resent.WithLabelValues(saga, sagaStep).Inc()
 	}
 }
 

@@ -25,7 +25,7 @@ func TestNilMetricsRecordNothing(t *testing.T) {
 	var m *telemetry.Metrics
 	assert.NotPanics(t, func() {
 		m.SagaStarted("s")
-		m.SagaFinished("s", "completed")
+		m.SagaFinished("s", "completed", time.Second)
 		m.CommandResent("s", "step")
 		m.StepAttempt("step", telemetry.StepCompleted, time.Millisecond, 1)
 		m.DeadLettered("t", "h")

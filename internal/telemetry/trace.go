@@ -121,3 +121,14 @@ func (t *Tracing) TraceParent(ctx context.Context) string {
 	t.Inject(ctx, md)
 	return md[metadata.TraceParent]
 }
+
+// LogIDs are the trace_id and span_id log attributes of the span in ctx,
+// none when ctx has no valid span: a log record written under a span
+// names it, so that logs and traces join.
+func LogIDs(ctx context.Context) []any {
+	sc := trace.SpanContextFromContext(ctx)
+	if !sc.IsValid() {
+		return nil
+	}
+	return []any{"trace_id", sc.TraceID().String(), "span_id", sc.SpanID().String()}
+}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/pgsaga/pgsaga/internal/telemetry"
 )
 
 // callSet tracks the awaited calls of a router's deliveries (see Await):
@@ -253,7 +254,7 @@ func (c *consumer) await(b *batch, log *slog.Logger, d delivery, msg *message.Me
 func (c *consumer) park(b *batch, log *slog.Logger, d delivery, aw *AwaitError) {
 	b.d.batched = append(b.d.batched, batchedRow{w: parkWrite,
 		values: []any{d.id, aw.Within.Seconds(), strconv.Itoa(d.awaited + 1), reason(aw), metaAwaited}})
-	log.Debug("message handed back while its handler's call runs", "within", aw.Within)
+	log.Debug("message handed back while its handler's call runs", "within_ms", telemetry.Millis(aw.Within))
 }
 
 // runHeld ends the holds of b once its deliveries have settled, right
@@ -402,7 +403,7 @@ func (c *consumer) afterCall(b *batch, log *slog.Logger, d delivery, n int, aw *
 	woken, werr := c.t.execWaiting(wakeSQL, d.id, d.failed, c.t.schema.notifyChannel)
 	if werr != nil {
 		// It comes back when its park runs out.
-		log.Warn("awaited call finished; waking its message failed", "err", werr, "park", aw.Within)
+		log.Warn("awaited call finished; waking its message failed", "err", werr, "park_ms", telemetry.Millis(aw.Within))
 		return
 	}
 	log.Debug("awaited call finished", "woken", woken, "cancelled", stopped)

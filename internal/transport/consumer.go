@@ -21,6 +21,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/internal/pgerr"
+	"github.com/pgsaga/pgsaga/internal/telemetry"
 )
 
 // route is one handler: what it is called, what it reads, and how its
@@ -566,7 +567,7 @@ func (c *consumer) handBack(b *batch, log *slog.Logger, d delivery, hb *HandBack
 	b.d.batched = append(b.d.batched, batchedRow{w: parkWrite,
 		values: []any{d.id, wait.Seconds(), strconv.Itoa(n), reason(hb), metaHandedBack}})
 	b.d.hooks = append(b.d.hooks, func() { c.t.metrics.HandedBack(c.rt.topic, c.rt.name) })
-	log.Debug("message handed back untouched for another consumer of its group", "times", n, "again_in", wait, "reason", hb.Cause)
+	log.Debug("message handed back untouched for another consumer of its group", "times", n, "again_in_ms", telemetry.Millis(wait), "reason", hb.Cause)
 }
 
 // fail records a failed attempt: the message is retried after its backoff,
@@ -591,7 +592,7 @@ func (c *consumer) fail(b *batch, log *slog.Logger, d delivery, n int, cause err
 		// and the retry reads afresh.
 		level, what = slog.LevelInfo, "attempt conflicted with concurrent work; the message will be retried"
 	}
-	log.Log(context.Background(), level, what, append([]any{"attempt", n, "of", c.rt.retry.MaxAttempts, "retry_in", wait, "err", cause}, panicStack(cause)...)...)
+	log.Log(context.Background(), level, what, append([]any{"attempt", n, "of", c.rt.retry.MaxAttempts, "retry_in_ms", telemetry.Millis(wait), "err", cause}, panicStack(cause)...)...)
 }
 
 // final reports whether failed attempt n is the message's last (see
@@ -678,7 +679,7 @@ func (c *consumer) recordAfter(f failure) {
 		log.Error("message dead-lettered", append([]any{"attempts", f.n, "permanent", IsPermanent(f.cause), "reason", f.cause}, panicStack(f.cause)...)...)
 	default:
 		c.t.metrics.Retrying(c.rt.topic, c.rt.name)
-		log.Warn(what+" failed; the message will be retried", append([]any{"of", c.rt.retry.MaxAttempts, "retry_in", wait, "err", f.cause}, panicStack(f.cause)...)...)
+		log.Warn(what+" failed; the message will be retried", append([]any{"of", c.rt.retry.MaxAttempts, "retry_in_ms", telemetry.Millis(wait), "err", f.cause}, panicStack(f.cause)...)...)
 	}
 }
 
@@ -769,6 +770,6 @@ func (l *lateLog) tell(log *slog.Logger, b *batch) {
 	// restart, a lock, a busy server), or between the claim and the
 	// delivery (this process starved of CPU, or router middleware).
 	log.Log(context.Background(), level, "transport: a delivery batch came to its first message too late for an attempt to fit in its transaction; its messages are handed back untouched for the next batch",
-		"claim_took", claimDone.Sub(begun).Round(time.Millisecond), "then_waited", now.Sub(claimDone).Round(time.Millisecond),
+		"claim_took_ms", telemetry.Millis(claimDone.Sub(begun)), "then_waited_ms", telemetry.Millis(now.Sub(claimDone)),
 		"more_since_last_warning", more)
 }

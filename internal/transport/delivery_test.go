@@ -721,7 +721,7 @@ func TestLateBatchesAreToldOnceWithWhereTheTimeWent(t *testing.T) {
 	}
 	warnings := strings.Count(logs.String(), "came to its first message too late")
 	assert.Equal(t, 1, warnings, logs.String())
-	assert.Regexp(t, `claim_took=[2-9]\.[0-9]+s`, logs.String())
+	assert.Regexp(t, `claim_took_ms=[2-9][0-9]{3}(\.[0-9]+)? `, logs.String())
 	assert.NotContains(t, logs.String(), "middleware")
 }
 

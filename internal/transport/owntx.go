@@ -10,6 +10,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/pgsaga/pgsaga/internal/telemetry"
 )
 
 // HandleInTx handles msg outside a consumer, each attempt in a READ
@@ -49,7 +50,7 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 		permanent := IsPermanent(err)
 		if !o.retry.final(n, err) {
 			wait := o.retry.backoff(n)
-			log.Warn("attempt failed; retrying", append([]any{"attempt", n, "retry_in", wait, "err", err}, panicStack(err)...)...)
+			log.Warn("attempt failed; retrying", append([]any{"attempt", n, "retry_in_ms", telemetry.Millis(wait), "err", err}, panicStack(err)...)...)
 			t.metrics.Retrying(topic, name)
 			select {
 			case <-time.After(wait):
