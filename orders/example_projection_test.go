@@ -78,7 +78,7 @@ func ExampleService_Projection() {
 	if err := client.Start(ctx); err != nil {
 		panic(err)
 	}
-	defer client.Stop() //nolint:errcheck
+	defer client.Stop(context.Background()) //nolint:errcheck
 	for version := range updated {
 		if version == "2" { // the cancellation
 			break

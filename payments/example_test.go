@@ -62,7 +62,7 @@ func Example() {
 	if err := client.Start(ctx); err != nil {
 		panic(err)
 	}
-	defer client.Stop() //nolint:errcheck
+	defer client.Stop(context.Background()) //nolint:errcheck
 
 	// run sends cmd to step under key, waits for the answer, and prints the
 	// balance after it.

@@ -661,10 +661,12 @@ func (c *Client) checkPrivileges(ctx context.Context) error {
 // database, or one on a table); the error says which.
 var ErrMissingPrivileges = transport.ErrMissingPrivileges
 
-// Stop drains and stops the worker (attempts in flight finish, up to the
-// transport's CloseTimeout) and the retention jobs, and returns what went
-// wrong while the client ran.
-func (c *Client) Stop() error {
+// Stop drains and stops the worker and the retention jobs, and returns
+// what went wrong while the client ran. The attempts and awaited calls in
+// flight finish, until ctx ends or the transport's CloseTimeout passes,
+// whichever comes first; those still running then are cut off (rolled
+// back, and delivered again later). A second Stop returns at once.
+func (c *Client) Stop(ctx context.Context) error {
 	c.mu.Lock()
 	c.stopped = true
 	if c.cancelStart != nil {
@@ -678,7 +680,7 @@ func (c *Client) Stop() error {
 	c.mu.Unlock()
 	var err error
 	if w != nil {
-		err = w.Stop()
+		err = w.stop(ctx)
 		if c.bridge != nil {
 			// After the worker: nothing is received for a worker that
 			// stopped; what it published last and the relay had no time

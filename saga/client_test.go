@@ -108,7 +108,7 @@ func trigger(email string) SignedUp { return SignedUp{Email: email} }
 func startRunning(t *testing.T, c *saga.Client) {
 	t.Helper()
 	require.NoError(t, c.Start(context.Background()))
-	t.Cleanup(func() { require.NoError(t, c.Stop()) })
+	t.Cleanup(func() { require.NoError(t, c.Stop(context.Background())) })
 }
 
 // signUp starts the signup of email in a transaction that commits, or
@@ -182,7 +182,7 @@ func TestClientRefusesMisuse(t *testing.T) {
 	require.ErrorIs(t, c.Register(def), saga.ErrClientStarted)
 	require.ErrorIs(t, c.AddSteps(), saga.ErrClientStarted)
 	require.ErrorIs(t, c.AddProjections(), saga.ErrClientStarted)
-	require.NoError(t, c.Stop())
+	require.NoError(t, c.Stop(context.Background()))
 	<-c.Stopped()
 	require.Error(t, c.Health(ctx), "stopped")
 
@@ -217,7 +217,7 @@ func TestClientStartSaysWhyItCannotRun(t *testing.T) {
 	require.ErrorIs(t, err, transport.ErrNotUTF8)
 	require.ErrorIs(t, c.Start(context.Background()), transport.ErrNotUTF8, "not ErrClientStarted: nothing runs")
 	require.Error(t, c.Health(context.Background()))
-	require.NoError(t, c.Stop())
+	require.NoError(t, c.Stop(context.Background()))
 }
 
 // Waiters share one LISTEN connection: many of them on a small pool (4, as
@@ -278,7 +278,7 @@ func TestClientStopDuringStartLeavesNothingRunning(t *testing.T) {
 		require.True(t, time.Now().Before(deadline), "Start never waited for the lock")
 		time.Sleep(5 * time.Millisecond)
 	}
-	require.NoError(t, c.Stop())
+	require.NoError(t, c.Stop(context.Background()))
 	require.Error(t, <-started, "the Start in progress gave up")
 	require.NoError(t, blocker.Rollback())
 	select {
@@ -297,7 +297,7 @@ func TestClientStoppedTakenEarly(t *testing.T) {
 	early := c.Stopped()
 	require.NotNil(t, early)
 	startRunning(t, c)
-	require.NoError(t, c.Stop())
+	require.NoError(t, c.Stop(context.Background()))
 	<-early
 }
 

@@ -107,7 +107,7 @@ func ExampleClient() {
 	if err := client.Start(ctx); err != nil {
 		panic(err)
 	}
-	defer client.Stop() //nolint:errcheck
+	defer client.Stop(context.Background()) //nolint:errcheck
 
 	// Start sagas in your own transaction: they start if, and only if, the
 	// transaction commits, with whatever else you wrote in it.

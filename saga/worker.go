@@ -55,11 +55,14 @@ func (w *Worker) Err() error { return w.router.Err() }
 
 // Stop drains and stops a worker begun with Start and returns what its run
 // ended with.
-func (w *Worker) Stop() error {
+func (w *Worker) Stop() error { return w.stop(context.Background()) }
+
+// stop is Stop, draining only until ctx ends (see Client.Stop).
+func (w *Worker) stop(ctx context.Context) error {
 	w.mu.Lock()
 	started := w.started
 	w.mu.Unlock()
-	err := w.router.Stop()
+	err := w.router.StopContext(ctx)
 	if started {
 		<-w.stopped
 	}

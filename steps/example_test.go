@@ -64,7 +64,7 @@ func ExampleDefine() {
 	if err := client.Start(ctx); err != nil {
 		panic(err)
 	}
-	defer client.Stop() //nolint:errcheck
+	defer client.Stop(context.Background()) //nolint:errcheck
 
 	cmd, err := steps.NewMessage(ReserveSeat{Seat: "12A"}, steps.Envelope{Key: "booking-7:reserve", ReplyTo: replies})
 	if err != nil {

@@ -81,7 +81,7 @@ func jobSagaVersion(t *testing.T, db *testdb.DB, refuseUndo *atomic.Bool, versio
 	require.NoError(t, client.Register(def))
 	require.NoError(t, client.AddSteps(undo))
 	require.NoError(t, client.Start(context.Background()))
-	t.Cleanup(func() { _ = client.Stop() })
+	t.Cleanup(func() { _ = client.Stop(context.Background()) })
 	return client, func(job string) uuid.UUID {
 		msg, err := steps.NewMessage(jobStarted{Job: job}, steps.Envelope{})
 		require.NoError(t, err)
@@ -146,7 +146,7 @@ func TestCancelAndRetryCarriedOutByTheWorkers(t *testing.T) {
 
 	// With no worker running, the request is recorded and waits for one.
 	running := start("j2")
-	require.NoError(t, client.Stop())
+	require.NoError(t, client.Stop(context.Background()))
 	code, out, errOut = pgsaga(t, "cancel", running.String(), "--no-wait")
 	require.Equal(t, exitOK, code, errOut)
 	assert.Contains(t, out, "a worker carries it out")
@@ -174,7 +174,7 @@ func TestARequestDeadLetteredIsCarriedOutWhenAskedAgain(t *testing.T) {
 	v1, start := jobSagaOn(t, db, &refuseUndo)
 	id := start("j1")
 	other := start("j2")
-	require.NoError(t, v1.Stop())
+	require.NoError(t, v1.Stop(context.Background()))
 
 	v2, _ := jobSagaVersion(t, db, &refuseUndo, 2, &transport.RetryPolicy{MaxAttempts: 1})
 	code, _, errOut := pgsaga(t, "cancel", other.String(), "--reason", "first", "--timeout", "1s")
@@ -216,7 +216,7 @@ func TestARequestDeadLetteredIsCarriedOutWhenAskedAgain(t *testing.T) {
 	require.Equal(t, exitFailed, r.code, r.errOut)
 	assert.Contains(t, r.errOut, "was dead-lettered", "said as soon as it is, not after --timeout")
 	assert.Contains(t, r.errOut, "ask again")
-	require.NoError(t, v2.Stop())
+	require.NoError(t, v2.Stop(context.Background()))
 
 	v1, _ = jobSagaOn(t, db, &refuseUndo)
 	waitStatus(t, v1, other, saga.StatusCompensated)
@@ -292,7 +292,7 @@ func TestBulkRetryAndCancel(t *testing.T) {
 	assert.Contains(t, out, "no saga matches")
 
 	last := start("b5")
-	require.NoError(t, client.Stop())
+	require.NoError(t, client.Stop(context.Background()))
 	code, out, errOut = pgsaga(t, "cancel", "--status", "running", "--yes", "--no-wait")
 	require.Equal(t, exitOK, code, errOut)
 	assert.Contains(t, out, "cancel asked of 2 sagas")

@@ -591,7 +591,7 @@ func TestUIButtons(t *testing.T) {
 	// With no worker running the request waits for one, and the page says
 	// so and refreshes.
 	waiting := w.start("waiting")
-	require.NoError(t, w.jobs.Stop())
+	require.NoError(t, w.jobs.Stop(context.Background()))
 	a = b.press("/sagas/"+waiting.String()+"/cancel", nil)
 	page = b.follow(a)
 	kind, msg = flashOf(t, page.body)
@@ -671,7 +671,7 @@ func TestUIStopsGracefullyOnSIGTERM(t *testing.T) {
 	t.Setenv("DATABASE_URL", db.URL)
 	jobs, start := jobSagaOn(t, db, &atomic.Bool{})
 	id := start("in-flight")
-	require.NoError(t, jobs.Stop())
+	require.NoError(t, jobs.Stop(context.Background()))
 
 	var out testout.Buffer
 	cmd := exec.Command(os.Args[0])

@@ -55,9 +55,9 @@ func (s *callSet) running() int {
 	return s.n
 }
 
-// wait waits up to timeout for the calls under way; it reports whether
-// none is left.
-func (s *callSet) wait(timeout time.Duration) bool {
+// waitCtx waits until ctx ends for the calls under way; it reports
+// whether none is left.
+func (s *callSet) waitCtx(ctx context.Context) bool {
 	s.mu.Lock()
 	if s.n == 0 {
 		s.mu.Unlock()
@@ -65,14 +65,20 @@ func (s *callSet) wait(timeout time.Duration) bool {
 	}
 	idle := s.idle
 	s.mu.Unlock()
-	t := time.NewTimer(max(timeout, 0))
-	defer t.Stop()
 	select {
 	case <-idle:
 		return true
-	case <-t.C:
+	case <-ctx.Done():
 		return false
 	}
+}
+
+// wait waits up to timeout for the calls under way; it reports whether
+// none is left.
+func (s *callSet) wait(timeout time.Duration) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), max(timeout, 0))
+	defer cancel()
+	return s.waitCtx(ctx)
 }
 
 // awaitedCalls counts the awaited calls running in a process (its

@@ -217,3 +217,46 @@ func TestSubscribeConcurrently(t *testing.T) {
 		assert.Equal(t, 2, n)
 	}
 }
+
+// StopContext drains until its context ends, not the whole CloseTimeout:
+// an attempt still running then is cut off, and the router stops.
+func TestStopContextDrainsUntilItsContextEnds(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, func(c *transport.Config) { c.CloseTimeout, c.AttemptTimeout = time.Minute, time.Minute })
+	running, cut := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		once.Do(func() { close(running) })
+		<-msg.Context().Done() // until cut off
+		close(cut)
+		return msg.Context().Err()
+	}, transport.WithConsumers(1)))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, r.Start(ctx))
+	e.publish(1)
+	<-running
+	stopCtx, stopCancel := context.WithCancel(context.Background())
+	stopped := make(chan error, 1)
+	go func() { stopped <- r.StopContext(stopCtx) }()
+	waitFor(t, 10*time.Second, "the router closes", func() bool { return transport.Closing(r) })
+	select {
+	case err := <-stopped:
+		t.Fatalf("StopContext returned before its context ended, with the attempt running: %v", err)
+	default:
+	}
+	stopCancel()
+	select {
+	case err := <-stopped:
+		require.NoError(t, err)
+	case <-time.After(20 * time.Second): // far below the minute of CloseTimeout
+		t.Fatal("StopContext waited past its context's end")
+	}
+	select {
+	case <-cut: // its handler's context ended
+	case <-time.After(10 * time.Second):
+		t.Fatal("the attempt was not cut off")
+	}
+}

@@ -11,6 +11,8 @@ import (
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/pgsaga/pgsaga/internal/telemetry"
 )
 
 // HandlerFunc handles one delivery attempt of msg. Its statements go through
@@ -268,8 +270,11 @@ func (r *Router) Err() error {
 
 // Stop drains and stops a router begun with Start (see Close) and returns
 // what its run ended with.
-func (r *Router) Stop() error {
-	err := r.Close()
+func (r *Router) Stop() error { return r.StopContext(context.Background()) }
+
+// StopContext is Stop, draining only until ctx ends (see CloseContext).
+func (r *Router) StopContext(ctx context.Context) error {
+	err := r.CloseContext(ctx)
 	r.mu.Lock()
 	background := r.background
 	r.mu.Unlock()
@@ -284,7 +289,13 @@ func (r *Router) Stop() error {
 // attempts in flight (up to Config.CloseTimeout) and cuts off the rest as
 // if they had timed out (rolled back, retried later), then stops the
 // consumers, whose batches commit what they did.
-func (r *Router) Close() error {
+func (r *Router) Close() error { return r.CloseContext(context.Background()) }
+
+// CloseContext is Close, waiting for the attempts and awaited calls in
+// flight only until ctx ends or Config.CloseTimeout passes, whichever
+// comes first; then it cuts them off as Close does. A second call waits
+// for the first.
+func (r *Router) CloseContext(ctx context.Context) error {
 	r.mu.Lock()
 	r.closed = true
 	started := r.started
@@ -293,15 +304,16 @@ func (r *Router) Close() error {
 		return nil // nothing runs; Watermill's Close would wait for handlers that never started
 	}
 	r.closeOnce.Do(func() {
-		began := time.Now()
-		if stuck := r.gate.drain(r.t.cfg.CloseTimeout); len(stuck) > 0 {
-			r.log.Error("attempts still running at close timeout; cutting them off", "attempts", len(stuck), "timeout", r.t.cfg.CloseTimeout)
+		ctx, cancel := context.WithTimeout(ctx, r.t.cfg.CloseTimeout)
+		defer cancel()
+		if stuck := r.gate.drain(ctx); len(stuck) > 0 {
+			r.log.Error("attempts still running when the close's time ran out; cutting them off", "attempts", len(stuck), "close_timeout_ms", telemetry.Millis(r.t.cfg.CloseTimeout))
 			for _, a := range stuck {
 				a.requestCut()
 			}
 			r.gate.wait(r.t.cfg.StatementTimeout + 5*time.Second)
 		}
-		r.closeCalls(r.t.cfg.CloseTimeout - time.Since(began))
+		r.closeCalls(ctx)
 		// Watermill's Close waits for every added handler: close it only once
 		// its Run got them all running; one that gave up has nothing to close.
 		select {
@@ -318,11 +330,11 @@ func (r *Router) Close() error {
 	return r.closeErr
 }
 
-// closeCalls waits up to timeout for the awaited calls under way, then
+// closeCalls waits until ctx ends for the awaited calls under way, then
 // cancels the rest and waits for their messages to be woken (each waits for
 // the end of the batch that handed it back).
-func (r *Router) closeCalls(timeout time.Duration) {
-	if r.gate.calls.wait(timeout) {
+func (r *Router) closeCalls(ctx context.Context) {
+	if r.gate.calls.waitCtx(ctx) {
 		return
 	}
 	r.log.Info("awaited calls still running at close timeout; cancelling them, their messages are delivered again", "calls", r.gate.calls.running())
@@ -527,9 +539,9 @@ func (g *gate) untrack(a *attemptTx) {
 	g.mu.Unlock()
 }
 
-// drain stops admitting messages and waits up to timeout for those in
+// drain stops admitting messages and waits until ctx ends for those in
 // flight; it returns the attempts still running then.
-func (g *gate) drain(timeout time.Duration) []*attemptTx {
+func (g *gate) drain(ctx context.Context) []*attemptTx {
 	g.mu.Lock()
 	if !g.draining {
 		g.draining = true
@@ -538,8 +550,10 @@ func (g *gate) drain(timeout time.Duration) []*attemptTx {
 		}
 	}
 	g.mu.Unlock()
-	if g.wait(timeout) {
+	select {
+	case <-g.idle:
 		return nil
+	case <-ctx.Done():
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()

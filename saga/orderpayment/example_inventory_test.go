@@ -124,7 +124,7 @@ func Example_addInventoryStep() {
 	if err := app.Client.Start(ctx); err != nil {
 		panic(err)
 	}
-	defer app.Client.Stop() //nolint:errcheck
+	defer app.Client.Stop(context.Background()) //nolint:errcheck
 
 	customer := "reader-" + suffix
 	if err := app.Orders.AddCustomer(ctx, customer, "A Reader"); err != nil {

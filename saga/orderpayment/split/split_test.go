@@ -191,9 +191,9 @@ func (s *split) start() {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	require.NoError(s.t, s.pay.Client.Start(ctx))
-	s.t.Cleanup(func() { _ = s.pay.Client.Stop() })
+	s.t.Cleanup(func() { _ = s.pay.Client.Stop(context.Background()) })
 	require.NoError(s.t, s.app.Client.Start(ctx))
-	s.t.Cleanup(func() { _ = s.app.Client.Stop() })
+	s.t.Cleanup(func() { _ = s.app.Client.Stop(context.Background()) })
 }
 
 // customers adds n customers with an account of balance cents each.
@@ -681,7 +681,7 @@ func TestSplitAParticipantDownLongerThanItsSendsRefundsNothing(t *testing.T) {
 	customers := s.customers(20, 10_000_000)
 	ids := s.place(100, customers, 0)
 	waitFinished(t, s, 5) // messages flow, most sagas in flight
-	require.NoError(t, s.pay.Client.Stop())
+	require.NoError(t, s.pay.Client.Stop(context.Background()))
 	down := time.Now()
 	ids = append(ids, s.place(200, customers, 0)...)
 	oldWindow := (1 + 2 + 4) * deadline
@@ -698,7 +698,7 @@ func TestSplitAParticipantDownLongerThanItsSendsRefundsNothing(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	require.NoError(t, back.Client.Start(ctx))
-	t.Cleanup(func() { _ = back.Client.Stop() })
+	t.Cleanup(func() { _ = back.Client.Stop(context.Background()) })
 	outage := time.Since(down)
 
 	s.allCompleted(ids)
