@@ -53,6 +53,11 @@ func Version(ctx context.Context, db *sql.DB) (current, known int64, err error) 
 	return set.Version(ctx, db)
 }
 
+// ErrMissingVersion is returned by Pending when db lacks a version below
+// the newest it applied (its row deleted, or a migration added out of
+// order): Apply refuses such a database.
+var ErrMissingVersion = pgmigrate.ErrMissingVersion
+
 // Migration is one of pgsaga's migrations.
 type Migration struct {
 	Version int64
@@ -66,7 +71,8 @@ type Migration struct {
 }
 
 // Pending lists the migrations db has yet to apply, in order, as Apply
-// would apply them. It only reads db.
+// would apply them. It only reads db. A version missing below the newest
+// applied, which Apply refuses, is an error matching ErrMissingVersion.
 func Pending(ctx context.Context, db *sql.DB) ([]Migration, error) {
 	ms, err := set.Pending(ctx, db)
 	pending := make([]Migration, len(ms))
@@ -81,7 +87,8 @@ func Pending(ctx context.Context, db *sql.DB) ([]Migration, error) {
 // (VersionTable) if it is missing, then each migration in a transaction of
 // its own (but the one that builds indexes concurrently, which cannot run
 // in one), with the row that records it, so that Apply and the workers
-// then find nothing to do. It is empty when nothing is pending.
+// then find nothing to do. Run it so that it stops at its first error
+// (psql -v ON_ERROR_STOP=1). It is empty when nothing is pending.
 func Script(pending []Migration) string {
 	ms := make([]pgmigrate.Migration, len(pending))
 	for i, m := range pending {

@@ -4,22 +4,12 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"time"
 
 	"github.com/google/uuid"
-)
-
-// Errors of the gateway client.
-var (
-	// ErrDeclined: the gateway refused the operation. Final.
-	ErrDeclined = errors.New("payments: declined by the gateway")
-	// ErrBadGatewayRequest: the gateway will never accept the request (a 4xx
-	// other than a decline). Retrying cannot help.
-	ErrBadGatewayRequest = errors.New("payments: the gateway refused the request")
 )
 
 // GatewayError is an answer from the gateway that says nothing about the

@@ -193,13 +193,6 @@ const (
 	ReasonChargedElsewhere = "the order is charged to another account"
 )
 
-// Errors callers can branch on.
-var (
-	ErrInvalidAccountID = errors.New("payments: invalid account id")
-	ErrUnknownAccount   = errors.New("payments: unknown account")
-	ErrInvalidAmount    = errors.New("payments: amount must be positive")
-)
-
 var accountIDPattern = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
 
 // Config configures a Service.

@@ -86,9 +86,10 @@ type ClientConfig struct {
 	// little to the finishing commit, so it is off by default. Default: ""
 	// (none).
 	FinishedChannel string
-	// Retry is the retry policy of the engine's handlers (triggers,
-	// replies, operator requests). Default: Transport.Retry. A trigger or
-	// reply the engine cannot use is dead-lettered, with the reason.
+	// Retry is the retry policy of the client's steps (their commands) and
+	// of the engine's handlers (triggers, replies, operator requests).
+	// Default: Transport.Retry. A trigger or reply the engine cannot use is
+	// dead-lettered, with the reason.
 	Retry *steps.RetryPolicy
 
 	// KeyTTL is how long finished idempotency keys are kept; a duplicate
@@ -291,9 +292,6 @@ func (c *Client) Events() *events.Store { return c.events }
 // nil without one. Start and Stop run it; a test that runs workers of its
 // own (NewWorker) starts and stops it itself.
 func (c *Client) Bridge() *broker.Bridge { return c.bridge }
-
-// ErrClientStarted is returned when adding to a client that started.
-var ErrClientStarted = errors.New("saga: the client has started; add sagas, steps and projections before Start")
 
 // Register adds saga definitions this process drives.
 func (c *Client) Register(defs ...*Definition) error {
@@ -656,16 +654,12 @@ func (c *Client) checkPrivileges(ctx context.Context) error {
 	return c.transport.CheckPrivileges(ctx, append(append([]transport.Grant(nil), transport.WorkerGrants...), workerGrants...)...)
 }
 
-// ErrMissingPrivileges: Start refuses, and Health reports, a client whose
-// database role lacks a privilege its worker needs (TEMPORARY on the
-// database, or one on a table); the error says which.
-var ErrMissingPrivileges = transport.ErrMissingPrivileges
-
 // Stop drains and stops the worker and the retention jobs, and returns
 // what went wrong while the client ran. The attempts and awaited calls in
 // flight finish, until ctx ends or the transport's CloseTimeout passes,
 // whichever comes first; those still running then are cut off (rolled
-// back, and delivered again later). A second Stop returns at once.
+// back, and delivered again later). A second Stop waits for the first,
+// and returns what it returned.
 func (c *Client) Stop(ctx context.Context) error {
 	c.mu.Lock()
 	c.stopped = true
@@ -707,10 +701,6 @@ func (c *Client) Migrate(ctx context.Context) ([]int64, error) { return migratio
 // PgxTx is a pgx transaction as the transaction StartTx and PublishTx
 // take: what they write goes in tx, and commits or rolls back with it.
 func PgxTx(tx pgx.Tx) steps.DBTX { return dbtx.FromPgx(tx) }
-
-// ErrTriggerType is returned by StartTx for a trigger that is not of the
-// saga's trigger type (its On).
-var ErrTriggerType = errors.New("saga: the trigger is not of the saga's trigger type")
 
 // StartTx starts an instance of the named saga from trigger, in the
 // caller's transaction tx (a *sql.Tx, or a pgx.Tx through PgxTx), and
@@ -826,21 +816,6 @@ func (c *Client) PublishTx(ctx context.Context, tx steps.DBTX, topic string, msg
 	}
 	return nil
 }
-
-// Errors of StartTx and PublishTx for what they cannot take.
-var (
-	// ErrNotATransaction: StartTx was given no transaction, or a *sql.DB
-	// or *sql.Conn, whose every statement commits on its own: the saga and
-	// its trigger would not commit or roll back with the caller's work.
-	// PublishTx returns it for a nil tx.
-	ErrNotATransaction = errors.New("saga: a transaction is required (a *sql.Tx, or a pgx.Tx through PgxTx)")
-	// ErrNilMessage: PublishTx was given a nil message.
-	ErrNilMessage = errors.New("saga: nil message")
-	// ErrMessageTooLarge: StartTx or PublishTx (or a step's reply or
-	// publish) was given a message larger than the transport's
-	// MaxMessageBytes (4 MiB by default); nothing of it was written.
-	ErrMessageTooLarge = transport.ErrMessageTooLarge
-)
 
 // checkTx refuses what is not a transaction (see ErrNotATransaction).
 func checkTx(tx steps.DBTX) error {

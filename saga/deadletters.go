@@ -56,17 +56,6 @@ const (
 	DeadLetterListText = transport.DeadLetterListText
 )
 
-// Errors of the dead letters' and consumer groups' calls.
-var (
-	ErrDeadLetterNotFound  = transport.ErrDeadLetterNotFound
-	ErrAlreadyReplayed     = transport.ErrAlreadyReplayed
-	ErrNoConsumerGroup     = transport.ErrNoConsumerGroup // no group reads a replayed dead letter's topic
-	ErrNotReplayable       = transport.ErrNotReplayable   // a message a broker bridge received and could not queue
-	ErrInvalidDeletion     = transport.ErrInvalidDeletion
-	ErrConsumerGroupAlive  = transport.ErrConsumerGroupAlive // a *ConsumerGroupAliveError
-	ErrNoSuchConsumerGroup = transport.ErrNoSuchConsumerGroup
-)
-
 // DeadLetters lists dead letters, oldest first, each with a bounded part
 // of its payload, reason and metadata: a page takes memory in proportion
 // to its Limit, however large the messages.

@@ -370,10 +370,6 @@ func Define[D any](spec Spec[D]) (*Definition, error) {
 // 255 bytes with the saga's id, the phase and a generation.
 const MaxStepName = 128
 
-// ErrInvalidName: a step's name, or a trigger's key, that pgsaga cannot
-// carry (see checkStepName, checkKey).
-var ErrInvalidName = errors.New("saga: invalid name")
-
 // checkStepName refuses a step name that would make a command key
 // PostgreSQL or a broker cannot carry as it is: empty, longer than
 // MaxStepName, not UTF-8, or holding a control character (NUL among

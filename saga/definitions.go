@@ -10,14 +10,6 @@ import (
 	"strings"
 )
 
-// ErrDefinitionChanged: a definition's steps differ from those its
-// version was first recorded with, while instances of that version are
-// unfinished (running, compensating, or parked as failed, which an
-// operator may retry): they would be misread. Give the changed
-// definition a new Version and keep registering the old one until its
-// instances finish.
-var ErrDefinitionChanged = errors.New("saga: a definition's steps changed without a new version")
-
 // RecordDefinitions records the step list of every registered definition
 // version in saga_definitions the first time it runs on the database, and
 // refuses (ErrDefinitionChanged) a version whose steps differ from those

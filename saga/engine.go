@@ -58,21 +58,7 @@ const (
 // errBadCommand: a command cannot be built from the saga's data.
 var errBadCommand = errors.New("saga: bad command")
 
-// Errors callers can branch on.
-var (
-	ErrNotFound          = errors.New("saga: instance not found")
-	ErrUnknownDefinition = errors.New("saga: definition not known to this process")
-	ErrNotRetryable      = errors.New("saga: instance cannot be retried")
-	ErrNotCancellable    = errors.New("saga: instance cannot be cancelled")
-	ErrConcurrentChange  = errors.New("saga: instance changed concurrently")
-	// ErrForgedReply: a reply to the command in flight that does not carry
-	// the command's reply token (steps.MetaReplyToken). It is
-	// dead-lettered and changes nothing: whoever published it could not
-	// read the command.
-	ErrForgedReply = errors.New("saga: forged reply: it does not carry its command's reply token")
-)
-
-// engineConfig configures an Engine.
+// engineConfig configures an engine.
 type engineConfig struct {
 	// DB is required (the sweeper and the operator API open their own
 	// transactions).
@@ -102,7 +88,7 @@ type engineConfig struct {
 	Logger *slog.Logger
 }
 
-// Engine drives saga instances.
+// engine drives saga instances.
 type engine struct {
 	cfg     engineConfig
 	log     *slog.Logger
@@ -117,7 +103,7 @@ type engine struct {
 	postponed postponements // the sweeper's, of instances it failed on
 }
 
-// NewEngine validates cfg and returns an Engine.
+// newEngine validates cfg and returns an engine.
 func newEngine(cfg engineConfig) (*engine, error) {
 	if cfg.DB == nil || cfg.Transport == nil {
 		return nil, errors.New("saga: Config.DB and Config.Transport are required")
@@ -797,15 +783,6 @@ func stepName(def *Definition, i int) string {
 	}
 	return "#" + strconv.Itoa(i)
 }
-
-// ErrDefinitionMismatch: an instance its definition cannot read (a step
-// index outside the definition, an unknown phase, a phase whose command
-// the step lacks), as after a definition changed its steps without a new
-// Version. The sweeper and the reply handler park such an instance with
-// the reason; an operator's retry or cancel of it is refused. Refused at
-// start: a definition whose steps changed while instances of its version
-// are unfinished (ErrDefinitionChanged).
-var ErrDefinitionMismatch = errors.New("saga: instance does not match its definition")
 
 // mismatchReason is the failure reason of an instance parked for m.
 func mismatchReason(m error) string {

@@ -59,9 +59,6 @@ type Request struct {
 // it again.
 func (r Request) Lost() bool { return r.DoneAt == nil && !r.Queued }
 
-// ErrInvalidRequest: a request kind Ask does not know.
-var ErrInvalidRequest = errors.New("saga: invalid request")
-
 // ask is Client.Ask.
 func ask(ctx context.Context, tr *transport.Transport, db *sql.DB, id uuid.UUID, kind RequestKind, reason string) (Request, error) {
 	if kind != RequestRetry && kind != RequestCancel {

@@ -49,8 +49,9 @@ func InTx(ctx context.Context, db *sql.DB, fn func(tx DBTX) error) error {
 }
 
 // RetryPolicy says how often and how soon a failed delivery is tried again
-// before it is dead-lettered (saga.ClientConfig.Transport.Retry for every
-// handler; Config.Retry and saga.ClientConfig.Retry for steps' and sagas').
+// before it is dead-lettered (saga.ClientConfig.Retry for a client's steps
+// and sagas: their commands, triggers, replies and operator requests;
+// saga.ClientConfig.Transport.Retry otherwise).
 type RetryPolicy = transport.RetryPolicy
 
 // Permanent marks err as permanent: the command is dead-lettered at once

@@ -391,9 +391,13 @@ func (rt *runtime) handler(s core) transport.HandlerFunc {
 				spanErr = nil
 			case transport.IsAwait(err) || transport.IsHandBack(err):
 				// Not a failure: the attempt waits on a call, or leaves its
-				// message to the key's holder.
+				// message to the key's holder. A call that fails is one
+				// (rt.observeCall).
 				outcome := telemetry.StepAwaiting
-				if transport.IsHandBack(err) {
+				var aw *transport.AwaitError
+				if errors.As(err, &aw) {
+					rt.observeCall(ctx, s, aw)
+				} else {
 					outcome = telemetry.StepHandedBack
 				}
 				rt.metrics.StepAttempt(s.Name, outcome, time.Since(start), transport.AttemptFromContext(ctx))
@@ -447,6 +451,32 @@ func (rt *runtime) handler(s core) transport.HandlerFunc {
 		span.SetAttributes(telemetry.AttrOutcome.String(telemetry.StepCompleted))
 		rt.observe(ctx, ttx, s, env, key, telemetry.StepCompleted, start, "")
 		return nil
+	}
+}
+
+// observeCall makes the awaited call aw of step s, whose attempt ran under
+// ctx, traced and counted: its own span ("await <name>", a child of the
+// attempt's), an error if the call fails, and a failed call counted as an
+// error of the step (the attempt that awaited it counted as awaiting).
+func (rt *runtime) observeCall(ctx context.Context, s core, aw *transport.AwaitError) {
+	call, parent, attempt := aw.Call, trace.SpanContextFromContext(ctx), transport.AttemptFromContext(ctx)
+	aw.Call = func(callCtx context.Context) (err error) {
+		began := time.Now()
+		callCtx, span := rt.trace.Start(trace.ContextWithSpanContext(callCtx, parent), "await "+s.Name, trace.SpanKindClient,
+			telemetry.AttrHandler.String(s.Name), telemetry.AttrAttempt.Int(attempt))
+		defer func() {
+			if p := recover(); p != nil {
+				rt.metrics.StepAttempt(s.Name, telemetry.StepError, time.Since(began), attempt)
+				telemetry.End(span, fmt.Errorf("the awaited call panicked: %v", p))
+				panic(p)
+			}
+			if err != nil {
+				rt.metrics.StepAttempt(s.Name, telemetry.StepError, time.Since(began), attempt)
+				span.SetAttributes(telemetry.AttrOutcome.String(telemetry.StepError))
+			}
+			telemetry.End(span, err)
+		}()
+		return call(callCtx)
 	}
 }
 
@@ -591,21 +621,12 @@ func (rt *runtime) replies(s core, cmd Envelope, key string, reply Message, outc
 	return []*message.Message{m}, nil
 }
 
-// ErrNilReply: a handler returned a nil pointer as its reply (return nil
-// for none, or a value). The command is dead-lettered, with nothing of its
-// attempt kept.
-var ErrNilReply = errors.New("steps: the handler returned a nil pointer as its reply")
-
 // nilPointer reports whether m is a nil pointer of some type, whose
 // methods may panic and which encodes as JSON null.
 func nilPointer(m Message) bool {
 	v := reflect.ValueOf(m)
 	return v.Kind() == reflect.Pointer && v.IsNil()
 }
-
-// ErrBadNotAfter: a command's not-after (MetaNotAfter) cannot be read. It
-// is permanent: the command is dead-lettered, its handler never run.
-var ErrBadNotAfter = errors.New("steps: the command's not-after cannot be read")
 
 // expired returns the refusal of msg if it is past its not-after
 // (MetaNotAfter) on the database's clock, nil if it may run: it has none
@@ -658,10 +679,6 @@ func (t *Tx) Command() Envelope { return t.env }
 // Key returns the command's idempotency key: pass it to external services so
 // they can deduplicate too.
 func (t *Tx) Key() string { return t.key }
-
-// ErrNoEventStore is returned by Tx.Append and Tx.Fold when the runtime has
-// no event store.
-var ErrNoEventStore = errors.New("steps: the runtime has no event store (Config.Events)")
 
 // Append appends evs to stream in the step's transaction, expecting the
 // stream at version expected (events.AnyVersion: after its last event), with

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"log/slog"
 	"strings"
@@ -19,6 +20,7 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/stepsrt"
@@ -182,4 +184,40 @@ func (l lockedWriter) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.w.Write(p)
+}
+
+// An awaited call that fails is an error of its step: it is counted as one
+// (the attempt that awaited it as awaiting) and has a span of its own,
+// "await <step>", a child of the attempt's, with an error status; a
+// command whose calls always fail ends dead-lettered.
+func TestAFailingAwaitedCallIsAnError(t *testing.T) {
+	t.Parallel()
+	rt, exp, reg := observedRuntime(t, logger())
+	name := "failing-call-" + uuid.NewString()[:8]
+	step := steps.Define(name, "cmds_"+name, func(ctx context.Context, tx *steps.Tx, cmd addCmd) (steps.Message, error) {
+		return nil, steps.Await(time.Minute, func(context.Context) error { return errors.New("gateway down") })
+	})
+	msg, err := steps.NewMessage(addCmd{Account: "a", Amount: 1}, steps.Envelope{ID: uuid.NewString(), Key: uuid.NewString()})
+	require.NoError(t, err)
+	require.Error(t, rt.Execute(context.Background(), step, msg), "the command failed for good")
+
+	outcomes := stepOutcomes(t, reg)
+	assert.Positive(t, outcomes[telemetry.StepError], "the failed calls count as errors: %v", outcomes)
+	assert.Equal(t, outcomes[telemetry.StepAwaiting], outcomes[telemetry.StepError], "one error a call, one awaiting attempt each")
+	attempts := map[trace.SpanID]bool{}
+	for _, s := range exp.GetSpans() {
+		if s.Name == "step "+name {
+			attempts[s.SpanContext.SpanID()] = true
+		}
+	}
+	calls := 0
+	for _, s := range exp.GetSpans() {
+		if s.Name == "await "+name {
+			calls++
+			assert.Equal(t, codes.Error, s.Status.Code)
+			assert.Contains(t, s.Status.Description, "gateway down")
+			assert.True(t, attempts[s.Parent.SpanID()], "a child of its attempt's span")
+		}
+	}
+	assert.Equal(t, int(outcomes[telemetry.StepError]), calls, "a span for each call")
 }

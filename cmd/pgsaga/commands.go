@@ -405,7 +405,8 @@ func migrateCmd() *cobra.Command {
 		Long: "migrate applies pgsaga's pending migrations (its tables only; an application's own come from its migrations). " +
 			"--dry-run lists them and changes nothing, not even the version table; --show-sql prints their SQL, " +
 			"with the rows that record them, for teams that apply migrations with their own tool: " +
-			"`pgsaga migrate --dry-run --show-sql | psql` leaves the database as migrate would.",
+			"`pgsaga migrate --dry-run --show-sql | psql -v ON_ERROR_STOP=1` leaves the database as migrate would " +
+			"(without ON_ERROR_STOP psql goes on after a failed migration).",
 		Args: noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx, out := cmd.Context(), cmd.OutOrStdout()

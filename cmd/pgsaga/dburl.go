@@ -14,17 +14,22 @@ import (
 )
 
 // libpqEnv are the environment variables libpq (and pgx) read for a
-// connection: any of them set names the database when neither
-// --database-url nor DATABASE_URL does.
+// connection.
 var libpqEnv = []string{
 	"PGHOST", "PGHOSTADDR", "PGPORT", "PGDATABASE", "PGUSER", "PGPASSWORD", "PGPASSFILE",
 	"PGSERVICE", "PGSERVICEFILE", "PGSSLMODE", "PGSSLCERT", "PGSSLKEY", "PGSSLROOTCERT",
 	"PGSSLPASSWORD", "PGSSLSNI", "PGAPPNAME", "PGCONNECT_TIMEOUT", "PGTARGETSESSIONATTRS", "PGOPTIONS",
 }
 
+// libpqTarget are those of libpqEnv that say where to connect: one of them
+// set names the database when neither --database-url nor DATABASE_URL
+// does. The others (PGSSLMODE, PGAPPNAME, PGPASSWORD, …, often set in a
+// profile) only say how, and apply to whatever is named.
+var libpqTarget = []string{"PGHOST", "PGHOSTADDR", "PGPORT", "PGDATABASE", "PGUSER", "PGSERVICE"}
+
 // errNoDatabaseConfigured is returned when nothing names the database.
 var errNoDatabaseConfigured = errors.New("no database configured: pass --database-url URL, or set DATABASE_URL, " +
-	"or the PG* variables as for psql (PGHOST, PGPORT, PGDATABASE, PGUSER, PGPASSWORD or ~/.pgpass); " +
+	"or the PG* variables as for psql (PGHOST, PGPORT, PGDATABASE, PGUSER or PGSERVICE; a password in PGPASSWORD or ~/.pgpass); " +
 	"the sample's embedded server is found while the sample serves (go run ./cmd/orderdemo -orders 0 -serve)")
 
 type databaseURLKey struct{}
@@ -56,7 +61,7 @@ func resolve(ctx context.Context) (target, error) {
 	if url := os.Getenv(pgdb.EnvURL); url != "" {
 		return target{url: url, where: pgdb.Describe(url) + " from DATABASE_URL", from: "DATABASE_URL"}, nil
 	}
-	for _, v := range libpqEnv {
+	for _, v := range libpqTarget {
 		if os.Getenv(v) != "" {
 			return target{env: true, where: pgdb.Describe("") + " from the PG* variables", from: "the PG* variables"}, nil
 		}

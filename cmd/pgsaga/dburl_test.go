@@ -152,3 +152,58 @@ func TestTheShownSQLAppliedByAnotherToolIsUpToDate(t *testing.T) {
 	require.Equal(t, exitOK, code, errOut)
 	assert.Contains(t, out, "up to date")
 }
+
+// A PG* variable that only says how to connect (PGSSLMODE, PGAPPNAME,
+// PGPASSWORD, often set in a profile) names no database: pgsaga does not
+// connect to libpq's defaults for it, and says no database is configured.
+func TestAPGVariableThatNamesNoDatabaseIsNotOne(t *testing.T) {
+	noDatabaseConfigured(t)
+	for _, v := range []string{"PGAPPNAME", "PGPASSWORD"} {
+		t.Setenv(v, "x")
+	}
+	t.Setenv("PGSSLMODE", "disable")
+	t.Setenv("PGCONNECT_TIMEOUT", "2")
+	code, _, errOut := pgsaga(t, "version")
+	assert.Equal(t, exitFailed, code, errOut)
+	assert.Contains(t, errOut, "no database configured")
+}
+
+// A database missing a version below its newest (a row deleted, a
+// migration added out of order) is refused by migrate; its dry run and
+// its SQL refuse it too, instead of listing what migrate would not apply.
+func TestTheDryRunRefusesWhatMigrateRefuses(t *testing.T) {
+	db := emptyDatabase(t)
+	code, _, errOut := pgsaga(t, "--database-url", db, "migrate")
+	require.Equal(t, exitOK, code, errOut)
+	_, err := testdb.Open(t, db, 2).SQL.Exec(`DELETE FROM ` + migrations.VersionTable + ` WHERE version_id = 3`)
+	require.NoError(t, err)
+	for _, args := range [][]string{{"migrate", "--dry-run"}, {"migrate", "--dry-run", "--show-sql"}, {"migrate"}} {
+		code, out, errOut := pgsaga(t, append([]string{"--database-url", db}, args...)...)
+		assert.Equal(t, exitFailed, code, "%v: %s", args, out)
+		assert.Contains(t, errOut, "version 3", "%v", args)
+	}
+}
+
+// The shown SQL, applied as the help says (psql -v ON_ERROR_STOP=1), on a
+// database where one migration fails, stops there: nothing after it is
+// recorded as applied (the NO TRANSACTION migration's row included), so
+// that migrate, once the cause is fixed, applies the rest.
+func TestTheShownSQLStopsAtAFailedMigration(t *testing.T) {
+	psql, err := exec.LookPath("psql")
+	if err != nil {
+		t.Skip("psql is not installed")
+	}
+	db := emptyDatabase(t)
+	sqlDB := testdb.Open(t, db, 2).SQL
+	_, err = sqlDB.Exec(`CREATE TABLE saga_requests (x int)`) // migration 12 fails on it
+	require.NoError(t, err)
+	code, shown, errOut := pgsaga(t, "--database-url", db, "migrate", "--dry-run", "--show-sql")
+	require.Equal(t, exitOK, code, errOut)
+	cmd := exec.Command(psql, "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", db)
+	cmd.Stdin = strings.NewReader(shown)
+	out, err := cmd.CombinedOutput()
+	require.Error(t, err, "psql stops at the failed migration: %s", out)
+	var newest int64
+	require.NoError(t, sqlDB.QueryRow(`SELECT max(version_id) FROM `+migrations.VersionTable).Scan(&newest))
+	assert.Equal(t, int64(11), newest, "recorded up to the last migration that applied")
+}

@@ -57,7 +57,7 @@ func (f *serveFlags) logger(fs *pflag.FlagSet, w io.Writer) (*slog.Logger, error
 	}
 	if f.metricsAddr != "" {
 		if err := obs.CheckMetricsAddr(f.metricsAddr); err != nil {
-			return nil, usageError{err}
+			return nil, usagef("--metrics-addr %q: want host:port, e.g. 127.0.0.1:9090", f.metricsAddr)
 		}
 	}
 	return cmdlog.New(w, f.format, level), nil

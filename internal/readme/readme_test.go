@@ -50,6 +50,43 @@ func TestTheREADMEProgramRunsInAModuleOfItsOwn(t *testing.T) {
 	assert.Contains(t, string(out), "compensated ship: no courier\n", "the saga compensated its first step after the second failed")
 }
 
+// The README's set-up lines, run as they are in a fresh module next to a
+// checkout (../pgsaga) that holds the README's program, give a module
+// that builds and vets without any flag: what a user who copies them gets.
+func TestTheREADMESetUpLinesWork(t *testing.T) {
+	t.Parallel()
+	gobin, root := goAndRoot(t)
+	readme, err := os.ReadFile(filepath.Join(root, "README.md"))
+	require.NoError(t, err)
+	_, rest, ok := strings.Cut(string(readme), "<!-- setup -->")
+	require.True(t, ok, "the README marks its set-up lines with <!-- setup -->")
+	block, _, ok := strings.Cut(rest, "<!-- /setup -->")
+	require.True(t, ok)
+	_, lines, ok := strings.Cut(block, "```sh\n")
+	require.True(t, ok, "in a sh block")
+	lines, _, _ = strings.Cut(lines, "```")
+
+	dir := t.TempDir()
+	require.NoError(t, os.Symlink(root, filepath.Join(dir, "pgsaga")))
+	shop := filepath.Join(dir, "shop")
+	require.NoError(t, os.Mkdir(shop, 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(shop, "main.go"), []byte(program(t, string(readme))), 0o644))
+	plain := []string{"GOFLAGS=-buildvcs=false"} // no -mod=mod: as a user's shell has it
+	runGo(t, gobin, shop, plain, "mod", "init", "example.com/shop")
+	n := 0
+	for line := range strings.Lines(lines) {
+		args := strings.Fields(line)
+		if len(args) == 0 {
+			continue
+		}
+		require.Equal(t, "go", args[0], "a set-up line is a go command: %q", line)
+		runGo(t, gobin, shop, plain, args[1:]...)
+		n++
+	}
+	assert.Positive(t, n, "set-up lines ran")
+	runGo(t, gobin, shop, plain, "vet", ".")
+}
+
 // userProgram uses what a user of the module touches beyond the README's
 // program, from a module of its own: delivery settings, metrics, an
 // interceptor, a step that awaits a call, a projection, the idempotency

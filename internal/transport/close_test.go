@@ -260,3 +260,37 @@ func TestStopContextDrainsUntilItsContextEnds(t *testing.T) {
 		t.Fatal("the attempt was not cut off")
 	}
 }
+
+// A second StopContext, with a shorter context than the first's, shortens
+// the drain under way: a Stop(ctx of 1 s) issued while a
+// Stop(context.Background()) drains returns soon after its second, not
+// after the whole CloseTimeout.
+func TestASecondStopShortensTheDrain(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, func(c *transport.Config) { c.CloseTimeout, c.AttemptTimeout = 12*time.Second, time.Minute })
+	running := make(chan struct{})
+	var once sync.Once
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		once.Do(func() { close(running) })
+		<-msg.Context().Done()
+		return msg.Context().Err()
+	}, transport.WithConsumers(1)))
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	require.NoError(t, r.Start(ctx))
+	e.publish(1)
+	<-running
+	first := make(chan error, 1)
+	go func() { first <- r.StopContext(context.Background()) }()
+	waitFor(t, 10*time.Second, "the router closes", func() bool { return transport.Closing(r) })
+
+	short, cancelShort := context.WithTimeout(context.Background(), time.Second)
+	defer cancelShort()
+	began := time.Now()
+	require.NoError(t, r.StopContext(short))
+	took := time.Since(began)
+	<-first
+	assert.Less(t, took, 8*time.Second, "StopContext(1s) returned after %s: it waited for the first close's CloseTimeout (12 s)", took)
+}

@@ -42,6 +42,11 @@ type Router struct {
 
 	closeOnce sync.Once
 	closeErr  error
+	// drainCtx bounds the close's waits: CloseTimeout, and each closer's
+	// context (a later Close with a shorter one shortens them).
+	drainCtx    context.Context
+	drainCancel context.CancelFunc
+	drainOnce   sync.Once
 
 	background bool          // Start began a Run (under mu)
 	stopped    chan struct{} // closed when the Run that Start began returned
@@ -294,7 +299,7 @@ func (r *Router) Close() error { return r.CloseContext(context.Background()) }
 // CloseContext is Close, waiting for the attempts and awaited calls in
 // flight only until ctx ends or Config.CloseTimeout passes, whichever
 // comes first; then it cuts them off as Close does. A second call waits
-// for the first.
+// for the first, and its ctx, ending, ends the first's waits too.
 func (r *Router) CloseContext(ctx context.Context) error {
 	r.mu.Lock()
 	r.closed = true
@@ -303,11 +308,19 @@ func (r *Router) CloseContext(ctx context.Context) error {
 	if !started {
 		return nil // nothing runs; Watermill's Close would wait for handlers that never started
 	}
+	r.drainOnce.Do(func() {
+		r.drainCtx, r.drainCancel = context.WithTimeout(context.Background(), r.t.cfg.CloseTimeout)
+	})
+	// Whichever closer's context ends first ends the waits, the first's or
+	// a later one's.
+	stop := context.AfterFunc(ctx, r.drainCancel)
+	defer stop()
 	r.closeOnce.Do(func() {
-		ctx, cancel := context.WithTimeout(ctx, r.t.cfg.CloseTimeout)
-		defer cancel()
+		ctx := r.drainCtx
+		defer r.drainCancel()
 		if stuck := r.gate.drain(ctx); len(stuck) > 0 {
-			r.log.Error("attempts still running when the close's time ran out; cutting them off", "attempts", len(stuck), "close_timeout_ms", telemetry.Millis(r.t.cfg.CloseTimeout))
+			r.log.Error("attempts still running when the close's time ran out (CloseTimeout, or the closer's context); cutting them off",
+				"attempts", len(stuck), "close_timeout_ms", telemetry.Millis(r.t.cfg.CloseTimeout))
 			for _, a := range stuck {
 				a.requestCut()
 			}

@@ -142,10 +142,6 @@ func (f Faults) validate() error {
 	return nil
 }
 
-// ErrInjectedCrash is what an attempt fails with when the Injector crashes
-// it before commit.
-var ErrInjectedCrash = errors.New("sagatest: injected crash before commit")
-
 // CopyMetadata marks a copy the Injector published.
 const CopyMetadata = "sagatest_copy"
 

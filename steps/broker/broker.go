@@ -33,7 +33,6 @@ package broker
 
 import (
 	"context"
-	"errors"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -110,19 +109,3 @@ type Faults interface {
 	// acknowledging it, so that the broker delivers it again.
 	RedeliverAfterStore(topic string, msg *message.Message) bool
 }
-
-// Errors callers can branch on.
-var (
-	// ErrInvalidConfig wraps what is wrong with a Config.
-	ErrInvalidConfig = errors.New("broker: invalid config")
-	// ErrRelayCrashed is the cause logged for a relay batch abandoned by
-	// Faults.CrashAfterPublish.
-	ErrRelayCrashed = errors.New("broker: the relay crashed after a publish (fault injected)")
-	// ErrStarted is returned by Start on a bridge that was started.
-	ErrStarted = errors.New("broker: the bridge was started already")
-	// ErrNoLocalGroup refuses to start a bridge that would receive a topic
-	// no consumer group of its database reads: what it took from the
-	// broker would be a dead letter here. Start the workers (or Subscribe
-	// the groups) first.
-	ErrNoLocalGroup = errors.New("broker: no consumer group of this database reads a received topic")
-)

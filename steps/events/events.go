@@ -70,16 +70,6 @@ type Event interface {
 	EventType() string
 }
 
-// Errors callers can branch on.
-var (
-	// ErrVersionConflict: the stream is not at the expected version.
-	ErrVersionConflict = errors.New("events: version conflict")
-	// ErrUnknownEventType: a stored type name has no registered Go type.
-	ErrUnknownEventType = errors.New("events: unknown event type")
-	// ErrInvalidAppend: a bad stream id, expected version or event.
-	ErrInvalidAppend = errors.New("events: invalid append")
-)
-
 // VersionConflictError says which stream conflicted (matches
 // ErrVersionConflict).
 type VersionConflictError struct {

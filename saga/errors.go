@@ -1,0 +1,120 @@
+package saga
+
+import (
+	"errors"
+
+	"github.com/pgsaga/pgsaga/internal/transport"
+)
+
+// The errors the package returns, for errors.Is; each error a call returns
+// wraps one of them (or is a type of its own, such as
+// ConsumerGroupAliveError), with details after it.
+
+// Building and registering sagas.
+var (
+	// ErrInvalidName is returned when a step's name is not 1 to
+	// MaxStepName bytes of UTF-8 without control characters, or a trigger
+	// gives a key that is empty, not UTF-8, holds a NUL, or does not
+	// survive its encoding as JSON.
+	ErrInvalidName = errors.New("saga: invalid name")
+	// ErrClientStarted is returned when sagas, steps or projections are
+	// added to a client that has started, and by a second Start.
+	ErrClientStarted = errors.New("saga: the client has started; add sagas, steps and projections before Start")
+	// ErrDefinitionChanged is returned by Setup and Start when a
+	// definition's steps differ from those its version was first recorded
+	// with while instances of that version are unfinished (running,
+	// compensating, or parked as failed, which an operator may retry):
+	// they would be misread. Give the changed definition a new Version and
+	// keep registering the old one until its instances finish.
+	ErrDefinitionChanged = errors.New("saga: a definition's steps changed without a new version")
+	// ErrMissingPrivileges is returned by Start, and reported by Health,
+	// when the client's database role lacks a privilege its worker needs
+	// (TEMPORARY on the database, or one on a table); the error says which.
+	ErrMissingPrivileges = transport.ErrMissingPrivileges
+)
+
+// Starting sagas and publishing.
+var (
+	// ErrUnknownDefinition is returned when a call names a saga this
+	// process has not registered, or meets an instance of a version it
+	// does not know (another release's: that release handles it).
+	ErrUnknownDefinition = errors.New("saga: definition not known to this process")
+	// ErrTriggerType is returned by StartTx when the trigger is not of the
+	// saga's trigger type (its On).
+	ErrTriggerType = errors.New("saga: the trigger is not of the saga's trigger type")
+	// ErrNotATransaction is returned by StartTx when given no transaction,
+	// or a *sql.DB or *sql.Conn, whose every statement commits on its own
+	// (the saga and its trigger would not commit or roll back with the
+	// caller's work), and by PublishTx for a nil tx.
+	ErrNotATransaction = errors.New("saga: a transaction is required (a *sql.Tx, or a pgx.Tx through PgxTx)")
+	// ErrNilMessage is returned by PublishTx when given a nil message.
+	ErrNilMessage = errors.New("saga: nil message")
+	// ErrMessageTooLarge is returned when StartTx or PublishTx (or a
+	// step's reply or publish) is given a message larger than the
+	// transport's MaxMessageBytes (4 MiB by default); nothing of it is
+	// written.
+	ErrMessageTooLarge = transport.ErrMessageTooLarge
+)
+
+// Reading and operating instances.
+var (
+	// ErrNotFound is returned when no instance has the id a call names
+	// (Get, Retry, Cancel, Ask; WaitFinished waits for it to appear).
+	ErrNotFound = errors.New("saga: instance not found")
+	// ErrNotRetryable is returned by Retry (and recorded for a retry
+	// request) when the instance is not parked as failed: it is running,
+	// compensating, completed or compensated, or its definition cannot read
+	// it (ErrDefinitionMismatch).
+	ErrNotRetryable = errors.New("saga: instance cannot be retried")
+	// ErrNotCancellable is returned by Cancel (and recorded for a cancel
+	// request) when the instance has finished, or its definition cannot
+	// read it (ErrDefinitionMismatch).
+	ErrNotCancellable = errors.New("saga: instance cannot be cancelled")
+	// ErrConcurrentChange is returned when the instance changed between
+	// the call's read and its write (another worker's reply, a sweep, a
+	// second operator): try again on what it is now.
+	ErrConcurrentChange = errors.New("saga: instance changed concurrently")
+	// ErrDefinitionMismatch is returned when an instance's definition
+	// cannot read it (a step index outside the definition, an unknown
+	// phase, a phase whose command the step lacks), as after a definition
+	// changed its steps without a new Version. The sweeper and the reply
+	// handler park such an instance with the reason; an operator's retry
+	// or cancel of it is refused.
+	ErrDefinitionMismatch = errors.New("saga: instance does not match its definition")
+	// ErrInvalidRequest is returned by Ask for a request kind it does not
+	// know.
+	ErrInvalidRequest = errors.New("saga: invalid request")
+	// ErrForgedReply is the reason a reply is dead-lettered when it
+	// answers the command in flight without the command's reply token
+	// (steps.MetaReplyToken): it changes nothing, as whoever published it
+	// could not read the command.
+	ErrForgedReply = errors.New("saga: forged reply: it does not carry its command's reply token")
+)
+
+// Dead letters and consumer groups.
+var (
+	// ErrDeadLetterNotFound is returned when no dead letter has the id a
+	// call names.
+	ErrDeadLetterNotFound = transport.ErrDeadLetterNotFound
+	// ErrAlreadyReplayed is returned by ReplayDeadLetter for a dead letter
+	// replayed before; nothing changes.
+	ErrAlreadyReplayed = transport.ErrAlreadyReplayed
+	// ErrNoConsumerGroup is returned by ReplayDeadLetter when no consumer
+	// group reads the dead letter's topic (or not the one it came from);
+	// nothing changes.
+	ErrNoConsumerGroup = transport.ErrNoConsumerGroup
+	// ErrNotReplayable is returned by ReplayDeadLetter for a message a
+	// broker bridge received and could not queue; nothing changes.
+	ErrNotReplayable = transport.ErrNotReplayable
+	// ErrInvalidDeletion is returned by DeleteDeadLetters for a
+	// DeadLetterDeletion that selects neither by IDs nor by Topic and a
+	// positive OlderThan, or by both.
+	ErrInvalidDeletion = transport.ErrInvalidDeletion
+	// ErrConsumerGroupAlive is matched by the *ConsumerGroupAliveError
+	// DropConsumerGroup returns when a router showed the group alive
+	// recently (and the drop was not forced).
+	ErrConsumerGroupAlive = transport.ErrConsumerGroupAlive
+	// ErrNoSuchConsumerGroup is returned by DropConsumerGroup for a group
+	// that is not recorded.
+	ErrNoSuchConsumerGroup = transport.ErrNoSuchConsumerGroup
+)
