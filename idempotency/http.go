@@ -64,15 +64,6 @@ type HTTPConfig struct {
 // DefaultMaxResponseBytes is the default HTTPConfig.MaxResponseBytes.
 const DefaultMaxResponseBytes = 1 << 20
 
-// ErrResponseTooLarge is what a handler behind HTTPMiddleware gets from
-// ResponseWriter.Write once its response body outgrows
-// HTTPConfig.MaxResponseBytes.
-var ErrResponseTooLarge = errors.New("idempotency: response body larger than HTTPConfig.MaxResponseBytes")
-
-// ErrInvalidKey is the reason a request's Idempotency-Key is refused with
-// 400 (see ParseKey).
-var ErrInvalidKey = errors.New("idempotency: invalid " + KeyHeader)
-
 type httpTxKey struct{}
 
 // TxFromContext returns the transaction an HTTP handler behind the

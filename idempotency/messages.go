@@ -3,7 +3,6 @@ package idempotency
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"reflect"
 
@@ -77,11 +76,6 @@ func sameTx(a, b dbtx.DBTX) bool {
 	va, vb := reflect.ValueOf(a), reflect.ValueOf(b)
 	return va.IsValid() && vb.IsValid() && va.Type() == vb.Type() && va.Comparable() && va.Equal(vb)
 }
-
-// ErrNothingToFinish is returned by FinishTx for a claim that does not run
-// (a duplicate: its outcome is stored already) or that was finished
-// already.
-var ErrNothingToFinish = errors.New("idempotency: the claim's outcome is stored already")
 
 // FinishTx publishes replies through tx to the claimed message's reply
 // topic and stores the key's final outcome with them: StatusCompleted, or

@@ -121,17 +121,6 @@ type Claim struct {
 	Record Record
 }
 
-// Errors callers can branch on with errors.Is.
-var (
-	ErrInProgress     = errors.New("idempotency: a request with this key is in progress")
-	ErrKeyReused      = outcome.New(outcome.Permanent, "idempotency: key reused with a different request")
-	ErrConflict       = errors.New("idempotency: claim raced a concurrent claim; retry in a new transaction")
-	ErrLeaseLost      = errors.New("idempotency: lease lost; another worker took the key over")
-	ErrNotClaimed     = errors.New("idempotency: key has no pending claim to complete")
-	ErrNotFound       = errors.New("idempotency: key not found")
-	ErrInvalidRequest = errors.New("idempotency: invalid request")
-)
-
 // InProgressError is returned (matching ErrInProgress) when a key is held.
 type InProgressError struct {
 	Scope, Key string

@@ -53,11 +53,6 @@ func Version(ctx context.Context, db *sql.DB) (current, known int64, err error) 
 	return set.Version(ctx, db)
 }
 
-// ErrMissingVersion is returned by Pending when db lacks a version below
-// the newest it applied (its row deleted, or a migration added out of
-// order): Apply refuses such a database.
-var ErrMissingVersion = pgmigrate.ErrMissingVersion
-
 // Migration is one of pgsaga's migrations.
 type Migration struct {
 	Version int64

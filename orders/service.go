@@ -30,28 +30,6 @@ const (
 	MaxRequestSize = 4 << 10 // of a JSON PlaceRequest
 )
 
-// Errors of Place, each wrapped with details; branch with errors.Is.
-var (
-	ErrMissingKey        = errors.New("orders: missing idempotency key")
-	ErrKeyTooLong        = errors.New("orders: idempotency key longer than 255 bytes")
-	ErrInvalidCustomerID = errors.New("orders: invalid customer id")
-	ErrUnknownCustomer   = errors.New("orders: unknown customer")
-	ErrInvalidAmount     = errors.New("orders: amount must be positive")
-	ErrAmountTooLarge    = errors.New("orders: amount too large")
-	ErrNoteTooLong       = errors.New("orders: note too long")
-	ErrMalformedRequest  = errors.New("orders: malformed request")
-	ErrRequestTooLarge   = errors.New("orders: request too large")
-	// ErrKeyReused is idempotency.ErrKeyReused: the key was used for a
-	// different order.
-	ErrKeyReused = idempotency.ErrKeyReused
-)
-
-// Errors of CancelByCustomer and Order.
-var (
-	ErrOrderNotFound    = errors.New("orders: order not found")
-	ErrAlreadyConfirmed = errors.New("orders: order already confirmed; it can no longer be cancelled")
-)
-
 var customerIDPattern = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
 
 // PlaceRequest is a client's order.

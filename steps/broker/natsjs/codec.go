@@ -5,7 +5,6 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"sort"
 	"strings"
@@ -86,10 +85,6 @@ func (codec) Marshal(topic string, msg *message.Message) (*nats.Msg, error) {
 // MaxHeaderBytes is the most header bytes JetStream stores with a
 // message (64 KiB; "header size exceeds maximum allowed" beyond).
 const MaxHeaderBytes = 64 * 1024
-
-// ErrHeadersTooLarge refuses, for good, a message whose metadata JetStream
-// would not store.
-var ErrHeadersTooLarge = errors.New("natsjs: the message's headers are larger than JetStream takes")
 
 // headerSize is the size of h on the wire, as nats.go writes it.
 func headerSize(h nats.Header) int {

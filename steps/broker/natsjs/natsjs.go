@@ -98,11 +98,6 @@ type Broker struct {
 
 var _ broker.Broker = (*Broker)(nil)
 
-// ErrUnsupportedTopic is returned for a topic that is no usable NATS
-// subject: one starting with "$" (NATS's own subjects) or with an empty
-// token ("a..b", ".a", "a.").
-var ErrUnsupportedTopic = errors.New("natsjs: the topic cannot be a NATS subject")
-
 // New connects to NATS and returns the broker.
 func New(cfg Config) (*Broker, error) {
 	if cfg.URL == "" {

@@ -1,0 +1,14 @@
+package natsjs
+
+import "errors"
+
+// The errors the package returns, for errors.Is.
+var (
+	// ErrUnsupportedTopic is returned for a topic that is no usable NATS
+	// subject: one starting with "$" (NATS's own subjects) or with an empty
+	// token ("a..b", ".a", "a.").
+	ErrUnsupportedTopic = errors.New("natsjs: the topic cannot be a NATS subject")
+	// ErrHeadersTooLarge is returned for a message whose metadata
+	// JetStream would not store (over MaxHeaderBytes); it is permanent.
+	ErrHeadersTooLarge = errors.New("natsjs: the message's headers are larger than JetStream takes")
+)
