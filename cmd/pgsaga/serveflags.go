@@ -18,10 +18,11 @@ import (
 // ui): their logs, their metrics. Their traces come from the standard
 // OpenTelemetry environment (see obs.Tracing). The names are a contract.
 type serveFlags struct {
-	verbose     bool
-	level       string
-	format      string
-	metricsAddr string
+	verbose       bool
+	level         string
+	format        string
+	metricsAddr   string
+	metricsPublic bool
 }
 
 // register adds --verbose (-v), --log-level, --log-format and
@@ -31,6 +32,7 @@ func (f *serveFlags) register(fs *pflag.FlagSet, verbose string) {
 	fs.StringVar(&f.level, "log-level", "", "log records at this level and above, on stderr: debug, info, warn or error (default info)")
 	fs.StringVar(&f.format, "log-format", cmdlog.FormatText, "log records as text (key=value) or json (one object a line)")
 	fs.StringVar(&f.metricsAddr, "metrics-addr", "", "serve Prometheus metrics at http://ADDR/metrics, e.g. 127.0.0.1:9090 (port 0 picks one; printed on stderr); default: none")
+	fs.BoolVar(&f.metricsPublic, "metrics-public", false, "let --metrics-addr be off loopback: the metrics (saga names, topics, consumer groups) are then served to anyone who can reach it, with no login")
 }
 
 // logger checks the flags and returns the logger they ask for, writing to
@@ -58,6 +60,10 @@ func (f *serveFlags) logger(fs *pflag.FlagSet, w io.Writer) (*slog.Logger, error
 	if f.metricsAddr != "" {
 		if err := obs.CheckMetricsAddr(f.metricsAddr); err != nil {
 			return nil, usagef("--metrics-addr %q: want host:port, e.g. 127.0.0.1:9090", f.metricsAddr)
+		}
+		if !loopbackAddr(f.metricsAddr) && !f.metricsPublic {
+			return nil, usagef("--metrics-addr %q is off loopback, where the metrics are served without a login: "+
+				"give --metrics-public to mean it, or scrape through a proxy that authenticates", f.metricsAddr)
 		}
 	}
 	return cmdlog.New(w, f.format, level), nil

@@ -81,6 +81,8 @@ func TestServeFlagsRefuseNonsense(t *testing.T) {
 		{[]string{"ui", "--log-level", "loud"}, "-log-level must be debug, info, warn or error"},
 		{[]string{"ui", "-v", "--log-level", "info"}, "give one of them"},
 		{[]string{"ui", "--metrics-addr", "nowhere"}, "want host:port"},
+		{[]string{"ui", "--metrics-addr", "0.0.0.0:0"}, "off loopback"},
+		{[]string{"relay", "--broker", "nats://127.0.0.1:4222", "--topic", "t", "--metrics-addr", ":9090"}, "give --metrics-public"},
 		{[]string{"relay", "--broker", "nats://127.0.0.1:4222", "--topic", "t", "--log-format", "xml"}, "--log-format must be text or json"},
 		{[]string{"relay", "--broker", "nats://127.0.0.1:4222", "--topic", "t", "--metrics-addr", "1:2:3"}, "want host:port"},
 	} {
@@ -90,4 +92,6 @@ func TestServeFlagsRefuseNonsense(t *testing.T) {
 		assert.Contains(t, errOut, c.want, "%v", c.args)
 		assert.Less(t, time.Since(start), 2*time.Second, "%v: refused before connecting", c.args)
 	}
+	code, _, errOut := pgsaga(t, "ui", "--metrics-addr", "0.0.0.0:0", "--metrics-public")
+	assert.Equal(t, exitFailed, code, "--metrics-public lets it past the flags, to the (unreachable) database: %s", errOut)
 }
