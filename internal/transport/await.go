@@ -311,34 +311,34 @@ func (c *consumer) endHold(b *batch, h *heldCall, end time.Time, late bool) {
 		return
 	}
 	stopped := c.gate.calls.ctx.Err() != nil
-	switch {
-	case err != nil && stopped:
-		// Cancelled by Close: the message goes back untouched.
-		c.release(b)
-	case err != nil:
-		c.fail(b, h.log, h.d, h.n, err)
-	case !late && !c.gate.closing():
+	if err != nil {
+		if stopped {
+			c.release(b) // cancelled by Close: the message goes back untouched
+		} else {
+			c.fail(b, h.log, h.d, h.n, err)
+		}
+		c.gate.calls.done()
+		return
+	}
+	if !late && !c.gate.closing() {
 		deadline := time.Now().Add(c.t.cfg.AttemptTimeout)
 		out := c.run(b, h.log, h.d, afterAwait(h.msg), h.n, deadline, false)
 		if out != kept {
 			b.d.claims.free(h.d.id)
 		}
-		if out != refused { // the router began closing meanwhile
+		if out != refused { // refused: the router began closing meanwhile
 			c.gate.calls.done()
 			return
 		}
 	}
-	if err == nil {
-		// Parked, and woken when the batch is over, as if the call had
-		// returned after its hold.
-		c.park(b, h.log, h.d, h.aw)
-		attemptWorkers.Go(func() {
-			defer c.gate.calls.done()
-			c.afterCall(b, h.log, h.d, h.n, h.aw, nil, stopped)
-		}, nil)
-		return
-	}
-	c.gate.calls.done()
+	// The call succeeded, and no run follows it in this batch: parked,
+	// and woken when the batch is over, as if it had returned after its
+	// hold.
+	c.park(b, h.log, h.d, h.aw)
+	attemptWorkers.Go(func() {
+		defer c.gate.calls.done()
+		c.afterCall(b, h.log, h.d, h.n, h.aw, nil, stopped)
+	}, nil)
 }
 
 // letGo leaves the calls b still holds to their goroutines: the batch ended

@@ -222,22 +222,7 @@ func TestSubscribeConcurrently(t *testing.T) {
 // an attempt still running then is cut off, and the router stops.
 func TestStopContextDrainsUntilItsContextEnds(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, func(c *transport.Config) { c.CloseTimeout, c.AttemptTimeout = time.Minute, time.Minute })
-	running, cut := make(chan struct{}), make(chan struct{})
-	var once sync.Once
-	r, err := e.tr.NewRouter()
-	require.NoError(t, err)
-	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
-		once.Do(func() { close(running) })
-		<-msg.Context().Done() // until cut off
-		close(cut)
-		return msg.Context().Err()
-	}, transport.WithConsumers(1)))
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	require.NoError(t, r.Start(ctx))
-	e.publish(1)
-	<-running
+	r, cut := runningUntilCut(t, time.Minute)
 	stopCtx, stopCancel := context.WithCancel(context.Background())
 	stopped := make(chan error, 1)
 	go func() { stopped <- r.StopContext(stopCtx) }()
@@ -267,21 +252,7 @@ func TestStopContextDrainsUntilItsContextEnds(t *testing.T) {
 // after the whole CloseTimeout.
 func TestASecondStopShortensTheDrain(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, func(c *transport.Config) { c.CloseTimeout, c.AttemptTimeout = 12*time.Second, time.Minute })
-	running := make(chan struct{})
-	var once sync.Once
-	r, err := e.tr.NewRouter()
-	require.NoError(t, err)
-	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
-		once.Do(func() { close(running) })
-		<-msg.Context().Done()
-		return msg.Context().Err()
-	}, transport.WithConsumers(1)))
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	require.NoError(t, r.Start(ctx))
-	e.publish(1)
-	<-running
+	r, _ := runningUntilCut(t, 12*time.Second)
 	first := make(chan error, 1)
 	go func() { first <- r.StopContext(context.Background()) }()
 	waitFor(t, 10*time.Second, "the router closes", func() bool { return transport.Closing(r) })
@@ -293,4 +264,28 @@ func TestASecondStopShortensTheDrain(t *testing.T) {
 	took := time.Since(began)
 	<-first
 	assert.Less(t, took, 8*time.Second, "StopContext(1s) returned after %s: it waited for the first close's CloseTimeout (12 s)", took)
+}
+
+// runningUntilCut starts a router (its CloseTimeout closeTimeout) whose one
+// message's attempt runs until it is cut off, and returns once it runs;
+// cut is closed when the attempt's context has ended.
+func runningUntilCut(t *testing.T, closeTimeout time.Duration) (r *transport.Router, cut <-chan struct{}) {
+	t.Helper()
+	e := newEnv(t, func(c *transport.Config) { c.CloseTimeout, c.AttemptTimeout = closeTimeout, time.Minute })
+	running, ended := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	r, err := e.tr.NewRouter()
+	require.NoError(t, err)
+	require.NoError(t, r.AddHandler("h", e.in, "g", func(msg *message.Message) error {
+		once.Do(func() { close(running) })
+		<-msg.Context().Done() // until cut off
+		close(ended)
+		return msg.Context().Err()
+	}, transport.WithConsumers(1)))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, r.Start(ctx))
+	e.publish(1)
+	<-running
+	return r, ended
 }
