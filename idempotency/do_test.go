@@ -12,7 +12,7 @@ import (
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/testdb"
-	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // Do's request runs in the claim's transaction without a savepoint of its
@@ -36,13 +36,13 @@ func TestDoTakesNoSavepoint(t *testing.T) {
 	s, err := idempotency.NewStore(idempotency.Config{DB: pool.SQL})
 	require.NoError(t, err)
 	ctx := context.Background()
-	ok, err := s.Do(ctx, newRequest("ok"), func(ctx context.Context, tx steps.DBTX) (idempotency.Response, error) {
+	ok, err := s.Do(ctx, newRequest("ok"), func(ctx context.Context, tx delivery.DBTX) (idempotency.Response, error) {
 		_, err := tx.ExecContext(ctx, `SELECT 1`)
 		return idempotency.Response{Code: 200}, err
 	})
 	require.NoError(t, err)
 	assert.Equal(t, idempotency.StatusCompleted, ok.Status)
-	failed, err := s.Do(ctx, newRequest("failed"), func(context.Context, steps.DBTX) (idempotency.Response, error) {
+	failed, err := s.Do(ctx, newRequest("failed"), func(context.Context, delivery.DBTX) (idempotency.Response, error) {
 		return idempotency.Response{}, &idempotency.Failure{Reason: "no", Response: idempotency.Response{Code: 402}}
 	})
 	require.NoError(t, err)
@@ -65,14 +65,14 @@ func TestAFailureStoredAfterAnotherRequestFinishedTheKeyReplaysIt(t *testing.T) 
 		if r.Key != req.Key {
 			return
 		}
-		res, err := s.Do(ctx, req, func(context.Context, steps.DBTX) (idempotency.Response, error) {
+		res, err := s.Do(ctx, req, func(context.Context, delivery.DBTX) (idempotency.Response, error) {
 			return idempotency.Response{Code: 201, Body: []byte("theirs")}, nil
 		})
 		require.NoError(t, err)
 		require.False(t, res.Replayed)
 	})
 	t.Cleanup(restore)
-	res, err := s.Do(ctx, req, func(context.Context, steps.DBTX) (idempotency.Response, error) {
+	res, err := s.Do(ctx, req, func(context.Context, delivery.DBTX) (idempotency.Response, error) {
 		return idempotency.Response{}, &idempotency.Failure{Reason: "declined", Response: idempotency.Response{Code: 402}}
 	})
 	require.NoError(t, err)

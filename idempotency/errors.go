@@ -31,9 +31,9 @@ var (
 	// run (a duplicate: its outcome is stored already) or that was
 	// finished already.
 	ErrNothingToFinish = errors.New("idempotency: the claim's outcome is stored already")
-	// ErrNotFound is returned by Get when no key has the scope and key
+	// ErrNoSuchKey is returned by Get when no key has the scope and key
 	// asked for.
-	ErrNotFound = errors.New("idempotency: key not found")
+	ErrNoSuchKey = errors.New("idempotency: key not found")
 	// ErrInvalidRequest is returned for a request or a configuration the
 	// store cannot take: a scope or key of the wrong length, a missing
 	// hash, a negative bound, an HTTPConfig without its Caller.

@@ -12,6 +12,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 )
 
@@ -42,7 +43,7 @@ func ExampleStore_Middleware() {
 	once, err := store.Middleware(idempotency.MiddlewareConfig{
 		Scope: "greeter",
 		// Replies go out through the subscriber's transaction: the outbox.
-		Publisher: func(tx steps.DBTX) message.Publisher {
+		Publisher: func(tx delivery.DBTX) message.Publisher {
 			pub, err := wsql.NewPublisher(tx.(*sql.Tx), wsql.PublisherConfig{SchemaAdapter: schema}, logger)
 			if err != nil {
 				panic(err)

@@ -8,7 +8,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/testdb"
-	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // Do runs a request at most once per key; a second call with the same key
@@ -26,7 +26,7 @@ func ExampleStore_Do() {
 		Hash:  idempotency.Fingerprint([]byte("charge 4200 cents")),
 	}
 	for range 2 {
-		res, err := store.Do(ctx, req, func(ctx context.Context, tx steps.DBTX) (idempotency.Response, error) {
+		res, err := store.Do(ctx, req, func(ctx context.Context, tx delivery.DBTX) (idempotency.Response, error) {
 			// Writes through tx commit with the stored response, or not at all.
 			fmt.Println("charging")
 			return idempotency.Response{Code: 201, Body: []byte("charged 4200")}, nil

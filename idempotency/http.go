@@ -15,7 +15,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/pgsaga/pgsaga/internal/dbtx"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // HTTP header names the HTTP middleware uses.
@@ -69,8 +69,8 @@ type httpTxKey struct{}
 // TxFromContext returns the transaction an HTTP handler behind the
 // middleware runs in: writes made through it commit with the stored response,
 // or not at all.
-func TxFromContext(ctx context.Context) (dbtx.DBTX, bool) {
-	tx, ok := ctx.Value(httpTxKey{}).(dbtx.DBTX)
+func TxFromContext(ctx context.Context) (delivery.DBTX, bool) {
+	tx, ok := ctx.Value(httpTxKey{}).(delivery.DBTX)
 	return tx, ok
 }
 
@@ -276,7 +276,7 @@ func (s *Store) serveHTTP(cfg HTTPConfig, lockTimeout string, next http.Handler,
 		return
 	}
 	rec := &recorder{header: http.Header{}, code: http.StatusOK, max: cfg.MaxResponseBytes}
-	next.ServeHTTP(rec, r.WithContext(context.WithValue(ctx, httpTxKey{}, dbtx.DBTX(tx))))
+	next.ServeHTTP(rec, r.WithContext(context.WithValue(ctx, httpTxKey{}, delivery.DBTX(tx))))
 	if rec.tooLarge {
 		_ = tx.Rollback()
 		s.cfg.Logger.Error("idempotency: HTTP response larger than MaxResponseBytes; request rolled back and key released",

@@ -10,6 +10,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // Lease is a committed pending claim of the two-phase form: the holder calls
@@ -51,7 +52,7 @@ func (s *Store) AcquireFor(ctx context.Context, req Request, lease time.Duration
 		return Acquisition{}, errors.New("idempotency: Config.DB is required for Acquire")
 	}
 	var acq Acquisition
-	err := dbtx.InTx(ctx, s.cfg.DB, "idempotency", func(tx dbtx.DBTX) error {
+	err := dbtx.InTx(ctx, s.cfg.DB, "idempotency", func(tx delivery.DBTX) error {
 		var err error
 		acq, err = s.acquireTx(ctx, tx, req, lease, false)
 		return err
@@ -67,13 +68,13 @@ func (s *Store) AcquireFor(ctx context.Context, req Request, lease time.Duration
 // the lease and the caller's writes take effect when tx commits, and must
 // commit before the external call. Config.LockTimeout bounds the claim's own
 // wait; the transaction's lock_timeout is as it was once AcquireTx returns.
-func (s *Store) AcquireTx(ctx context.Context, tx dbtx.DBTX, req Request, lease time.Duration) (Acquisition, error) {
+func (s *Store) AcquireTx(ctx context.Context, tx delivery.DBTX, req Request, lease time.Duration) (Acquisition, error) {
 	return s.acquireTx(ctx, tx, req, lease, true)
 }
 
 // acquireTx is AcquireTx; with restore, the transaction's lock_timeout is
 // set back after the claim (see claimTx).
-func (s *Store) acquireTx(ctx context.Context, tx dbtx.DBTX, req Request, lease time.Duration, restore bool) (Acquisition, error) {
+func (s *Store) acquireTx(ctx context.Context, tx delivery.DBTX, req Request, lease time.Duration, restore bool) (Acquisition, error) {
 	if err := req.validate(); err != nil {
 		return Acquisition{}, err
 	}
@@ -102,7 +103,7 @@ func (s *Store) acquireTx(ctx context.Context, tx dbtx.DBTX, req Request, lease 
 
 // acquireExisting finishes an acquisition once claimLeaseSQL ran: inserted,
 // or the key exists and is replayed or taken over.
-func (s *Store) acquireExisting(ctx context.Context, tx dbtx.DBTX, l *Lease, inserted bool, lease time.Duration) (Acquisition, error) {
+func (s *Store) acquireExisting(ctx context.Context, tx delivery.DBTX, l *Lease, inserted bool, lease time.Duration) (Acquisition, error) {
 	if inserted {
 		return Acquisition{Lease: l}, nil
 	}
@@ -136,7 +137,7 @@ func (s *Store) acquireExisting(ctx context.Context, tx dbtx.DBTX, l *Lease, ins
 // tx must see the lease: a REPEATABLE READ transaction whose snapshot was
 // taken before Acquire committed (a watermill-sql subscriber's batch, for
 // one) does not, and gets ErrLeaseLost. Use CompleteLease there.
-func (s *Store) CompleteLeaseTx(ctx context.Context, tx dbtx.DBTX, l *Lease, status Status, resp Response) error {
+func (s *Store) CompleteLeaseTx(ctx context.Context, tx delivery.DBTX, l *Lease, status Status, resp Response) error {
 	if err := checkFinal(status); err != nil {
 		return err
 	}
@@ -155,7 +156,7 @@ func (s *Store) CompleteLease(ctx context.Context, l *Lease, status Status, resp
 	if s.cfg.DB == nil {
 		return errors.New("idempotency: Config.DB is required for CompleteLease")
 	}
-	return dbtx.InTx(ctx, s.cfg.DB, "idempotency", func(tx dbtx.DBTX) error { return s.CompleteLeaseTx(ctx, tx, l, status, resp) })
+	return dbtx.InTx(ctx, s.cfg.DB, "idempotency", func(tx delivery.DBTX) error { return s.CompleteLeaseTx(ctx, tx, l, status, resp) })
 }
 
 // ReleaseLease ends a lease early without an outcome, so the next attempt
@@ -166,7 +167,7 @@ func (s *Store) ReleaseLease(ctx context.Context, l *Lease) error {
 	if s.cfg.DB == nil {
 		return errors.New("idempotency: Config.DB is required for ReleaseLease")
 	}
-	return dbtx.InTx(ctx, s.cfg.DB, "idempotency", func(tx dbtx.DBTX) error {
+	return dbtx.InTx(ctx, s.cfg.DB, "idempotency", func(tx delivery.DBTX) error {
 		res, err := tx.ExecContext(ctx, releaseLeaseSQL, l.Scope, l.Key, l.Token)
 		if err != nil {
 			return fmt.Errorf("idempotency: releasing %s/%s: %w", l.Scope, l.Key, err)

@@ -13,7 +13,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/migrations"
-	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // provider is a fake external service with its own idempotency by key.
@@ -197,7 +197,7 @@ func TestAHeldLeaseSaysHowLongItHasLeftOnTheDatabasesClock(t *testing.T) {
 	for name, claim := range map[string]func() error{
 		"Acquire": func() error { _, err := s.AcquireFor(ctx, req, time.Minute); return err },
 		"Claim": func() error {
-			_, err := s.Do(ctx, req, func(context.Context, steps.DBTX) (idempotency.Response, error) {
+			_, err := s.Do(ctx, req, func(context.Context, delivery.DBTX) (idempotency.Response, error) {
 				t.Error("a held key ran")
 				return idempotency.Response{}, nil
 			})

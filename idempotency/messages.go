@@ -11,6 +11,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/internal/metadata"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // MessageKeys claims and finishes the idempotency keys of messages in one
@@ -34,7 +35,7 @@ func (s *Store) MessageKeys(cfg MiddlewareConfig) (*MessageKeys, error) {
 		cfg.Fingerprint = func(m *message.Message) []byte { return Fingerprint(m.Payload) }
 	}
 	if cfg.TxFromContext == nil {
-		cfg.TxFromContext = func(ctx context.Context) (dbtx.DBTX, bool) { return wsql.TxFromContext(ctx) }
+		cfg.TxFromContext = func(ctx context.Context) (delivery.DBTX, bool) { return wsql.TxFromContext(ctx) }
 	}
 	if cfg.ReplyTopic == nil {
 		cfg.ReplyTopic = func(m *message.Message) string { return m.Metadata.Get(metadata.ReplyTo) }
@@ -51,7 +52,7 @@ type MessageClaim struct {
 
 	msg      *message.Message
 	req      Request
-	tx       dbtx.DBTX // the transaction that made the claim
+	tx       delivery.DBTX // the transaction that made the claim
 	finished bool
 }
 
@@ -59,7 +60,7 @@ type MessageClaim struct {
 // publishes the stored replies again through tx, with their original UUIDs
 // and the "replayed" metadata entry (steps.MetaReplayed) set to "true", and returns a claim with Run false. Errors are
 // ClaimTx's: ErrKeyReused, ErrInProgress, ErrConflict, ErrInvalidRequest.
-func (k *MessageKeys) ClaimTx(ctx context.Context, tx dbtx.DBTX, msg *message.Message) (*MessageClaim, error) {
+func (k *MessageKeys) ClaimTx(ctx context.Context, tx delivery.DBTX, msg *message.Message) (*MessageClaim, error) {
 	req := k.cfg.MessageRequest(msg)
 	claim, err := k.s.ClaimTx(ctx, tx, req)
 	if err != nil {
@@ -72,7 +73,7 @@ func (k *MessageKeys) ClaimTx(ctx context.Context, tx dbtx.DBTX, msg *message.Me
 }
 
 // sameTx reports whether a and b are the same transaction value.
-func sameTx(a, b dbtx.DBTX) bool {
+func sameTx(a, b delivery.DBTX) bool {
 	va, vb := reflect.ValueOf(a), reflect.ValueOf(b)
 	return va.IsValid() && vb.IsValid() && va.Type() == vb.Type() && va.Comparable() && va.Equal(vb)
 }
@@ -84,7 +85,7 @@ func sameTx(a, b dbtx.DBTX) bool {
 // in the transaction that made it: in another, FinishTx fails with
 // ErrNotClaimed, and a second time with ErrNothingToFinish, before
 // anything is published.
-func (k *MessageKeys) FinishTx(ctx context.Context, tx dbtx.DBTX, c *MessageClaim, status Status, reason string, replies ...*message.Message) error {
+func (k *MessageKeys) FinishTx(ctx context.Context, tx delivery.DBTX, c *MessageClaim, status Status, reason string, replies ...*message.Message) error {
 	switch {
 	case c == nil:
 		return fmt.Errorf("%w: no claim to finish", ErrInvalidRequest)
@@ -130,7 +131,7 @@ func (k *MessageKeys) FinishTx(ctx context.Context, tx dbtx.DBTX, c *MessageClai
 
 // replay publishes a finished key's stored replies again, grouped by topic
 // in their original order.
-func (k *MessageKeys) replay(tx dbtx.DBTX, rec Record) error {
+func (k *MessageKeys) replay(tx delivery.DBTX, rec Record) error {
 	var out storedOutcome
 	if err := json.Unmarshal(rec.Response.Body, &out); err != nil {
 		return fmt.Errorf("idempotency: decoding stored outcome of %s/%s: %w", rec.Scope, rec.Key, err)

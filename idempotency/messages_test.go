@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 )
 
@@ -33,7 +34,7 @@ func newMessageKeys(t *testing.T) *messageKeysEnv {
 	keys, err := s.MessageKeys(idempotency.MiddlewareConfig{
 		Scope:       e.scope,
 		KeyMetadata: "key",
-		Publisher:   func(steps.DBTX) message.Publisher { return e.pub },
+		Publisher:   func(delivery.DBTX) message.Publisher { return e.pub },
 	})
 	require.NoError(t, err)
 	e.keys = keys
@@ -133,7 +134,7 @@ func TestMessageKeysFinishNeedsAClaim(t *testing.T) {
 	})
 	require.ErrorIs(t, err, idempotency.ErrNotClaimed)
 	_, err = e.store.Get(ctx, e.scope, "rolled-back")
-	require.ErrorIs(t, err, idempotency.ErrNotFound)
+	require.ErrorIs(t, err, idempotency.ErrNoSuchKey)
 	require.ErrorIs(t, e.keys.FinishTx(ctx, e.db, nil, idempotency.StatusCompleted, ""), idempotency.ErrInvalidRequest)
 }
 

@@ -30,28 +30,10 @@ FROM cfg LEFT JOIN claimed ON true`
 	// when they did not (the key existed).
 	restoreLockTimeoutSQL = `SELECT set_config('lock_timeout', $1, true)`
 
-	// claimManySQL claims many keys at once, for a delivery batch (see
-	// Store.BatchKeyClaims), in key order (batches claiming the same keys
-	// wait for each other rather than deadlock), and returns those it
-	// claimed.
-	claimManySQL = `INSERT INTO idempotency_keys (scope, key, request_hash)
-SELECT u.scope, u.key, u.hash
-FROM (SELECT set_config('lock_timeout', $4, true)) AS cfg,
-    unnest($1::text[], $2::text[], $3::bytea[]) AS u(scope, key, hash)
-ORDER BY u.scope, u.key
-ON CONFLICT (scope, key) DO NOTHING
-RETURNING scope, key`
-
 	// rehashSQL stores the request hash of a batch's claim that its
 	// attempt takes with another (see dbtx.BatchClaimer).
 	rehashSQL = `UPDATE idempotency_keys SET request_hash = $3
 WHERE scope = $1 AND key = $2 AND status = 'pending' AND lease_token IS NULL`
-
-	// giveBackSQL deletes the claims among ($1, $2) that no attempt
-	// completed: single-phase claims still pending.
-	giveBackSQL = `DELETE FROM idempotency_keys k
-USING unnest($1::text[], $2::text[]) AS u(scope, key)
-WHERE k.scope = u.scope AND k.key = u.key AND k.status = 'pending' AND k.lease_token IS NULL`
 
 	// claimLeaseSQL is claimSQL for the two-phase form: the claim carries a
 	// lease that only its token can complete and that others may take over

@@ -1,8 +1,8 @@
 // Package idempotency stores idempotency keys in PostgreSQL and decides, for
 // each request carrying one, whether to execute it or replay what it stored.
 //
-// A tx argument (dbtx.DBTX) is pgsaga's one database interface, named
-// steps.DBTX for users: a *sql.Tx, *sql.Conn or *sql.DB, or a pgx.Tx
+// A tx argument (delivery.DBTX) is pgsaga's one database interface, named
+// delivery.DBTX for users: a *sql.Tx, *sql.Conn or *sql.DB, or a pgx.Tx
 // wrapped by saga.PgxTx.
 //
 // The claim follows docs/DESIGN.md ("The step transaction"), verified on PostgreSQL 15: insert first with
@@ -57,6 +57,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/internal/outcome"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // Status of a key.
@@ -228,14 +229,14 @@ func (r Request) validate() error {
 // ClaimTx claims req in tx. See the package documentation for outcomes.
 // Config.LockTimeout bounds the claim's own wait; the transaction's
 // lock_timeout is as it was once ClaimTx returns.
-func (s *Store) ClaimTx(ctx context.Context, tx dbtx.DBTX, req Request) (Claim, error) {
+func (s *Store) ClaimTx(ctx context.Context, tx delivery.DBTX, req Request) (Claim, error) {
 	return s.claimTx(ctx, tx, req, s.lockTimeout, true)
 }
 
 // claimTx is ClaimTx with lock_timeout given in milliseconds. With restore,
 // the transaction's lock_timeout is set back after the claim; a caller
 // whose transaction runs nothing else (Do) saves the round trip.
-func (s *Store) claimTx(ctx context.Context, tx dbtx.DBTX, req Request, lockTimeout string, restore bool) (Claim, error) {
+func (s *Store) claimTx(ctx context.Context, tx delivery.DBTX, req Request, lockTimeout string, restore bool) (Claim, error) {
 	if err := req.validate(); err != nil {
 		return Claim{}, err
 	}
@@ -269,7 +270,7 @@ func (s *Store) claimTx(ctx context.Context, tx dbtx.DBTX, req Request, lockTime
 
 // claimExisting finishes a claim once claimSQL ran: inserted, or the key
 // exists and is read under lock.
-func (s *Store) claimExisting(ctx context.Context, tx dbtx.DBTX, req Request, inserted bool) (Claim, error) {
+func (s *Store) claimExisting(ctx context.Context, tx delivery.DBTX, req Request, inserted bool) (Claim, error) {
 	if inserted {
 		return Claim{Execute: true}, nil
 	}
@@ -297,7 +298,7 @@ func (s *Store) claimExisting(ctx context.Context, tx dbtx.DBTX, req Request, in
 // that ended with err. A database error has aborted tx (nothing to restore,
 // and no statement would run); any other error is returned as it is, with
 // the restore done on a best-effort basis.
-func restoreLockTimeout(ctx context.Context, tx dbtx.DBTX, prev string, err error) error {
+func restoreLockTimeout(ctx context.Context, tx delivery.DBTX, prev string, err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		return err
@@ -308,27 +309,10 @@ func restoreLockTimeout(ctx context.Context, tx dbtx.DBTX, prev string, err erro
 	return err
 }
 
-// BatchKeyClaims are the statements with which pgsaga's delivery claims
-// the keys of a whole batch of messages in one statement, before their
-// attempts, and gives back those no attempt completed: plumbing of the
-// step runtime, which sets them on each step's consumer; not for
-// applications. An attempt's ClaimTx then finds its key claimed, with no
-// statement of its own.
-func (s *Store) BatchKeyClaims() dbtx.KeyClaims {
-	return dbtx.KeyClaims{
-		Claim: func(scopes, keys []string, hashes [][]byte) (string, []any) {
-			return claimManySQL, []any{scopes, keys, hashes, s.lockTimeout}
-		},
-		GiveBack: func(scopes, keys []string) (string, []any) {
-			return giveBackSQL, []any{scopes, keys}
-		},
-	}
-}
-
 // CompleteTx stores the outcome of a claim made with ClaimTx in the same
 // transaction. status must be StatusCompleted or StatusFailed (a final
 // business rejection, replayed like a success).
-func (s *Store) CompleteTx(ctx context.Context, tx dbtx.DBTX, req Request, status Status, resp Response) error {
+func (s *Store) CompleteTx(ctx context.Context, tx delivery.DBTX, req Request, status Status, resp Response) error {
 	if err := checkFinal(status); err != nil {
 		return err
 	}
@@ -360,7 +344,7 @@ type Failure struct {
 func (f *Failure) Error() string { return "idempotency: failed: " + f.Reason }
 
 // Outcome implements outcome.Classifier: a business failure.
-func (f *Failure) Outcome() outcome.Kind { return outcome.BusinessFailure }
+func (f *Failure) Outcome() delivery.Outcome { return outcome.BusinessFailure }
 
 // Result is the outcome of Do.
 type Result struct {
@@ -378,12 +362,12 @@ type Result struct {
 // transaction back and is stored in one of its own; should a request of
 // the same key finish it in between, the failed request gets that
 // outcome, replayed.
-func (s *Store) Do(ctx context.Context, req Request, fn func(ctx context.Context, tx dbtx.DBTX) (Response, error)) (Result, error) {
+func (s *Store) Do(ctx context.Context, req Request, fn func(ctx context.Context, tx delivery.DBTX) (Response, error)) (Result, error) {
 	if s.cfg.DB == nil {
 		return Result{}, errors.New("idempotency: Config.DB is required for Do")
 	}
 	var fail *Failure
-	res, err := s.inClaim(ctx, req, func(ctx context.Context, tx dbtx.DBTX) (Status, Response, error) {
+	res, err := s.inClaim(ctx, req, func(ctx context.Context, tx delivery.DBTX) (Status, Response, error) {
 		resp, err := fn(ctx, tx)
 		if errors.As(err, &fail) {
 			return "", Response{}, err
@@ -401,7 +385,7 @@ func (s *Store) Do(ctx context.Context, req Request, fn func(ctx context.Context
 	if afterFailureRollback != nil {
 		afterFailureRollback(req)
 	}
-	return s.inClaim(ctx, req, func(context.Context, dbtx.DBTX) (Status, Response, error) {
+	return s.inClaim(ctx, req, func(context.Context, delivery.DBTX) (Status, Response, error) {
 		return StatusFailed, fail.Response, nil
 	})
 }
@@ -419,7 +403,7 @@ var afterFailureRollback func(Request)
 // claim, and what fn queues (dbtx.Queue) with the completion, so that a
 // request costs its callback's round trips and three of its own (claim,
 // completion, commit).
-func (s *Store) inClaim(ctx context.Context, req Request, fn func(ctx context.Context, tx dbtx.DBTX) (Status, Response, error)) (Result, error) {
+func (s *Store) inClaim(ctx context.Context, req Request, fn func(ctx context.Context, tx delivery.DBTX) (Status, Response, error)) (Result, error) {
 	var res Result
 	piped, err := dbtx.WithPipe(ctx, s.cfg.DB, "idempotency", func(p *dbtx.Pipe) error {
 		var err error
@@ -438,7 +422,7 @@ func (s *Store) inClaim(ctx context.Context, req Request, fn func(ctx context.Co
 }
 
 // claimAndRun is inClaim in tx, which commit commits.
-func (s *Store) claimAndRun(ctx context.Context, tx dbtx.DBTX, req Request, fn func(ctx context.Context, tx dbtx.DBTX) (Status, Response, error), commit func() error) (Result, error) {
+func (s *Store) claimAndRun(ctx context.Context, tx delivery.DBTX, req Request, fn func(ctx context.Context, tx delivery.DBTX) (Status, Response, error), commit func() error) (Result, error) {
 	claim, err := s.claimTx(ctx, tx, req, s.lockTimeout, false)
 	if err != nil {
 		return Result{}, err
@@ -472,17 +456,17 @@ func (s *Store) Get(ctx context.Context, scope, key string) (Record, error) {
 
 // GetTx is Get through tx: it reads the record as tx sees it, without
 // locking it.
-func (s *Store) GetTx(ctx context.Context, tx dbtx.DBTX, scope, key string) (Record, error) {
+func (s *Store) GetTx(ctx context.Context, tx delivery.DBTX, scope, key string) (Record, error) {
 	rec, err := scanRecord(tx.QueryRowContext(ctx, getRecordSQL, scope, key), Request{Scope: scope, Key: key})
 	if errors.Is(err, sql.ErrNoRows) {
-		return Record{}, fmt.Errorf("%w: %s/%s", ErrNotFound, scope, key)
+		return Record{}, fmt.Errorf("%w: %s/%s", ErrNoSuchKey, scope, key)
 	}
 	return rec, err
 }
 
 // lockRecord reads req's key under a row lock, with how long its lease
 // has left on the database's clock (zero when it has none or it ran out).
-func lockRecord(ctx context.Context, tx dbtx.DBTX, req Request) (Record, time.Duration, error) {
+func lockRecord(ctx context.Context, tx delivery.DBTX, req Request) (Record, time.Duration, error) {
 	var left float64
 	rec, err := scanRecord(tx.QueryRowContext(ctx, lockRecordSQL, req.Scope, req.Key), req, &left)
 	if errors.Is(err, sql.ErrNoRows) {

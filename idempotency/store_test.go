@@ -17,7 +17,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/testdb"
-	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 func TestMain(m *testing.M) { testdb.Main(m) }
@@ -65,7 +65,7 @@ func TestConcurrentClaimsHaveOneExecutor(t *testing.T) {
 	for i := range workers {
 		wg.Go(func() {
 			<-start
-			results[i], errs[i] = s.Do(context.Background(), req, func(ctx context.Context, tx steps.DBTX) (idempotency.Response, error) {
+			results[i], errs[i] = s.Do(context.Background(), req, func(ctx context.Context, tx delivery.DBTX) (idempotency.Response, error) {
 				executed.Add(1)
 				if _, err := tx.ExecContext(ctx, `INSERT INTO race_effects VALUES ($1, $2, $3)`, req.Scope, req.Key, i); err != nil {
 					return idempotency.Response{}, err
@@ -270,7 +270,7 @@ func TestFailureKinds(t *testing.T) {
 	req := newRequest("charge 1000")
 	calls := 0
 	for range 3 {
-		res, err := s.Do(ctx, req, func(ctx context.Context, tx steps.DBTX) (idempotency.Response, error) {
+		res, err := s.Do(ctx, req, func(ctx context.Context, tx delivery.DBTX) (idempotency.Response, error) {
 			calls++
 			if _, err := tx.ExecContext(ctx, `INSERT INTO failure_effects VALUES ($1)`, req.Scope); err != nil {
 				return idempotency.Response{}, err
@@ -287,12 +287,12 @@ func TestFailureKinds(t *testing.T) {
 
 	req = newRequest("charge 5")
 	boom := errors.New("gateway timeout")
-	_, err = s.Do(ctx, req, func(context.Context, steps.DBTX) (idempotency.Response, error) {
+	_, err = s.Do(ctx, req, func(context.Context, delivery.DBTX) (idempotency.Response, error) {
 		return idempotency.Response{}, boom
 	})
 	require.ErrorIs(t, err, boom)
 	assert.Zero(t, count(t, db, `SELECT count(*) FROM idempotency_keys WHERE scope = $1`, req.Scope), "a transient failure leaves no key")
-	res, err := s.Do(ctx, req, func(context.Context, steps.DBTX) (idempotency.Response, error) {
+	res, err := s.Do(ctx, req, func(context.Context, delivery.DBTX) (idempotency.Response, error) {
 		return idempotency.Response{Code: 200, Body: []byte("ok")}, nil
 	})
 	require.NoError(t, err)
@@ -305,13 +305,13 @@ func TestKeyReusedWithDifferentRequest(t *testing.T) {
 	s, _ := newStore(t, nil)
 	ctx := context.Background()
 	req := newRequest("charge 100")
-	_, err := s.Do(ctx, req, func(context.Context, steps.DBTX) (idempotency.Response, error) {
+	_, err := s.Do(ctx, req, func(context.Context, delivery.DBTX) (idempotency.Response, error) {
 		return idempotency.Response{Code: 200}, nil
 	})
 	require.NoError(t, err)
 	other := req
 	other.Hash = idempotency.Fingerprint([]byte("charge 999"))
-	_, err = s.Do(ctx, other, func(context.Context, steps.DBTX) (idempotency.Response, error) {
+	_, err = s.Do(ctx, other, func(context.Context, delivery.DBTX) (idempotency.Response, error) {
 		t.Fatal("must not execute")
 		return idempotency.Response{}, nil
 	})
@@ -411,7 +411,7 @@ func TestClaimRestoresLockTimeout(t *testing.T) {
 		return v
 	}
 	done := newRequest("done")
-	_, err := s.Do(ctx, done, func(context.Context, steps.DBTX) (idempotency.Response, error) {
+	_, err := s.Do(ctx, done, func(context.Context, delivery.DBTX) (idempotency.Response, error) {
 		return idempotency.Response{Code: 200}, nil
 	})
 	require.NoError(t, err)

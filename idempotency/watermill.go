@@ -8,6 +8,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // MiddlewareConfig configures Store.Middleware.
@@ -24,10 +25,10 @@ type MiddlewareConfig struct {
 	// TxFromContext returns the transaction the message is handled in; the
 	// claim, the handler's writes and the replies share it. Default:
 	// watermill-sql's subscriber transaction.
-	TxFromContext func(context.Context) (dbtx.DBTX, bool)
+	TxFromContext func(context.Context) (delivery.DBTX, bool)
 	// Publisher publishes replies through tx (the outbox). Required when the
 	// handler returns messages.
-	Publisher func(tx dbtx.DBTX) message.Publisher
+	Publisher func(tx delivery.DBTX) message.Publisher
 	// ReplyTopic returns the topic for the replies to msg. Default: the
 	// "reply_to" metadata entry (steps.MetaReplyTo).
 	ReplyTopic func(msg *message.Message) string

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 )
 
@@ -61,11 +62,11 @@ func newMiddleware(t *testing.T) (*middlewareEnv, *sql.DB, *recordingPublisher, 
 	mw, err := s.Middleware(idempotency.MiddlewareConfig{
 		Scope:       scope,
 		KeyMetadata: "key",
-		TxFromContext: func(ctx context.Context) (steps.DBTX, bool) {
+		TxFromContext: func(ctx context.Context) (delivery.DBTX, bool) {
 			tx, ok := ctx.Value(txKey{}).(*sql.Tx)
 			return tx, ok
 		},
-		Publisher: func(steps.DBTX) message.Publisher { return pub },
+		Publisher: func(delivery.DBTX) message.Publisher { return pub },
 	})
 	require.NoError(t, err)
 	return &middlewareEnv{store: s, scope: scope}, db.SQL, pub, mw

@@ -12,7 +12,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/saga"
-	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
 
@@ -39,7 +39,7 @@ func ExampleService_Projection() {
 	run := uuid.NewString()[:8] // keeps this example apart in a shared database
 	projection, inView := svc.Projection(), "order_views_updated_"+run
 	project := projection.Handle
-	projection.Handle = func(ctx context.Context, tx steps.DBTX, msg *message.Message) error {
+	projection.Handle = func(ctx context.Context, tx delivery.DBTX, msg *message.Message) error {
 		if err := project(ctx, tx, msg); err != nil {
 			return err
 		}
@@ -50,7 +50,7 @@ func ExampleService_Projection() {
 	var stream string               // the order to watch, set before the workers start
 	updated := make(chan string, 8) // room for redeliveries
 	if err := client.AddProjections(projection, events.Projection{Name: "order-pages-" + run, Topic: inView,
-		Handle: func(_ context.Context, _ steps.DBTX, msg *message.Message) error {
+		Handle: func(_ context.Context, _ delivery.DBTX, msg *message.Message) error {
 			if msg.Metadata.Get(events.MetaStreamID) == stream {
 				updated <- msg.Metadata.Get(events.MetaVersion)
 			}

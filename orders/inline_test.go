@@ -18,6 +18,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/orders"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
@@ -55,7 +56,7 @@ func TestInlineProjectionAppliesTheAppendersState(t *testing.T) {
 	var svc *orders.Service
 	es, err := events.NewStore(events.Config{Registry: reg, Topic: orders.StreamTopic,
 		// What saga.Client does for an inline projection.
-		Project: func(ctx context.Context, tx steps.DBTX, _ string, msgs []*message.Message) error {
+		Project: func(ctx context.Context, tx delivery.DBTX, _ string, msgs []*message.Message) error {
 			for _, m := range msgs {
 				if err := svc.Project(m.Context(), tx, m); err != nil {
 					return err

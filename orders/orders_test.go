@@ -21,6 +21,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/testsample"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/orders"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
@@ -50,7 +51,7 @@ func newEnv(t *testing.T, db *testdb.DB) *env {
 	reg := events.NewRegistry()
 	require.NoError(t, orders.RegisterEvents(reg))
 	es, err := events.NewStore(events.Config{Registry: reg, Topic: orders.StreamTopic,
-		Publisher: func(tx steps.DBTX) message.Publisher { return tr.Publisher(tx) }})
+		Publisher: func(tx delivery.DBTX) message.Publisher { return tr.Publisher(tx) }})
 	require.NoError(t, err)
 	rt, err := stepsrt.New(stepsrt.Config{Transport: tr, Store: store, Events: es, Logger: logger()})
 	require.NoError(t, err)
@@ -334,8 +335,8 @@ func TestNewNeedsOrderEvents(t *testing.T) {
 }
 
 // publish is what saga.Client.PublishTx does, over tr.
-func publish(tr *transport.Transport) func(context.Context, steps.DBTX, string, ...*message.Message) error {
-	return func(_ context.Context, tx steps.DBTX, topic string, msgs ...*message.Message) error {
+func publish(tr *transport.Transport) func(context.Context, delivery.DBTX, string, ...*message.Message) error {
+	return func(_ context.Context, tx delivery.DBTX, topic string, msgs ...*message.Message) error {
 		return tr.Publisher(tx).Publish(topic, msgs...)
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
@@ -53,7 +54,7 @@ func (s *Service) Projection() events.Projection {
 
 // Project applies one event message to order_views; Projection runs it for
 // every event of EventsTopic.
-func (s *Service) Project(ctx context.Context, tx steps.DBTX, msg *message.Message) error {
+func (s *Service) Project(ctx context.Context, tx delivery.DBTX, msg *message.Message) error {
 	stream := msg.Metadata.Get(events.MetaStreamID)
 	version, err := strconv.Atoi(msg.Metadata.Get(events.MetaVersion))
 	id, idErr := uuid.Parse(strings.TrimPrefix(stream, "order-"))
@@ -128,7 +129,7 @@ func knownAfter(ctx context.Context, stream string, version int, payload []byte)
 
 // upsertView writes o's row; nothing reads it back in the transaction, so
 // it is queued where tx can (steps.Queue).
-func upsertView(ctx context.Context, tx steps.DBTX, o Order) error {
+func upsertView(ctx context.Context, tx delivery.DBTX, o Order) error {
 	return steps.Queue(ctx, tx, "orders: projecting "+o.ID.String(), upsertViewSQL, o.ID, o.CustomerID, o.AmountCents, string(o.Status), o.Version,
 		o.PlacedAt, nullTime(o.ConfirmedAt), nullTime(o.CancelledAt), nullString(o.CancelledBy), nullString(o.CancelReason), o.UpdatedAt)
 }

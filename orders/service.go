@@ -19,6 +19,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/pgerr"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
@@ -113,7 +114,7 @@ type Config struct {
 	DB *sql.DB
 	// Publish publishes OrderCreated through Place's transaction when
 	// Trigger is nil: saga.Client.PublishTx, typically.
-	Publish func(ctx context.Context, tx steps.DBTX, topic string, msgs ...*message.Message) error
+	Publish func(ctx context.Context, tx delivery.DBTX, topic string, msgs ...*message.Message) error
 	// Idempotency makes Place idempotent by the client's key. Required.
 	Idempotency *idempotency.Store
 	// Events is the event store; its registry must hold the order events
@@ -123,7 +124,7 @@ type Config struct {
 	// transaction. Default: publish it to CreatedTopic with Publish.
 	// The sample sets it to its saga client's StartTx, which can start the
 	// saga in that transaction (saga.ClientConfig.InProcessEngine).
-	Trigger func(ctx context.Context, tx steps.DBTX, created OrderCreated) error
+	Trigger func(ctx context.Context, tx delivery.DBTX, created OrderCreated) error
 	// Logger. Default: slog.Default().
 	Logger *slog.Logger
 }
@@ -195,7 +196,7 @@ func (s *Service) Place(ctx context.Context, req PlaceRequest) (PlaceResult, err
 		Hash:  idempotency.Fingerprint([]byte(req.CustomerID), []byte(strconv.FormatInt(req.AmountCents, 10)), []byte(req.Note)),
 	}
 	res, err := pgerr.RetryLostValue(ctx, func(ctx context.Context) (idempotency.Result, error) {
-		return s.cfg.Idempotency.Do(ctx, claim, func(ctx context.Context, tx steps.DBTX) (idempotency.Response, error) {
+		return s.cfg.Idempotency.Do(ctx, claim, func(ctx context.Context, tx delivery.DBTX) (idempotency.Response, error) {
 			return s.place(ctx, tx, req)
 		})
 	})
@@ -210,7 +211,7 @@ func (s *Service) Place(ctx context.Context, req PlaceRequest) (PlaceResult, err
 }
 
 // place writes a new order in tx, the transaction of Place's claim.
-func (s *Service) place(ctx context.Context, tx steps.DBTX, req PlaceRequest) (idempotency.Response, error) {
+func (s *Service) place(ctx context.Context, tx delivery.DBTX, req PlaceRequest) (idempotency.Response, error) {
 	var known bool
 	if err := tx.QueryRowContext(ctx, customerExistsSQL, req.CustomerID).Scan(&known); err != nil {
 		return idempotency.Response{}, fmt.Errorf("orders: looking up customer: %w", err)
@@ -284,7 +285,7 @@ func (s *Service) cancelByCustomer(ctx context.Context, id uuid.UUID, reason str
 }
 
 // trigger sends OrderCreated in tx (see Config.Trigger).
-func (s *Service) trigger(ctx context.Context, tx steps.DBTX, created OrderCreated) error {
+func (s *Service) trigger(ctx context.Context, tx delivery.DBTX, created OrderCreated) error {
 	if s.cfg.Trigger != nil {
 		return s.cfg.Trigger(ctx, tx, created)
 	}

@@ -13,6 +13,7 @@ import (
 	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/payments/fakegateway"
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
@@ -56,7 +57,7 @@ func Example() {
 		panic(err)
 	}
 	if err := client.AddProjections(events.Projection{Name: "reader-" + account, Topic: replies,
-		Handle: func(context.Context, steps.DBTX, *message.Message) error { answered <- struct{}{}; return nil }}); err != nil {
+		Handle: func(context.Context, delivery.DBTX, *message.Message) error { answered <- struct{}{}; return nil }}); err != nil {
 		panic(err)
 	}
 	if err := client.Start(ctx); err != nil {

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
@@ -74,7 +75,7 @@ func (s *Service) charge(ctx context.Context, tx *steps.Tx, cmd ChargePayment) (
 // key's (same payload, so same account, order and amount).
 func (s *Service) recordedCharge(ctx context.Context, tx *steps.Tx, req idempotency.Request, cmd ChargePayment) (reply steps.Message, found bool, err error) {
 	rec, err := s.cfg.Idempotency.GetTx(ctx, tx, req.Scope, req.Key)
-	if errors.Is(err, idempotency.ErrNotFound) || (err == nil && !rec.Finished()) {
+	if errors.Is(err, idempotency.ErrNoSuchKey) || (err == nil && !rec.Finished()) {
 		return nil, false, nil // reaped, or not finished: the usual way decides
 	}
 	if err != nil {
@@ -178,7 +179,7 @@ func (s *Service) reserve(ctx context.Context, req idempotency.Request, cmd Char
 		lease    *idempotency.Lease
 		chargeID string
 	)
-	err := s.inTx(ctx, func(tx steps.DBTX) error {
+	err := s.inTx(ctx, func(tx delivery.DBTX) error {
 		acq, err := s.cfg.Idempotency.AcquireTx(ctx, tx, req, s.cfg.GatewayLease)
 		if err != nil {
 			return err
@@ -262,7 +263,7 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 	switch {
 	case err == nil:
 		var captured string // the reference the ledger held already
-		err := s.inTx(ctx, func(tx steps.DBTX) error {
+		err := s.inTx(ctx, func(tx delivery.DBTX) error {
 			if err := s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(id)}); err != nil {
 				return err
 			}
@@ -312,7 +313,7 @@ func (s *Service) capture(ctx context.Context, lease *idempotency.Lease, cmd Cha
 		s.answers.keep(keyHash{lease.Key, lease.Hash}, answer{chargeID: id})
 		return id, nil
 	case errors.Is(err, ErrDeclined):
-		err := s.inTx(ctx, func(tx steps.DBTX) error {
+		err := s.inTx(ctx, func(tx delivery.DBTX) error {
 			if err := s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, lease, idempotency.StatusFailed, idempotency.Response{Body: []byte(ReasonDeclined)}); err != nil {
 				return err
 			}
@@ -483,7 +484,7 @@ func (s *Service) prepareRefund(ctx context.Context, cmd RefundPayment, command 
 			chargeID string
 			amount   int64
 		)
-		err := s.inTx(ctx, func(tx steps.DBTX) error {
+		err := s.inTx(ctx, func(tx delivery.DBTX) error {
 			err := lockAccount(ctx, tx, cmd.AccountID)
 			if errors.Is(err, ErrUnknownAccount) {
 				return nil
@@ -561,7 +562,7 @@ func (s *Service) callRefund(ctx context.Context, cmd RefundPayment, command str
 		}
 		return PaymentRefunded{}, err
 	}
-	err = s.inTx(ctx, func(tx steps.DBTX) error {
+	err = s.inTx(ctx, func(tx delivery.DBTX) error {
 		if err := s.cfg.Idempotency.CompleteLeaseTx(ctx, tx, lease, idempotency.StatusCompleted, idempotency.Response{Code: 200, Body: []byte(id)}); err != nil {
 			return err
 		}
@@ -581,7 +582,7 @@ func (s *Service) callRefund(ctx context.Context, cmd RefundPayment, command str
 	return PaymentRefunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: id}, nil
 }
 
-func (s *Service) postRefund(ctx context.Context, tx steps.DBTX, cmd RefundPayment, amount int64, refundID string) error {
+func (s *Service) postRefund(ctx context.Context, tx delivery.DBTX, cmd RefundPayment, amount int64, refundID string) error {
 	md := events.Metadata{CorrelationID: cmd.OrderID.String(), IdempotencyKey: RefundKey(cmd.OrderID)}
 	ids, err := s.cfg.Events.QueueAppendTx(ctx, tx, Stream(cmd.AccountID), md, Refunded{OrderID: cmd.OrderID, AmountCents: amount, RefundID: refundID})
 	if err != nil {
@@ -629,7 +630,7 @@ type reservation struct {
 	balance int64  // the account's balance
 }
 
-func readReservation(ctx context.Context, q steps.DBTX, account string, order uuid.UUID) (reservation, error) {
+func readReservation(ctx context.Context, q delivery.DBTX, account string, order uuid.UUID) (reservation, error) {
 	var r reservation
 	var delta sql.NullInt64
 	err := q.QueryRowContext(ctx, reservationSQL, account, order).Scan(&r.account, &r.fenced, &delta, &r.ref, &r.owner, &r.voided, &r.balance)
@@ -640,7 +641,7 @@ func readReservation(ctx context.Context, q steps.DBTX, account string, order uu
 	return r, nil
 }
 
-func orderPosting(ctx context.Context, q steps.DBTX, account string, order uuid.UUID, kind string) (delta int64, ref, key string, found bool, err error) {
+func orderPosting(ctx context.Context, q delivery.DBTX, account string, order uuid.UUID, kind string) (delta int64, ref, key string, found bool, err error) {
 	err = q.QueryRowContext(ctx, orderPostingSQL, account, order, kind).Scan(&delta, &ref, &key)
 	if errors.Is(err, sql.ErrNoRows) {
 		return 0, "", "", false, nil
@@ -660,7 +661,7 @@ func violates(err error, index string) bool {
 // inTx runs fn in a transaction of its own (steps.InTx): on the sample's
 // pgx pools, the account's lock and the writes after it are queued and
 // go with the next read or the commit.
-func (s *Service) inTx(ctx context.Context, fn func(tx steps.DBTX) error) error {
+func (s *Service) inTx(ctx context.Context, fn func(tx delivery.DBTX) error) error {
 	return steps.InTx(ctx, s.cfg.DB, fn)
 }
 

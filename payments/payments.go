@@ -39,6 +39,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/pgerr"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
@@ -283,7 +284,7 @@ func (s *Service) Deposit(ctx context.Context, account string, amountCents int64
 	}
 	req := idempotency.Request{Scope: "payments.deposit:" + account, Key: key, Hash: idempotency.Fingerprint([]byte(fmt.Sprint(amountCents)))}
 	return pgerr.RetryLost(ctx, func(ctx context.Context) error {
-		_, err := s.cfg.Idempotency.Do(ctx, req, func(ctx context.Context, tx steps.DBTX) (idempotency.Response, error) {
+		_, err := s.cfg.Idempotency.Do(ctx, req, func(ctx context.Context, tx delivery.DBTX) (idempotency.Response, error) {
 			if err := lockAccount(ctx, tx, account); err != nil {
 				return idempotency.Response{}, err
 			}
@@ -314,7 +315,7 @@ func (s *Service) Balance(ctx context.Context, account string) (int64, error) {
 // statement after it must check that the transaction holds the lock (the
 // reservation reads the account's row as the lock wrote it), unless the
 // account is known to exist (it has postings).
-func queueLock(ctx context.Context, tx steps.DBTX, account string) error {
+func queueLock(ctx context.Context, tx delivery.DBTX, account string) error {
 	return steps.Queue(ctx, tx, "payments: locking account "+account, lockAccountSQL, account)
 }
 
@@ -326,7 +327,7 @@ func queueLock(ctx context.Context, tx steps.DBTX, account string) error {
 // REPEATABLE READ, a posting committed after the transaction's snapshot
 // makes the lock fail with a serialization error, instead of a balance
 // computed without that posting.
-func lockAccount(ctx context.Context, tx steps.DBTX, account string) error {
+func lockAccount(ctx context.Context, tx delivery.DBTX, account string) error {
 	res, err := tx.ExecContext(ctx, lockAccountSQL, account)
 	if err != nil {
 		return fmt.Errorf("payments: locking account %s: %w", account, err)

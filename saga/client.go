@@ -18,11 +18,13 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/bridge"
 	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/internal/metadata"
 	"github.com/pgsaga/pgsaga/internal/stepsrt"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/migrations"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/events"
@@ -38,7 +40,7 @@ const (
 type ClientConfig struct {
 	// Transport configures delivery: batches, consumers, timeouts, the
 	// retry policy, metrics and traces. Its DB and Logger are filled in.
-	Transport TransportConfig
+	Transport delivery.Config
 
 	// RegisterEvents registers the domain event types the steps append
 	// (steps.Tx.Append). Optional: without it the client has an event
@@ -90,7 +92,7 @@ type ClientConfig struct {
 	// of the engine's handlers (triggers, replies, operator requests).
 	// Default: Transport.Retry. A trigger or reply the engine cannot use is
 	// dead-lettered, with the reason.
-	Retry *steps.RetryPolicy
+	Retry *delivery.RetryPolicy
 
 	// KeyTTL is how long finished idempotency keys are kept; a duplicate
 	// arriving later runs again. Default: KeyTTLDefault.
@@ -119,18 +121,6 @@ type ClientConfig struct {
 	Logger *slog.Logger
 }
 
-// TransportConfig configures how a client delivers its messages: how many
-// consumers claim how large batches (BatchSize, Consumers), the bounds of
-// each transaction and attempt (AttemptTimeout, BatchTimeout,
-// StatementTimeout, LockTimeout), the retry policy (Retry), wake-ups
-// (DisableNotify, NotifyChannel, PollInterval, IdlePollInterval), where
-// metrics (Metrics, a prometheus.Registerer) and spans (TracerProvider)
-// go, and a wrapper of every handler (Intercept, the test kit's). Zero
-// values take the defaults. docs/operating.md lists every field with its
-// default; go doc github.com/pgsaga/pgsaga/internal/transport.Config
-// prints their comments.
-type TransportConfig = transport.Config
-
 // Client is pgsaga in one process: the transport, the idempotency store, the
 // event store, the step runtime and the saga engine over one pool, the sagas,
 // steps and projections this process serves, and the workers, sweeper and
@@ -143,7 +133,7 @@ type Client struct {
 	events      *events.Store
 	runtime     stepsrt.Runtime
 	engine      *engine
-	bridge      *broker.Bridge // nil without a broker
+	bridge      *bridge.Bridge // nil without a broker
 	cfg         ClientConfig
 	log         *slog.Logger
 
@@ -205,7 +195,7 @@ func newClient(db *sql.DB, cfg ClientConfig) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	store, err := idempotency.NewStore(idempotency.Config{DB: db, Logger: cfg.Logger})
+	store, err := idempotency.NewStore(idempotency.Config{DB: db, Logger: cfg.Logger, LockTimeout: keyLockTimeout})
 	if err != nil {
 		return nil, err
 	}
@@ -220,14 +210,14 @@ func newClient(db *sql.DB, cfg ClientConfig) (*Client, error) {
 	if cfg.EventsTopic != nil {
 		ecfg.Topic, ecfg.Project = cfg.EventsTopic, c.project
 		if !cfg.EventsNotPublished {
-			ecfg.Publisher = func(tx steps.DBTX) message.Publisher { return tr.Publisher(tx) }
+			ecfg.Publisher = func(tx delivery.DBTX) message.Publisher { return tr.Publisher(tx) }
 		}
 	}
 	es, err := events.NewStore(ecfg)
 	if err != nil {
 		return nil, err
 	}
-	rt, err := stepsrt.New(stepsrt.Config{Transport: tr, Store: store, Events: es, Retry: cfg.Retry, Logger: cfg.Logger})
+	rt, err := stepsrt.New(stepsrt.Config{Transport: tr, Store: store, KeyLockTimeout: keyLockTimeout, Events: es, Retry: cfg.Retry, Logger: cfg.Logger})
 	if err != nil {
 		return nil, err
 	}
@@ -239,11 +229,10 @@ func newClient(db *sql.DB, cfg ClientConfig) (*Client, error) {
 	c.db, c.transport, c.idempotency, c.events, c.runtime, c.engine = db, tr, store, es, rt, engine
 	if cfg.Broker.Broker != nil {
 		bcfg := cfg.Broker
-		bcfg.Transport = tr
 		if bcfg.Logger == nil {
 			bcfg.Logger = cfg.Logger
 		}
-		if c.bridge, err = broker.New(bcfg); err != nil {
+		if c.bridge, err = bridge.New(tr, bcfg); err != nil {
 			return nil, err
 		}
 	}
@@ -288,10 +277,19 @@ func (c *Client) Idempotency() *idempotency.Store { return c.idempotency }
 // Events is the event store steps append to.
 func (c *Client) Events() *events.Store { return c.events }
 
+// keyLockTimeout bounds how long a claim of an idempotency key (a step's,
+// one at a time or a batch's) waits for a concurrent claimer of it.
+const keyLockTimeout = 5 * time.Second
+
 // Bridge is the client's bridge to its message broker (ClientConfig.Broker),
 // nil without one. Start and Stop run it; a test that runs workers of its
 // own (NewWorker) starts and stops it itself.
-func (c *Client) Bridge() *broker.Bridge { return c.bridge }
+func (c *Client) Bridge() broker.Bridge {
+	if c.bridge == nil {
+		return nil
+	}
+	return c.bridge
+}
 
 // Register adds saga definitions this process drives.
 func (c *Client) Register(defs ...*Definition) error {
@@ -365,7 +363,7 @@ func (c *Client) inlineByTopic() map[string][]events.Projection {
 
 // project runs the inline projections of topic on the event messages of
 // an append, in its transaction (events.Config.Project).
-func (c *Client) project(ctx context.Context, tx steps.DBTX, topic string, msgs []*message.Message) error {
+func (c *Client) project(ctx context.Context, tx delivery.DBTX, topic string, msgs []*message.Message) error {
 	ps := c.inlineByTopic()[topic]
 	if len(ps) == 0 {
 		return nil
@@ -408,12 +406,9 @@ func (c *Client) beforeStart(add func() error) error {
 	return add()
 }
 
-// Subscription is a topic and a consumer group that reads it.
-type Subscription = transport.Subscription
-
 // Subscriptions lists what the client's workers consume: its steps, its
 // projections and its sagas' triggers and replies (Setup records them).
-func (c *Client) Subscriptions() []Subscription {
+func (c *Client) Subscriptions() []delivery.Subscription {
 	c.mu.Lock()
 	served := make([]any, len(c.steps))
 	for i, s := range c.steps {
@@ -607,7 +602,7 @@ func (c *Client) Stopped() <-chan struct{} { return c.done }
 
 // Health is nil while the client runs: its worker runs, its retention jobs
 // have not failed, the database answers and the client's role has the
-// privileges its worker needs (ErrMissingPrivileges). Otherwise it says
+// privileges its worker needs (delivery.ErrMissingPrivileges). Otherwise it says
 // what is wrong.
 func (c *Client) Health(ctx context.Context) error {
 	c.mu.Lock()
@@ -648,7 +643,7 @@ var workerGrants = []transport.Grant{
 	{Table: "domain_events", Privileges: "SELECT, INSERT"},
 }
 
-// checkPrivileges returns an error matching ErrMissingPrivileges, saying
+// checkPrivileges returns an error matching delivery.ErrMissingPrivileges, saying
 // which, if the client's role lacks a privilege its worker needs.
 func (c *Client) checkPrivileges(ctx context.Context) error {
 	return c.transport.CheckPrivileges(ctx, append(append([]transport.Grant(nil), transport.WorkerGrants...), workerGrants...)...)
@@ -700,7 +695,7 @@ func (c *Client) Migrate(ctx context.Context) ([]int64, error) { return migratio
 
 // PgxTx is a pgx transaction as the transaction StartTx and PublishTx
 // take: what they write goes in tx, and commits or rolls back with it.
-func PgxTx(tx pgx.Tx) steps.DBTX { return dbtx.FromPgx(tx) }
+func PgxTx(tx pgx.Tx) delivery.DBTX { return dbtx.FromPgx(tx) }
 
 // StartTx starts an instance of the named saga from trigger, in the
 // caller's transaction tx (a *sql.Tx, or a pgx.Tx through PgxTx), and
@@ -713,7 +708,7 @@ func PgxTx(tx pgx.Tx) steps.DBTX { return dbtx.FromPgx(tx) }
 // starts it in tx instead (in a savepoint: the instance, its timeline and
 // its first command), saving that hop, and publishes the trigger only if
 // it cannot. The saga's correlation id is its key.
-func (c *Client) StartTx(ctx context.Context, tx steps.DBTX, name string, trigger steps.Message) (uuid.UUID, error) {
+func (c *Client) StartTx(ctx context.Context, tx delivery.DBTX, name string, trigger steps.Message) (uuid.UUID, error) {
 	if err := ctx.Err(); err != nil {
 		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, context.Cause(ctx))
 	}
@@ -730,7 +725,7 @@ func (c *Client) StartTx(ctx context.Context, tx steps.DBTX, name string, trigge
 		// told by the worker that starts it. In a delivery attempt it is
 		// told when the attempt commits (transport.OnCommit); a caller's
 		// own commit is out of sight, so it is told when written.
-		err := transport.Savepoint(ctx, tx, func(tx steps.DBTX) error {
+		err := transport.Savepoint(ctx, tx, func(tx delivery.DBTX) error {
 			m := msg.Copy()
 			m.SetContext(transport.ContextWithTx(ctx, tx))
 			return c.engine.handleTrigger(name, m)
@@ -799,7 +794,7 @@ func (c *Client) triggerMessage(name string, trigger steps.Message) (*message.Me
 // *sql.Tx, or a pgx.Tx through PgxTx): they are delivered if, and only if,
 // tx commits. Given a *sql.DB or *sql.Conn, the messages are written in one
 // statement that commits on its own: all of them or none.
-func (c *Client) PublishTx(ctx context.Context, tx steps.DBTX, topic string, msgs ...*message.Message) error {
+func (c *Client) PublishTx(ctx context.Context, tx delivery.DBTX, topic string, msgs ...*message.Message) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("saga: publishing to %s: %w", topic, context.Cause(ctx))
 	}
@@ -818,7 +813,7 @@ func (c *Client) PublishTx(ctx context.Context, tx steps.DBTX, topic string, msg
 }
 
 // checkTx refuses what is not a transaction (see ErrNotATransaction).
-func checkTx(tx steps.DBTX) error {
+func checkTx(tx delivery.DBTX) error {
 	switch tx.(type) {
 	case *sql.DB, *sql.Conn:
 		return fmt.Errorf("%w, not a %T", ErrNotATransaction, tx)

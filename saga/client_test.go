@@ -161,7 +161,7 @@ func TestClientStartTxFollowsTheCallersTransaction(t *testing.T) {
 	require.NoError(t, rows.Err())
 	assert.Equal(t, []string{"ada@example.com"}, emails, "the rolled-back start started nothing")
 	_, err = c.Get(ctx, saga.ID(def.Name, "ghost@example.com"))
-	require.ErrorIs(t, err, saga.ErrNotFound)
+	require.ErrorIs(t, err, saga.ErrNoSuchSaga)
 }
 
 // What a client serves is fixed when it starts; misuse says why.
@@ -376,7 +376,7 @@ func TestClientStartTxInProcessStartsInTheCallersTransaction(t *testing.T) {
 	assert.Equal(t, saga.StatusRunning, inst.Status)
 	assert.Equal(t, "account", inst.Step)
 	_, err = c.Get(context.Background(), saga.ID(def.Name, "ghost@example.com"))
-	require.ErrorIs(t, err, saga.ErrNotFound)
+	require.ErrorIs(t, err, saga.ErrNoSuchSaga)
 	assert.Zero(t, queued(def.Trigger), "no trigger queued")
 	assert.Equal(t, 1, queued("accounts.open"), "the first command is queued")
 
@@ -442,7 +442,7 @@ func TestClientStartTxInAPgxTx(t *testing.T) {
 			if inProcess {
 				require.NoError(t, err, "the engine started it in the pgx transaction, with no worker running")
 			} else {
-				require.ErrorIs(t, err, saga.ErrNotFound, "its trigger waits for a worker")
+				require.ErrorIs(t, err, saga.ErrNoSuchSaga, "its trigger waits for a worker")
 			}
 			startRunning(t, c)
 			done := waitFinished(t, c, def, "ada@example.com")
@@ -450,7 +450,7 @@ func TestClientStartTxInAPgxTx(t *testing.T) {
 			assert.Equal(t, "ada@example.com", done.CorrelationID, "the saga's correlation id is its key")
 			assert.Equal(t, saga.ID(def.Name, "ada@example.com"), id)
 			_, err = c.Get(ctx, ghost)
-			require.ErrorIs(t, err, saga.ErrNotFound, "a rolled-back pgx transaction starts nothing")
+			require.ErrorIs(t, err, saga.ErrNoSuchSaga, "a rolled-back pgx transaction starts nothing")
 		})
 	}
 }

@@ -26,6 +26,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/metadata"
 	"github.com/pgsaga/pgsaga/internal/telemetry"
 	"github.com/pgsaga/pgsaga/internal/transport"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 )
 
@@ -512,7 +513,7 @@ func (e *engine) handleReply(msg *message.Message) (err error) {
 // parkMismatched parks instance id, which its definition cannot read, in
 // the transaction of reply msg, which it consumes: nothing it could do
 // with the reply would be right.
-func (e *engine) parkMismatched(ctx context.Context, tx steps.DBTX, id uuid.UUID, msg *message.Message) (err error) {
+func (e *engine) parkMismatched(ctx context.Context, tx delivery.DBTX, id uuid.UUID, msg *message.Message) (err error) {
 	inst, def, err := e.replyInstance(ctx, tx, id, msg, true)
 	if err != nil {
 		return err
@@ -533,9 +534,9 @@ func (e *engine) parkMismatched(ctx context.Context, tx steps.DBTX, id uuid.UUID
 
 // replyInstance loads the instance reply msg is for, locking it if lock,
 // and its definition.
-func (e *engine) replyInstance(ctx context.Context, tx steps.DBTX, id uuid.UUID, msg *message.Message, lock bool) (*instance, *Definition, error) {
+func (e *engine) replyInstance(ctx context.Context, tx delivery.DBTX, id uuid.UUID, msg *message.Message, lock bool) (*instance, *Definition, error) {
 	inst, err := loadInstance(ctx, tx, id, lock)
-	if errors.Is(err, ErrNotFound) {
+	if errors.Is(err, ErrNoSuchSaga) {
 		return nil, nil, transport.Permanent(fmt.Errorf("saga: reply %s for unknown saga %s", msg.UUID, id))
 	}
 	if err != nil {
@@ -549,7 +550,7 @@ func (e *engine) replyInstance(ctx context.Context, tx steps.DBTX, id uuid.UUID,
 // (the reply's causation); nil if it is not (or there is no such
 // instance, or no command named). An instance the batch loaded for the
 // reply (see instanceLoad) is taken unlocked instead.
-func (e *engine) replyInstanceByCommand(ctx context.Context, tx steps.DBTX, id uuid.UUID, command string, msg *message.Message) (*instance, *Definition, error) {
+func (e *engine) replyInstanceByCommand(ctx context.Context, tx delivery.DBTX, id uuid.UUID, command string, msg *message.Message) (*instance, *Definition, error) {
 	if command == "" {
 		return nil, nil, nil
 	}
@@ -558,7 +559,7 @@ func (e *engine) replyInstanceByCommand(ctx context.Context, tx steps.DBTX, id u
 	if inst == nil {
 		inst, err = loadInstanceForCommand(ctx, tx, id, command)
 	}
-	if errors.Is(err, ErrNotFound) {
+	if errors.Is(err, ErrNoSuchSaga) {
 		return nil, nil, nil
 	}
 	if err != nil {
@@ -818,7 +819,7 @@ func (inst *instance) mismatch(def *Definition) error {
 
 // save writes an existing instance's new state, its timeline and its
 // commands in tx.
-func (e *engine) save(ctx context.Context, tx steps.DBTX, inst *instance) error {
+func (e *engine) save(ctx context.Context, tx delivery.DBTX, inst *instance) error {
 	if err := updateInstance(ctx, tx, inst); err != nil {
 		return err
 	}
@@ -827,7 +828,7 @@ func (e *engine) save(ctx context.Context, tx steps.DBTX, inst *instance) error 
 
 // flush writes the queued timeline entries and publishes the queued
 // commands in tx.
-func (e *engine) flush(ctx context.Context, tx steps.DBTX, inst *instance) error {
+func (e *engine) flush(ctx context.Context, tx delivery.DBTX, inst *instance) error {
 	if err := appendHistory(ctx, tx, inst.ID, inst.history); err != nil {
 		return err
 	}
@@ -914,7 +915,7 @@ func (e *engine) tell(ctx context.Context, inst *instance) func() {
 // cancel, a sweep): what its work is to tell (see tell) waits for its
 // commit.
 type heldTx struct {
-	steps.DBTX
+	delivery.DBTX
 	hooks []func()
 }
 
@@ -933,7 +934,7 @@ func (h *heldTx) commit(tx *sql.Tx) error {
 // afterCommit runs fn once tx commits: a delivery attempt's transaction
 // (transport.OnCommit) or one the engine holds (heldTx). In a caller's
 // transaction, whose commit the engine cannot see, fn runs at once.
-func afterCommit(tx steps.DBTX, fn func()) {
+func afterCommit(tx delivery.DBTX, fn func()) {
 	if transport.OnCommit(tx, fn) {
 		return
 	}

@@ -2,13 +2,13 @@ package saga
 
 import (
 	"errors"
-
-	"github.com/pgsaga/pgsaga/internal/transport"
 )
 
 // The errors the package returns, for errors.Is; each error a call returns
-// wraps one of them (or is a type of its own, such as
-// ConsumerGroupAliveError), with details after it.
+// wraps one of them, with details after it. What the delivery returns
+// (dead letters, consumer groups, a message too large, missing
+// privileges) is package delivery's: delivery.ErrNoSuchDeadLetter,
+// delivery.ErrMessageTooLarge, a *delivery.ConsumerGroupAliveError, ….
 
 // Building and registering sagas.
 var (
@@ -27,10 +27,6 @@ var (
 	// they would be misread. Give the changed definition a new Version and
 	// keep registering the old one until its instances finish.
 	ErrDefinitionChanged = errors.New("saga: a definition's steps changed without a new version")
-	// ErrMissingPrivileges is returned by Start, and reported by Health,
-	// when the client's database role lacks a privilege its worker needs
-	// (TEMPORARY on the database, or one on a table); the error says which.
-	ErrMissingPrivileges = transport.ErrMissingPrivileges
 )
 
 // Starting sagas and publishing.
@@ -49,18 +45,13 @@ var (
 	ErrNotATransaction = errors.New("saga: a transaction is required (a *sql.Tx, or a pgx.Tx through PgxTx)")
 	// ErrNilMessage is returned by PublishTx when given a nil message.
 	ErrNilMessage = errors.New("saga: nil message")
-	// ErrMessageTooLarge is returned when StartTx or PublishTx (or a
-	// step's reply or publish) is given a message larger than the
-	// transport's MaxMessageBytes (4 MiB by default); nothing of it is
-	// written.
-	ErrMessageTooLarge = transport.ErrMessageTooLarge
 )
 
 // Reading and operating instances.
 var (
-	// ErrNotFound is returned when no instance has the id a call names
+	// ErrNoSuchSaga is returned when no instance has the id a call names
 	// (Get, Retry, Cancel, Ask; WaitFinished waits for it to appear).
-	ErrNotFound = errors.New("saga: instance not found")
+	ErrNoSuchSaga = errors.New("saga: instance not found")
 	// ErrNotRetryable is returned by Retry (and recorded for a retry
 	// request) when the instance is not parked as failed: it is running,
 	// compensating, completed or compensated, or its definition cannot read
@@ -81,40 +72,12 @@ var (
 	// handler park such an instance with the reason; an operator's retry
 	// or cancel of it is refused.
 	ErrDefinitionMismatch = errors.New("saga: instance does not match its definition")
-	// ErrInvalidRequest is returned by Ask for a request kind it does not
+	// ErrUnknownRequest is returned by Ask for a request kind it does not
 	// know.
-	ErrInvalidRequest = errors.New("saga: invalid request")
+	ErrUnknownRequest = errors.New("saga: invalid request")
 	// ErrForgedReply is the reason a reply is dead-lettered when it
 	// answers the command in flight without the command's reply token
 	// (steps.MetaReplyToken): it changes nothing, as whoever published it
 	// could not read the command.
 	ErrForgedReply = errors.New("saga: forged reply: it does not carry its command's reply token")
-)
-
-// Dead letters and consumer groups.
-var (
-	// ErrDeadLetterNotFound is returned when no dead letter has the id a
-	// call names.
-	ErrDeadLetterNotFound = transport.ErrDeadLetterNotFound
-	// ErrAlreadyReplayed is returned by ReplayDeadLetter for a dead letter
-	// replayed before; nothing changes.
-	ErrAlreadyReplayed = transport.ErrAlreadyReplayed
-	// ErrNoConsumerGroup is returned by ReplayDeadLetter when no consumer
-	// group reads the dead letter's topic (or not the one it came from);
-	// nothing changes.
-	ErrNoConsumerGroup = transport.ErrNoConsumerGroup
-	// ErrNotReplayable is returned by ReplayDeadLetter for a message a
-	// broker bridge received and could not queue; nothing changes.
-	ErrNotReplayable = transport.ErrNotReplayable
-	// ErrInvalidDeletion is returned by DeleteDeadLetters for a
-	// DeadLetterDeletion that selects neither by IDs nor by Topic and a
-	// positive OlderThan, or by both.
-	ErrInvalidDeletion = transport.ErrInvalidDeletion
-	// ErrConsumerGroupAlive is matched by the *ConsumerGroupAliveError
-	// DropConsumerGroup returns when a router showed the group alive
-	// recently (and the drop was not forced).
-	ErrConsumerGroupAlive = transport.ErrConsumerGroupAlive
-	// ErrNoSuchConsumerGroup is returned by DropConsumerGroup for a group
-	// that is not recorded.
-	ErrNoSuchConsumerGroup = transport.ErrNoSuchConsumerGroup
 )

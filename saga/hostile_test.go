@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 )
 
@@ -72,7 +73,7 @@ func TestStartTxAndPublishTxNeedATransaction(t *testing.T) {
 	require.NoError(t, err)
 	defer conn.Close()
 	var nilTx *sql.Tx
-	for name, tx := range map[string]steps.DBTX{"a *sql.DB": db.SQL, "a *sql.Conn": conn, "nil": nil, "a nil *sql.Tx": nilTx} {
+	for name, tx := range map[string]delivery.DBTX{"a *sql.DB": db.SQL, "a *sql.Conn": conn, "nil": nil, "a nil *sql.Tx": nilTx} {
 		_, err := c.StartTx(ctx, tx, def.Name, trigger("x@example.com"))
 		assert.ErrorIs(t, err, saga.ErrNotATransaction, "StartTx, %s", name)
 		if isNil := name == "nil" || name == "a nil *sql.Tx"; isNil {
@@ -121,7 +122,7 @@ func TestStartTxStartsOnlyTheSagaItNames(t *testing.T) {
 	require.NoError(t, db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1`, def.Trigger).Scan(&left))
 	require.Zero(t, left)
 	_, err = c.Get(ctx, saga.ID(other.Name, "only-signup@example.com"))
-	assert.ErrorIs(t, err, saga.ErrNotFound, "the trigger StartTx published for signup did not start welcome")
+	assert.ErrorIs(t, err, saga.ErrNoSuchSaga, "the trigger StartTx published for signup did not start welcome")
 }
 
 // A finished-channel name PostgreSQL would refuse (or quote differently)

@@ -12,7 +12,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/saga"
-	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
 
@@ -30,7 +30,7 @@ func newNotesClient(t *testing.T, notPublished bool) (*saga.Client, *testdb.DB) 
 	_, err := db.SQL.Exec(`CREATE TABLE notes_view (stream text PRIMARY KEY, text text NOT NULL, version int NOT NULL)`)
 	require.NoError(t, err)
 	c, err := saga.NewClient(db.Pool, saga.ClientConfig{
-		Transport:          saga.TransportConfig{IdlePollInterval: testdb.NoSafetyPoll},
+		Transport:          delivery.Config{IdlePollInterval: testdb.NoSafetyPoll},
 		RegisterEvents:     []func(*events.Registry) error{events.Register[noted]},
 		EventsTopic:        func(string) string { return "notes" },
 		EventsNotPublished: notPublished,
@@ -41,7 +41,7 @@ func newNotesClient(t *testing.T, notPublished bool) (*saga.Client, *testdb.DB) 
 }
 
 // projectNote is the notes_view projection.
-func projectNote(ctx context.Context, tx steps.DBTX, msg *message.Message) error {
+func projectNote(ctx context.Context, tx delivery.DBTX, msg *message.Message) error {
 	var ev noted
 	if err := json.Unmarshal(msg.Payload, &ev); err != nil {
 		return err
@@ -93,7 +93,7 @@ func TestInlineProjectionFailureFailsTheAppend(t *testing.T) {
 	c, db := newNotesClient(t, true)
 	boom := errors.New("view refused")
 	require.NoError(t, c.AddProjections(events.Projection{Name: "notes.view", Topic: "notes", Inline: true,
-		Handle: func(ctx context.Context, tx steps.DBTX, msg *message.Message) error {
+		Handle: func(ctx context.Context, tx delivery.DBTX, msg *message.Message) error {
 			if err := projectNote(ctx, tx, msg); err != nil {
 				return err
 			}
@@ -114,8 +114,8 @@ func TestInlineProjectionBesideConsumers(t *testing.T) {
 	other := 0
 	require.NoError(t, c.AddProjections(
 		events.Projection{Name: "notes.view", Topic: "notes", Handle: projectNote, Inline: true},
-		events.Projection{Name: "other.view", Topic: "other", Inline: true, Handle: func(context.Context, steps.DBTX, *message.Message) error { other++; return nil }},
-		events.Projection{Name: "notes.search", Topic: "notes", Handle: func(context.Context, steps.DBTX, *message.Message) error { return nil }},
+		events.Projection{Name: "other.view", Topic: "other", Inline: true, Handle: func(context.Context, delivery.DBTX, *message.Message) error { other++; return nil }},
+		events.Projection{Name: "notes.search", Topic: "notes", Handle: func(context.Context, delivery.DBTX, *message.Message) error { return nil }},
 	))
 	require.NoError(t, c.Setup(context.Background()))
 	require.NoError(t, appendNote(t, c, db, "note-1", 0, "first"))

@@ -10,8 +10,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-
-	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // Instance is a saga instance as operators see it.
@@ -116,7 +115,7 @@ func (e *engine) Get(ctx context.Context, id uuid.UUID) (Instance, error) {
 }
 
 // withHistory adds its timeline to out.
-func withHistory(ctx context.Context, db steps.DBTX, out Instance) (Instance, error) {
+func withHistory(ctx context.Context, db delivery.DBTX, out Instance) (Instance, error) {
 	id := out.ID
 	rows, err := db.QueryContext(ctx, historySQL, id)
 	if err != nil {
@@ -252,11 +251,11 @@ func (e *engine) UnknownDefinitions(ctx context.Context) ([]unknownDefinition, e
 
 // Retry is Client.Retry.
 func (e *engine) Retry(ctx context.Context, id uuid.UUID) error {
-	return e.inTx(ctx, "retrying "+id.String(), func(tx steps.DBTX) error { return e.RetryTx(ctx, tx, id) })
+	return e.inTx(ctx, "retrying "+id.String(), func(tx delivery.DBTX) error { return e.RetryTx(ctx, tx, id) })
 }
 
 // inTx runs fn in a READ COMMITTED transaction of its own.
-func (e *engine) inTx(ctx context.Context, what string, fn func(tx steps.DBTX) error) error {
+func (e *engine) inTx(ctx context.Context, what string, fn func(tx delivery.DBTX) error) error {
 	tx, err := e.cfg.DB.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return fmt.Errorf("saga: %s: %w", what, err)
@@ -273,7 +272,7 @@ func (e *engine) inTx(ctx context.Context, what string, fn func(tx steps.DBTX) e
 }
 
 // RetryTx is Client.RetryTx.
-func (e *engine) RetryTx(ctx context.Context, tx steps.DBTX, id uuid.UUID) (err error) {
+func (e *engine) RetryTx(ctx context.Context, tx delivery.DBTX, id uuid.UUID) (err error) {
 	inst, err := loadInstance(ctx, tx, id, true)
 	if err != nil {
 		return err
@@ -329,7 +328,7 @@ func (e *engine) RetryTx(ctx context.Context, tx steps.DBTX, id uuid.UUID) (err 
 
 // commandWaiting reports whether the command in flight of inst has not
 // left this database yet (see transport.Departed).
-func (e *engine) commandWaiting(ctx context.Context, tx steps.DBTX, inst *instance) (bool, error) {
+func (e *engine) commandWaiting(ctx context.Context, tx delivery.DBTX, inst *instance) (bool, error) {
 	if inst.CommandID == "" {
 		return false, nil
 	}
@@ -342,11 +341,11 @@ func (e *engine) commandWaiting(ctx context.Context, tx steps.DBTX, inst *instan
 
 // Cancel is Client.Cancel.
 func (e *engine) Cancel(ctx context.Context, id uuid.UUID, reason string) error {
-	return e.inTx(ctx, "cancelling "+id.String(), func(tx steps.DBTX) error { return e.CancelTx(ctx, tx, id, reason) })
+	return e.inTx(ctx, "cancelling "+id.String(), func(tx delivery.DBTX) error { return e.CancelTx(ctx, tx, id, reason) })
 }
 
 // CancelTx is Client.CancelTx.
-func (e *engine) CancelTx(ctx context.Context, tx steps.DBTX, id uuid.UUID, reason string) (err error) {
+func (e *engine) CancelTx(ctx context.Context, tx delivery.DBTX, id uuid.UUID, reason string) (err error) {
 	inst, err := loadInstance(ctx, tx, id, true)
 	if err != nil {
 		return err

@@ -4,8 +4,7 @@ import (
 	"context"
 
 	"github.com/google/uuid"
-
-	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // What an operator does with sagas. A client need not be started, nor have
@@ -15,7 +14,7 @@ import (
 // now, and need the saga's definition (Register); Ask has a worker that
 // has it act.
 
-// Get returns saga id with its timeline; ErrNotFound if there is none. Its
+// Get returns saga id with its timeline; ErrNoSuchSaga if there is none. Its
 // step is named by its definition if this client has it (Register), else
 // as its timeline last named it.
 func (c *Client) Get(ctx context.Context, id uuid.UUID) (Instance, error) {
@@ -47,7 +46,7 @@ func (c *Client) Counts(ctx context.Context) (map[string]map[Status]int, error) 
 func (c *Client) Retry(ctx context.Context, id uuid.UUID) error { return c.engine.Retry(ctx, id) }
 
 // RetryTx is Retry in the caller's transaction.
-func (c *Client) RetryTx(ctx context.Context, tx steps.DBTX, id uuid.UUID) error {
+func (c *Client) RetryTx(ctx context.Context, tx delivery.DBTX, id uuid.UUID) error {
 	return c.engine.RetryTx(ctx, tx, id)
 }
 
@@ -64,7 +63,7 @@ func (c *Client) Cancel(ctx context.Context, id uuid.UUID, reason string) error 
 }
 
 // CancelTx is Cancel in the caller's transaction.
-func (c *Client) CancelTx(ctx context.Context, tx steps.DBTX, id uuid.UUID, reason string) error {
+func (c *Client) CancelTx(ctx context.Context, tx delivery.DBTX, id uuid.UUID, reason string) error {
 	return c.engine.CancelTx(ctx, tx, id, reason)
 }
 
@@ -76,7 +75,7 @@ func (c *Client) CancelTx(ctx context.Context, tx steps.DBTX, id uuid.UUID, reas
 // same request: it is carried out once. While its message is queued,
 // asking again publishes nothing; once it is not (it was dead-lettered:
 // no worker that knew the saga carried it out in its attempts), asking
-// again publishes it again. A saga that does not exist is ErrNotFound.
+// again publishes it again. A saga that does not exist is ErrNoSuchSaga.
 func (c *Client) Ask(ctx context.Context, id uuid.UUID, kind RequestKind, reason string) (Request, error) {
 	return ask(ctx, c.transport, c.db, id, kind, reason)
 }

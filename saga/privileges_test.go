@@ -15,6 +15,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // A worker whose role lacks TEMPORARY on the database (every delivery
@@ -56,7 +57,7 @@ func TestAWorkerWithoutThePrivilegesItNeedsRefusesToStart(t *testing.T) {
 	}
 
 	err = newClient().Start(context.Background())
-	require.ErrorIs(t, err, saga.ErrMissingPrivileges)
+	require.ErrorIs(t, err, delivery.ErrMissingPrivileges)
 	var pe *transport.PrivilegeError
 	require.True(t, errors.As(err, &pe))
 	assert.Equal(t, role, pe.Role)
@@ -72,6 +73,6 @@ func TestAWorkerWithoutThePrivilegesItNeedsRefusesToStart(t *testing.T) {
 	_, err = db.SQL.Exec(`REVOKE UPDATE ON saga_instances FROM ` + role)
 	require.NoError(t, err)
 	err = c.Health(context.Background())
-	require.ErrorIs(t, err, saga.ErrMissingPrivileges)
+	require.ErrorIs(t, err, delivery.ErrMissingPrivileges)
 	assert.Contains(t, err.Error(), "UPDATE on saga_instances")
 }

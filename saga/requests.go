@@ -62,7 +62,7 @@ func (r Request) Lost() bool { return r.DoneAt == nil && !r.Queued }
 // ask is Client.Ask.
 func ask(ctx context.Context, tr *transport.Transport, db *sql.DB, id uuid.UUID, kind RequestKind, reason string) (Request, error) {
 	if kind != RequestRetry && kind != RequestCancel {
-		return Request{}, fmt.Errorf("%w: kind %q (retry or cancel)", ErrInvalidRequest, kind)
+		return Request{}, fmt.Errorf("%w: kind %q (retry or cancel)", ErrUnknownRequest, kind)
 	}
 	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
@@ -74,7 +74,7 @@ func ask(ctx context.Context, tr *transport.Transport, db *sql.DB, id uuid.UUID,
 		version int
 	)
 	if err := tx.QueryRowContext(ctx, `SELECT saga_type, version FROM saga_instances WHERE id = $1`, id).Scan(&name, &version); errors.Is(err, sql.ErrNoRows) {
-		return Request{}, fmt.Errorf("%w: %s", ErrNotFound, id)
+		return Request{}, fmt.Errorf("%w: %s", ErrNoSuchSaga, id)
 	} else if err != nil {
 		return Request{}, fmt.Errorf("saga %s: asking for a %s: %w", id, kind, err)
 	}
@@ -117,7 +117,7 @@ func requestStatus(ctx context.Context, db *sql.DB, id uuid.UUID) (Request, erro
 	}
 	r, ok := got[id]
 	if !ok {
-		return Request{}, fmt.Errorf("%w: request %s", ErrNotFound, id)
+		return Request{}, fmt.Errorf("%w: request %s", ErrNoSuchSaga, id)
 	}
 	return r, nil
 }
@@ -248,12 +248,12 @@ func (e *engine) handleRequest(msg *message.Message) error {
 	case RequestCancel:
 		err = e.CancelTx(ctx, tx, sagaID, reason)
 	default:
-		return transport.Permanent(fmt.Errorf("%w: request %s asks for %q", ErrInvalidRequest, m.RequestID, kind))
+		return transport.Permanent(fmt.Errorf("%w: request %s asks for %q", ErrUnknownRequest, m.RequestID, kind))
 	}
 	outcome, detail := RequestDone, ""
 	switch {
 	case err == nil:
-	case errors.Is(err, ErrNotRetryable), errors.Is(err, ErrNotCancellable), errors.Is(err, ErrNotFound):
+	case errors.Is(err, ErrNotRetryable), errors.Is(err, ErrNotCancellable), errors.Is(err, ErrNoSuchSaga):
 		outcome, detail = RequestRefused, err.Error()
 	case errors.Is(err, ErrUnknownDefinition):
 		// Another release's, during a rolling deploy: handed back, no

@@ -99,9 +99,9 @@ func TestAskedRequestsAreCarriedOutOnce(t *testing.T) {
 	assert.Empty(t, dead)
 
 	_, err = saga.Ask(ctx, e2.tr, e2.db.SQL, completed.ID, "explode", "")
-	assert.ErrorIs(t, err, saga.ErrInvalidRequest)
+	assert.ErrorIs(t, err, saga.ErrUnknownRequest)
 	_, err = saga.Ask(ctx, e2.tr, e2.db.SQL, saga.ID("nope", "nope"), saga.RequestRetry, "")
-	assert.ErrorIs(t, err, saga.ErrNotFound)
+	assert.ErrorIs(t, err, saga.ErrNoSuchSaga)
 }
 
 func waitRequest(t *testing.T, e *env, id uuid.UUID) saga.Request {

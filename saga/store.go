@@ -14,6 +14,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/internal/transport"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 )
 
@@ -203,7 +204,7 @@ WHERE status IN ('running', 'compensating') GROUP BY 1, 2, 3`
 // deadline (grace) after the saga's own. It reports false if an instance
 // with its id exists; else inst holds the times the database set, and its
 // clock.
-func insertInstance(ctx context.Context, tx steps.DBTX, inst *instance, timeout, grace time.Duration) (bool, error) {
+func insertInstance(ctx context.Context, tx delivery.DBTX, inst *instance, timeout, grace time.Duration) (bool, error) {
 	var expires, deadline, created time.Time
 	err := tx.QueryRowContext(ctx, insertInstanceSQL, inst.ID, inst.Type, inst.DefVersion, string(inst.Status), []byte(inst.Data),
 		inst.Step, string(inst.Phase), inst.Attempt, inst.Generation, inst.Version, inst.CorrelationID, inst.FailureReason,
@@ -226,7 +227,7 @@ func insertInstance(ctx context.Context, tx steps.DBTX, inst *instance, timeout,
 // changed it, and the reactions after this one in the same transaction
 // take it from there (pendingInstance), not from the table. Elsewhere it
 // runs at once and checks the version.
-func updateInstance(ctx context.Context, tx steps.DBTX, inst *instance) error {
+func updateInstance(ctx context.Context, tx delivery.DBTX, inst *instance) error {
 	if q, ok := tx.(dbtx.BatchQueuer); ok {
 		saved := *inst
 		saved.Version++
@@ -303,7 +304,7 @@ var instanceWrite = &dbtx.Batched{
 
 // pendingInstance is instance id as a reaction earlier in tx's batch saved
 // it, not written yet (see instanceWrite): a copy, nil if none did.
-func pendingInstance(tx steps.DBTX, id uuid.UUID) *instance {
+func pendingInstance(tx delivery.DBTX, id uuid.UUID) *instance {
 	key := id.String()
 	row, ok := transport.PendingBatched(tx, instanceWrite, func(row []any) bool { return row[0] == key })
 	if !ok {
@@ -338,17 +339,17 @@ func scanInstance(row scanner, more ...any) (*instance, error) {
 }
 
 // loadInstanceForCommand loads and locks instance id if its command in
-// flight is message command; ErrNotFound otherwise.
-func loadInstanceForCommand(ctx context.Context, tx steps.DBTX, id uuid.UUID, command string) (*instance, error) {
+// flight is message command; ErrNoSuchSaga otherwise.
+func loadInstanceForCommand(ctx context.Context, tx delivery.DBTX, id uuid.UUID, command string) (*instance, error) {
 	if inst := pendingInstance(tx, id); inst != nil {
 		if inst.CommandID != command {
-			return nil, fmt.Errorf("%w: %s", ErrNotFound, id)
+			return nil, fmt.Errorf("%w: %s", ErrNoSuchSaga, id)
 		}
 		return inst, nil
 	}
 	inst, err := scanInstance(tx.QueryRowContext(ctx, loadInstanceForCommandSQL, id, command))
 	if errors.Is(err, sql.ErrNoRows) {
-		return nil, fmt.Errorf("%w: %s", ErrNotFound, id)
+		return nil, fmt.Errorf("%w: %s", ErrNoSuchSaga, id)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("saga %s: loading: %w", id, err)
@@ -356,7 +357,7 @@ func loadInstanceForCommand(ctx context.Context, tx steps.DBTX, id uuid.UUID, co
 	return inst, nil
 }
 
-func loadInstance(ctx context.Context, tx steps.DBTX, id uuid.UUID, lock bool) (*instance, error) {
+func loadInstance(ctx context.Context, tx delivery.DBTX, id uuid.UUID, lock bool) (*instance, error) {
 	if inst := pendingInstance(tx, id); inst != nil {
 		return inst, nil // saved earlier in the batch: what it writes is checked then
 	}
@@ -366,7 +367,7 @@ func loadInstance(ctx context.Context, tx steps.DBTX, id uuid.UUID, lock bool) (
 	}
 	inst, err := scanInstance(tx.QueryRowContext(ctx, q, id))
 	if errors.Is(err, sql.ErrNoRows) {
-		return nil, fmt.Errorf("%w: %s", ErrNotFound, id)
+		return nil, fmt.Errorf("%w: %s", ErrNoSuchSaga, id)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("saga %s: loading: %w", id, err)
@@ -377,7 +378,7 @@ func loadInstance(ctx context.Context, tx steps.DBTX, id uuid.UUID, lock bool) (
 // appendHistory appends entries to the instance's timeline: written with
 // the batch's other timelines inside a delivery attempt, in one statement
 // at once otherwise.
-func appendHistory(ctx context.Context, tx steps.DBTX, id uuid.UUID, entries []historyEntry) error {
+func appendHistory(ctx context.Context, tx delivery.DBTX, id uuid.UUID, entries []historyEntry) error {
 	rows := make([][]any, len(entries))
 	for i, h := range entries {
 		rows[i] = []any{id.String(), h.Kind, h.Step, string(h.Phase), int32(h.Attempt), h.MessageID, h.Detail, h.CommandKey}
@@ -453,7 +454,7 @@ func preloadKey(id uuid.UUID, command string) string { return id.String() + " " 
 // batch saved is taken as it saved it instead (pendingInstance). The
 // batch's save locks it, and fails should it have changed since
 // (saveInstancesSQL).
-func preloadedInstance(tx steps.DBTX, id uuid.UUID, command string) *instance {
+func preloadedInstance(tx delivery.DBTX, id uuid.UUID, command string) *instance {
 	if inst := pendingInstance(tx, id); inst != nil {
 		if inst.CommandID != command {
 			return nil

@@ -16,7 +16,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/telemetry"
 	"github.com/pgsaga/pgsaga/internal/transport"
-	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // sweepResult says what one sweep did.
@@ -144,7 +144,7 @@ func (e *engine) sweepOne(ctx context.Context, known knownDefinitions, res *swee
 // overdue decides what becomes of inst, whose command's deadline passed,
 // and says which result counts it and what to log. A panic is inst's
 // failure (errDecisionPanicked), its stack logged.
-func (e *engine) overdue(ctx context.Context, tx steps.DBTX, inst *instance, def *Definition, res *sweepResult) (outcome *int, what string, err error) {
+func (e *engine) overdue(ctx context.Context, tx delivery.DBTX, inst *instance, def *Definition, res *sweepResult) (outcome *int, what string, err error) {
 	ctx, span := e.decide(ctx, "deadline", inst)
 	defer func() {
 		if p := recover(); p != nil {

@@ -11,13 +11,14 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/pgsaga/pgsaga/internal/transport"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/saga/internal/unittier"
 	"github.com/pgsaga/pgsaga/steps"
 )
 
 func init() {
 	unittier.Transitions = tryTransitions
-	unittier.Step = func(ctx context.Context, client any, step any, msg *message.Message, inspect func(tx steps.DBTX) error) (error, error) {
+	unittier.Step = func(ctx context.Context, client any, step any, msg *message.Message, inspect func(tx delivery.DBTX) error) (error, error) {
 		c, ok := client.(*Client)
 		if !ok || c == nil {
 			return nil, errors.New("saga: a step's run needs a *saga.Client")
@@ -30,7 +31,7 @@ func init() {
 // trigger and to replies, as a worker would run them, in one delivery
 // attempt (transport.TryInTx) that is rolled back.
 func tryTransitions(ctx context.Context, client any, name string, trigger steps.Message, replies []unittier.Reply,
-	observe func(tx steps.DBTX, t unittier.Transition) error) (reactionErr, err error) {
+	observe func(tx delivery.DBTX, t unittier.Transition) error) (reactionErr, err error) {
 	c, ok := client.(*Client)
 	if !ok || c == nil {
 		return nil, errors.New("saga: transitions need a *saga.Client")
@@ -71,7 +72,7 @@ func tryTransitions(ctx context.Context, client any, name string, trigger steps.
 	}
 	var observeErr error
 	var inFlight *message.Message
-	next := func(tx steps.DBTX) (*message.Message, error) {
+	next := func(tx delivery.DBTX) (*message.Message, error) {
 		inst, err := loadInstance(ctx, tx, id, false)
 		if err != nil {
 			return nil, err
@@ -115,7 +116,7 @@ func tryTransitions(ctx context.Context, client any, name string, trigger steps.
 // sentCommand reads the command a reaction sent (uuid), in its
 // transaction: queued for the step's consumer groups, or, for a topic no
 // group reads, kept as a dead letter.
-func sentCommand(ctx context.Context, tx steps.DBTX, id string) (*message.Message, error) {
+func sentCommand(ctx context.Context, tx delivery.DBTX, id string) (*message.Message, error) {
 	var payload []byte
 	var meta []byte
 	err := tx.QueryRowContext(ctx, `SELECT payload, metadata FROM (

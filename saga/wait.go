@@ -32,7 +32,7 @@ func (c *Client) WaitFinished(ctx context.Context, id uuid.UUID) (Instance, erro
 			switch {
 			case err == nil && inst.Status.Terminal():
 				return inst, nil
-			case err != nil && !errors.Is(err, ErrNotFound):
+			case err != nil && !errors.Is(err, ErrNoSuchSaga):
 				return Instance{}, fmt.Errorf("saga: waiting for %s: %w", id, err)
 			}
 		case <-ctx.Done():

@@ -7,18 +7,12 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/internal/transport"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // What a step's handler touches of delivery. Delivery itself (queues,
 // consumers, attempts, dead letters) is the client's, behind its config
 // (saga.ClientConfig.Transport).
-
-// DBTX is the one database interface of pgsaga: ExecContext, QueryContext
-// and QueryRowContext, as *sql.Tx, *sql.Conn and *sql.DB have them, and a
-// pgx.Tx wrapped by saga.PgxTx. A step's Tx embeds the step's transaction
-// as one; Client.StartTx and PublishTx take the caller's; the idempotency
-// and event stores take one too.
-type DBTX = dbtx.DBTX
 
 // Queue runs a write that nothing reads back in tx's transaction (a view
 // row, an audit line) the cheapest way tx allows: in a step's or a
@@ -28,7 +22,7 @@ type DBTX = dbtx.DBTX
 // at once. Either way it commits with the transaction or not at all, and
 // its failure fails the transaction (a Savepoint's, if it was queued in
 // one). name says what the write does, in its error.
-func Queue(ctx context.Context, tx DBTX, name, query string, args ...any) error {
+func Queue(ctx context.Context, tx delivery.DBTX, name, query string, args ...any) error {
 	return dbtx.Queue(ctx, tx, name, query, args...)
 }
 
@@ -44,15 +38,9 @@ func Queue(ctx context.Context, tx DBTX, name, query string, args ...any) error 
 // what a queued lock took in the statement after it (the sample's
 // ledger reads the locked row back). Its own errors (beginning,
 // committing) start with "steps: ".
-func InTx(ctx context.Context, db *sql.DB, fn func(tx DBTX) error) error {
+func InTx(ctx context.Context, db *sql.DB, fn func(tx delivery.DBTX) error) error {
 	return dbtx.InTx(ctx, db, "steps", fn)
 }
-
-// RetryPolicy says how often and how soon a failed delivery is tried again
-// before it is dead-lettered (saga.ClientConfig.Retry for a client's steps
-// and sagas: their commands, triggers, replies and operator requests;
-// saga.ClientConfig.Transport.Retry otherwise).
-type RetryPolicy = transport.RetryPolicy
 
 // Permanent marks err as permanent: the command is dead-lettered at once
 // instead of retried. Permanent(nil) is nil. For a refusal the sender must
@@ -73,7 +61,7 @@ func IsPermanent(err error) bool { return transport.IsPermanent(err) }
 //
 // A queued command's batch goes on meanwhile, and runs the handler again
 // before it commits if the call returned within its hold
-// (saga.TransportConfig.AwaitHold); else it is handed back; a call
+// (delivery.Config.AwaitHold); else it is handed back; a call
 // that fails counts as a failed attempt (retried, then dead-lettered); if
 // the process dies the command comes back after within. A command awaited
 // more times than its retry policy's attempts ends in a dead letter. A

@@ -12,6 +12,7 @@ import (
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/metadata"
 	"github.com/pgsaga/pgsaga/internal/outcome"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // Message is the payload of a command, a reply or an event: a value that
@@ -177,7 +178,7 @@ func (e *DecodeError) Error() string {
 
 // Outcome implements outcome.Classifier: a message that cannot be decoded
 // never will be.
-func (e *DecodeError) Outcome() outcome.Kind { return outcome.Permanent }
+func (e *DecodeError) Outcome() delivery.Outcome { return outcome.Permanent }
 
 // Unwrap returns the underlying error.
 func (e *DecodeError) Unwrap() error { return e.Err }

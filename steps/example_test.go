@@ -10,6 +10,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
@@ -55,7 +56,7 @@ func ExampleDefine() {
 	replies := "seat_replies_" + suffix
 	got := make(chan string, 2)
 	if err := client.AddProjections(events.Projection{Name: "reader-" + suffix, Topic: replies,
-		Handle: func(_ context.Context, _ steps.DBTX, msg *message.Message) error {
+		Handle: func(_ context.Context, _ delivery.DBTX, msg *message.Message) error {
 			got <- fmt.Sprintf("%s replayed=%t", msg.Payload, msg.Metadata.Get(steps.MetaReplayed) == "true")
 			return nil
 		}}); err != nil {

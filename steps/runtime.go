@@ -58,10 +58,12 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgsaga/pgsaga/idempotency"
+	"github.com/pgsaga/pgsaga/internal/keysql"
 	"github.com/pgsaga/pgsaga/internal/outcome"
 	"github.com/pgsaga/pgsaga/internal/stepsrt"
 	"github.com/pgsaga/pgsaga/internal/telemetry"
 	"github.com/pgsaga/pgsaga/internal/transport"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
 
@@ -88,7 +90,7 @@ type businessError struct {
 func (e *businessError) Error() string { return "business failure: " + e.Reason }
 
 // Outcome implements outcome.Classifier: a business failure.
-func (e *businessError) Outcome() outcome.Kind { return outcome.BusinessFailure }
+func (e *businessError) Outcome() delivery.Outcome { return outcome.BusinessFailure }
 
 // Fail refuses the command: a final business outcome (insufficient funds,
 // an order already cancelled). The key is stored failed, without the
@@ -199,13 +201,15 @@ func (s core) validate() error {
 
 // runtime runs steps: the saga client's (internal/stepsrt is its door).
 type runtime struct {
-	tr      *transport.Transport
-	store   *idempotency.Store
-	events  *events.Store
-	retry   transport.RetryPolicy
-	log     *slog.Logger
-	metrics *telemetry.Metrics
-	trace   *telemetry.Tracing
+	tr    *transport.Transport
+	store *idempotency.Store
+	// keyLockTimeout is store's LockTimeout, for the batch claims.
+	keyLockTimeout time.Duration
+	events         *events.Store
+	retry          transport.RetryPolicy
+	log            *slog.Logger
+	metrics        *telemetry.Metrics
+	trace          *telemetry.Tracing
 }
 
 func init() { stepsrt.New = newRuntime }
@@ -218,11 +222,14 @@ func newRuntime(cfg stepsrt.Config) (stepsrt.Runtime, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	if cfg.KeyLockTimeout == 0 {
+		cfg.KeyLockTimeout = 5 * time.Second
+	}
 	retry := cfg.Transport.Config().Retry
 	if cfg.Retry != nil {
 		retry = *cfg.Retry
 	}
-	return door{&runtime{tr: cfg.Transport, store: cfg.Store, events: cfg.Events, retry: retry, log: cfg.Logger,
+	return door{&runtime{tr: cfg.Transport, store: cfg.Store, keyLockTimeout: cfg.KeyLockTimeout, events: cfg.Events, retry: retry, log: cfg.Logger,
 		metrics: cfg.Transport.Metrics(), trace: cfg.Transport.Tracing()}}, nil
 }
 
@@ -269,7 +276,7 @@ func (d door) Execute(ctx context.Context, step any, msg *message.Message) error
 	return d.rt.Execute(ctx, s, msg)
 }
 
-func (d door) Try(ctx context.Context, step any, msg *message.Message, inspect func(tx DBTX) error) (stepErr, err error) {
+func (d door) Try(ctx context.Context, step any, msg *message.Message, inspect func(tx delivery.DBTX) error) (stepErr, err error) {
 	if step == nil {
 		return nil, errors.New("steps: trying a nil step")
 	}
@@ -309,7 +316,7 @@ func (rt *runtime) Register(r *transport.Router, step AnyStep, opts ...transport
 		return req.Scope, req.Key, req.Hash, true
 	}
 	// A batch's commands claim their keys in one statement.
-	base := []transport.HandlerOption{transport.WithRetry(rt.retry), transport.ClaimKeysPerBatch(keyOf, rt.store.BatchKeyClaims())}
+	base := []transport.HandlerOption{transport.WithRetry(rt.retry), transport.ClaimKeysPerBatch(keyOf, keysql.Claims(rt.keyLockTimeout))}
 	return r.AddHandler(s.Name, s.Topic, s.Name, rt.handler(s), append(base, opts...)...)
 }
 
@@ -321,7 +328,7 @@ func (rt *runtime) keysConfig(s core) idempotency.MiddlewareConfig {
 		Fingerprint: func(m *message.Message) []byte {
 			return idempotency.Fingerprint([]byte(m.Metadata.Get(MetaType)), m.Payload)
 		},
-		Publisher: func(tx DBTX) message.Publisher { return rt.tr.Publisher(tx) },
+		Publisher: func(tx delivery.DBTX) message.Publisher { return rt.tr.Publisher(tx) },
 	}
 }
 
@@ -347,7 +354,7 @@ func (rt *runtime) Execute(ctx context.Context, step AnyStep, msg *message.Messa
 // anything else that stopped it (the database, inspect) is err. It returns the attempt's error (inspect is not called
 // then), or inspect's. The test kit's unit tier (sagatest.Step) is built
 // on it.
-func (rt *runtime) Try(ctx context.Context, step AnyStep, msg *message.Message, inspect func(tx DBTX) error) (stepErr, err error) {
+func (rt *runtime) Try(ctx context.Context, step AnyStep, msg *message.Message, inspect func(tx delivery.DBTX) error) (stepErr, err error) {
 	if step == nil {
 		return nil, errors.New("steps: trying a nil step")
 	}
@@ -355,7 +362,7 @@ func (rt *runtime) Try(ctx context.Context, step AnyStep, msg *message.Message, 
 	if err := s.validate(); err != nil {
 		return nil, err
 	}
-	return rt.tr.TryInTx(ctx, s.Name, s.Topic, msg, rt.handler(s), func(tx DBTX) (*message.Message, error) {
+	return rt.tr.TryInTx(ctx, s.Name, s.Topic, msg, rt.handler(s), func(tx delivery.DBTX) (*message.Message, error) {
 		if inspect == nil {
 			return nil, nil
 		}
@@ -513,7 +520,7 @@ func withContext(ctx context.Context, msgs []*message.Message) {
 // observe counts a step attempt that answered its command (completed,
 // failed or replayed) and logs it, once its transaction commits (see
 // transport.OnCommit).
-func (rt *runtime) observe(ctx context.Context, tx DBTX, s core, env Envelope, key, outcome string, start time.Time, detail string) {
+func (rt *runtime) observe(ctx context.Context, tx delivery.DBTX, s core, env Envelope, key, outcome string, start time.Time, detail string) {
 	took := time.Since(start)
 	attempt := transport.AttemptFromContext(ctx)
 	done := func() {
@@ -575,7 +582,7 @@ func (rt *runtime) recordFailure(s core, keys *idempotency.MessageKeys, biz *bus
 }
 
 // claimIn claims msg's key in the transaction of its attempt.
-func claimIn(s core, keys *idempotency.MessageKeys, msg *message.Message) (DBTX, *idempotency.MessageClaim, error) {
+func claimIn(s core, keys *idempotency.MessageKeys, msg *message.Message) (delivery.DBTX, *idempotency.MessageClaim, error) {
 	ttx, ok := transport.TxFromContext(msg.Context())
 	if !ok {
 		return nil, nil, fmt.Errorf("steps: %s: message %s carries no transaction", s.Name, msg.UUID)
@@ -633,7 +640,7 @@ func nilPointer(m Message) bool {
 // (not a saga's action, or sent by an earlier release), or its time has
 // not come. A not-after that cannot be read is ErrBadNotAfter, without
 // the text.
-func expired(ctx context.Context, tx DBTX, msg *message.Message) (*businessError, error) {
+func expired(ctx context.Context, tx delivery.DBTX, msg *message.Message) (*businessError, error) {
 	raw := msg.Metadata.Get(MetaNotAfter)
 	if raw == "" {
 		return nil, nil
@@ -665,7 +672,7 @@ func idempotencyKey(msg *message.Message) string {
 // (the methods of DBTX), the command's envelope, and an outbox for
 // further messages.
 type Tx struct {
-	DBTX
+	delivery.DBTX
 	rt   *runtime
 	step core
 	env  Envelope
@@ -717,7 +724,7 @@ func (t *Tx) Fold(ctx context.Context, stream string, agg events.Aggregate) (int
 // work before it. A handler must not run SAVEPOINT, ROLLBACK or COMMIT
 // itself.
 func (t *Tx) Savepoint(ctx context.Context, fn func(tx *Tx) error) error {
-	return transport.Savepoint(ctx, t.DBTX, func(inner DBTX) error {
+	return transport.Savepoint(ctx, t.DBTX, func(inner delivery.DBTX) error {
 		nested := *t
 		nested.DBTX = inner
 		err := fn(&nested)

@@ -930,7 +930,7 @@ func (d *demo) report(ids []uuid.UUID, r orderpayment.Report, took time.Duration
 	}
 	if d.split() {
 		s.PaymentsService = &paymentsService{Broker: brokerurl.Describe(d.opts.paymentsService), Database: d.payDBName}
-		for _, b := range []*broker.Bridge{d.app.Client.Bridge(), d.pay.Client.Bridge()} {
+		for _, b := range []broker.Bridge{d.app.Client.Bridge(), d.pay.Client.Bridge()} {
 			st := b.Stats()
 			s.PaymentsService.Relayed += st.Relayed
 			s.PaymentsService.Received += st.Received

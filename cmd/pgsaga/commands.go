@@ -20,6 +20,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/migrations"
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // sagaJSON is a saga in --json listings. Its field names are a contract.
@@ -313,7 +314,7 @@ func deadLettersCmd() *cobra.Command {
 				return err
 			}
 			return withClient(cmd.Context(), func(c *saga.Client) error {
-				dl, err := c.DeadLetters(cmd.Context(), saga.DeadLetterFilter{Topic: topic, Limit: limit})
+				dl, err := c.DeadLetters(cmd.Context(), delivery.DeadLetterFilter{Topic: topic, Limit: limit})
 				if err != nil {
 					return err
 				}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // groupJSON is a consumer group in `consumers --json`. Its field names are
@@ -125,7 +126,7 @@ func dropGroupCmd(stale *time.Duration) *cobra.Command {
 				if err != nil {
 					return err
 				}
-				waiting, alive := 0, &saga.ConsumerGroupAliveError{ConsumerGroup: group}
+				waiting, alive := 0, &delivery.ConsumerGroupAliveError{ConsumerGroup: group}
 				found := false
 				for _, g := range groups {
 					if g.ConsumerGroup != group || topic != "" && g.Topic != topic {
@@ -154,7 +155,7 @@ func dropGroupCmd(stale *time.Duration) *cobra.Command {
 				if force {
 					window = 0
 				}
-				dropped, err := c.DropConsumerGroups(cmd.Context(), saga.GroupDrop{ConsumerGroup: group, Topic: topic, UnlessSeenWithin: window})
+				dropped, err := c.DropConsumerGroups(cmd.Context(), delivery.GroupDrop{ConsumerGroup: group, Topic: topic, UnlessSeenWithin: window})
 				if errors.As(err, &alive) {
 					return refuseRunning(alive, *stale)
 				}
@@ -176,7 +177,7 @@ func dropGroupCmd(stale *time.Duration) *cobra.Command {
 
 // refuseRunning is the refusal to drop a group a worker showed alive
 // within stale.
-func refuseRunning(alive *saga.ConsumerGroupAliveError, stale time.Duration) error {
+func refuseRunning(alive *delivery.ConsumerGroupAliveError, stale time.Duration) error {
 	return fmt.Errorf("consumer group %s of %s runs: a worker showed it alive %s ago (%s), within --stale %s; dropping it would delete "+
 		"what waits for its workers. Stop them first, or repeat with --force", alive.ConsumerGroup, strings.Join(alive.Topics, ", "),
 		age(alive.Ago), alive.LastSeen.Format(time.RFC3339), stale)

@@ -16,6 +16,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // deadLetterJSON is a dead letter in `dead-letters --json` (a bounded part
@@ -27,7 +28,7 @@ type deadLetterJSON struct {
 	Topic         string    `json:"topic"`
 	ConsumerGroup string    `json:"consumer_group"`
 	Handler       string    `json:"handler"`
-	Reason        string    `json:"reason"` // in a listing, its first saga.DeadLetterListText characters
+	Reason        string    `json:"reason"` // in a listing, its first delivery.DeadLetterListText characters
 	ReasonLength  int       `json:"reason_length"`
 	Attempts      int       `json:"attempts"`
 	CreatedAt     time.Time `json:"created_at"`
@@ -40,7 +41,7 @@ type deadLetterJSON struct {
 	// queue: replay refuses it, the sender must send it again.
 	Replayable bool `json:"replayable"`
 	// Metadata is null when it is not a JSON object of strings, and in a
-	// listing when its text is longer than saga.DeadLetterListText
+	// listing when its text is longer than delivery.DeadLetterListText
 	// bytes; MetadataSize is that length.
 	Metadata     map[string]string `json:"metadata"`
 	MetadataSize int               `json:"metadata_size"`
@@ -49,7 +50,7 @@ type deadLetterJSON struct {
 	Payload         *string `json:"payload"`
 	PayloadSize     int     `json:"payload_size"`
 	PayloadComplete bool    `json:"payload_complete"`
-	// PayloadPreview is its first saga.DeadLetterPreviewBytes bytes as
+	// PayloadPreview is its first delivery.DeadLetterPreviewBytes bytes as
 	// text (a character they cut in two left out), null if they are not
 	// UTF-8; PayloadPreviewBase64 the same bytes as they are.
 	PayloadPreview       *string `json:"payload_preview"`
@@ -58,7 +59,7 @@ type deadLetterJSON struct {
 	PayloadBase64 *string `json:"payload_base64,omitempty"`
 }
 
-func toDeadLetterJSON(d saga.DeadLetter) deadLetterJSON {
+func toDeadLetterJSON(d delivery.DeadLetter) deadLetterJSON {
 	out := deadLetterJSON{ID: d.ID, UUID: d.UUID, Topic: d.Topic, ConsumerGroup: d.ConsumerGroup, Handler: d.Handler,
 		Reason: d.Reason, ReasonLength: d.ReasonLength, Attempts: d.Attempts, CreatedAt: d.CreatedAt, DeadAt: d.DeadAt, DeadAgeS: round(deadLetterNow(d).Sub(d.DeadAt).Seconds()),
 		ReplayedAt: d.ReplayedAt, Replayable: d.Replayable(), Metadata: d.Metadata, MetadataSize: d.MetadataSize,
@@ -97,7 +98,7 @@ func utf8Text(b []byte, cut bool) *string {
 }
 
 // replayedCell says whether d was replayed, when, or that it cannot be.
-func replayedCell(d saga.DeadLetter, now time.Time) string {
+func replayedCell(d delivery.DeadLetter, now time.Time) string {
 	switch {
 	case d.ReplayedAt != nil:
 		return age(now.Sub(*d.ReplayedAt)) + " ago"
@@ -109,7 +110,7 @@ func replayedCell(d saga.DeadLetter, now time.Time) string {
 
 // deadLetterNow is the database's clock when d was read, which set its
 // times (the local clock only for a dead letter read without it).
-func deadLetterNow(d saga.DeadLetter) time.Time {
+func deadLetterNow(d delivery.DeadLetter) time.Time {
 	if d.ReadAt.IsZero() {
 		return time.Now()
 	}
@@ -215,7 +216,7 @@ func writeNewFile(path string, b []byte) error {
 
 // printDeadLetter shows d whole, for people; its payload went to
 // payloadOut if that is not "".
-func printDeadLetter(w io.Writer, d saga.DeadLetter, payloadOut string) error {
+func printDeadLetter(w io.Writer, d delivery.DeadLetter, payloadOut string) error {
 	now := deadLetterNow(d)
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "dead letter\t%d\n", d.ID)
@@ -281,7 +282,7 @@ func deleteDeadLettersCmd() *cobra.Command {
 				return err
 			}
 			ids = slices.Compact(slices.Sorted(slices.Values(ids)))
-			sel := saga.DeadLetterDeletion{IDs: ids, Topic: topic, OlderThan: olderThan}
+			sel := delivery.DeadLetterDeletion{IDs: ids, Topic: topic, OlderThan: olderThan}
 			what := fmt.Sprintf("dead letters %s", joinIDs(ids))
 			switch {
 			case len(ids) > 0 && (topic != "" || olderThan != 0):

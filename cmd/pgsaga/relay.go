@@ -9,6 +9,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/pgsaga/pgsaga/cmd/internal/brokers"
+	"github.com/pgsaga/pgsaga/internal/bridge"
 	"github.com/pgsaga/pgsaga/internal/brokers/brokerurl"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/transport"
@@ -91,7 +92,7 @@ func relayCmd() *cobra.Command {
 					return err
 				}
 				defer br.Close()
-				b, err := broker.New(broker.Config{Transport: tr, Broker: br, Relay: topics, BatchSize: batch, Logger: log})
+				b, err := bridge.New(tr, broker.Config{Broker: br, Relay: topics, BatchSize: batch, Logger: log})
 				if err != nil {
 					return usageError{err}
 				}

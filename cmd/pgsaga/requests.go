@@ -241,7 +241,7 @@ func askEach(cmd *cobra.Command, c *saga.Client, b bulkRequest) error {
 	for i, id := range selection {
 		req, err := c.Ask(ctx, id, b.kind, b.reason)
 		switch {
-		case errors.Is(err, saga.ErrNotFound):
+		case errors.Is(err, saga.ErrNoSuchSaga):
 			out.NotFound++
 		case err != nil:
 			return interrupted(err, b.kind, len(asked))

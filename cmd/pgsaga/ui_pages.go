@@ -24,6 +24,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/metadata"
 	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // pageTimeout bounds what one page reads.
@@ -219,7 +220,7 @@ func (u *webUI) saga(w http.ResponseWriter, r *http.Request) error {
 		}
 	}
 	in, err := u.client.Get(ctx, id)
-	if errors.Is(err, saga.ErrNotFound) {
+	if errors.Is(err, saga.ErrNoSuchSaga) {
 		return noSuchSaga(id)
 	}
 	if err != nil {
@@ -274,7 +275,7 @@ func (u *webUI) saga(w http.ResponseWriter, r *http.Request) error {
 	}
 	if unknown > 0 {
 		v.DeadLettersNote = strings.TrimSpace(v.DeadLettersNote + fmt.Sprintf(" %d dead letter%s searched had metadata too large to list (over %s bytes), so whether they name this saga is not known: the Dead letters page links to each.",
-			unknown, plural(unknown), thousands(saga.DeadLetterListText)))
+			unknown, plural(unknown), thousands(delivery.DeadLetterListText)))
 	}
 	u.render(w, r, http.StatusOK, pageSaga, "sagas", v)
 	return nil
@@ -287,11 +288,11 @@ const deadLetterScan = 10_000
 // oldest first, from the oldest deadLetterScan (scannedAll false if there
 // are more), each as a listing has it: a bounded part. unknown counts
 // those whose metadata was too large to list, which may name it.
-func (u *webUI) sagaDeadLetters(ctx context.Context, id uuid.UUID) (found []saga.DeadLetter, scannedAll bool, unknown int, err error) {
+func (u *webUI) sagaDeadLetters(ctx context.Context, id uuid.UUID) (found []delivery.DeadLetter, scannedAll bool, unknown int, err error) {
 	const page = 500
 	var after int64
 	for scanned := 0; scanned < deadLetterScan; scanned += page {
-		list, err := u.client.DeadLetters(ctx, saga.DeadLetterFilter{AfterID: after, Limit: page})
+		list, err := u.client.DeadLetters(ctx, delivery.DeadLetterFilter{AfterID: after, Limit: page})
 		if err != nil {
 			return nil, false, 0, err
 		}
@@ -313,7 +314,7 @@ func (u *webUI) sagaDeadLetters(ctx context.Context, id uuid.UUID) (found []saga
 
 // metadataLeftOut reports whether a listing left d's metadata out for its
 // size.
-func metadataLeftOut(d saga.DeadLetter) bool { return d.RawMetadata == nil && d.MetadataSize > 0 }
+func metadataLeftOut(d delivery.DeadLetter) bool { return d.RawMetadata == nil && d.MetadataSize > 0 }
 
 func kindClass(kind string) string {
 	switch kind {
@@ -371,7 +372,7 @@ func (u *webUI) ask(w http.ResponseWriter, r *http.Request, kind saga.RequestKin
 	ctx, cancel := context.WithTimeout(r.Context(), pageTimeout+u.cfg.RequestWait)
 	defer cancel()
 	req, err := u.client.Ask(ctx, id, kind, reason)
-	if errors.Is(err, saga.ErrNotFound) {
+	if errors.Is(err, saga.ErrNoSuchSaga) {
 		u.redirect(w, r, "/sagas", flash{"error", fmt.Sprintf("No saga has the id %s: nothing was asked.", id)})
 		return nil
 	}
@@ -451,7 +452,7 @@ const pageShowBytes = 1 << 20
 
 // deadLetterRowOf shows d with shown, the part of its payload a page shows;
 // ret is the page its Replay button returns to.
-func deadLetterRowOf(d saga.DeadLetter, shown []byte, now time.Time, ret string) deadLetterRow {
+func deadLetterRowOf(d delivery.DeadLetter, shown []byte, now time.Time, ret string) deadLetterRow {
 	row := deadLetterRow{ID: d.ID, UUID: d.UUID, Topic: d.Topic, Group: dash(d.ConsumerGroup), Handler: dash(d.Handler),
 		Reason: d.Reason, Attempts: d.Attempts, Dead: age(now.Sub(d.DeadAt)) + " ago", DeadAt: stamp(d.DeadAt),
 		PublishedAt: stamp(d.CreatedAt), IsReplayed: d.ReplayedAt != nil, PayloadSize: thousands(d.PayloadSize) + " bytes",
@@ -555,7 +556,7 @@ func (u *webUI) deadLetters(w http.ResponseWriter, r *http.Request) error {
 		}
 		v.After = n
 	}
-	list, err := u.client.DeadLetters(ctx, saga.DeadLetterFilter{Topic: v.Topic, AfterID: v.After, Limit: v.Limit})
+	list, err := u.client.DeadLetters(ctx, delivery.DeadLetterFilter{Topic: v.Topic, AfterID: v.After, Limit: v.Limit})
 	if err != nil {
 		return err
 	}
@@ -594,15 +595,15 @@ func deadLetterID(r *http.Request) (int64, error) {
 
 // wholeDeadLetter reads the dead letter the request's path names, whole:
 // the only page that reads a whole payload.
-func (u *webUI) wholeDeadLetter(r *http.Request) (saga.DeadLetter, error) {
+func (u *webUI) wholeDeadLetter(r *http.Request) (delivery.DeadLetter, error) {
 	id, err := deadLetterID(r)
 	if err != nil {
-		return saga.DeadLetter{}, err
+		return delivery.DeadLetter{}, err
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), pageTimeout)
 	defer cancel()
 	d, err := u.client.DeadLetter(ctx, id)
-	if errors.Is(err, saga.ErrDeadLetterNotFound) {
+	if errors.Is(err, delivery.ErrNoSuchDeadLetter) {
 		return d, notFound("No dead letter has the id %d in this database.", id)
 	}
 	return d, err
@@ -653,9 +654,9 @@ func (u *webUI) replay(w http.ResponseWriter, r *http.Request) error {
 	switch {
 	case err == nil:
 		u.redirect(w, r, back, flash{"ok", strings.ToUpper(done[:1]) + done[1:] + "."})
-	case errors.Is(err, saga.ErrDeadLetterNotFound):
+	case errors.Is(err, delivery.ErrNoSuchDeadLetter):
 		u.redirect(w, r, back, flash{"error", fmt.Sprintf("No dead letter has the id %d: nothing was replayed.", id)})
-	case errors.Is(err, saga.ErrAlreadyReplayed), errors.Is(err, saga.ErrNoConsumerGroup), errors.Is(err, saga.ErrNotReplayable):
+	case errors.Is(err, delivery.ErrAlreadyReplayed), errors.Is(err, delivery.ErrTopicNotSubscribed), errors.Is(err, delivery.ErrNotReplayable):
 		u.redirect(w, r, back, flash{"error", fmt.Sprintf("Dead letter %d not replayed: %s.", id, strings.TrimPrefix(err.Error(), "transport: "))})
 	default:
 		return err

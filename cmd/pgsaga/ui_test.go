@@ -35,6 +35,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // uiWorld is a database filled by real runs, and the web view serving it
@@ -81,14 +82,14 @@ func newUIWorld(t *testing.T, cfg uiConfig, opts ...uiServing) *uiWorld {
 	hostile.Metadata.Set("note", "</td></table><script>alert('metadata')</script>")
 	require.NoError(t, w.tr.Publisher(db.SQL).Publish("jobs.undo", hostile))
 	eventually(t, "the step runtime dead-letters the message it cannot decode", func() bool {
-		dl, err := w.tr.DeadLetters(ctx, saga.DeadLetterFilter{Topic: "jobs.undo"})
+		dl, err := w.tr.DeadLetters(ctx, delivery.DeadLetterFilter{Topic: "jobs.undo"})
 		require.NoError(t, err)
 		if len(dl) > 0 {
 			w.hostile = dl[0].ID
 		}
 		return len(dl) > 0
 	})
-	dl, err := w.tr.DeadLetters(ctx, saga.DeadLetterFilter{Topic: "nobody.reads"})
+	dl, err := w.tr.DeadLetters(ctx, delivery.DeadLetterFilter{Topic: "nobody.reads"})
 	require.NoError(t, err)
 	require.Len(t, dl, 1)
 	w.lost = dl[0].ID
@@ -462,7 +463,7 @@ func TestUIButtons(t *testing.T) {
 	require.NoError(t, err)
 	replayPath := "/dead-letters/" + strconv.FormatInt(w.lost, 10) + "/replay"
 	replayed := func() bool {
-		dl, err := w.tr.DeadLetters(ctx, saga.DeadLetterFilter{Topic: "nobody.reads"})
+		dl, err := w.tr.DeadLetters(ctx, delivery.DeadLetterFilter{Topic: "nobody.reads"})
 		require.NoError(t, err)
 		require.Len(t, dl, 1)
 		return dl[0].ReplayedAt != nil
@@ -538,7 +539,7 @@ func TestUIButtons(t *testing.T) {
 	// disabled and says why; pressed anyway, the replay is refused.
 	garbled := message.NewMessage("garbled", []byte("\xff"))
 	require.NoError(t, w.tr.StoreDeadLetter(ctx, "payments.commands", "pgsaga", transport.ReceiveHandler, garbled, "unreadable"))
-	received, err := w.tr.DeadLetters(ctx, saga.DeadLetterFilter{Topic: "payments.commands"})
+	received, err := w.tr.DeadLetters(ctx, delivery.DeadLetterFilter{Topic: "payments.commands"})
 	require.NoError(t, err)
 	require.Len(t, received, 1)
 	rid := strconv.FormatInt(received[0].ID, 10)
@@ -809,7 +810,7 @@ func TestUIDeadLetterPayloads(t *testing.T) {
 	}
 	// One whose metadata is too large for a listing to read.
 	wide := insertDeadLetter(t, db.SQL, sqlDeadLetter{Topic: "wide.topic", Group: "wide.group", Reason: "too wide",
-		Metadata: map[string]string{metadata.SagaID: owner.String(), "wide": strings.Repeat("w", saga.DeadLetterListText)}})
+		Metadata: map[string]string{metadata.SagaID: owner.String(), "wide": strings.Repeat("w", delivery.DeadLetterListText)}})
 	s := serveTestUI(t, db.URL, uiConfig{}, uiServing{})
 	b := s.browser(t)
 
@@ -841,7 +842,7 @@ func TestUIDeadLetterPayloads(t *testing.T) {
 	assert.Regexp(t, `<p class="hint">4,\d{3} bytes, too many to list: the dead letter&#39;s page shows them.</p>`, wideList.body)
 	assert.NotContains(t, wideList.body, strings.Repeat("w", 100))
 	widePage := b.get("/dead-letters/" + strconv.FormatInt(wide, 10))
-	assert.Contains(t, widePage.body, strings.Repeat("w", saga.DeadLetterListText), "its page shows all of its metadata")
+	assert.Contains(t, widePage.body, strings.Repeat("w", delivery.DeadLetterListText), "its page shows all of its metadata")
 	assert.Contains(t, widePage.body, `href="/sagas/`+owner.String()+`"`)
 
 	// One dead letter: its page shows the first MiB; its download, all.
@@ -865,10 +866,10 @@ func TestUIDeadLetterPayloads(t *testing.T) {
 
 	// A preview cut within a character leaves it out; a reason cut says so.
 	accents := insertDeadLetter(t, db.SQL, sqlDeadLetter{Topic: "cut.topic", Group: "cut.group", Reason: strings.Repeat("r", 5000),
-		Payload: []byte(strings.Repeat("a", saga.DeadLetterPreviewBytes-1) + "é and more")})
+		Payload: []byte(strings.Repeat("a", delivery.DeadLetterPreviewBytes-1) + "é and more")})
 	cut := b.get("/dead-letters?topic=cut.topic")
 	assert.Contains(t, cut.body, `id="dl-`+strconv.FormatInt(accents, 10)+`"`)
-	assert.Contains(t, cut.body, strings.Repeat("a", saga.DeadLetterPreviewBytes-1)+"</pre>")
+	assert.Contains(t, cut.body, strings.Repeat("a", delivery.DeadLetterPreviewBytes-1)+"</pre>")
 	assert.NotContains(t, cut.body, "not UTF-8")
 	assert.NotContains(t, cut.body, `\x`)
 	assert.Contains(t, cut.body, "The first 4,096 of 5,000 characters: the dead letter&#39;s page has all of it.")

@@ -1,21 +1,18 @@
-// Package dbtx holds the one database interface pgsaga's packages take:
-// what *sql.Tx, *sql.Conn and *sql.DB have in common. Users name it
-// steps.DBTX (an alias), and one value passes through every package.
+// Package dbtx is the plumbing around the one database interface pgsaga's
+// packages take (delivery.DBTX, where users name it): batched writes,
+// pipelines, batch key claims.
 package dbtx
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
+
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // DBTX runs statements: a transaction, a connection or a pool.
-type DBTX interface {
-	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
-	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
-	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
-}
+type DBTX = delivery.DBTX
 
 // Batched is a kind of write whose rows, queued by the attempts of one
 // delivery batch, are written together, in one statement, when the batch
@@ -46,7 +43,9 @@ type BatchQueuer interface {
 // ErrBatchedPending is returned by a handler that found a row an earlier
 // attempt of its batch changed with a batched write not written yet (an
 // idempotency key claimed but its completion queued): the transport writes
-// the batch's rows and runs the attempt again, once.
+// the batch's rows and runs the attempt again, once. It never reaches
+// users: only an attempt of a delivery batch can see such a row, and the
+// transport takes the error.
 var ErrBatchedPending = errors.New("rows an earlier attempt of the batch queued are not written yet")
 
 // WriteBatched queues rows of w on tx if tx is a BatchQueuer, and writes

@@ -87,8 +87,8 @@ func statementName(query string) string {
 const beginSQL = "begin isolation level read committed"
 
 // ErrPipeEnded is returned by a statement on a Pipe that has committed or
-// rolled back.
-var ErrPipeEnded = errors.New("dbtx: the transaction has ended")
+// rolled back: database/sql's sql.ErrTxDone, as a *sql.Tx would return.
+var ErrPipeEnded = sql.ErrTxDone
 
 // BeginPipe starts a Pipe on conn; BEGIN is sent with its first
 // statement. conn must be idle, and be used by nothing else until the

@@ -38,26 +38,28 @@ var SampleMay = []string{"internal/pgerr", "internal/sqlcheck", "internal/pgmigr
 
 // Layers is pgsaga's layout, bottom up (docs/DESIGN.md §2).
 var Layers = []Layer{
-	{Dir: "internal", Rank: 0}, // plumbing: the pool, SQLSTATEs, metadata keys, outcomes
-	{Dir: "internal/testout", Rank: 0, TestOnly: true},
-	{Dir: "internal/testnats", Rank: 0, TestOnly: true},
-	{Dir: "migrations", Rank: 1},                        // the schema
-	{Dir: "internal/testdb", Rank: 2, TestOnly: true},   // migrated test databases
-	{Dir: "internal/testlost", Rank: 3, TestOnly: true}, // lost connections, on testdb's
-	{Dir: "idempotency", Rank: 2},
-	{Dir: "steps/events", Rank: 2},
-	{Dir: "internal/telemetry", Rank: 2},
-	{Dir: "internal/transport", Rank: 3},
-	{Dir: "steps/broker", Rank: 4},
-	{Dir: "internal/stepsrt", Rank: 4}, // the step runtime's door, for the client
-	{Dir: "steps", Rank: 5},
-	{Dir: "saga", Rank: 6},                   // the engine
-	{Dir: "orders", Rank: 6, Sample: true},   // the sample's domains: participants, beside the engine
-	{Dir: "payments", Rank: 6, Sample: true}, //
-	{Dir: "saga/sagatest", Rank: 7, TestOnly: true},
-	{Dir: "internal/testsample", Rank: 7, TestOnly: true}, // the sample's tables in test databases
-	{Dir: "saga/orderpayment", Rank: 7, Sample: true},     // the sample saga, over the engine and the domains
-	{Dir: "cmd", Rank: 8},
+	{Dir: "saga/delivery", Rank: 0}, // what users touch of delivery: types and errors every package shares
+	{Dir: "internal", Rank: 1},      // plumbing: the pool, SQLSTATEs, metadata keys, outcomes
+	{Dir: "internal/testout", Rank: 1, TestOnly: true},
+	{Dir: "internal/testnats", Rank: 1, TestOnly: true},
+	{Dir: "migrations", Rank: 2},                        // the schema
+	{Dir: "internal/testdb", Rank: 3, TestOnly: true},   // migrated test databases
+	{Dir: "internal/testlost", Rank: 4, TestOnly: true}, // lost connections, on testdb's
+	{Dir: "idempotency", Rank: 3},
+	{Dir: "steps/events", Rank: 3},
+	{Dir: "internal/telemetry", Rank: 3},
+	{Dir: "internal/transport", Rank: 4},
+	{Dir: "steps/broker", Rank: 5},
+	{Dir: "internal/stepsrt", Rank: 5}, // the step runtime's door, for the client
+	{Dir: "steps", Rank: 6},
+	{Dir: "internal/bridge", Rank: 6},        // a client's bridge to its broker (steps/broker.Config)
+	{Dir: "saga", Rank: 7},                   // the engine
+	{Dir: "orders", Rank: 7, Sample: true},   // the sample's domains: participants, beside the engine
+	{Dir: "payments", Rank: 7, Sample: true}, //
+	{Dir: "saga/sagatest", Rank: 8, TestOnly: true},
+	{Dir: "internal/testsample", Rank: 8, TestOnly: true}, // the sample's tables in test databases
+	{Dir: "saga/orderpayment", Rank: 8, Sample: true},     // the sample saga, over the engine and the domains
+	{Dir: "cmd", Rank: 9},
 }
 
 // layerOf returns the layer of the package at dir (relative to the module

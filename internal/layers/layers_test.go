@@ -33,10 +33,10 @@ func TestCheckReportsWhatRunsUpward(t *testing.T) {
 		imp  Import
 		want string
 	}{
-		"a domain importing the engine":     {Import{"orders", "saga"}, "orders (orders, rank 6) imports saga (saga, rank 6): upward"},
-		"a store importing the steps":       {Import{"idempotency", "steps"}, "idempotency (idempotency, rank 2) imports steps (steps, rank 5): upward"},
-		"plumbing importing the sample":     {Import{"internal/pgdb", "saga/orderpayment"}, "internal/pgdb (internal, rank 0) imports saga/orderpayment (saga/orderpayment, rank 7): upward"},
-		"the sample importing the test kit": {Import{"saga/orderpayment", "saga/sagatest"}, "saga/orderpayment (saga/orderpayment, rank 7) imports saga/sagatest (saga/sagatest, rank 7): upward"},
+		"a domain importing the engine":     {Import{"orders", "saga"}, "orders (orders, rank 7) imports saga (saga, rank 7): upward"},
+		"a store importing the steps":       {Import{"idempotency", "steps"}, "idempotency (idempotency, rank 3) imports steps (steps, rank 6): upward"},
+		"plumbing importing the sample":     {Import{"internal/pgdb", "saga/orderpayment"}, "internal/pgdb (internal, rank 1) imports saga/orderpayment (saga/orderpayment, rank 8): upward"},
+		"the sample importing the test kit": {Import{"saga/orderpayment", "saga/sagatest"}, "saga/orderpayment (saga/orderpayment, rank 8) imports saga/sagatest (saga/sagatest, rank 8): upward"},
 		"a library importing test support":  {Import{"saga", "internal/testout"}, "saga imports internal/testout, which supports tests only"},
 		"a package in no layer":             {Import{"tools/x", "internal/pgdb"}, "tools/x: in no layer"},
 		"the sample reaching past the API":  {Import{"orders", "internal/transport"}, "orders imports internal/transport: the sample uses the public API"},

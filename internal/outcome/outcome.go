@@ -18,17 +18,21 @@
 // errors. Of classifies any error.
 package outcome
 
-import "errors"
+import (
+	"errors"
 
-// Kind is how handling ended.
-type Kind string
+	"github.com/pgsaga/pgsaga/saga/delivery"
+)
+
+// Kind is how handling ended: delivery.Outcome, where users name it.
+type Kind = delivery.Outcome
 
 // Kinds.
 const (
-	Completed       Kind = "completed"
-	BusinessFailure Kind = "business_failure"
-	Transient       Kind = "transient"
-	Permanent       Kind = "permanent"
+	Completed       = delivery.Completed
+	BusinessFailure = delivery.BusinessFailure
+	Transient       = delivery.Transient
+	Permanent       = delivery.Permanent
 )
 
 // Classifier is an error that knows its outcome.

@@ -5,12 +5,14 @@ package pgserver
 import (
 	"context"
 	"database/sql"
-	"errors"
 	"fmt"
+
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
-// ErrNotUTF8 is returned for a database whose encoding is not UTF8.
-var ErrNotUTF8 = errors.New("pgsaga needs a UTF8 database")
+// ErrNotUTF8 is returned for a database whose encoding is not UTF8 (the
+// one of package delivery, where users match it).
+var ErrNotUTF8 = delivery.ErrNotUTF8
 
 // Querier is the part of *sql.DB, *sql.Conn and *sql.Tx the check needs.
 type Querier interface {

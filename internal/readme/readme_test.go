@@ -123,7 +123,7 @@ func charge(ctx context.Context, tx *steps.Tx, c Charge) (steps.Message, error) 
 	return nil, steps.Await(time.Second, func(ctx context.Context) error { return nil })
 }
 
-func project(ctx context.Context, tx steps.DBTX, msg *message.Message) error {
+func project(ctx context.Context, tx delivery.DBTX, msg *message.Message) error {
 	_, err := tx.ExecContext(ctx, "SELECT 1")
 	return err
 }
@@ -138,20 +138,20 @@ func build(ctx context.Context, client *saga.Client, store *idempotency.Store) e
 	for _, s := range client.Subscriptions() {
 		_, _ = s.Topic, s.ConsumerGroup
 	}
-	if _, err := store.Do(ctx, idempotency.Request{Scope: "api", Key: "k"}, func(ctx context.Context, tx steps.DBTX) (idempotency.Response, error) {
+	if _, err := store.Do(ctx, idempotency.Request{Scope: "api", Key: "k"}, func(ctx context.Context, tx delivery.DBTX) (idempotency.Response, error) {
 		return idempotency.Response{}, &idempotency.Failure{Reason: "no"}
 	}); err != nil {
 		return err
 	}
-	letters, err := client.DeadLetters(ctx, saga.DeadLetterFilter{Limit: 10})
+	letters, err := client.DeadLetters(ctx, delivery.DeadLetterFilter{Limit: 10})
 	for _, d := range letters {
 		_, _ = client.ReplayDeadLetter(ctx, d.ID)
 	}
 	groups, err := client.ConsumerGroups(ctx)
 	for _, g := range groups {
-		_, err = client.DropConsumerGroups(ctx, saga.GroupDrop{ConsumerGroup: g.ConsumerGroup, UnlessSeenWithin: time.Minute})
-		var alive *saga.ConsumerGroupAliveError
-		_ = errors.As(err, &alive) || errors.Is(err, saga.ErrConsumerGroupAlive)
+		_, err = client.DropConsumerGroups(ctx, delivery.GroupDrop{ConsumerGroup: g.ConsumerGroup, UnlessSeenWithin: time.Minute})
+		var alive *delivery.ConsumerGroupAliveError
+		_ = errors.As(err, &alive) || errors.Is(err, delivery.ErrConsumerGroupAlive)
 	}
 	_, err = client.List(ctx, saga.Filter{Statuses: []saga.Status{saga.StatusFailed}})
 	return err
@@ -159,9 +159,9 @@ func build(ctx context.Context, client *saga.Client, store *idempotency.Store) e
 
 func main() {
 	cfg := saga.ClientConfig{
-		Transport: saga.TransportConfig{BatchSize: 10, Metrics: prometheus.NewRegistry(),
+		Transport: delivery.Config{BatchSize: 10, Metrics: prometheus.NewRegistry(),
 			Intercept: func(handler string, h message.NoPublishHandlerFunc) message.NoPublishHandlerFunc { return h }},
-		Retry: &steps.RetryPolicy{MaxAttempts: 3},
+		Retry: &delivery.RetryPolicy{MaxAttempts: 3},
 	}
 	client, err := saga.NewClientFromDB(nil, cfg)
 	if err == nil {
@@ -191,12 +191,12 @@ func TestMain(m *testing.M) {
 func TestCharge(t *testing.T) {
 	db := sagatest.DB(t)
 	run := sagatest.New(t, db.SQL, sagatest.Faults{Seed: 1})
-	client, err := saga.NewClientFromDB(db.SQL, saga.ClientConfig{Transport: saga.TransportConfig{Intercept: run.Intercept}})
+	client, err := saga.NewClientFromDB(db.SQL, saga.ClientConfig{Transport: delivery.Config{Intercept: run.Intercept}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	step := steps.Define("shop.charge", "shop.charge", charge)
-	res := sagatest.Step(t, client, step, Charge{ID: "c"}, func(tx steps.DBTX) error { return nil })
+	res := sagatest.Step(t, client, step, Charge{ID: "c"}, func(tx delivery.DBTX) error { return nil })
 	_, _ = res.Failed(), res.Err
 	tr := sagatest.Transitions(t, client, "order", Charge{ID: "c"}, nil, sagatest.Answer(nil), sagatest.Refuse(nil, "no"))
 	_ = tr.Last().Instance.Status

@@ -7,6 +7,7 @@ package stepsrt
 import (
 	"context"
 	"log/slog"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -22,6 +23,9 @@ type Config struct {
 	Transport *transport.Transport
 	// Store holds the steps' idempotency keys. Required.
 	Store *idempotency.Store
+	// KeyLockTimeout is Store's LockTimeout: the batch claims of keys
+	// (keysql) wait as long as its claims. Default: 5s, as Store's.
+	KeyLockTimeout time.Duration
 	// Events is the event store behind steps.Tx.Append and Fold. Optional.
 	Events *events.Store
 	// Retry is the steps' retry policy. Default: the transport's. A command

@@ -26,7 +26,7 @@ import (
 // attempt, or a transaction the caller opened itself. *sql.Tx, *sql.Conn and
 // *sql.DB satisfy it, so code written against Tx runs unchanged in either
 // mode and in tests. Its methods are ExecContext, QueryContext and
-// QueryRowContext; it is the same interface as steps.DBTX.
+// QueryRowContext; it is the same interface as delivery.DBTX.
 type Tx = dbtx.DBTX
 
 type txKey struct{}

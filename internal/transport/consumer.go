@@ -577,7 +577,7 @@ func (c *consumer) fail(b *batch, log *slog.Logger, d delivery, n int, cause err
 		c.deadLetter(b, log, d, n, cause)
 		return
 	}
-	wait := c.rt.retry.backoff(n)
+	wait := backoff(c.rt.retry, n)
 	err := b.d.record(context.Background(), stmt{"recording a failed attempt", rescheduleSQL,
 		[]any{d.id, n, wait.Seconds(), reason(cause)}})
 	if err != nil {
@@ -597,7 +597,7 @@ func (c *consumer) fail(b *batch, log *slog.Logger, d delivery, n int, cause err
 
 // final reports whether failed attempt n is the message's last (see
 // RetryPolicy.final).
-func (c *consumer) final(n int, cause error) bool { return c.rt.retry.final(n, cause) }
+func (c *consumer) final(n int, cause error) bool { return final(c.rt.retry, n, cause) }
 
 // deadLetter moves the message to pgsaga_dead_letters, in the batch.
 func (c *consumer) deadLetter(b *batch, log *slog.Logger, d delivery, n int, cause error) {
@@ -661,7 +661,7 @@ func (c *consumer) breakBatchedWrite(b *batch, log *slog.Logger, err error) {
 func (c *consumer) recordAfter(f failure) {
 	log := c.log.With("queue_id", f.d.id, "attempt", f.n)
 	final := c.final(f.n, f.cause)
-	wait := c.rt.retry.backoff(f.n)
+	wait := backoff(c.rt.retry, f.n)
 	query, args := rescheduleSQL, []any{f.d.id, f.n, wait.Seconds(), reason(f.cause)}
 	if final {
 		query, args = deadLetterSQL, []any{f.d.id, c.rt.name, reason(f.cause), f.n}

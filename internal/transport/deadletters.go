@@ -10,71 +10,25 @@ import (
 	"time"
 	"unicode/utf8"
 
+	pub "github.com/pgsaga/pgsaga/saga/delivery"
+
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/pgsaga/pgsaga/internal/metadata"
 )
 
-// DeadLetter is a message kept in pgsaga_dead_letters: one no consumer
-// could handle, or that no consumer group subscribed to.
-//
-// DeadLetters lists them with a bounded part of each (PayloadPreview, a
-// Reason cut at DeadLetterListText characters, Metadata only up to
-// DeadLetterListText bytes); Transport.DeadLetter reads one whole.
-type DeadLetter struct {
-	ID            int64
-	UUID          string
-	Topic         string
-	ConsumerGroup string // "" when no group subscribed to the topic
-	Handler       string
-	// Payload is the whole payload, read by Transport.DeadLetter only;
-	// nil in a listing.
-	Payload []byte
-	// PayloadPreview is the payload's first DeadLetterPreviewBytes bytes
-	// (the whole payload if it is shorter), and PayloadSize its size.
-	PayloadPreview []byte
-	PayloadSize    int
-	// Metadata is the message's, with the DeadLetter* entries; nil if it was
-	// not a JSON object of strings (the raw value is in RawMetadata), or,
-	// in a listing, if its text is longer than DeadLetterListText bytes
-	// (MetadataSize says how long it is).
-	Metadata     message.Metadata
-	RawMetadata  json.RawMessage
-	MetadataSize int
-	// Reason says why the message is here; in a listing, its first
-	// DeadLetterListText characters (ReasonLength is its length in
-	// characters).
-	Reason       string
-	ReasonLength int
-	Attempts     int
-	CreatedAt    time.Time // when the message was published
-	DeadAt       time.Time
-	// ReplayedAt is when it was sent back to its queue (ReplayDeadLetter);
-	// nil if it was not.
-	ReplayedAt *time.Time
-	// ReadAt is the database's clock when d was read: the clock its times
-	// were set by, so the one to tell their ages with.
-	ReadAt time.Time
-}
+// What users read of dead letters (package delivery).
+type (
+	DeadLetter         = pub.DeadLetter
+	DeadLetterFilter   = pub.DeadLetterFilter
+	DeadLetterDeletion = pub.DeadLetterDeletion
+)
 
 // Bounds of what DeadLetters reads of each dead letter.
 const (
-	// DeadLetterPreviewBytes bounds PayloadPreview.
-	DeadLetterPreviewBytes = 256
-	// DeadLetterListText bounds the reason (in characters) and the
-	// metadata (in bytes of its JSON text) of a listed dead letter.
-	DeadLetterListText = 4096
+	DeadLetterPreviewBytes = pub.DeadLetterPreviewBytes
+	DeadLetterListText     = pub.DeadLetterListText
 )
-
-// PayloadComplete reports whether d holds its whole payload: read by
-// Transport.DeadLetter, or listed with a preview that is all of it.
-func (d DeadLetter) PayloadComplete() bool {
-	return d.Payload != nil || len(d.PayloadPreview) == d.PayloadSize
-}
-
-// Replayable reports whether ReplayDeadLetter can send d back: not a
-// message a broker bridge received but could not queue (ReceiveHandler).
-func (d DeadLetter) Replayable() bool { return d.Handler != ReceiveHandler }
 
 // Metadata a dead letter carries besides the message's own.
 const (
@@ -85,16 +39,6 @@ const (
 	DeadLetterGroup    = metadata.DeadLetterGroup
 	DeadLetterAt       = metadata.DeadLetterAt
 )
-
-// DeadLetterFilter selects dead letters.
-type DeadLetterFilter struct {
-	// Topic of the messages; "" for every topic.
-	Topic string
-	// AfterID lists those with a greater ID (paging).
-	AfterID int64
-	// Limit bounds the list. Default: 100.
-	Limit int
-}
 
 // DeadLetters lists dead letters, oldest first, each with a bounded part
 // of its payload, reason and metadata (see DeadLetter): a page of them
@@ -124,11 +68,11 @@ func (t *Transport) DeadLetters(ctx context.Context, f DeadLetterFilter) ([]Dead
 }
 
 // DeadLetter reads dead letter id whole, its payload included;
-// ErrDeadLetterNotFound if there is none.
+// ErrNoSuchDeadLetter if there is none.
 func (t *Transport) DeadLetter(ctx context.Context, id int64) (DeadLetter, error) {
 	d, err := scanDeadLetter(t.db.QueryRowContext(ctx, deadLetterByIDSQL, id), true)
 	if errors.Is(err, sql.ErrNoRows) {
-		return DeadLetter{}, fmt.Errorf("%w: %d", ErrDeadLetterNotFound, id)
+		return DeadLetter{}, fmt.Errorf("%w: %d", ErrNoSuchDeadLetter, id)
 	}
 	if err != nil {
 		return DeadLetter{}, fmt.Errorf("transport: reading dead letter %d: %w", id, migrationHint(err))
@@ -192,14 +136,6 @@ func (t *Transport) DeadLettersWaiting(ctx context.Context) (map[string]int, err
 // the dead letter it came from.
 const ReplayedDeadLetter = "replayed_dead_letter"
 
-// Errors of ReplayDeadLetter.
-var (
-	ErrDeadLetterNotFound = errors.New("transport: no such dead letter")
-	ErrAlreadyReplayed    = errors.New("transport: the dead letter was replayed already")
-	ErrNoConsumerGroup    = errors.New("transport: no consumer group reads the dead letter's topic")
-	ErrNotReplayable      = errors.New("transport: the dead letter cannot be replayed")
-)
-
 // ReplayDeadLetter sends dead letter id back to its topic, once: to the
 // queue of the consumer group that gave up on it, or, for a message no
 // group read when it was published, to every group that reads its topic
@@ -207,7 +143,7 @@ var (
 // dead letter's own entries dropped, ReplayedDeadLetter added); the dead
 // letter stays, marked replayed. It returns how many queues it went to.
 // Replaying again is ErrAlreadyReplayed; a group that no longer reads the
-// topic (or none at all) is ErrNoConsumerGroup; a message a broker bridge
+// topic (or none at all) is ErrTopicNotSubscribed; a message a broker bridge
 // received but could not queue (ReceiveHandler) is ErrNotReplayable; in
 // each case nothing changes.
 func (t *Transport) ReplayDeadLetter(ctx context.Context, id int64) (int, error) {
@@ -223,7 +159,7 @@ func (t *Transport) ReplayDeadLetter(ctx context.Context, id int64) (int, error)
 	err = tx.QueryRowContext(ctx, lockDeadLetterSQL, id).Scan(&topic, &group, &handler, &replayed)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
-		return 0, fmt.Errorf("%w: %d", ErrDeadLetterNotFound, id)
+		return 0, fmt.Errorf("%w: %d", ErrNoSuchDeadLetter, id)
 	case err != nil:
 		return 0, fmt.Errorf("transport: replaying dead letter %d: %w", id, migrationHint(err))
 	case replayed != nil:
@@ -240,7 +176,7 @@ func (t *Transport) ReplayDeadLetter(ctx context.Context, id int64) (int, error)
 		if group == "" {
 			who = "any group"
 		}
-		return 0, fmt.Errorf("%w: %s of topic %s (dead letter %d)", ErrNoConsumerGroup, who, topic, id)
+		return 0, fmt.Errorf("%w: %s of topic %s (dead letter %d)", ErrTopicNotSubscribed, who, topic, id)
 	}
 	if err := tx.Commit(); err != nil {
 		return 0, fmt.Errorf("transport: replaying dead letter %d: %w", id, err)
@@ -293,20 +229,7 @@ func Unstorable(s string) string {
 	return ""
 }
 
-// DeadLetterDeletion selects the dead letters DeleteDeadLetters deletes:
-// those IDs, or those of Topic dead-lettered longer than OlderThan ago (by
-// the database's clock), one way or the other: never all of them.
-type DeadLetterDeletion struct {
-	IDs       []int64
-	Topic     string
-	OlderThan time.Duration
-}
-
-// ErrInvalidDeletion: a DeadLetterDeletion that selects neither by IDs nor
-// by Topic and OlderThan, or both ways.
-var ErrInvalidDeletion = errors.New("transport: invalid dead letter deletion")
-
-func (d DeadLetterDeletion) validate() error {
+func validateDeletion(d DeadLetterDeletion) error {
 	byAge := d.Topic != "" || d.OlderThan != 0
 	switch {
 	case len(d.IDs) > 0 && byAge:
@@ -322,7 +245,7 @@ func (d DeadLetterDeletion) validate() error {
 // CountDeadLetters counts the dead letters DeleteDeadLetters would delete
 // now.
 func (t *Transport) CountDeadLetters(ctx context.Context, d DeadLetterDeletion) (int64, error) {
-	if err := d.validate(); err != nil {
+	if err := validateDeletion(d); err != nil {
 		return 0, err
 	}
 	var n int64
@@ -336,7 +259,7 @@ func (t *Transport) CountDeadLetters(ctx context.Context, d DeadLetterDeletion) 
 // and returns how many it deleted (an ID with no dead letter is not
 // counted).
 func (t *Transport) DeleteDeadLetters(ctx context.Context, d DeadLetterDeletion) (int64, error) {
-	if err := d.validate(); err != nil {
+	if err := validateDeletion(d); err != nil {
 		return 0, err
 	}
 	res, err := t.db.ExecContext(ctx, deleteDeadLettersSQL, d.IDs, d.Topic, d.OlderThan.Seconds())

@@ -10,75 +10,44 @@ import (
 	"time"
 	"unicode/utf8"
 
+	pub "github.com/pgsaga/pgsaga/saga/delivery"
+
 	"github.com/pgsaga/pgsaga/internal/outcome"
 	"github.com/pgsaga/pgsaga/internal/pgerr"
-	"github.com/pgsaga/pgsaga/internal/pgserver"
 )
 
-// Errors callers can branch on.
+// Errors callers can branch on: those of package delivery, where users
+// match them.
 var (
-	// ErrInvalidTopic is returned for a topic name outside
-	// [A-Za-z0-9-$:._]{1,MaxTopicLen}.
-	ErrInvalidTopic = errors.New("transport: invalid topic name")
-	// ErrInvalidConsumerGroup is returned for a consumer group name outside
-	// [A-Za-z0-9-$:._]{1,255}.
-	ErrInvalidConsumerGroup = errors.New("transport: invalid consumer group name (1 to 255 characters from [A-Za-z0-9-$:._])")
-	// ErrInvalidChannel is returned for a notification channel's name
-	// outside [A-Za-z0-9-$:._]{1,63}.
-	ErrInvalidChannel = errors.New("transport: invalid notification channel name")
-	// ErrInvalidMessageID is returned for a message whose UUID is empty or
-	// longer than 255 bytes.
-	ErrInvalidMessageID = errors.New("transport: message UUID must be 1 to 255 bytes")
-	// ErrMessageTooLarge is returned (permanent) for a message larger than
-	// Config.MaxMessageBytes; nothing of the publish is written.
-	ErrMessageTooLarge = errors.New("transport: message larger than MaxMessageBytes")
-	// ErrHandlerPanicked wraps the value of a handler's panic; the attempt
-	// was rolled back.
-	ErrHandlerPanicked = errors.New("transport: handler panicked")
-	// ErrAttemptTimeout: the attempt outlived Config.AttemptTimeout (or was
-	// cut off by Router.Close) and was rolled back.
-	ErrAttemptTimeout = errors.New("transport: delivery attempt timed out; everything it did was rolled back")
-	// ErrTransactionEnded: the handler ended its attempt's transaction
-	// (COMMIT, END, ROLLBACK). Nothing of the attempt is kept; the message is
-	// dead-lettered, since the handler does it every time.
-	ErrTransactionEnded = errors.New("transport: the handler ended its attempt's transaction (COMMIT, END or ROLLBACK); use Savepoint for nested rollback")
-	// ErrHandlerNotCalled: a router middleware returned without calling
-	// the handler (or called it with a message that lost its context).
-	// The delivery counts as a failed attempt.
-	ErrHandlerNotCalled = errors.New("transport: a router middleware returned without calling the handler with the delivered message")
-	// ErrAttemptOver is returned by statements issued through an attempt's
-	// Tx after the attempt ended (the handler returned, or it was cut off).
-	ErrAttemptOver = errors.New("transport: delivery attempt is over; its transaction can no longer be used")
-	// ErrNoTransaction is returned when a handler runs on a message that did
-	// not come from this transport.
-	ErrNoTransaction = errors.New("transport: message carries no delivery transaction")
-	// ErrClosing: an attempt was not started because the router is
-	// closing; its message stays queued, untouched. It wraps
-	// context.Canceled.
-	ErrClosing = fmt.Errorf("transport: router is closing: %w", context.Canceled)
-	// ErrRouterClosed is returned when adding handlers to, or starting, a
-	// router that is closed or already runs.
-	ErrRouterClosed = errors.New("transport: router is closed")
-	// ErrSubscriberClosed is returned by a Subscriber's Subscribe and
-	// SubscribeInitialize once it is closed.
-	ErrSubscriberClosed = errors.New("transport: subscriber is closed")
-	// ErrDeadLettered is returned by HandleInTx for a message it
-	// dead-lettered.
-	ErrDeadLettered = errors.New("transport: message dead-lettered")
-	// ErrAwaitedTooOften fails the attempt of a message whose handler
-	// awaited more than RetryPolicy.MaxAttempts times (see Await).
-	ErrAwaitedTooOften = errors.New("transport: the handler awaited too often without finishing")
-	// ErrAwaitedAgain fails an attempt outside a queue whose handler
-	// awaited again right after its call ran (see Await).
-	ErrAwaitedAgain = errors.New("transport: the handler awaited again after its call ran")
-	// ErrNotUTF8 is returned when the database's encoding is not UTF8.
-	ErrNotUTF8 = pgserver.ErrNotUTF8
-	// ErrSettingsDiffer is returned when a Transport's configuration differs
-	// from what the processes on its database share (the notification
-	// channel of wake-ups).
-	ErrSettingsDiffer = errors.New("transport: this process's settings differ from those of the processes sharing the database")
-	// ErrNotPgx is returned when Config.DB is not a pgx database/sql handle.
-	ErrNotPgx = errors.New("transport: Config.DB must be a database/sql handle over pgx (stdlib.OpenDBFromPool or stdlib.OpenDB)")
+	ErrInvalidTopic         = pub.ErrInvalidTopic
+	ErrInvalidConsumerGroup = pub.ErrInvalidConsumerGroup
+	ErrInvalidChannel       = pub.ErrInvalidChannel
+	ErrInvalidMessageID     = pub.ErrInvalidMessageID
+	ErrMessageTooLarge      = pub.ErrMessageTooLarge
+	ErrHandlerPanicked      = pub.ErrHandlerPanicked
+	ErrAttemptTimeout       = pub.ErrAttemptTimeout
+	ErrTransactionEnded     = pub.ErrTransactionEnded
+	ErrHandlerNotCalled     = pub.ErrHandlerNotCalled
+	ErrAttemptOver          = pub.ErrAttemptOver
+	ErrNoTransaction        = pub.ErrNoTransaction
+	ErrClosing              = pub.ErrClosing
+	ErrRouterClosed         = pub.ErrRouterClosed
+	ErrSubscriberClosed     = pub.ErrSubscriberClosed
+	ErrDeadLettered         = pub.ErrDeadLettered
+	ErrAwaitedTooOften      = pub.ErrAwaitedTooOften
+	ErrAwaitedAgain         = pub.ErrAwaitedAgain
+	ErrSettingsDiffer       = pub.ErrSettingsDiffer
+	ErrNotPgx               = pub.ErrNotPgx
+	ErrNotUTF8              = pub.ErrNotUTF8
+	ErrUnstorable           = pub.ErrUnstorable
+	ErrMissingPrivileges    = pub.ErrMissingPrivileges
+	ErrNoSuchDeadLetter     = pub.ErrNoSuchDeadLetter
+	ErrAlreadyReplayed      = pub.ErrAlreadyReplayed
+	ErrTopicNotSubscribed   = pub.ErrTopicNotSubscribed
+	ErrNotReplayable        = pub.ErrNotReplayable
+	ErrInvalidDeletion      = pub.ErrInvalidDeletion
+	ErrConsumerGroupAlive   = pub.ErrConsumerGroupAlive
+	ErrNoSuchConsumerGroup  = pub.ErrNoSuchConsumerGroup
 )
 
 // PermanentError marks a failure that no retry can fix (a message that

@@ -5,38 +5,10 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
+
+	pub "github.com/pgsaga/pgsaga/saga/delivery"
 )
-
-// GroupStats is what a consumer group of a topic has waiting, and whether
-// it runs.
-type GroupStats struct {
-	Topic         string
-	ConsumerGroup string
-	// Created is when the group was first recorded.
-	Created time.Time
-	// LastSeen is when a running router last showed the group alive (its
-	// start, then every Config.HeartbeatInterval); nil if no router ever
-	// ran it (it was only set up with Subscribe).
-	LastSeen *time.Time
-	// Waiting counts the messages queued for the group; Retrying those of
-	// them that failed before; NotYetAvailable those waiting out a backoff
-	// or an awaited call.
-	Waiting, Retrying, NotYetAvailable int
-	// Oldest is when the oldest waiting message was published; nil if none
-	// waits.
-	Oldest *time.Time
-	// ReadAt is the database's clock when the group was read: ages of the
-	// times above are measured from it, never from this process's clock.
-	ReadAt time.Time
-}
-
-// Running reports whether a router showed the group alive within stale
-// (a few heartbeats) before the group was read, by the database's clock.
-func (g GroupStats) Running(stale time.Duration) bool {
-	return g.LastSeen != nil && g.ReadAt.Sub(*g.LastSeen) <= stale
-}
 
 // ConsumerGroups lists every consumer group of every topic with what waits
 // for it, by topic and group. It counts every queued row: on queues of
@@ -135,55 +107,13 @@ func (t *Transport) Departed(ctx context.Context, q Tx, topic, uuid string) (boo
 	return !waiting, nil
 }
 
-// Errors of DropConsumerGroups.
-var (
-	// ErrConsumerGroupAlive: a router showed the group alive within
-	// GroupDrop.UnlessSeenWithin; the error is a *ConsumerGroupAliveError.
-	ErrConsumerGroupAlive  = errors.New("transport: the consumer group runs")
-	ErrNoSuchConsumerGroup = errors.New("transport: no such consumer group")
+// What users read and give of consumer groups (package delivery).
+type (
+	GroupStats              = pub.ConsumerGroup
+	ConsumerGroupAliveError = pub.ConsumerGroupAliveError
+	GroupDrop               = pub.GroupDrop
+	DroppedGroup            = pub.DroppedGroup
 )
-
-// ConsumerGroupAliveError is DropConsumerGroups' refusal to drop a group a
-// router showed alive within GroupDrop.UnlessSeenWithin. It matches
-// ErrConsumerGroupAlive.
-type ConsumerGroupAliveError struct {
-	ConsumerGroup string
-	// Topics are those of the group's topics a router showed it alive on
-	// within the window, by name.
-	Topics []string
-	// LastSeen is when a router last showed it alive, and Ago how long
-	// before the refusal that was, by the database's clock.
-	LastSeen time.Time
-	Ago      time.Duration
-}
-
-func (e *ConsumerGroupAliveError) Error() string {
-	return fmt.Sprintf("transport: consumer group %s of %s runs: a worker showed it alive %s ago",
-		e.ConsumerGroup, strings.Join(e.Topics, ", "), e.Ago.Round(time.Millisecond))
-}
-
-// Is makes the error match ErrConsumerGroupAlive.
-func (e *ConsumerGroupAliveError) Is(target error) bool { return target == ErrConsumerGroupAlive }
-
-// GroupDrop says which consumer group DropConsumerGroups drops, and when it
-// refuses to.
-type GroupDrop struct {
-	ConsumerGroup string
-	// Topic drops the group of this topic only; "" of every topic it reads.
-	Topic string
-	// UnlessSeenWithin refuses to drop a group a router showed alive
-	// within this long on any of those topics (a few of its heartbeats,
-	// Config.HeartbeatInterval): nothing is dropped then. 0 drops it even
-	// if it runs.
-	UnlessSeenWithin time.Duration
-}
-
-// DroppedGroup is a consumer group of a topic DropConsumerGroups dropped,
-// with how many of its queued messages it deleted.
-type DroppedGroup struct {
-	Topic    string
-	Messages int64
-}
 
 // DropConsumerGroups forgets d.ConsumerGroup of d.Topic (of every topic it
 // reads, if none), as DropConsumerGroup does, in one transaction; it

@@ -8,6 +8,8 @@ import (
 	"sync"
 	"time"
 
+	pub "github.com/pgsaga/pgsaga/saga/delivery"
+
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
@@ -42,7 +44,7 @@ func InProcess() HandlerOption { return func(o *handlerOptions) { o.inProcess = 
 // attempt that published its message (its connection was lost, it ended
 // the transaction, it released a savepoint not its own). The publishing
 // attempt fails, as a transient failure; its retry queues the message.
-var ErrInProcessBroke = errors.New("transport: an in-process delivery broke its publisher's transaction")
+var ErrInProcessBroke = pub.ErrInProcessBroke
 
 // errUnwound: an in-process delivery inside the attempt failed after
 // writing, with no savepoint of its own to take its writes back (see

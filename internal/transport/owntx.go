@@ -28,8 +28,8 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 	for _, opt := range opts {
 		opt(&o)
 	}
-	o.retry.setDefaults()
-	if err := o.retry.validate(); err != nil {
+	setRetryDefaults(&o.retry)
+	if err := validateRetry(o.retry); err != nil {
 		return fmt.Errorf("transport: %s: %w", name, err)
 	}
 	if o.inProcess {
@@ -48,8 +48,8 @@ func (t *Transport) HandleInTx(ctx context.Context, name, topic string, msg *mes
 			return err // a hand-back is the caller's: there is no queue here
 		}
 		permanent := IsPermanent(err)
-		if !o.retry.final(n, err) {
-			wait := o.retry.backoff(n)
+		if !final(o.retry, n, err) {
+			wait := backoff(o.retry, n)
 			log.Warn("attempt failed; retrying", append([]any{"attempt", n, "retry_in_ms", telemetry.Millis(wait), "err", err}, panicStack(err)...)...)
 			t.metrics.Retrying(topic, name)
 			select {

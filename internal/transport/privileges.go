@@ -2,15 +2,10 @@ package transport
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"strings"
-)
 
-// ErrMissingPrivileges: the database role lacks a privilege the worker
-// needs to deliver (see PrivilegeError for which). Without it a worker
-// would start and report healthy while every delivery failed.
-var ErrMissingPrivileges = errors.New("transport: the database role lacks privileges a worker needs")
+	pub "github.com/pgsaga/pgsaga/saga/delivery"
+)
 
 // Grant is what a role needs on one table: privileges as
 // has_table_privilege takes them ("SELECT, INSERT, UPDATE, DELETE").
@@ -29,19 +24,8 @@ var WorkerGrants = []Grant{
 	{"pgsaga_settings", "SELECT"},
 }
 
-// PrivilegeError says which privileges Role lacks. It matches
-// ErrMissingPrivileges.
-type PrivilegeError struct {
-	Role    string
-	Missing []string // "TEMPORARY on database x", "DELETE on pgsaga_queue"
-}
-
-func (e *PrivilegeError) Error() string {
-	return fmt.Sprintf("transport: database role %q lacks privileges a worker needs: %s (docs/operating.md, \"Database roles\", lists the grants)",
-		e.Role, strings.Join(e.Missing, "; "))
-}
-
-func (e *PrivilegeError) Unwrap() error { return ErrMissingPrivileges }
+// PrivilegeError says which privileges a role lacks (package delivery).
+type PrivilegeError = pub.PrivilegeError
 
 // checkPrivilegesSQL lists, in one statement, what the role lacks among
 // TEMPORARY on the database and the privileges ($1 tables, $2 privilege

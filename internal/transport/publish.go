@@ -162,9 +162,6 @@ func (q queueExecutor) QueryRow(query string, args ...any) *sql.Row {
 	return q.a.QueryRowContext(context.Background(), query, args...)
 }
 
-// ErrUnstorable: a published message holds text PostgreSQL cannot store.
-var ErrUnstorable = errors.New("transport: the message cannot be stored")
-
 // storable checks, before anything is sent, what PostgreSQL would refuse
 // of m: a UUID that is not UTF-8 text without NUL (SQLSTATE 22021), and
 // metadata holding a NUL, which jsonb cannot store (22P05, unsupported

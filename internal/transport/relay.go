@@ -9,6 +9,8 @@ import (
 	"strings"
 	"time"
 
+	pub "github.com/pgsaga/pgsaga/saga/delivery"
+
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
@@ -24,10 +26,11 @@ const RelayHandler = "pgsaga.relay"
 // ReceiveHandler names the receiving side of a bridge from a message broker
 // (steps/broker) in the dead letters it leaves: messages it took in that
 // no queue here can hold. ReplayDeadLetter refuses them (ErrNotReplayable).
-const ReceiveHandler = "pgsaga.receive"
+const ReceiveHandler = pub.ReceiveHandler
 
 // ErrRelayHeld is returned by ClaimRelay while another transaction holds
 // the topic's relay: a relay runs in another process (or goroutine).
+// It never reaches users: the bridge waits for the topic instead.
 var ErrRelayHeld = errors.New("transport: another relay holds this topic")
 
 // RelayBatch is a batch of a topic's messages queued for RelayGroup,

@@ -60,7 +60,7 @@ func TestReplayDeadLetterOnce(t *testing.T) {
 	require.Len(t, dl, 1, "the dead letter stays, as a record")
 	assert.NotNil(t, dl[0].ReplayedAt)
 	_, err = e.tr.ReplayDeadLetter(ctx, -5)
-	assert.ErrorIs(t, err, transport.ErrDeadLetterNotFound)
+	assert.ErrorIs(t, err, transport.ErrNoSuchDeadLetter)
 }
 
 // A message that no group read when it was published is replayed to the
@@ -75,7 +75,7 @@ func TestReplayUnroutedDeadLetter(t *testing.T) {
 	require.Len(t, dl, 1)
 	ctx := context.Background()
 	_, err := e.tr.ReplayDeadLetter(ctx, dl[0].ID)
-	require.ErrorIs(t, err, transport.ErrNoConsumerGroup)
+	require.ErrorIs(t, err, transport.ErrTopicNotSubscribed)
 	assert.Nil(t, e.deadLetters(topic)[0].ReplayedAt, "still replayable")
 
 	require.NoError(t, e.tr.Subscribe(ctx, transport.Subscription{Topic: topic, ConsumerGroup: "a"}, transport.Subscription{Topic: topic, ConsumerGroup: "b"}))
@@ -155,7 +155,7 @@ func TestDeadLettersListsABoundedPartOfEach(t *testing.T) {
 	assert.Equal(t, "nobody_"+e.id, dl[0].Metadata[transport.DeadLetterTopic])
 
 	_, err = e.tr.DeadLetter(ctx, -1)
-	assert.ErrorIs(t, err, transport.ErrDeadLetterNotFound)
+	assert.ErrorIs(t, err, transport.ErrNoSuchDeadLetter)
 }
 
 // DeleteDeadLetters deletes the dead letters it names, or those of a topic

@@ -96,8 +96,8 @@ func (t *Transport) handlerOptions(opts []HandlerOption) (handlerOptions, error)
 	for _, opt := range opts {
 		opt(&o)
 	}
-	o.retry.setDefaults()
-	if err := o.retry.validate(); err != nil {
+	setRetryDefaults(&o.retry)
+	if err := validateRetry(o.retry); err != nil {
 		return handlerOptions{}, err
 	}
 	if o.consumers < 1 || o.consumers > 64 {

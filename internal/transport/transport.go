@@ -50,6 +50,8 @@ import (
 	"strconv"
 	"sync"
 
+	pub "github.com/pgsaga/pgsaga/saga/delivery"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
@@ -89,8 +91,8 @@ type Transport struct {
 
 // New validates cfg and returns a Transport. It does not connect.
 func New(cfg Config) (*Transport, error) {
-	cfg.setDefaults()
-	if err := cfg.validate(); err != nil {
+	setDefaults(&cfg)
+	if err := validate(&cfg); err != nil {
 		return nil, err
 	}
 	t := &Transport{
@@ -138,10 +140,7 @@ func (t *Transport) Config() Config { return t.cfg }
 func (t *Transport) DB() *sql.DB { return t.db }
 
 // Subscription is a consumer group of a topic.
-type Subscription struct {
-	Topic         string
-	ConsumerGroup string
-}
+type Subscription = pub.Subscription
 
 // Subscribe records subscriptions: from now on every message published to
 // each topic is queued for the group, whether or not a consumer of it runs

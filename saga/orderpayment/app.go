@@ -15,6 +15,7 @@ import (
 	"github.com/pgsaga/pgsaga/orders"
 	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/events"
@@ -32,7 +33,7 @@ type Config struct {
 	// may take it over. Default: 10s.
 	GatewayLease time.Duration
 	// Transport configures delivery; DB and Logger are filled in.
-	Transport saga.TransportConfig
+	Transport delivery.Config
 	// Timeouts of the saga's steps.
 	Timeouts StepTimeouts
 	// Steps of the saga. Default: Steps(Timeouts). Extend the saga by
@@ -153,7 +154,7 @@ func New(cfg Config) (*App, error) {
 		return nil, err
 	}
 	ord, err := orders.New(orders.Config{DB: cfg.DB, Idempotency: c.Idempotency(), Events: c.Events(), Logger: cfg.Logger,
-		Trigger: func(ctx context.Context, tx steps.DBTX, created orders.OrderCreated) error {
+		Trigger: func(ctx context.Context, tx delivery.DBTX, created orders.OrderCreated) error {
 			_, err := c.StartTx(ctx, tx, Name, created)
 			return err
 		}})

@@ -17,7 +17,13 @@ import (
 
 // Violation is a broken invariant, with the offending rows: the failure
 // kit's.
-type Violation = sqlcheck.Violation
+type Violation struct {
+	Invariant string
+	Rows      []string
+}
+
+// String implements fmt.Stringer: the invariant, then its rows.
+func (v Violation) String() string { return sqlcheck.Violation(v).String() }
 
 // Report is the state of the sample's sagas and whether the invariants hold.
 type Report struct {

@@ -9,6 +9,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/payments"
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/events"
@@ -35,7 +36,7 @@ type PaymentServiceConfig struct {
 	BrokerConsumers int
 	// Transport configures the service's transport; DB and Logger are
 	// filled in.
-	Transport saga.TransportConfig
+	Transport delivery.Config
 	// ReplyTopic is the saga's reply topic, where the replies go (a command
 	// names it too). Default: that of the sample's definition.
 	ReplyTopic string

@@ -22,7 +22,13 @@ type Invariant struct {
 }
 
 // Violation is a broken invariant and the rows that break it.
-type Violation = sqlcheck.Violation
+type Violation struct {
+	Invariant string
+	Rows      []string
+}
+
+// String implements fmt.Stringer: the invariant, then its rows.
+func (v Violation) String() string { return sqlcheck.Violation(v).String() }
 
 // Checker checks the generic invariants of sagas, and the domain's.
 type Checker struct {
@@ -141,7 +147,9 @@ func (c Checker) Check(ctx context.Context) ([]Violation, error) {
 }
 
 // Querier runs queries: a *sql.DB, *sql.Conn or *sql.Tx.
-type Querier = sqlcheck.Querier
+type Querier interface {
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+}
 
 // Rows runs a query returning one text column: a helper for invariants.
 func Rows(ctx context.Context, db Querier, query string, args ...any) ([]string, error) {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
 	"github.com/pgsaga/pgsaga/steps"
 )
@@ -59,7 +60,7 @@ func Example() {
 
 	// 2. Your app, as you build it, with the injector installed.
 	client, err := saga.NewClientFromDB(db, saga.ClientConfig{
-		Transport: saga.TransportConfig{Intercept: injector.Intercept}, Logger: quiet})
+		Transport: delivery.Config{Intercept: injector.Intercept}, Logger: quiet})
 	if err != nil {
 		panic(err)
 	}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
 	"github.com/pgsaga/pgsaga/steps"
 )
@@ -26,7 +27,7 @@ func ExampleStep() {
 		return RoomReserved{}, nil
 	})
 
-	res := sagatest.Step(t, client, reserve, ReserveRoom{Guest: "ada"}, func(tx steps.DBTX) error {
+	res := sagatest.Step(t, client, reserve, ReserveRoom{Guest: "ada"}, func(tx delivery.DBTX) error {
 		var keys int
 		err := tx.QueryRowContext(context.Background(), `SELECT count(*) FROM idempotency_keys WHERE scope = 'hotel.reserve'`).Scan(&keys)
 		fmt.Println("keys stored, before the rollback:", keys)

@@ -14,14 +14,14 @@
 //
 // Its failure tier: in a test, New starts a Run on a database (DB gives the test one of its
 // own; the package's TestMain calls Main): install Run.Intercept as the
-// client's saga.TransportConfig.Intercept, register what the client serves,
+// client's delivery.Config.Intercept, register what the client serves,
 // Start churning its workers, start sagas, and Finish, which waits for
 // them, stops everything and fails the test for every broken invariant:
 //
 //	func TestMyRecovery(t *testing.T) {
 //		db := sagatest.DB(t)
 //		run := sagatest.New(t, db.SQL, sagatest.Faults{Seed: 7, DuplicateRate: 0.3, CrashBeforeCommitRate: 0.1})
-//		client, _ := saga.NewClientFromDB(db.SQL, saga.ClientConfig{Transport: saga.TransportConfig{Intercept: run.Intercept}})
+//		client, _ := saga.NewClientFromDB(db.SQL, saga.ClientConfig{Transport: delivery.Config{Intercept: run.Intercept}})
 //		// client.Register(...), client.AddSteps(...)
 //		run.Start(client, 2)
 //		// ids: the sagas started (client.StartTx)
@@ -31,7 +31,7 @@
 // Underneath are three parts, usable on their own (see Example):
 //
 //   - Injector injects faults into every handler of a transport (install
-//     Injector.Intercept as saga.TransportConfig.Intercept): duplicate
+//     Injector.Intercept as delivery.Config.Intercept): duplicate
 //     deliveries (copies published later, out of order), crashes before
 //     commit (the work is done, then the attempt fails and rolls back),
 //     crashes after commit before the ack (the message is delivered again
@@ -236,8 +236,8 @@ func (i *Injector) Close() error {
 // chance is a uniform number in [0, 1) decided by the seed and the parts.
 func (i *Injector) chance(parts ...string) float64 { return chance(i.cfg.Seed, parts...) }
 
-// Intercept is a saga.TransportConfig.Intercept that injects the faults.
-func (i *Injector) Intercept(handler string, h transport.HandlerFunc) transport.HandlerFunc {
+// Intercept is a delivery.Config.Intercept that injects the faults.
+func (i *Injector) Intercept(handler string, h message.NoPublishHandlerFunc) message.NoPublishHandlerFunc {
 	if i.cfg.Skip != nil && i.cfg.Skip(handler) {
 		return h
 	}

@@ -3,14 +3,16 @@ package sagatest
 import (
 	"context"
 	"database/sql"
+	"io/fs"
 	"log/slog"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
-	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
 )
 
@@ -21,24 +23,45 @@ import (
 // machine's PostgreSQL binaries, else downloaded once) and that later runs
 // share. Every database DB returns holds pgsaga's tables and those of
 // schemas: your application's, from its own migrations.
-func Main(m *testing.M, schemas ...Schema) { testdb.Main(m, schemas...) }
+func Main(m *testing.M, schemas ...Schema) {
+	own := make([]testdb.Schema, len(schemas))
+	for i, s := range schemas {
+		own[i] = testdb.Schema(s)
+	}
+	testdb.Main(m, own...)
+}
 
 // Schema is an application's tables, migrated into every test database
 // besides pgsaga's: its migration files (their content names the template
 // database the test databases are copied from, so a changed migration
 // builds a new one) and the function that applies them.
-type Schema = testdb.Schema
+type Schema struct {
+	// Files are its migrations: the content of every file in it, at any
+	// depth, names the template that holds them, so a change to any
+	// builds a new one.
+	Files fs.FS
+	// Migrate applies them to a database.
+	Migrate func(context.Context, *sql.DB) ([]int64, error)
+}
 
 // Database is a test's database: its name and URL, and a pgx pool with a
 // database/sql handle over it (Pool, SQL).
-type Database = testdb.DB
+type Database struct {
+	// Name of the database.
+	Name string
+	// URL connects to it; give it to subprocesses.
+	URL string
+	// Pool and SQL share one pool, as in production.
+	Pool *pgxpool.Pool
+	SQL  *sql.DB
+}
 
 // DB returns a database of the test's own, with pgsaga's migrations and
 // the schemas given to Main applied, dropped when the test ends. The package's TestMain must call
 // Main.
 func DB(t testing.TB) *Database {
 	t.Helper()
-	return testdb.Fresh(t)
+	return (*Database)(testdb.Fresh(t))
 }
 
 // Run is one failure-recovery run in a test: faults injected into a
@@ -56,7 +79,7 @@ type Run struct {
 
 // New starts a run that injects faults into the deliveries of a client on
 // db. Build the client with Intercept as its transport's
-// (saga.TransportConfig.Intercept), register what it serves, then Start.
+// (delivery.Config.Intercept), register what it serves, then Start.
 func New(t testing.TB, db *sql.DB, faults Faults) *Run {
 	t.Helper()
 	log := slog.New(slog.DiscardHandler)
@@ -70,8 +93,8 @@ func New(t testing.TB, db *sql.DB, faults Faults) *Run {
 }
 
 // Intercept injects the run's faults into a handler: the client's
-// saga.TransportConfig.Intercept.
-func (r *Run) Intercept(handler string, h transport.HandlerFunc) transport.HandlerFunc {
+// delivery.Config.Intercept.
+func (r *Run) Intercept(handler string, h message.NoPublishHandlerFunc) message.NoPublishHandlerFunc {
 	return r.injector.Intercept(handler, h)
 }
 

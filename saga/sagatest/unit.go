@@ -11,6 +11,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/saga/internal/unittier"
 	"github.com/pgsaga/pgsaga/steps"
 )
@@ -56,7 +57,7 @@ func (r StepResult) Failed() bool { return r.Envelope.Outcome == steps.OutcomeFa
 //
 // The client needs the step's event types (ClientConfig.RegisterEvents);
 // it need not be started, nor serve the step.
-func Step[C steps.Message](t testing.TB, client *saga.Client, step steps.Step[C], cmd C, inspect func(tx steps.DBTX) error) StepResult {
+func Step[C steps.Message](t testing.TB, client *saga.Client, step steps.Step[C], cmd C, inspect func(tx delivery.DBTX) error) StepResult {
 	t.Helper()
 	if client == nil {
 		t.Fatalf("sagatest: Step of %s: a nil client", step.Name())
@@ -68,7 +69,7 @@ func Step[C steps.Message](t testing.TB, client *saga.Client, step steps.Step[C]
 		t.Fatalf("sagatest: Step of %s: encoding the command: %v", step.Name(), err)
 	}
 	var res StepResult
-	stepErr, err := unittier.Step(context.Background(), client, step, msg, func(tx steps.DBTX) error {
+	stepErr, err := unittier.Step(context.Background(), client, step, msg, func(tx delivery.DBTX) error {
 		if err := readReply(tx, replyTo, &res); err != nil {
 			return err
 		}
@@ -90,7 +91,7 @@ func Step[C steps.Message](t testing.TB, client *saga.Client, step steps.Step[C]
 // topic has no consumer group: the reply is kept, in the step's
 // transaction, as a dead letter of it, with the dead letter's own entries
 // added to its metadata (dropped here).
-func readReply(tx steps.DBTX, replyTo string, res *StepResult) error {
+func readReply(tx delivery.DBTX, replyTo string, res *StepResult) error {
 	var uuid string
 	var payload, meta []byte
 	err := tx.QueryRowContext(context.Background(),
@@ -165,7 +166,7 @@ func (r TransitionsResult) Last() Transition {
 // another run of it under way, fails the test (say so, at once), as do a
 // reply with no command left to answer, a failure of the kit, of the
 // database or of inspect; the engine's failure is the result's Err.
-func Transitions(t testing.TB, client *saga.Client, name string, trigger steps.Message, inspect func(tx steps.DBTX, t Transition) error,
+func Transitions(t testing.TB, client *saga.Client, name string, trigger steps.Message, inspect func(tx delivery.DBTX, t Transition) error,
 	replies ...Reply) TransitionsResult {
 	t.Helper()
 	if client == nil {
@@ -176,7 +177,7 @@ func Transitions(t testing.TB, client *saga.Client, name string, trigger steps.M
 		rs[i] = r.r
 	}
 	var res TransitionsResult
-	reactionErr, err := unittier.Transitions(context.Background(), client, name, trigger, rs, func(tx steps.DBTX, u unittier.Transition) error {
+	reactionErr, err := unittier.Transitions(context.Background(), client, name, trigger, rs, func(tx delivery.DBTX, u unittier.Transition) error {
 		tr := Transition{Instance: u.Instance.(saga.Instance), Command: u.Command}
 		res.Transitions = append(res.Transitions, tr)
 		if inspect != nil {

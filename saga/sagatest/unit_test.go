@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
 	"github.com/pgsaga/pgsaga/steps"
 )
@@ -61,7 +62,7 @@ func unitClient(t *testing.T) (*saga.Client, *sagatest.Database) {
 	return client, db
 }
 
-func count(t *testing.T, q steps.DBTX, query string) int {
+func count(t *testing.T, q delivery.DBTX, query string) int {
 	t.Helper()
 	var n int
 	require.NoError(t, q.QueryRowContext(context.Background(), query).Scan(&n))
@@ -74,7 +75,7 @@ func TestStepRunsOnceAndLeavesNothing(t *testing.T) {
 	t.Parallel()
 	client, db := unitClient(t)
 	var calls atomic.Int32
-	res := sagatest.Step(t, client, seatStep(&calls), reserveSeat{Seat: "12A"}, func(tx steps.DBTX) error {
+	res := sagatest.Step(t, client, seatStep(&calls), reserveSeat{Seat: "12A"}, func(tx delivery.DBTX) error {
 		assert.Equal(t, 1, count(t, tx, `SELECT count(*) FROM kit_notes WHERE id = 3`), "the step's write, seen in its transaction")
 		assert.Equal(t, 1, count(t, tx, `SELECT count(*) FROM idempotency_keys WHERE scope = 'seats.reserve' AND status = 'completed'`),
 			"the key is stored completed")
@@ -100,7 +101,7 @@ func TestStepReportsABusinessFailure(t *testing.T) {
 	t.Parallel()
 	client, db := unitClient(t)
 	var calls atomic.Int32
-	res := sagatest.Step(t, client, seatStep(&calls), reserveSeat{Seat: "taken"}, func(tx steps.DBTX) error {
+	res := sagatest.Step(t, client, seatStep(&calls), reserveSeat{Seat: "taken"}, func(tx delivery.DBTX) error {
 		assert.Zero(t, count(t, tx, `SELECT count(*) FROM kit_notes`), "a refusal keeps none of the handler's writes")
 		assert.Equal(t, 1, count(t, tx, `SELECT count(*) FROM idempotency_keys WHERE status = 'failed'`), "the key is stored failed")
 		return nil
@@ -118,7 +119,7 @@ func TestStepReportsAnErrorWithoutRetrying(t *testing.T) {
 	client, db := unitClient(t)
 	for seat, permanent := range map[string]bool{"flaky": false, "broken": true} {
 		var calls atomic.Int32
-		res := sagatest.Step(t, client, seatStep(&calls), reserveSeat{Seat: seat}, func(steps.DBTX) error {
+		res := sagatest.Step(t, client, seatStep(&calls), reserveSeat{Seat: seat}, func(delivery.DBTX) error {
 			t.Errorf("%s: inspect called after a failed attempt", seat)
 			return nil
 		})
@@ -183,7 +184,7 @@ func TestTransitionsStartASaga(t *testing.T) {
 	t.Parallel()
 	client, db := tripClient(t)
 	calls := 0
-	res := sagatest.Transitions(t, client, "trip", tripBooked{Trip: "t-1", Seat: "3C"}, func(tx steps.DBTX, tr sagatest.Transition) error {
+	res := sagatest.Transitions(t, client, "trip", tripBooked{Trip: "t-1", Seat: "3C"}, func(tx delivery.DBTX, tr sagatest.Transition) error {
 		calls++
 		assert.Equal(t, 1, count(t, tx, `SELECT count(*) FROM saga_instances`), "the instance, in the transaction")
 		return nil
@@ -331,7 +332,7 @@ func TestTransitionsRefuseASecondRunOfOneKey(t *testing.T) {
 	firstIn, secondDone := make(chan struct{}), make(chan struct{})
 	first := make(chan sagatest.TransitionsResult, 1)
 	go func() {
-		first <- sagatest.Transitions(t, client, "trip", tripBooked{Trip: "t-11", Seat: "3C"}, func(steps.DBTX, sagatest.Transition) error {
+		first <- sagatest.Transitions(t, client, "trip", tripBooked{Trip: "t-11", Seat: "3C"}, func(delivery.DBTX, sagatest.Transition) error {
 			close(firstIn)
 			<-secondDone // holds its transaction while the second runs
 			return nil

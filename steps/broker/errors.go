@@ -4,15 +4,15 @@ import "errors"
 
 // The errors the package returns, for errors.Is.
 var (
-	// ErrInvalidConfig is returned by New, wrapping what is wrong with a
+	// ErrInvalidConfig is returned by saga.NewClient (and the bridge it builds), wrapping what is wrong with a
 	// Config.
 	ErrInvalidConfig = errors.New("broker: invalid config")
 	// ErrRelayCrashed is the reason logged for a relay batch abandoned by
 	// Faults.CrashAfterPublish.
 	ErrRelayCrashed = errors.New("broker: the relay crashed after a publish (fault injected)")
-	// ErrStarted is returned by Start on a bridge that was started.
+	// ErrStarted is returned when a start is asked of a bridge that was started.
 	ErrStarted = errors.New("broker: the bridge was started already")
-	// ErrNoLocalGroup is returned by Start for a bridge that would receive
+	// ErrNoLocalGroup is returned when starting a bridge that would receive
 	// a topic no consumer group of its database reads: what it took from
 	// the broker would be a dead letter here. Start the workers (or
 	// Subscribe the groups) first.

@@ -4,8 +4,8 @@
 //
 // It lives under steps because a step's events are part of its transaction
 // (steps.Tx.Append), yet domains use it directly too (an order is placed
-// outside any step). It knows nothing of sagas. A tx argument (dbtx.DBTX)
-// is pgsaga's one database interface, named steps.DBTX for users: a
+// outside any step). It knows nothing of sagas. A tx argument (delivery.DBTX)
+// is pgsaga's one database interface, named delivery.DBTX for users: a
 // *sql.Tx, *sql.Conn or *sql.DB, or a pgx.Tx wrapped by saga.PgxTx.
 //
 // Appends are optimistic: AppendTx writes versions expected+1… only if the
@@ -37,6 +37,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/dbtx"
 	"github.com/pgsaga/pgsaga/internal/metadata"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // Projection is a handler that keeps a read model (a view table) from the
@@ -51,8 +52,8 @@ type Projection struct {
 	Topic string
 	// Handle applies one event message in tx, the transaction of the append
 	// (inline) or of the message's delivery (asynchronous): writes through
-	// tx commit with it. Its dbtx.DBTX is steps.DBTX.
-	Handle func(ctx context.Context, tx dbtx.DBTX, msg *message.Message) error
+	// tx commit with it. Its delivery.DBTX is delivery.DBTX.
+	Handle func(ctx context.Context, tx delivery.DBTX, msg *message.Message) error
 	// Inline runs Handle in the appending transaction, in every process
 	// that appends to the topic through the client's event store: the view
 	// is current when the append commits, and costs no message, delivery
@@ -184,13 +185,13 @@ type Config struct {
 	// Publisher publishes a stream's events to its topic through the
 	// appending transaction (the outbox), for asynchronous projections and
 	// other consumers. Nil: events are not published.
-	Publisher func(tx dbtx.DBTX) message.Publisher
+	Publisher func(tx delivery.DBTX) message.Publisher
 	// Project runs inline projections: it is given the event messages of
 	// each append (as they would be published) in the appending
 	// transaction, after the insert, so its statements see the new events
 	// and commit or roll back with them. Its error fails the append (the
 	// caller must roll back). Nil: none. Needs Topic.
-	Project func(ctx context.Context, tx dbtx.DBTX, topic string, msgs []*message.Message) error
+	Project func(ctx context.Context, tx delivery.DBTX, topic string, msgs []*message.Message) error
 }
 
 // Store appends and loads events.
@@ -228,7 +229,7 @@ const AnyVersion = -1
 // stream is at version expected (0: the stream must not exist; AnyVersion:
 // after its last event). It returns the recorded events, or a
 // *VersionConflictError and appends nothing.
-func (s *Store) AppendTx(ctx context.Context, tx dbtx.DBTX, stream string, expected int, md Metadata, evs ...Event) ([]Recorded, error) {
+func (s *Store) AppendTx(ctx context.Context, tx delivery.DBTX, stream string, expected int, md Metadata, evs ...Event) ([]Recorded, error) {
 	ids, types, payloads, meta, err := encode(stream, expected, md, evs)
 	if err != nil || len(evs) == 0 {
 		return nil, err
@@ -291,7 +292,7 @@ func (s *Store) AppendTx(ctx context.Context, tx dbtx.DBTX, stream string, expec
 // versions instead of coming back short. A stream whose events are
 // projected or published (Config.Topic names a topic for it) is appended
 // with AppendTx, at once, for the projections' sake.
-func (s *Store) QueueAppendTx(ctx context.Context, tx dbtx.DBTX, stream string, md Metadata, evs ...Event) ([]uuid.UUID, error) {
+func (s *Store) QueueAppendTx(ctx context.Context, tx delivery.DBTX, stream string, md Metadata, evs ...Event) ([]uuid.UUID, error) {
 	if s.cfg.Topic != nil && s.cfg.Topic(stream) != "" && (s.cfg.Publisher != nil || s.cfg.Project != nil) {
 		recs, err := s.AppendTx(ctx, tx, stream, AnyVersion, md, evs...)
 		if err != nil {
@@ -346,7 +347,7 @@ func encode(stream string, expected int, md Metadata, evs []Event) (ids, types, 
 
 // project hands the appended events to the inline projections and the
 // publisher, as messages of the stream's topic.
-func (s *Store) project(ctx context.Context, tx dbtx.DBTX, recorded []Recorded, payloads []string) error {
+func (s *Store) project(ctx context.Context, tx delivery.DBTX, recorded []Recorded, payloads []string) error {
 	if s.cfg.Topic == nil || (s.cfg.Publisher == nil && s.cfg.Project == nil) {
 		return nil
 	}
@@ -406,7 +407,7 @@ func messages(recorded []Recorded, payloads []string) []*message.Message {
 }
 
 // LoadTx reads stream's events in version order, up to version upTo (0: all).
-func (s *Store) LoadTx(ctx context.Context, q dbtx.DBTX, stream string, upTo int) ([]Recorded, error) {
+func (s *Store) LoadTx(ctx context.Context, q delivery.DBTX, stream string, upTo int) ([]Recorded, error) {
 	if upTo <= 0 {
 		upTo = int(^uint32(0) >> 1)
 	}
@@ -441,7 +442,7 @@ func (s *Store) LoadTx(ctx context.Context, q dbtx.DBTX, stream string, upTo int
 }
 
 // VersionTx returns the current version of stream (0 if it has no events).
-func (s *Store) VersionTx(ctx context.Context, q dbtx.DBTX, stream string) (int, error) {
+func (s *Store) VersionTx(ctx context.Context, q delivery.DBTX, stream string) (int, error) {
 	var v int
 	if err := q.QueryRowContext(ctx, versionSQL, stream).Scan(&v); err != nil {
 		return 0, fmt.Errorf("events: reading the version of %s: %w", stream, err)
@@ -451,7 +452,7 @@ func (s *Store) VersionTx(ctx context.Context, q dbtx.DBTX, stream string) (int,
 
 // FoldTx applies stream's events (up to version upTo; 0: all) to agg in
 // order and returns the version reached (0 for an empty stream).
-func (s *Store) FoldTx(ctx context.Context, q dbtx.DBTX, stream string, upTo int, agg Aggregate) (int, error) {
+func (s *Store) FoldTx(ctx context.Context, q delivery.DBTX, stream string, upTo int, agg Aggregate) (int, error) {
 	recs, err := s.LoadTx(ctx, q, stream, upTo)
 	if err != nil {
 		return 0, err

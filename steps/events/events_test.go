@@ -13,7 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
-	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
 
@@ -354,7 +354,7 @@ func publishingStore(t *testing.T, topic func(stream string) string) (*events.St
 	s, err := events.NewStore(events.Config{
 		Registry:  reg,
 		Topic:     topic,
-		Publisher: func(steps.DBTX) message.Publisher { return pub },
+		Publisher: func(delivery.DBTX) message.Publisher { return pub },
 	})
 	require.NoError(t, err)
 	return s, pub

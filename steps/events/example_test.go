@@ -8,6 +8,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
@@ -96,7 +97,7 @@ func ExampleStore_QueueAppendTx() {
 	}
 	stream := "account-" + uuid.NewString()
 
-	err = steps.InTx(ctx, db, func(tx steps.DBTX) error {
+	err = steps.InTx(ctx, db, func(tx delivery.DBTX) error {
 		// Every writer of the stream takes this lock first (the sample's
 		// ledger locks the account's row).
 		if _, err := tx.ExecContext(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, stream); err != nil {

@@ -12,7 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
-	"github.com/pgsaga/pgsaga/steps"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
 
@@ -32,7 +32,7 @@ func TestProjectRunsInTheAppendingTransaction(t *testing.T) {
 	s, err := events.NewStore(events.Config{
 		Registry: reg,
 		Topic:    func(stream string) string { return "topic-of-" + stream[:4] },
-		Project: func(ctx context.Context, tx steps.DBTX, topic string, msgs []*message.Message) error {
+		Project: func(ctx context.Context, tx delivery.DBTX, topic string, msgs []*message.Message) error {
 			topics = append(topics, topic)
 			for _, m := range msgs {
 				// The events are visible to the projection's statements.
@@ -83,7 +83,7 @@ func TestProjectFailureFailsTheAppend(t *testing.T) {
 	s, err := events.NewStore(events.Config{
 		Registry: reg,
 		Topic:    func(string) string { return "t" },
-		Project:  func(context.Context, steps.DBTX, string, []*message.Message) error { return boom },
+		Project:  func(context.Context, delivery.DBTX, string, []*message.Message) error { return boom },
 	})
 	require.NoError(t, err)
 	stream := "acct-" + uuid.NewString()
@@ -96,6 +96,6 @@ func TestProjectFailureFailsTheAppend(t *testing.T) {
 	require.NoError(t, err)
 	assert.Zero(t, v)
 
-	_, err = events.NewStore(events.Config{Registry: reg, Project: func(context.Context, steps.DBTX, string, []*message.Message) error { return nil }})
+	_, err = events.NewStore(events.Config{Registry: reg, Project: func(context.Context, delivery.DBTX, string, []*message.Message) error { return nil }})
 	require.ErrorContains(t, err, "Topic")
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
@@ -25,13 +26,13 @@ func TestQueueAppendGoesWithTheCommit(t *testing.T) {
 	db, trips := testdb.RoundTrips(t, shared)
 	ctx := context.Background()
 	stream := "acct-" + uuid.NewString()
-	require.NoError(t, steps.InTx(ctx, db.SQL, func(tx steps.DBTX) error {
+	require.NoError(t, steps.InTx(ctx, db.SQL, func(tx delivery.DBTX) error {
 		_, err := s.QueueAppendTx(ctx, tx, stream, events.Metadata{}, opened{Owner: "a"}) // prepares its statement: a round trip of its own
 		return err
 	}))
 	var ids []uuid.UUID
 	trips.Store(0)
-	require.NoError(t, steps.InTx(ctx, db.SQL, func(tx steps.DBTX) error {
+	require.NoError(t, steps.InTx(ctx, db.SQL, func(tx delivery.DBTX) error {
 		first, err := s.QueueAppendTx(ctx, tx, stream, events.Metadata{CorrelationID: "c"}, deposited{Cents: 5}, deposited{Cents: 7})
 		if err != nil {
 			return err
@@ -67,7 +68,7 @@ func TestQueueAppendFailsOnARacingAppend(t *testing.T) {
 	stream := "acct-" + uuid.NewString()
 
 	err := afterARacingAppend(t, s, db, stream, func() error {
-		return steps.InTx(ctx, db.SQL, func(tx steps.DBTX) error {
+		return steps.InTx(ctx, db.SQL, func(tx delivery.DBTX) error {
 			_, err := s.QueueAppendTx(ctx, tx, stream, events.Metadata{}, opened{Owner: "second"})
 			return err
 		})
@@ -98,7 +99,7 @@ func TestQueueAppendOfAPublishedStreamPublishes(t *testing.T) {
 	stream := "acct-" + uuid.NewString()
 	var ids []uuid.UUID
 	var err error
-	require.NoError(t, steps.InTx(ctx, db.SQL, func(tx steps.DBTX) error {
+	require.NoError(t, steps.InTx(ctx, db.SQL, func(tx delivery.DBTX) error {
 		ids, err = s.QueueAppendTx(ctx, tx, stream, events.Metadata{}, opened{Owner: "o"})
 		return err
 	}))
@@ -107,7 +108,7 @@ func TestQueueAppendOfAPublishedStreamPublishes(t *testing.T) {
 	assert.Equal(t, "1", pub.msgs[0].Metadata.Get(events.MetaVersion))
 
 	other := "user-" + uuid.NewString()
-	require.NoError(t, steps.InTx(ctx, db.SQL, func(tx steps.DBTX) error {
+	require.NoError(t, steps.InTx(ctx, db.SQL, func(tx delivery.DBTX) error {
 		_, err = s.QueueAppendTx(ctx, tx, other, events.Metadata{}, opened{Owner: "o"})
 		return err
 	}))

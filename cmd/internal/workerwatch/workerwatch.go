@@ -105,7 +105,7 @@ func StopAll(workers []*saga.Worker, log *slog.Logger) {
 type Service struct {
 	Name      string // says which service failed to start
 	NewWorker func() (*saga.Worker, error)
-	Bridge    *broker.Bridge
+	Bridge    broker.Bridge
 }
 
 // Sample is the order-payment sample's services: the orders service, and
@@ -124,7 +124,7 @@ func Sample(app *orderpayment.App, pay *orderpayment.PaymentService) []Service {
 // their bridges. Stop it with Stop.
 type Fleet struct {
 	Workers []*saga.Worker
-	bridges []*broker.Bridge
+	bridges []broker.Bridge
 }
 
 // StartFleet starts n workers of each service, in order, then each

@@ -9,6 +9,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 )
 
@@ -28,7 +29,7 @@ type Transition struct {
 // Step runs step (a steps.AnyStep) once for msg through client's step
 // runtime, in a transaction it rolls back once inspect has seen it. The
 // step's failure is stepErr; anything else that stopped it is err.
-var Step func(ctx context.Context, client any, step any, msg *message.Message, inspect func(tx steps.DBTX) error) (stepErr, err error)
+var Step func(ctx context.Context, client any, step any, msg *message.Message, inspect func(tx delivery.DBTX) error) (stepErr, err error)
 
 // Transitions starts saga name from trigger, then answers its command in
 // flight with each of replies in turn, in one transaction of client's that
@@ -38,4 +39,4 @@ var Step func(ctx context.Context, client any, step any, msg *message.Message, i
 // with no command to answer, a saga of that key existing or being run
 // already) is err.
 var Transitions func(ctx context.Context, client any, name string, trigger steps.Message, replies []Reply,
-	observe func(tx steps.DBTX, t Transition) error) (reactionErr, err error)
+	observe func(tx delivery.DBTX, t Transition) error) (reactionErr, err error)

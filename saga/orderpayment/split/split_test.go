@@ -155,7 +155,7 @@ func (s *split) startBridges() {
 	s.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	for _, b := range []*broker.Bridge{s.pay.Client.Bridge(), s.app.Client.Bridge()} {
+	for _, b := range []broker.Bridge{s.pay.Client.Bridge(), s.app.Client.Bridge()} {
 		require.NoError(s.t, b.Start(ctx))
 		s.t.Cleanup(func() { _ = b.Stop() })
 	}

@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgsaga/pgsaga/internal/bridge"
 	"github.com/pgsaga/pgsaga/internal/metadata"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/transport"
@@ -108,14 +109,17 @@ func TestRelayAndReceiveThroughKafka(t *testing.T) {
 	trIn, err := transport.New(transport.Config{DB: in.SQL, Logger: quiet, IdlePollInterval: testdb.NoSafetyPoll})
 	require.NoError(t, err)
 	require.NoError(t, trIn.Subscribe(ctx, transport.Subscription{Topic: topic, ConsumerGroup: "local"}))
-	for _, cfg := range []broker.Config{
-		{Transport: trOut, Broker: br, Relay: []string{topic}, Logger: quiet},
-		{Transport: trIn, Broker: br, Receive: []string{topic}, Group: "g" + hex.EncodeToString(b), Consumers: 1, Logger: quiet},
+	for _, side := range []struct {
+		tr  *transport.Transport
+		cfg broker.Config
+	}{
+		{trOut, broker.Config{Broker: br, Relay: []string{topic}, Logger: quiet}},
+		{trIn, broker.Config{Broker: br, Receive: []string{topic}, Group: "g" + hex.EncodeToString(b), Consumers: 1, Logger: quiet}},
 	} {
-		bridge, err := broker.New(cfg)
+		bg, err := bridge.New(side.tr, side.cfg)
 		require.NoError(t, err)
-		require.NoError(t, bridge.Start(ctx))
-		t.Cleanup(func() { _ = bridge.Stop() })
+		require.NoError(t, bg.Start(ctx))
+		t.Cleanup(func() { _ = bg.Stop() })
 	}
 	var ids []string
 	for i := range 20 {

@@ -1,6 +1,10 @@
 package natsjs
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/pgsaga/pgsaga/internal/brokers/brokerurl"
+)
 
 // The errors the package returns, for errors.Is.
 var (
@@ -11,4 +15,8 @@ var (
 	// ErrHeadersTooLarge is returned for a message whose metadata
 	// JetStream would not store (over MaxHeaderBytes); it is permanent.
 	ErrHeadersTooLarge = errors.New("natsjs: the message's headers are larger than JetStream takes")
+	// ErrInvalidURL is returned when Config.URL cannot be parsed, or holds
+	// a password outside its userinfo; the error's text holds no part of
+	// the URL.
+	ErrInvalidURL = brokerurl.ErrUnparseable
 )

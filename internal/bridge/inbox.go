@@ -1,4 +1,4 @@
-package broker
+package bridge
 
 import (
 	"context"
@@ -11,11 +11,11 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/internal/transport"
+	"github.com/pgsaga/pgsaga/steps/broker"
 )
 
-// ReceiveHandler names the bridge's receiving side in the dead letters it
+// transport.ReceiveHandler names the bridge's receiving side in the dead letters it
 // leaves; they cannot be replayed (pgsaga dead-letters replay refuses them).
-const ReceiveHandler = transport.ReceiveHandler
 
 // startInbox subscribes Consumers consumers to each received topic.
 func (b *Bridge) startInbox(ctx context.Context) error {
@@ -78,7 +78,7 @@ func (b *Bridge) deadLetterReceived(topic string, msg *message.Message, reason s
 	defer cancel()
 	in := message.NewMessage(msg.UUID, msg.Payload)
 	in.Metadata = msg.Metadata
-	return b.t.StoreDeadLetter(ctx, topic, b.cfg.Group, ReceiveHandler, in, "received from the broker but cannot be queued: "+reason)
+	return b.t.StoreDeadLetter(ctx, topic, b.cfg.Group, transport.ReceiveHandler, in, "received from the broker but cannot be queued: "+reason)
 }
 
 // receive queues msg, received from the broker on topic, for this
@@ -101,7 +101,7 @@ func (b *Bridge) receive(topic string, msg *message.Message) {
 	in.SetContext(msg.Context())
 	log := b.log.With("topic", topic, "message_uuid", transport.Storable(msg.UUID))
 
-	reason := Malformed(msg)
+	reason := broker.Malformed(msg)
 	if reason == "" {
 		reason = unqueueable(in)
 	}
@@ -121,7 +121,7 @@ func (b *Bridge) receive(topic string, msg *message.Message) {
 		return
 	case reason != "":
 		reason = "received from the broker but cannot be queued: " + reason
-		if err := b.t.StoreDeadLetter(ctx, topic, b.cfg.Group, ReceiveHandler, in, reason); err != nil {
+		if err := b.t.StoreDeadLetter(ctx, topic, b.cfg.Group, transport.ReceiveHandler, in, reason); err != nil {
 			log.Warn("could not dead-letter a message from the broker; it will be delivered again", "reason", reason, "err", err)
 			b.handedBack.Add(1)
 			b.t.Metrics().ReceiveFailed(topic)

@@ -1,4 +1,8 @@
-package broker
+// Package bridge runs a client's bridge to a message broker
+// (steps/broker.Config): it relays the outbox of a database to the broker
+// and queues what it receives from it. saga.Client builds one from
+// ClientConfig.Broker; pgsaga's relay command builds its own.
+package bridge
 
 import (
 	"context"
@@ -13,68 +17,28 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/pgsaga/pgsaga/internal/transport"
+	"github.com/pgsaga/pgsaga/steps/broker"
 )
 
-// Defaults of Config.
-const (
-	GroupDefault     = "pgsaga"
-	ConsumersDefault = 2
-	BatchSizeDefault = 100
-)
-
-// Config configures a Bridge. Zero values take the defaults.
-type Config struct {
-	// Transport is the database's transport: its outbox is relayed, its
-	// queues take what is received. A saga.Client fills it in
-	// (ClientConfig.Broker), which is how a bridge is run; it is set here
-	// only inside this module (pgsaga's relay command).
-	Transport *transport.Transport
-	// Broker is the message broker. Required. The bridge does not close
-	// it.
-	Broker Broker
-	// Relay lists the topics relayed from this database to the broker.
-	Relay []string
-	// Receive lists the topics taken in from the broker into this
-	// database, for the consumer groups that read them here (a step's, the
-	// saga engine's). A topic cannot be both relayed and received by one
-	// database: it would go round in circles.
-	Receive []string
-	// Group names this database's consumer group at the broker, for the
-	// received topics. Every service (every database) that receives a
-	// topic needs a group of its own; processes of one service share
-	// theirs. Default: GroupDefault.
-	Group string
-	// Consumers is how many consumers of each received topic this process
-	// runs, each queuing one message at a time. Default: ConsumersDefault.
-	Consumers int
-	// BatchSize is how many messages of a topic the relay takes from the
-	// queue per transaction. Default: BatchSizeDefault.
-	BatchSize int
-	// Faults inject failures, for tests. Default: none.
-	Faults Faults
-	// Logger. Default: the transport's.
-	Logger *slog.Logger
-}
-
-func (c *Config) setDefaults() {
+func setDefaults(c *broker.Config, tr *transport.Transport) {
 	if c.Group == "" {
-		c.Group = GroupDefault
+		c.Group = broker.GroupDefault
 	}
 	if c.Consumers == 0 {
-		c.Consumers = ConsumersDefault
+		c.Consumers = broker.ConsumersDefault
 	}
 	if c.BatchSize == 0 {
-		c.BatchSize = BatchSizeDefault
+		c.BatchSize = broker.BatchSizeDefault
 	}
-	if c.Logger == nil && c.Transport != nil {
-		c.Logger = c.Transport.Config().Logger
+	if c.Logger == nil && tr != nil {
+		c.Logger = tr.Config().Logger
 	}
 }
 
-func (c Config) validate() error {
+func validate(c broker.Config, tr *transport.Transport) error {
 	var errs []error
-	if c.Transport == nil {
-		errs = append(errs, errors.New("Transport is required"))
+	if tr == nil {
+		errs = append(errs, errors.New("a transport is required"))
 	}
 	if c.Broker == nil {
 		errs = append(errs, errors.New("Broker is required"))
@@ -106,19 +70,19 @@ func (c Config) validate() error {
 	if c.BatchSize < 1 {
 		errs = append(errs, fmt.Errorf("BatchSize must be at least 1, got %d", c.BatchSize))
 	}
-	if c.Transport != nil && c.Broker != nil {
-		tc := c.Transport.Config()
+	if tr != nil && c.Broker != nil {
+		tc := tr.Config()
 		if bound := publishBound(c.Broker, tc); len(c.Relay) > 0 && relayWindow(tc) < bound {
 			errs = append(errs, fmt.Errorf("a publish may take %s (the broker's bound), more than a relay batch's transaction leaves it (%s of the transport's MaxTransactionDuration %s): lower the broker's publish timeout or raise the transport's AttemptTimeout",
 				bound, relayWindow(tc), tc.MaxTransactionDuration()))
 		}
-		if w, ok := c.Broker.(AckWaiter); ok && len(c.Receive) > 0 && receiveBound(tc) >= w.AckWait() {
+		if w, ok := c.Broker.(broker.AckWaiter); ok && len(c.Receive) > 0 && receiveBound(tc) >= w.AckWait() {
 			errs = append(errs, fmt.Errorf("queuing a received message may take %s (twice the transport's StatementTimeout), as long as the broker waits for its acknowledgement (%s): raise the broker's ack wait or lower the StatementTimeout",
 				receiveBound(tc), w.AckWait()))
 		}
 	}
 	if err := errors.Join(errs...); err != nil {
-		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+		return fmt.Errorf("%w: %w", broker.ErrInvalidConfig, err)
 	}
 	return nil
 }
@@ -128,7 +92,7 @@ func (c Config) validate() error {
 // Stop stops it. A saga.Client runs one with its worker when its config
 // names a broker.
 type Bridge struct {
-	cfg Config
+	cfg broker.Config
 	t   *transport.Transport
 	log *slog.Logger
 
@@ -143,32 +107,23 @@ type Bridge struct {
 	relayed, received, deadLettered, handedBack atomic.Int64
 }
 
-// Stats counts what a bridge did since it was built.
-type Stats struct {
-	// Relayed counts the messages the broker took from the relay (in
-	// batches that committed); Received those queued from the broker (a
-	// redelivery counts again); DeadLettered those either side
-	// dead-lettered; HandedBack those received that the database did not
-	// take then, handed back to the broker for redelivery.
-	Relayed, Received, DeadLettered, HandedBack int64
-}
-
 // Stats returns what the bridge did so far.
-func (b *Bridge) Stats() Stats {
-	return Stats{Relayed: b.relayed.Load(), Received: b.received.Load(), DeadLettered: b.deadLettered.Load(), HandedBack: b.handedBack.Load()}
+func (b *Bridge) Stats() broker.Stats {
+	return broker.Stats{Relayed: b.relayed.Load(), Received: b.received.Load(), DeadLettered: b.deadLettered.Load(), HandedBack: b.handedBack.Load()}
 }
 
-// New validates cfg and returns a Bridge. It connects to nothing.
-func New(cfg Config) (*Bridge, error) {
-	cfg.setDefaults()
-	if err := cfg.validate(); err != nil {
+// New validates cfg and returns a Bridge between tr's database and
+// cfg.Broker. It connects to nothing.
+func New(tr *transport.Transport, cfg broker.Config) (*Bridge, error) {
+	setDefaults(&cfg, tr)
+	if err := validate(cfg, tr); err != nil {
 		return nil, err
 	}
-	return &Bridge{cfg: cfg, t: cfg.Transport, log: cfg.Logger.With("component", "broker")}, nil
+	return &Bridge{cfg: cfg, t: tr, log: cfg.Logger.With("component", "broker")}, nil
 }
 
 // Config returns the configuration with defaults filled in.
-func (b *Bridge) Config() Config { return b.cfg }
+func (b *Bridge) Config() broker.Config { return b.cfg }
 
 // Setup records the relay's consumer group of each relayed topic, so that
 // every message published to one from now on is queued for the relay
@@ -196,7 +151,7 @@ func (b *Bridge) Start(ctx context.Context) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.started {
-		return ErrStarted
+		return broker.ErrStarted
 	}
 	if err := b.Setup(ctx); err != nil {
 		return err
@@ -229,7 +184,7 @@ func (b *Bridge) Start(ctx context.Context) error {
 	return nil
 }
 
-// checkLocalGroups fails with ErrNoLocalGroup when a received topic has no
+// checkLocalGroups fails with broker.ErrNoLocalGroup when a received topic has no
 // consumer group here but the relay's.
 func (b *Bridge) checkLocalGroups(ctx context.Context) error {
 	for _, topic := range b.cfg.Receive {
@@ -238,7 +193,7 @@ func (b *Bridge) checkLocalGroups(ctx context.Context) error {
 			return fmt.Errorf("broker: %w", err)
 		}
 		if !slices.ContainsFunc(groups, func(g string) bool { return g != transport.RelayGroup }) {
-			return fmt.Errorf("%w: %s (start the workers that read it before the bridge)", ErrNoLocalGroup, topic)
+			return fmt.Errorf("%w: %s (start the workers that read it before the bridge)", broker.ErrNoLocalGroup, topic)
 		}
 	}
 	return nil
@@ -307,8 +262,8 @@ func (b *Bridge) heartbeat(ctx context.Context) {
 }
 
 // publishBound is how long one publish of br may take.
-func publishBound(br Broker, tc transport.Config) time.Duration {
-	if b, ok := br.(PublishBound); ok {
+func publishBound(br broker.Broker, tc transport.Config) time.Duration {
+	if b, ok := br.(broker.PublishBound); ok {
 		return b.MaxPublishDuration()
 	}
 	return tc.AttemptTimeout

@@ -1,4 +1,4 @@
-package broker_test
+package bridge_test
 
 import (
 	"context"
@@ -15,9 +15,11 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgsaga/pgsaga/internal/bridge"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testnats"
 	"github.com/pgsaga/pgsaga/internal/transport"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/broker/natsjs"
 )
@@ -118,7 +120,7 @@ func TestReceiveDeadLettersWhatCannotBeQueued(t *testing.T) {
 	for rows.Next() {
 		var payload, handler, grp, reason string
 		require.NoError(t, rows.Scan(&payload, &handler, &grp, &reason))
-		assert.Equal(t, broker.ReceiveHandler, handler)
+		assert.Equal(t, delivery.ReceiveHandler, handler)
 		assert.Equal(t, group, grp)
 		assert.Contains(t, reason, "received from the broker but cannot be queued", payload)
 	}
@@ -179,18 +181,21 @@ CREATE TRIGGER refuse BEFORE INSERT ON pgsaga_queue FOR EACH ROW EXECUTE FUNCTIO
 func TestBridgeConfig(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, testnats.URL(t), testdb.Shared(t))
-	for name, cfg := range map[string]broker.Config{
-		"nothing":          {Transport: f.tr, Broker: f.br},
-		"no transport":     {Broker: f.br, Relay: []string{"a"}},
-		"no broker":        {Transport: f.tr, Relay: []string{"a"}},
-		"bad topic":        {Transport: f.tr, Broker: f.br, Relay: []string{"a b"}},
-		"twice":            {Transport: f.tr, Broker: f.br, Relay: []string{"a", "a"}},
-		"round in circles": {Transport: f.tr, Broker: f.br, Relay: []string{"a"}, Receive: []string{"a"}},
-		"bad group":        {Transport: f.tr, Broker: f.br, Receive: []string{"a"}, Group: "a group"},
-		"consumers":        {Transport: f.tr, Broker: f.br, Receive: []string{"a"}, Consumers: -1},
-		"slow broker":      {Transport: f.tr, Broker: bounded{f.br, time.Hour}, Relay: []string{"a"}},
+	for name, tc := range map[string]struct {
+		tr  *transport.Transport
+		cfg broker.Config
+	}{
+		"nothing":          {f.tr, broker.Config{Broker: f.br}},
+		"no transport":     {nil, broker.Config{Broker: f.br, Relay: []string{"a"}}},
+		"no broker":        {f.tr, broker.Config{Relay: []string{"a"}}},
+		"bad topic":        {f.tr, broker.Config{Broker: f.br, Relay: []string{"a b"}}},
+		"twice":            {f.tr, broker.Config{Broker: f.br, Relay: []string{"a", "a"}}},
+		"round in circles": {f.tr, broker.Config{Broker: f.br, Relay: []string{"a"}, Receive: []string{"a"}}},
+		"bad group":        {f.tr, broker.Config{Broker: f.br, Receive: []string{"a"}, Group: "a group"}},
+		"consumers":        {f.tr, broker.Config{Broker: f.br, Receive: []string{"a"}, Consumers: -1}},
+		"slow broker":      {f.tr, broker.Config{Broker: bounded{f.br, time.Hour}, Relay: []string{"a"}}},
 	} {
-		_, err := broker.New(cfg)
+		_, err := bridge.New(tc.tr, tc.cfg)
 		assert.ErrorIs(t, err, broker.ErrInvalidConfig, name)
 	}
 }
@@ -214,8 +219,8 @@ func TestReceiveStopsWithABacklog(t *testing.T) {
 	c := newCollector()
 	f.consume(f.topic, "local", c)
 	group := "g" + randomID()
-	cfg := broker.Config{Transport: f.tr, Broker: f.br, Receive: []string{f.topic}, Group: group, Logger: testLogger()}
-	first, err := broker.New(cfg)
+	cfg := broker.Config{Broker: f.br, Receive: []string{f.topic}, Group: group, Logger: testLogger()}
+	first, err := bridge.New(f.tr, cfg)
 	require.NoError(t, err)
 	require.NoError(t, first.Start(ctx))
 	require.Eventually(t, func() bool { return first.Stats().Received >= 10 }, time.Minute, time.Millisecond)
@@ -404,7 +409,7 @@ CREATE TRIGGER slow_insert BEFORE INSERT ON pgsaga_queue FOR EACH ROW WHEN (NEW.
 	ctx := context.Background()
 	require.NoError(t, tr.Subscribe(ctx, transport.Subscription{Topic: f.topic, ConsumerGroup: "local"}))
 	group := "g" + randomID()
-	b := f.bridge(broker.Config{Transport: tr, Broker: br, Receive: []string{f.topic}, Group: group, Consumers: 1})
+	b := f.bridgeOn(tr, broker.Config{Broker: br, Receive: []string{f.topic}, Group: group, Consumers: 1})
 	const n = 10
 	for range n {
 		require.NoError(t, br.Publish(ctx, f.topic, message.NewMessage(uuid.NewString(), []byte(`{}`))))
@@ -439,7 +444,7 @@ func TestBridgeRefusesToReceiveWhatNoGroupReads(t *testing.T) {
 	ctx := context.Background()
 	// The relay's own group does not count.
 	require.NoError(t, f.tr.Subscribe(ctx, transport.Subscription{Topic: f.topic, ConsumerGroup: transport.RelayGroup}))
-	b, err := broker.New(broker.Config{Transport: f.tr, Broker: f.br, Receive: []string{f.topic}, Group: "g" + randomID(), Logger: testLogger()})
+	b, err := bridge.New(f.tr, broker.Config{Broker: f.br, Receive: []string{f.topic}, Group: "g" + randomID(), Logger: testLogger()})
 	require.NoError(t, err)
 	err = b.Start(ctx)
 	require.ErrorIs(t, err, broker.ErrNoLocalGroup)

@@ -1,4 +1,4 @@
-package broker_test
+package bridge_test
 
 import (
 	"context"
@@ -15,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgsaga/pgsaga/internal/bridge"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testnats"
 	"github.com/pgsaga/pgsaga/internal/testout"
@@ -79,16 +80,19 @@ func newFixture(t testing.TB, url string, db *testdb.DB) *fixture {
 }
 
 // bridge starts a bridge over the fixture's transport and broker.
-func (f *fixture) bridge(cfg broker.Config) *broker.Bridge {
+func (f *fixture) bridge(cfg broker.Config) *bridge.Bridge {
 	f.t.Helper()
-	if cfg.Transport == nil {
-		cfg.Transport = f.tr
-	}
+	return f.bridgeOn(f.tr, cfg)
+}
+
+// bridgeOn starts a bridge over tr and the fixture's broker.
+func (f *fixture) bridgeOn(tr *transport.Transport, cfg broker.Config) *bridge.Bridge {
+	f.t.Helper()
 	if cfg.Broker == nil {
 		cfg.Broker = f.br
 	}
 	cfg.Logger = testLogger()
-	b, err := broker.New(cfg)
+	b, err := bridge.New(tr, cfg)
 	require.NoError(f.t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

@@ -1,4 +1,4 @@
-package broker
+package bridge
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/pgsaga/pgsaga/internal/transport"
+	"github.com/pgsaga/pgsaga/steps/broker"
 )
 
 // heldRecheck is how soon a relay looks again while another holds its
@@ -139,7 +140,7 @@ func (r *relay) batch(ctx context.Context) (more bool, err error) {
 			break
 		}
 		if f := r.b.cfg.Faults; f != nil && f.CrashAfterPublish(r.topic, msg) {
-			return false, ErrRelayCrashed
+			return false, broker.ErrRelayCrashed
 		}
 		b.Relayed(i)
 		relayed++

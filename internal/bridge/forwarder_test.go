@@ -1,4 +1,4 @@
-package broker_test
+package bridge_test
 
 import (
 	"context"
