@@ -82,7 +82,7 @@ type Run struct {
 // (delivery.Config.Intercept), register what it serves, then Start.
 func New(t testing.TB, db *sql.DB, faults Faults) *Run {
 	t.Helper()
-	log := slog.New(slog.DiscardHandler)
+	log := Logger(t)
 	inj, err := NewInjector(db, faults, log)
 	if err != nil {
 		t.Fatalf("sagatest: %v", err)

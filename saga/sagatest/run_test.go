@@ -32,7 +32,7 @@ func runSaga(t *testing.T, db *sql.DB, run *sagatest.Run) (*saga.Client, *saga.D
 	table := "visits_" + uuid.NewString()[:8]
 	_, err := db.Exec(`CREATE TABLE ` + table + ` (guest text NOT NULL)`)
 	require.NoError(t, err)
-	client, err := saga.NewClientFromDB(db, saga.ClientConfig{Logger: quiet,
+	client, err := saga.NewClientFromDB(db, saga.ClientConfig{Logger: sagatest.Logger(t),
 		Transport: transport.Config{Intercept: run.Intercept, IdlePollInterval: testdb.NoSafetyPoll}})
 	require.NoError(t, err)
 	mark := steps.Define("kit.mark", "kit.mark", func(ctx context.Context, tx *steps.Tx, v visit) (steps.Message, error) {
