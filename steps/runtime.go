@@ -438,7 +438,7 @@ func (rt *runtime) handler(s core) transport.HandlerFunc {
 				return transport.Instead(rt.recordFailure(s, keys, refusal, start), refusal)
 			}
 		}
-		reply, err := s.handle(ctx, &Tx{DBTX: ttx, rt: rt, step: s, env: env, key: key}, msg)
+		reply, err := s.handle(ctx, &Tx{DBTX: ttx, rt: rt, step: s, env: env, key: key, payload: msg.Payload}, msg)
 		switch {
 		case errors.As(err, &biz):
 			// The attempt, the handler's writes and the claim with it, is
@@ -678,6 +678,8 @@ type Tx struct {
 	env  Envelope
 	key  string
 	sent int
+	// payload is the command's, whose fingerprint a Call's record keeps.
+	payload []byte
 }
 
 // Command returns the envelope of the command being handled.

@@ -105,6 +105,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/steps"
 	"github.com/pgsaga/pgsaga/steps/events"
 )
@@ -180,6 +181,7 @@ import (
 	"testing/fstest"
 
 	"github.com/pgsaga/pgsaga/saga"
+	"github.com/pgsaga/pgsaga/saga/delivery"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
 	"github.com/pgsaga/pgsaga/steps"
 )
@@ -191,7 +193,7 @@ func TestMain(m *testing.M) {
 func TestCharge(t *testing.T) {
 	db := sagatest.DB(t)
 	run := sagatest.New(t, db.SQL, sagatest.Faults{Seed: 1})
-	client, err := saga.NewClientFromDB(db.SQL, saga.ClientConfig{Transport: delivery.Config{Intercept: run.Intercept}})
+	client, err := saga.NewClientFromDB(db.SQL, saga.ClientConfig{Transport: delivery.Config{Intercept: run.Intercept}, Logger: sagatest.Logger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
