@@ -149,6 +149,10 @@ type Filter struct {
 	UpdatedBefore time.Time
 	// Limit of instances returned. Default: 100.
 	Limit int
+	// After, if set, lists (List only) the instances that come after it
+	// in List's order, least recently updated first, then by id: give the
+	// last instance of the previous page to read the next.
+	After *Instance
 }
 
 // List is Client.List.
@@ -162,7 +166,11 @@ func list(ctx context.Context, db *sql.DB, f Filter, public func(*instance) Inst
 	if f.Limit <= 0 {
 		f.Limit = 100
 	}
-	rows, err := db.QueryContext(ctx, listSQL, append(selectArgs(f), f.Limit)...)
+	var afterAt, afterID any // NULL: from the first
+	if f.After != nil {
+		afterAt, afterID = f.After.UpdatedAt, f.After.ID
+	}
+	rows, err := db.QueryContext(ctx, listSQL, append(selectArgs(f), f.Limit, afterAt, afterID)...)
 	if err != nil {
 		return nil, fmt.Errorf("saga: listing instances: %w", err)
 	}

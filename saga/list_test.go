@@ -2,9 +2,11 @@ package saga_test
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 
+	"github.com/google/uuid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -35,4 +37,43 @@ func TestListReadsASizeAndAPreviewNotTheData(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, want, string(in.Data))
 	assert.Equal(t, len(want), in.DataBytes)
+}
+
+// Pages of a listing (Filter.After: the last of the previous page) read
+// every instance once, in List's order, even when all were updated at
+// the same moment (then by id).
+func TestListPagesThroughEveryInstanceOnce(t *testing.T) {
+	t.Parallel()
+	c, def, db := newSignupClient(t)
+	startRunning(t, c)
+	for i := range 5 {
+		signUp(t, c, def, fmt.Sprintf("page%d@example.com", i), true)
+	}
+	for i := range 5 {
+		waitFinished(t, c, def, fmt.Sprintf("page%d@example.com", i))
+	}
+	_, err := db.SQL.Exec(`UPDATE saga_instances SET updated_at = now()`)
+	require.NoError(t, err)
+	all, err := c.List(context.Background(), saga.Filter{})
+	require.NoError(t, err)
+	require.Len(t, all, 5)
+
+	var paged []uuid.UUID
+	f := saga.Filter{Limit: 2}
+	for range 4 {
+		page, err := c.List(context.Background(), f)
+		require.NoError(t, err)
+		for _, in := range page {
+			paged = append(paged, in.ID)
+		}
+		if len(page) < f.Limit {
+			break
+		}
+		f.After = &page[len(page)-1]
+	}
+	want := make([]uuid.UUID, len(all))
+	for i, in := range all {
+		want[i] = in.ID
+	}
+	assert.Equal(t, want, paged, "every instance once, in order")
 }

@@ -190,6 +190,7 @@ FROM saga_history WHERE saga_id = $1 ORDER BY seq`
     coalesce((SELECT h.step FROM saga_history h WHERE h.saga_id = saga_instances.id AND h.step IS NOT NULL ORDER BY h.seq DESC LIMIT 1), ''),
     octet_length(data::text), left(data::text, 200)
 ` + selectedSQL + `
+  AND ($6::timestamptz IS NULL OR (updated_at, id) > ($6::timestamptz, $7::uuid))
 ORDER BY updated_at, id
 LIMIT $5`
 

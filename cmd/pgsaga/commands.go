@@ -2,12 +2,11 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"runtime/debug"
-	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -16,6 +15,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/pgserver"
+	"github.com/pgsaga/pgsaga/internal/present"
 	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/migrations"
@@ -69,15 +69,6 @@ func toJSON(in saga.Instance, now time.Time) sagaJSON {
 	return out
 }
 
-// dbNow is the database's clock when in was read, which set its times
-// (the local clock for an instance read without it).
-func dbNow(in saga.Instance) time.Time {
-	if in.ReadAt.IsZero() {
-		return time.Now()
-	}
-	return in.ReadAt
-}
-
 func round(f float64) float64 { return float64(int64(f*1000+0.5)) / 1000 }
 
 // writeJSON writes v as indented JSON: the values exactly, the characters
@@ -93,8 +84,6 @@ func writeJSON(w io.Writer, v any) error {
 	return err
 }
 
-var statuses = []saga.Status{saga.StatusRunning, saga.StatusCompensating, saga.StatusCompleted, saga.StatusCompensated, saga.StatusFailed}
-
 func sagasCmd() *cobra.Command {
 	var (
 		status    []string
@@ -108,7 +97,7 @@ func sagasCmd() *cobra.Command {
 		Short: "List saga instances: status, current step, age, attempts (least recently updated first)",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			f, err := sagaFilter(status, name, olderThan, limit)
+			f, err := present.SagaFilter(status, name, olderThan, limit)
 			if err != nil {
 				return usagef("--%v", err)
 			}
@@ -120,15 +109,15 @@ func sagasCmd() *cobra.Command {
 				if asJSON {
 					out := make([]sagaJSON, len(list))
 					for i, in := range list {
-						out[i] = toJSON(in, dbNow(in))
+						out[i] = toJSON(in, present.DBNow(in))
 					}
 					return writeJSON(cmd.OutOrStdout(), out)
 				}
 				tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 				fmt.Fprintln(tw, "ID\tSAGA\tSTATUS\tSTEP\tPHASE\tATTEMPT\tAGE\tUPDATED")
 				for _, in := range list {
-					fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s ago\n", in.ID, cell(in.Type), cell(string(in.Status)), cell(dash(in.Step)),
-						cell(dash(string(in.Phase))), in.Attempt, age(dbNow(in).Sub(in.CreatedAt)), age(dbNow(in).Sub(in.UpdatedAt)))
+					fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s ago\n", in.ID, cell(in.Type), cell(string(in.Status)), cell(present.Dash(in.Step)),
+						cell(present.Dash(string(in.Phase))), in.Attempt, present.Age(present.DBNow(in).Sub(in.CreatedAt)), present.Age(present.DBNow(in).Sub(in.UpdatedAt)))
 				}
 				if err := tw.Flush(); err != nil {
 					return err
@@ -140,7 +129,7 @@ func sagasCmd() *cobra.Command {
 			})
 		},
 	}
-	cmd.Flags().StringSliceVar(&status, "status", nil, "only these statuses ("+statusList()+"); repeat or separate with commas")
+	cmd.Flags().StringSliceVar(&status, "status", nil, "only these statuses ("+present.StatusList()+"); repeat or separate with commas")
 	cmd.Flags().StringVar(&name, "saga", "", "only sagas of this name")
 	cmd.Flags().DurationVar(&olderThan, "older-than", 0, "only sagas not updated for at least this long (e.g. 10m)")
 	cmd.Flags().IntVar(&limit, "limit", 100, "at most this many")
@@ -148,115 +137,77 @@ func sagasCmd() *cobra.Command {
 	return cmd
 }
 
-// sagaFilter is the filter of the sagas listing (the command's and the
-// web view's), or what is wrong with it, named as the flag or form field.
-func sagaFilter(status []string, name string, olderThan time.Duration, limit int) (saga.Filter, error) {
-	f := saga.Filter{Type: name, OlderThan: olderThan, Limit: limit}
-	if bad := transport.Unstorable(name); bad != "" {
-		return saga.Filter{}, fmt.Errorf("saga: a saga's name cannot hold %s", bad)
-	}
-	for _, s := range status {
-		st := saga.Status(s)
-		if !validStatus(st) {
-			return saga.Filter{}, fmt.Errorf("status %q: want one of %s", s, statusList())
-		}
-		f.Statuses = append(f.Statuses, st)
-	}
-	if err := limitError(limit); err != nil {
-		return saga.Filter{}, err
-	}
-	if olderThan < 0 {
-		return saga.Filter{}, fmt.Errorf("older-than must not be negative, got %s", olderThan)
-	}
-	return f, nil
-}
-
 func checkLimit(limit int) error {
-	if err := limitError(limit); err != nil {
+	if err := present.LimitError(limit); err != nil {
 		return usagef("--%v", err)
 	}
 	return nil
-}
-
-// limitError says what is wrong with a listing's limit, if anything.
-func limitError(limit int) error {
-	if limit < 1 || limit > maxLimit {
-		return fmt.Errorf("limit must be between 1 and %d, got %d", maxLimit, limit)
-	}
-	return nil
-}
-
-// maxLimit bounds every listing.
-const maxLimit = 10_000
-
-func validStatus(s saga.Status) bool {
-	for _, st := range statuses {
-		if s == st {
-			return true
-		}
-	}
-	return false
-}
-
-func statusList() string {
-	s := make([]string, len(statuses))
-	for i, st := range statuses {
-		s[i] = string(st)
-	}
-	return strings.Join(s, ", ")
 }
 
 // cell is s as a cell of a table: one line, safe on a terminal
 // (termsafe.Line).
 func cell(s string) string { return termsafe.Line(s) }
 
-func dash(s string) string {
-	if s == "" {
-		return "-"
-	}
-	return s
-}
-
-// age is d for people: 850ms, 12s, 5m03s, 3h20m, 2d4h.
-func age(d time.Duration) string {
-	switch {
-	case d < time.Second:
-		return fmt.Sprintf("%dms", d.Milliseconds())
-	case d < time.Minute:
-		return fmt.Sprintf("%ds", int(d.Seconds()))
-	case d < time.Hour:
-		return fmt.Sprintf("%dm%02ds", int(d.Minutes()), int(d.Seconds())%60)
-	case d < 48*time.Hour:
-		return fmt.Sprintf("%dh%02dm", int(d.Hours()), int(d.Minutes())%60)
-	}
-	return fmt.Sprintf("%dd%dh", int(d.Hours())/24, int(d.Hours())%24)
-}
-
 func showCmd() *cobra.Command {
-	var asJSON bool
+	var (
+		asJSON    bool
+		name, key string
+	)
 	cmd := &cobra.Command{
-		Use:   "show <saga-id>",
+		Use:   "show <saga-id> | show --saga NAME --key KEY",
 		Short: "Show a saga instance and its timeline: what was sent, when, what came back",
-		Args:  cobra.ExactArgs(1),
+		Long: "show prints a saga instance and its timeline, by its id, or by the saga's name and the business key its trigger " +
+			"gave (--saga and --key: an order's id, say), which name one instance.",
+		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			id, err := uuid.Parse(args[0])
+			id, err := showTarget(args, name, key, cmd.Flags().Changed("saga"), cmd.Flags().Changed("key"))
 			if err != nil {
-				return usagef("%q is not a saga id (a UUID)", args[0])
+				return err
 			}
 			return withClient(cmd.Context(), func(c *saga.Client) error {
 				in, err := c.Get(cmd.Context(), id)
+				if errors.Is(err, saga.ErrNoSuchSaga) && len(args) == 0 {
+					return fmt.Errorf("no saga %s has the key %s (it would be %s): %w", cell(name), cell(key), id, err)
+				}
 				if err != nil {
 					return err
 				}
 				if asJSON {
-					return writeJSON(cmd.OutOrStdout(), toJSON(in, dbNow(in)))
+					return writeJSON(cmd.OutOrStdout(), toJSON(in, present.DBNow(in)))
 				}
 				return printSaga(cmd.OutOrStdout(), in)
 			})
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print a JSON object, timeline included")
+	cmd.Flags().StringVar(&name, "saga", "", "instead of an id: the saga's name (with --key)")
+	cmd.Flags().StringVar(&key, "key", "", "instead of an id: the business key the saga's trigger gave (with --saga)")
 	return cmd
+}
+
+// showTarget is the instance show names: the id argument, or the
+// instance of saga name started by key.
+func showTarget(args []string, name, key string, nameSet, keySet bool) (uuid.UUID, error) {
+	switch {
+	case len(args) == 1 && (nameSet || keySet):
+		return uuid.Nil, usagef("give a saga id, or --saga and --key, not both")
+	case len(args) == 1:
+		id, err := uuid.Parse(args[0])
+		if err != nil {
+			return uuid.Nil, usagef("%q is not a saga id (a UUID)", args[0])
+		}
+		return id, nil
+	case !nameSet || !keySet:
+		return uuid.Nil, usagef("give a saga id, or both --saga NAME and --key KEY")
+	case name == "" || key == "":
+		return uuid.Nil, usagef("--saga and --key must not be empty")
+	}
+	for flag, v := range map[string]string{"--saga": name, "--key": key} {
+		if why := transport.Unstorable(v); why != "" {
+			return uuid.Nil, usagef("%s holds %s", flag, why)
+		}
+	}
+	return saga.ID(name, key), nil
 }
 
 func printSaga(w io.Writer, in saga.Instance) error {
@@ -280,21 +231,11 @@ func printSaga(w io.Writer, in saga.Instance) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "SEQ\t+MS\tKIND\tSTEP\tPHASE\tATTEMPT\tDETAIL")
 	for _, h := range in.History {
-		fmt.Fprintf(tw, "%d\t%.1f\t%s\t%s\t%s\t%s\t%s\n", h.Seq, float64(h.At.Sub(in.CreatedAt).Microseconds())/1000, cell(h.Kind), cell(dash(h.Step)),
-			cell(dash(string(h.Phase))), attempt(h.Attempt), cell(oneLine(h.Detail)))
+		fmt.Fprintf(tw, "%d\t%.1f\t%s\t%s\t%s\t%s\t%s\n", h.Seq, float64(h.At.Sub(in.CreatedAt).Microseconds())/1000, cell(h.Kind), cell(present.Dash(h.Step)),
+			cell(present.Dash(string(h.Phase))), present.Attempt(h.Attempt), cell(present.OneLine(h.Detail)))
 	}
 	return tw.Flush()
 }
-
-func attempt(n int) string {
-	if n == 0 {
-		return "-"
-	}
-	return fmt.Sprint(n)
-}
-
-// oneLine keeps a table row on one line, whatever a detail holds.
-func oneLine(s string) string { return strings.Join(strings.Fields(s), " ") }
 
 func deadLettersCmd() *cobra.Command {
 	var (
@@ -328,9 +269,9 @@ func deadLettersCmd() *cobra.Command {
 				tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 				fmt.Fprintln(tw, "ID\tTOPIC\tGROUP\tATTEMPTS\tSIZE\tDEAD\tREPLAYED\tREASON")
 				for _, d := range dl {
-					now := deadLetterNow(d)
-					fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\t%s ago\t%s\t%s\n", d.ID, cell(d.Topic), cell(dash(d.ConsumerGroup)), d.Attempts, byteSize(d.PayloadSize),
-						age(now.Sub(d.DeadAt)), replayedCell(d, now), cell(clip(oneLine(d.Reason), 100)))
+					now := present.DeadLetterNow(d)
+					fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\t%s ago\t%s\t%s\n", d.ID, cell(d.Topic), cell(present.Dash(d.ConsumerGroup)), d.Attempts, byteSize(d.PayloadSize),
+						present.Age(now.Sub(d.DeadAt)), replayedCell(d, now), cell(present.Clip(present.OneLine(d.Reason), 100)))
 				}
 				return tw.Flush()
 			})
@@ -356,7 +297,7 @@ func replayCmd() *cobra.Command {
 			return withClient(cmd.Context(), func(c *saga.Client) error {
 				var errs []error
 				for _, id := range ids {
-					done, err := replayDeadLetter(cmd.Context(), c, id)
+					done, err := present.ReplayDeadLetter(cmd.Context(), c, id)
 					if err != nil {
 						errs = append(errs, err)
 						fmt.Fprintf(cmd.ErrOrStderr(), "dead letter %d: %s\n", id, cell(err.Error()))
@@ -371,31 +312,6 @@ func replayCmd() *cobra.Command {
 			})
 		},
 	}
-}
-
-// replayDeadLetter sends dead letter id back to its queue, once (the
-// command's replay and the web view's), and says what it did.
-func replayDeadLetter(ctx context.Context, c *saga.Client, id int64) (string, error) {
-	n, err := c.ReplayDeadLetter(ctx, id)
-	if err != nil {
-		return "", err
-	}
-	return fmt.Sprintf("dead letter %d replayed (%d queue%s)", id, n, plural(n)), nil
-}
-
-func plural(n int) string {
-	if n == 1 {
-		return ""
-	}
-	return "s"
-}
-
-func clip(s string, n int) string {
-	r := []rune(s)
-	if len(r) <= n {
-		return s
-	}
-	return string(r[:n-1]) + "…"
 }
 
 func migrateCmd() *cobra.Command {

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/saga"
 )
 
 // The dead letters listing reads a bounded part of each (ten of 2 MiB make
@@ -239,5 +240,38 @@ func TestInvalidValuesAreUsageErrors(t *testing.T) {
 		code, out, errOut := pgsaga(t, args...)
 		assert.Equal(t, exitUsage, code, "%q: %s", args, errOut)
 		assert.False(t, strings.ContainsAny(out+errOut, "\x00") || strings.Contains(out+errOut, "\xff"), "%q: the raw bytes echoed: %q", args, errOut)
+	}
+}
+
+// show finds a saga by its name and business key as well as by its id;
+// an unknown key exits 1 saying so, a command line that gives both ways,
+// or half of one, exits 2.
+func TestShowBySagaNameAndKey(t *testing.T) {
+	db := testdb.Fresh(t)
+	t.Setenv("DATABASE_URL", db.URL)
+	id := insertSaga(t, db.SQL, sqlSaga{Type: "order", Step: "charge", Status: saga.StatusRunning, ID: saga.ID("order", "o-42")})
+
+	code, out, errOut := pgsaga(t, "show", "--saga", "order", "--key", "o-42")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "saga      "+id.String()+" (order v1)")
+	byID, _, _ := pgsaga(t, "show", id.String())
+	_, same, _ := pgsaga(t, "show", id.String())
+	assert.Equal(t, exitOK, byID)
+	assert.Equal(t, same, out, "the same page as by its id")
+
+	code, _, errOut = pgsaga(t, "show", "--saga", "order", "--key", "o-43")
+	assert.Equal(t, exitFailed, code)
+	assert.Contains(t, errOut, "no saga order has the key o-43")
+	for _, args := range [][]string{
+		{"show", id.String(), "--saga", "order", "--key", "o-42"},
+		{"show", "--saga", "order"},
+		{"show", "--key", "o-42"},
+		{"show", "--saga", "", "--key", "o-42"},
+		{"show", "--saga", "order", "--key", "a\x00b"},
+		{"show"},
+	} {
+		code, _, errOut := pgsaga(t, args...)
+		assert.Equal(t, exitUsage, code, "%q: %s", args, errOut)
+		assert.NotContains(t, errOut, "\x00", "nothing unprintable echoed")
 	}
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/pgsaga/pgsaga/internal/present"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/delivery"
@@ -63,10 +64,10 @@ func consumersCmd() *cobra.Command {
 				for _, g := range groups {
 					oldest, seen := "-", "never"
 					if g.Oldest != nil {
-						oldest = age(g.ReadAt.Sub(*g.Oldest))
+						oldest = present.Age(g.ReadAt.Sub(*g.Oldest))
 					}
 					if g.LastSeen != nil {
-						seen = age(g.ReadAt.Sub(*g.LastSeen)) + " ago"
+						seen = present.Age(g.ReadAt.Sub(*g.LastSeen)) + " ago"
 					}
 					fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%s\t%s\t%s\n", cell(g.Topic), cell(g.ConsumerGroup), g.Waiting, g.Retrying, g.NotYetAvailable,
 						oldest, seen, yesNo(g.Running(stale)))
@@ -180,7 +181,7 @@ func dropGroupCmd(stale *time.Duration) *cobra.Command {
 func refuseRunning(alive *delivery.ConsumerGroupAliveError, stale time.Duration) error {
 	return fmt.Errorf("consumer group %s of %s runs: a worker showed it alive %s ago (%s), within --stale %s; dropping it would delete "+
 		"what waits for its workers. Stop them first, or repeat with --force", alive.ConsumerGroup, strings.Join(alive.Topics, ", "),
-		age(alive.Ago), alive.LastSeen.Format(time.RFC3339), stale)
+		present.Age(alive.Ago), alive.LastSeen.Format(time.RFC3339), stale)
 }
 
 func onTopic(topic string) string {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/pgsaga/pgsaga/internal/present"
 	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
@@ -61,7 +62,7 @@ type deadLetterJSON struct {
 
 func toDeadLetterJSON(d delivery.DeadLetter) deadLetterJSON {
 	out := deadLetterJSON{ID: d.ID, UUID: d.UUID, Topic: d.Topic, ConsumerGroup: d.ConsumerGroup, Handler: d.Handler,
-		Reason: d.Reason, ReasonLength: d.ReasonLength, Attempts: d.Attempts, CreatedAt: d.CreatedAt, DeadAt: d.DeadAt, DeadAgeS: round(deadLetterNow(d).Sub(d.DeadAt).Seconds()),
+		Reason: d.Reason, ReasonLength: d.ReasonLength, Attempts: d.Attempts, CreatedAt: d.CreatedAt, DeadAt: d.DeadAt, DeadAgeS: round(present.DeadLetterNow(d).Sub(d.DeadAt).Seconds()),
 		ReplayedAt: d.ReplayedAt, Replayable: d.Replayable(), Metadata: d.Metadata, MetadataSize: d.MetadataSize,
 		PayloadSize: d.PayloadSize, PayloadComplete: d.PayloadComplete(),
 		PayloadPreview: utf8Text(d.PayloadPreview, len(d.PayloadPreview) < d.PayloadSize), PayloadPreviewBase64: base64.StdEncoding.EncodeToString(d.PayloadPreview)}
@@ -101,20 +102,11 @@ func utf8Text(b []byte, cut bool) *string {
 func replayedCell(d delivery.DeadLetter, now time.Time) string {
 	switch {
 	case d.ReplayedAt != nil:
-		return age(now.Sub(*d.ReplayedAt)) + " ago"
+		return present.Age(now.Sub(*d.ReplayedAt)) + " ago"
 	case !d.Replayable():
 		return "cannot"
 	}
 	return "-"
-}
-
-// deadLetterNow is the database's clock when d was read, which set its
-// times (the local clock only for a dead letter read without it).
-func deadLetterNow(d delivery.DeadLetter) time.Time {
-	if d.ReadAt.IsZero() {
-		return time.Now()
-	}
-	return d.ReadAt
 }
 
 // byteSize is n bytes for people: 312 B, 4.0 KiB, 20.0 MiB.
@@ -217,7 +209,7 @@ func writeNewFile(path string, b []byte) error {
 // printDeadLetter shows d whole, for people; its payload went to
 // payloadOut if that is not "".
 func printDeadLetter(w io.Writer, d delivery.DeadLetter, payloadOut string) error {
-	now := deadLetterNow(d)
+	now := present.DeadLetterNow(d)
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "dead letter\t%d\n", d.ID)
 	fmt.Fprintf(tw, "message\t%s\n", cell(d.UUID))
@@ -227,10 +219,10 @@ func printDeadLetter(w io.Writer, d delivery.DeadLetter, payloadOut string) erro
 		group = "- (no consumer group read the topic)"
 	}
 	fmt.Fprintf(tw, "group\t%s\n", group)
-	fmt.Fprintf(tw, "handler\t%s\n", cell(dash(d.Handler)))
+	fmt.Fprintf(tw, "handler\t%s\n", cell(present.Dash(d.Handler)))
 	fmt.Fprintf(tw, "attempts\t%d\n", d.Attempts)
 	fmt.Fprintf(tw, "published\t%s\n", d.CreatedAt.Format(time.RFC3339Nano))
-	fmt.Fprintf(tw, "dead\t%s (%s ago)\n", d.DeadAt.Format(time.RFC3339Nano), age(now.Sub(d.DeadAt)))
+	fmt.Fprintf(tw, "dead\t%s (%s ago)\n", d.DeadAt.Format(time.RFC3339Nano), present.Age(now.Sub(d.DeadAt)))
 	fmt.Fprintf(tw, "replayed\t%s\n", replayedCell(d, now))
 	if err := tw.Flush(); err != nil {
 		return err
@@ -301,13 +293,13 @@ func deleteDeadLettersCmd() *cobra.Command {
 					if err != nil {
 						return err
 					}
-					return usagef("deleting %s deletes %d dead letter%s; repeat with --yes to do it", what, n, plural(int(n)))
+					return usagef("deleting %s deletes %d dead letter%s; repeat with --yes to do it", what, n, present.Plural(int(n)))
 				}
 				n, err := c.DeleteDeadLetters(cmd.Context(), sel)
 				if err != nil {
 					return err
 				}
-				fmt.Fprintf(cmd.OutOrStdout(), "%d dead letter%s deleted\n", n, plural(int(n)))
+				fmt.Fprintf(cmd.OutOrStdout(), "%d dead letter%s deleted\n", n, present.Plural(int(n)))
 				if len(ids) > 0 && int(n) < len(ids) {
 					return fmt.Errorf("%d of the %d dead letters named did not exist (deleted already?)", len(ids)-int(n), len(ids))
 				}

@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/spf13/cobra"
 
+	"github.com/pgsaga/pgsaga/internal/present"
 	"github.com/pgsaga/pgsaga/saga"
 )
 
@@ -87,7 +88,7 @@ func requestCmd(kind saga.RequestKind, use, short string) *cobra.Command {
 			case len(args) == 0 && !bulk:
 				return usagef("give a saga id, or select sagas with --status, --saga and --older-than")
 			case bulk:
-				f, err := sagaFilter(status, name, olderThan, askBatch)
+				f, err := present.SagaFilter(status, name, olderThan, askBatch)
 				if err != nil {
 					return usagef("--%v", err)
 				}
@@ -98,7 +99,7 @@ func requestCmd(kind saga.RequestKind, use, short string) *cobra.Command {
 						if err != nil {
 							return err
 						}
-						return usagef("%s would be asked of %d saga%s (%s); repeat with --yes to ask", kind, n, plural(n), describeFilter(f))
+						return usagef("%s would be asked of %d saga%s (%s); repeat with --yes to ask", kind, n, present.Plural(n), describeFilter(f))
 					}
 					return askEach(cmd, c, b)
 				})
@@ -129,7 +130,7 @@ func requestCmd(kind saga.RequestKind, use, short string) *cobra.Command {
 	cmd.Flags().BoolVar(&noWait, "no-wait", false, "record the request and return; the workers carry it out")
 	cmd.Flags().DurationVar(&timeout, "timeout", 30*time.Second, "how long to wait for a worker")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the outcome as a JSON object")
-	cmd.Flags().StringSliceVar(&status, "status", nil, "instead of a saga id: every saga in these statuses ("+statusList()+"); repeat or separate with commas")
+	cmd.Flags().StringSliceVar(&status, "status", nil, "instead of a saga id: every saga in these statuses ("+present.StatusList()+"); repeat or separate with commas")
 	cmd.Flags().StringVar(&name, "saga", "", "instead of a saga id: every saga of this name")
 	cmd.Flags().DurationVar(&olderThan, "older-than", 0, "instead of a saga id: every saga not updated for at least this long (e.g. 10m)")
 	cmd.Flags().BoolVar(&yes, "yes", false, "confirm: ask every saga the flags select")
@@ -173,7 +174,7 @@ func report(cmd *cobra.Command, c *saga.Client, req saga.Request, noWait bool, t
 		return fmt.Errorf("%s of %s refused: %s", req.Kind, req.SagaID, req.Detail)
 	}
 	if !asJSON {
-		fmt.Fprintf(cmd.OutOrStdout(), "%s of %s done; the saga is %s\n", req.Kind, req.SagaID, cell(dash(out.Status)))
+		fmt.Fprintf(cmd.OutOrStdout(), "%s of %s done; the saga is %s\n", req.Kind, req.SagaID, cell(present.Dash(out.Status)))
 	}
 	return nil
 }
@@ -375,7 +376,7 @@ func reportBulk(cmd *cobra.Command, b bulkRequest, out bulkJSON, reqs []saga.Req
 			return err
 		}
 	} else {
-		fmt.Fprintf(w, "%s asked of %d saga%s: %d done, %d refused, ", b.kind, out.Asked, plural(out.Asked), out.Done, out.Refused)
+		fmt.Fprintf(w, "%s asked of %d saga%s: %d done, %d refused, ", b.kind, out.Asked, present.Plural(out.Asked), out.Done, out.Refused)
 		if b.noWait {
 			fmt.Fprintf(w, "%d to be carried out by the workers", out.Pending)
 		} else {

@@ -11,10 +11,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"maps"
 	"net"
 	"net/http"
-	"net/url"
 	"os"
 	"slices"
 	"strconv"
@@ -23,7 +21,6 @@ import (
 	"unicode/utf8"
 
 	"github.com/pgsaga/pgsaga/internal/termsafe"
-	"github.com/pgsaga/pgsaga/internal/transport"
 )
 
 // The environment variables that give the web view its login. A secret is
@@ -334,7 +331,7 @@ func credentialKind(r *http.Request) string {
 func plainError(w http.ResponseWriter, status int, msg string) {
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 	w.WriteHeader(status)
-	_, _ = io.WriteString(w, printable(msg)+"\n")
+	_, _ = io.WriteString(w, termsafe.Text(msg)+"\n")
 }
 
 // --- the address and the host names -----------------------------------------
@@ -485,102 +482,4 @@ func allowedHosts(loopback bool, flagAddr string, bound net.Addr, allow []string
 	return out
 }
 
-// answersTo reports whether host (a Host header, or an origin's host) is
-// one of the server's names.
-func (u *webUI) answersTo(host string) bool {
-	return slices.Contains(u.cfg.Hosts, strings.ToLower(host))
-}
-
-// checkHost refuses a request for a host name the server does not answer
-// to (see allowedHosts), saying nothing of the database: a page of a site
-// whose name was pointed at this machine can read the answer.
-func (u *webUI) checkHost(next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if u.answersTo(r.Host) {
-			next.ServeHTTP(w, r)
-			return
-		}
-		u.logRefusal(r)
-		plainError(w, http.StatusForbidden, fmt.Sprintf("pgsaga ui: this server does not answer to the host name %q (see --allow-host).", r.Host))
-	})
-}
-
-// checkOrigin refuses a request that changes something (anything but GET
-// and HEAD) unless it comes from a page of one of the server's names: the
-// Origin the browser sends, never the Host the request names (a page whose
-// name was pointed at this machine names its own).
-func (u *webUI) checkOrigin(next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Method == http.MethodGet || r.Method == http.MethodHead {
-			next.ServeHTTP(w, r)
-			return
-		}
-		if err := u.sameOrigin(r); err != nil {
-			u.logRefusal(r)
-			u.render(w, r, http.StatusForbidden, pageError, "", errorView{Status: http.StatusForbidden, StatusText: http.StatusText(http.StatusForbidden),
-				Message: "Refused: " + err.Error() + ". Use the buttons of these pages; nothing was changed."})
-			return
-		}
-		r.Body = http.MaxBytesReader(w, r.Body, 64<<10)
-		next.ServeHTTP(w, r)
-	})
-}
-
-func (u *webUI) sameOrigin(r *http.Request) error {
-	switch site := r.Header.Get("Sec-Fetch-Site"); site {
-	case "", "same-origin":
-	default:
-		return fmt.Errorf("the request came from another site (Sec-Fetch-Site: %q)", site)
-	}
-	origin := r.Header.Get("Origin")
-	if origin == "" {
-		return fmt.Errorf("the request does not say where it comes from (no Origin header; a script must send the origin of a page of this server, like http://%s)", u.cfg.Hosts[0])
-	}
-	o, err := url.Parse(origin)
-	if err != nil || o.Scheme != "http" && o.Scheme != "https" || o.Host == "" || o.User != nil || o.Path != "" || o.RawQuery != "" || o.Fragment != "" ||
-		!u.answersTo(o.Host) {
-		return fmt.Errorf("the request came from %q, not from a page of this server", origin)
-	}
-	return nil
-}
-
-func (u *webUI) logRefusal(r *http.Request) {
-	u.log.Warn("ui: request refused", "method", r.Method, "path", r.URL.Path, "host", r.Host, "origin", r.Header.Get("Origin"),
-		"sec_fetch_site", r.Header.Get("Sec-Fetch-Site"), "remote", r.RemoteAddr)
-}
-
 // --- what a request may hold ------------------------------------------------
-
-// checkInput answers 400 a request whose query or form cannot be read, or
-// holds a name or value that is not text PostgreSQL can keep (bytes that
-// are not UTF-8, a NUL): no filter or button takes one, and the database
-// would refuse it. The page names the parameter, escaped, not its value.
-func (u *webUI) checkInput(next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		var err error
-		if perr := r.ParseForm(); perr != nil {
-			err = badRequest("Bad request: the query or form could not be read (%v); nothing was done.", perr)
-		} else {
-			err = unreadableForm(r.Form)
-		}
-		if err != nil {
-			u.page(func(http.ResponseWriter, *http.Request) error { return err }).ServeHTTP(w, r)
-			return
-		}
-		next.ServeHTTP(w, r)
-	})
-}
-
-func unreadableForm(form url.Values) error {
-	for _, name := range slices.Sorted(maps.Keys(form)) {
-		if why := transport.Unstorable(name); why != "" {
-			return badRequest("Bad request: the name of a parameter holds %s; nothing was done.", why)
-		}
-		for _, v := range form[name] {
-			if why := transport.Unstorable(v); why != "" {
-				return badRequest("Bad request: %q holds %s; nothing was done.", name, why)
-			}
-		}
-	}
-	return nil
-}

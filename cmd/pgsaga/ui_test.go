@@ -6,6 +6,7 @@ import (
 	"database/sql"
 	"encoding/json"
 	"fmt"
+	"html"
 	"io"
 	"log/slog"
 	"net"
@@ -532,7 +533,7 @@ func TestUIButtons(t *testing.T) {
 	bad := b.press("/dead-letters/x/replay", nil)
 	assert.Equal(t, http.StatusBadRequest, bad.status)
 	assert.Contains(t, bad.body, "is not a dead letter id")
-	forged := b.do(http.MethodGet, "/dead-letters", nil, map[string]string{"Cookie": flashCookie + "=eyJrIjoib2siLCJtIjoiaGkifQ.AAAA"})
+	forged := b.do(http.MethodGet, "/dead-letters", nil, map[string]string{"Cookie": "pgsaga_flash=eyJrIjoib2siLCJtIjoiaGkifQ.AAAA"})
 	assert.NotContains(t, forged.body, `id="flash"`, "a flash message this server did not sign is not shown")
 
 	// What a broker bridge received but could not queue: its button is
@@ -720,11 +721,16 @@ func TestUIStopsGracefullyOnSIGTERM(t *testing.T) {
 type sqlSaga struct {
 	Type, Step, MessageID, Detail, Reason, Correlation string
 	Status                                             saga.Status
+	// ID is the instance's id; a random one if unset.
+	ID uuid.UUID
 }
 
 func insertSaga(t *testing.T, db *sql.DB, s sqlSaga) uuid.UUID {
 	t.Helper()
-	id := uuid.New()
+	id := s.ID
+	if id == uuid.Nil {
+		id = uuid.New()
+	}
 	var finished *time.Time
 	if s.Status.Terminal() {
 		now := time.Now()
@@ -984,4 +990,47 @@ func TestUIBadInput(t *testing.T) {
 	assert.Equal(t, http.StatusBadRequest, a.status)
 	assert.Zero(t, requestsOf(t, db.SQL, id), "nothing was asked")
 	assert.False(t, replayed(t, db.SQL, dl), "nothing was replayed")
+}
+
+// The sagas page finds a saga by its name and business key (the key its
+// trigger gave), and pages through a listing: every saga once, with the
+// filters kept; a bad page or search is a 400, an unknown key a 404.
+func TestUIFindsASagaByItsKeyAndPages(t *testing.T) {
+	db := testdb.Fresh(t)
+	want := insertSaga(t, db.SQL, sqlSaga{Type: "order", Step: "charge", Status: saga.StatusRunning, ID: saga.ID("order", "o-42")})
+	for range 4 {
+		insertSaga(t, db.SQL, sqlSaga{Type: "order", Step: "charge", Status: saga.StatusRunning})
+	}
+	insertSaga(t, db.SQL, sqlSaga{Type: "other", Step: "x", Status: saga.StatusRunning})
+	s := serveTestUI(t, db.URL, uiConfig{}, uiServing{})
+	b := s.browser(t)
+
+	a := b.get("/sagas/find?saga=order&key=o-42")
+	require.Equal(t, http.StatusSeeOther, a.status, a.body)
+	assert.Equal(t, "/sagas/"+want.String(), a.location)
+	a = b.get("/sagas/find?saga=order&key=o-43")
+	assert.Equal(t, http.StatusNotFound, a.status)
+	assert.Contains(t, a.body, "No saga order has the business key &#34;o-43&#34;.")
+	assert.Equal(t, http.StatusBadRequest, b.get("/sagas/find?saga=order").status)
+	page := b.get("/sagas")
+	assert.Contains(t, page.body, `action="/sagas/find"`, "the sagas page has the search")
+
+	seen := map[string]bool{}
+	path := "/sagas?saga=order&limit=2"
+	for pages := 0; path != ""; pages++ {
+		require.Less(t, pages, 4, "three pages of two at most")
+		a := b.get(path)
+		require.Equal(t, http.StatusOK, a.status, a.body)
+		for id := range rows(a.body) {
+			assert.False(t, seen[id], "saga %s on two pages", id)
+			seen[id] = true
+		}
+		path = ""
+		if m := regexp.MustCompile(`href="([^"]*)" id="next-page"`).FindStringSubmatch(a.body); m != nil {
+			path = html.UnescapeString(m[1])
+			assert.Contains(t, path, "saga=order", "the filters are kept")
+		}
+	}
+	assert.Len(t, seen, 5, "every saga of order once")
+	assert.Equal(t, http.StatusBadRequest, b.get("/sagas?after=x&after-at=y").status)
 }

@@ -57,9 +57,12 @@ var Layers = []Layer{
 	{Dir: "orders", Rank: 7, Sample: true},   // the sample's domains: participants, beside the engine
 	{Dir: "payments", Rank: 7, Sample: true}, //
 	{Dir: "saga/sagatest", Rank: 8, TestOnly: true},
+	{Dir: "internal/present", Rank: 8},                    // how the operator's tools show sagas
+	{Dir: "saga/sagaui", Rank: 9},                         // the web view, an http.Handler
 	{Dir: "internal/testsample", Rank: 8, TestOnly: true}, // the sample's tables in test databases
 	{Dir: "saga/orderpayment", Rank: 8, Sample: true},     // the sample saga, over the engine and the domains
-	{Dir: "cmd", Rank: 9},
+	{Dir: "cmd", Rank: 10},
+	{Dir: "docs/examples", Rank: 10, Sample: true}, // programs of a user's, on the public API
 }
 
 // layerOf returns the layer of the package at dir (relative to the module

@@ -1,4 +1,4 @@
-package main
+package sagaui
 
 // The web view's pages: what each reads, through the code the other
 // subcommands use, and what it shows.
@@ -22,6 +22,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pgsaga/pgsaga/internal/metadata"
+	"github.com/pgsaga/pgsaga/internal/present"
 	"github.com/pgsaga/pgsaga/internal/termsafe"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/delivery"
@@ -46,7 +47,8 @@ type sagasView struct {
 	Limit     int
 	Total     int // instances of the chosen saga (or all), every status
 	Rows      []sagaRow
-	Truncated bool
+	NextHref  string // the next page, if this one is full
+	Paged     bool   // this page comes after others
 	Filtered  bool
 }
 
@@ -64,7 +66,7 @@ type sagaRow struct {
 	Reason                              string
 }
 
-func (u *webUI) sagas(w http.ResponseWriter, r *http.Request) error {
+func (u *Handler) sagas(w http.ResponseWriter, r *http.Request) error {
 	ctx, cancel := context.WithTimeout(r.Context(), pageTimeout)
 	defer cancel()
 	q := r.URL.Query()
@@ -92,10 +94,14 @@ func (u *webUI) sagas(w http.ResponseWriter, r *http.Request) error {
 			}
 		}
 	}
-	f, err := sagaFilter(status, v.Saga, olderThan, v.Limit)
+	f, err := present.SagaFilter(status, v.Saga, olderThan, v.Limit)
 	if err != nil {
 		return badRequest("Bad filter: %v.", err)
 	}
+	if f.After, err = afterOf(q); err != nil {
+		return err
+	}
+	v.Paged = f.After != nil
 	list, err := u.client.List(ctx, f)
 	if err != nil {
 		return err
@@ -111,7 +117,7 @@ func (u *webUI) sagas(w http.ResponseWriter, r *http.Request) error {
 		v.Types = append(v.Types, v.Saga)
 	}
 	slices.Sort(v.Types)
-	for _, st := range statuses {
+	for _, st := range present.Statuses {
 		n := 0
 		for typ, byStatus := range counts {
 			if v.Saga == "" || typ == v.Saga {
@@ -127,13 +133,62 @@ func (u *webUI) sagas(w http.ResponseWriter, r *http.Request) error {
 	}
 	v.Filtered = len(f.Statuses) > 0 || v.Saga != "" || olderThan > 0
 	for _, in := range list {
-		now := dbNow(in)
+		now := present.DBNow(in)
 		v.Rows = append(v.Rows, sagaRow{ID: in.ID.String(), Href: "/sagas/" + in.ID.String(), Saga: in.Type, Status: string(in.Status),
-			Step: dash(in.Step), Phase: dash(string(in.Phase)), Attempt: attempt(in.Attempt), Age: age(now.Sub(in.CreatedAt)),
-			Updated: age(now.Sub(in.UpdatedAt)) + " ago", UpdatedAt: stamp(in.UpdatedAt), Reason: clip(oneLine(in.FailureReason), 140)})
+			Step: present.Dash(in.Step), Phase: present.Dash(string(in.Phase)), Attempt: present.Attempt(in.Attempt), Age: present.Age(now.Sub(in.CreatedAt)),
+			Updated: present.Age(now.Sub(in.UpdatedAt)) + " ago", UpdatedAt: stamp(in.UpdatedAt), Reason: present.Clip(present.OneLine(in.FailureReason), 140)})
 	}
-	v.Truncated = len(list) == f.Limit
+	if len(list) == f.Limit {
+		next := url.Values{}
+		for k, vs := range q {
+			if k != "after" && k != "after-at" {
+				next[k] = vs
+			}
+		}
+		last := list[len(list)-1]
+		next.Set("after", last.ID.String())
+		next.Set("after-at", last.UpdatedAt.UTC().Format(time.RFC3339Nano))
+		v.NextHref = "/sagas?" + next.Encode()
+	}
 	u.render(w, r, http.StatusOK, pageSagas, "sagas", v)
+	return nil
+}
+
+// afterOf is the instance a page of the sagas listing comes after (its
+// after and after-at parameters: the last of the page before), nil for
+// the first page.
+func afterOf(q url.Values) (*saga.Instance, error) {
+	id, at := q.Get("after"), q.Get("after-at")
+	if id == "" && at == "" {
+		return nil, nil
+	}
+	after := &saga.Instance{}
+	var err error
+	if after.ID, err = uuid.Parse(id); err != nil {
+		return nil, badRequest("Bad page: after %q is not a saga id (a UUID).", id)
+	}
+	if after.UpdatedAt, err = time.Parse(time.RFC3339Nano, at); err != nil {
+		return nil, badRequest("Bad page: after-at %q is not a time like 2026-01-02T03:04:05.123456Z.", at)
+	}
+	return after, nil
+}
+
+// find shows the saga of a name started by a business key (the key its
+// trigger gave: one instance per key).
+func (u *Handler) find(w http.ResponseWriter, r *http.Request) error {
+	ctx, cancel := context.WithTimeout(r.Context(), pageTimeout)
+	defer cancel()
+	name, key := strings.TrimSpace(r.URL.Query().Get("saga")), r.URL.Query().Get("key")
+	if name == "" || key == "" {
+		return badRequest("Bad search: give a saga and a business key.")
+	}
+	id := saga.ID(name, key)
+	if _, err := u.client.Get(ctx, id); errors.Is(err, saga.ErrNoSuchSaga) {
+		return notFound("No saga %s has the business key %q.", name, key)
+	} else if err != nil {
+		return err
+	}
+	http.Redirect(w, r, u.href("/sagas/"+id.String()), http.StatusSeeOther)
 	return nil
 }
 
@@ -192,7 +247,7 @@ func noSuchSaga(id uuid.UUID) error {
 	return notFound("No saga has the id %s in this database. A finished saga is deleted once retention prunes it; or the id belongs to another database.", id)
 }
 
-func (u *webUI) saga(w http.ResponseWriter, r *http.Request) error {
+func (u *Handler) saga(w http.ResponseWriter, r *http.Request) error {
 	id, err := sagaID(r)
 	if err != nil {
 		return err
@@ -226,10 +281,10 @@ func (u *webUI) saga(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	now := dbNow(in)
-	v := sagaView{ID: in.ID.String(), Type: in.Type, Version: in.DefinitionVersion, Status: string(in.Status), Step: dash(in.Step),
-		Phase: dash(string(in.Phase)), Attempt: attempt(in.Attempt), Generation: in.Generation, Reason: in.FailureReason,
-		Started: stamp(in.CreatedAt), Updated: stamp(in.UpdatedAt) + " (" + age(now.Sub(in.UpdatedAt)) + " ago)",
+	now := present.DBNow(in)
+	v := sagaView{ID: in.ID.String(), Type: in.Type, Version: in.DefinitionVersion, Status: string(in.Status), Step: present.Dash(in.Step),
+		Phase: present.Dash(string(in.Phase)), Attempt: present.Attempt(in.Attempt), Generation: in.Generation, Reason: in.FailureReason,
+		Started: stamp(in.CreatedAt), Updated: stamp(in.UpdatedAt) + " (" + present.Age(now.Sub(in.UpdatedAt)) + " ago)",
 		Correlation: in.CorrelationID, Data: prettyJSON(in.Data), Request: req}
 	if in.FinishedAt != nil {
 		v.Finished = stamp(*in.FinishedAt)
@@ -238,9 +293,9 @@ func (u *webUI) saga(w http.ResponseWriter, r *http.Request) error {
 	if in.DeadlineAt != nil && !in.Status.Terminal() {
 		v.Deadline = stamp(*in.DeadlineAt)
 		if d := in.DeadlineAt.Sub(now); d > 0 {
-			v.Deadline += " (in " + age(d) + ")"
+			v.Deadline += " (in " + present.Age(d) + ")"
 		} else {
-			v.Deadline += " (" + age(-d) + " overdue)"
+			v.Deadline += " (" + present.Age(-d) + " overdue)"
 		}
 	}
 	switch in.Status {
@@ -259,7 +314,7 @@ func (u *webUI) saga(w http.ResponseWriter, r *http.Request) error {
 	}
 	for _, h := range in.History {
 		v.Entries = append(v.Entries, entryRow{Seq: h.Seq, Ms: fmt.Sprintf("%.1f", float64(h.At.Sub(in.CreatedAt).Microseconds())/1000),
-			Kind: h.Kind, KindClass: kindClass(h.Kind), Step: dash(h.Step), Phase: dash(string(h.Phase)), Attempt: attempt(h.Attempt),
+			Kind: h.Kind, KindClass: kindClass(h.Kind), Step: present.Dash(h.Step), Phase: present.Dash(string(h.Phase)), Attempt: present.Attempt(h.Attempt),
 			MessageID: h.MessageID, Detail: h.Detail, At: stamp(h.At)})
 	}
 	v.Timeline = buildTimeline(in, now)
@@ -275,7 +330,7 @@ func (u *webUI) saga(w http.ResponseWriter, r *http.Request) error {
 	}
 	if unknown > 0 {
 		v.DeadLettersNote = strings.TrimSpace(v.DeadLettersNote + fmt.Sprintf(" %d dead letter%s searched had metadata too large to list (over %s bytes), so whether they name this saga is not known: the Dead letters page links to each.",
-			unknown, plural(unknown), thousands(delivery.DeadLetterListText)))
+			unknown, present.Plural(unknown), thousands(delivery.DeadLetterListText)))
 	}
 	u.render(w, r, http.StatusOK, pageSaga, "sagas", v)
 	return nil
@@ -288,7 +343,7 @@ const deadLetterScan = 10_000
 // oldest first, from the oldest deadLetterScan (scannedAll false if there
 // are more), each as a listing has it: a bounded part. unknown counts
 // those whose metadata was too large to list, which may name it.
-func (u *webUI) sagaDeadLetters(ctx context.Context, id uuid.UUID) (found []delivery.DeadLetter, scannedAll bool, unknown int, err error) {
+func (u *Handler) sagaDeadLetters(ctx context.Context, id uuid.UUID) (found []delivery.DeadLetter, scannedAll bool, unknown int, err error) {
 	const page = 500
 	var after int64
 	for scanned := 0; scanned < deadLetterScan; scanned += page {
@@ -349,25 +404,25 @@ func prettyJSON(raw []byte) string {
 
 // --- retry and cancel ----------------------------------------------------------
 
-func (u *webUI) askRetry(w http.ResponseWriter, r *http.Request) error {
+func (u *Handler) askRetry(w http.ResponseWriter, r *http.Request) error {
 	return u.ask(w, r, saga.RequestRetry)
 }
 
-func (u *webUI) askCancel(w http.ResponseWriter, r *http.Request) error {
+func (u *Handler) askCancel(w http.ResponseWriter, r *http.Request) error {
 	return u.ask(w, r, saga.RequestCancel)
 }
 
 // ask makes the request `pgsaga retry` or `pgsaga cancel` makes, waits a
 // moment for a worker to carry it out, and redirects to the saga's page,
 // which shows the request's outcome, or that it is pending.
-func (u *webUI) ask(w http.ResponseWriter, r *http.Request, kind saga.RequestKind) error {
+func (u *Handler) ask(w http.ResponseWriter, r *http.Request, kind saga.RequestKind) error {
 	id, err := sagaID(r)
 	if err != nil {
 		return err
 	}
 	reason := ""
 	if kind == saga.RequestCancel {
-		reason = clip(oneLine(r.PostFormValue("reason")), 500)
+		reason = present.Clip(present.OneLine(r.PostFormValue("reason")), 500)
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), pageTimeout+u.cfg.RequestWait)
 	defer cancel()
@@ -380,7 +435,7 @@ func (u *webUI) ask(w http.ResponseWriter, r *http.Request, kind saga.RequestKin
 		return err
 	}
 	if req.DoneAt == nil {
-		req, err = awaitRequest(ctx, u.client, req, u.cfg.RequestWait)
+		req, err = present.AwaitRequest(ctx, u.client, req, u.cfg.RequestWait)
 		if err != nil {
 			return err
 		}
@@ -453,12 +508,12 @@ const pageShowBytes = 1 << 20
 // deadLetterRowOf shows d with shown, the part of its payload a page shows;
 // ret is the page its Replay button returns to.
 func deadLetterRowOf(d delivery.DeadLetter, shown []byte, now time.Time, ret string) deadLetterRow {
-	row := deadLetterRow{ID: d.ID, UUID: d.UUID, Topic: d.Topic, Group: dash(d.ConsumerGroup), Handler: dash(d.Handler),
-		Reason: d.Reason, Attempts: d.Attempts, Dead: age(now.Sub(d.DeadAt)) + " ago", DeadAt: stamp(d.DeadAt),
+	row := deadLetterRow{ID: d.ID, UUID: d.UUID, Topic: d.Topic, Group: present.Dash(d.ConsumerGroup), Handler: present.Dash(d.Handler),
+		Reason: d.Reason, Attempts: d.Attempts, Dead: present.Age(now.Sub(d.DeadAt)) + " ago", DeadAt: stamp(d.DeadAt),
 		PublishedAt: stamp(d.CreatedAt), IsReplayed: d.ReplayedAt != nil, PayloadSize: thousands(d.PayloadSize) + " bytes",
 		Anchor: fmt.Sprintf("dl-%d", d.ID), Href: fmt.Sprintf("/dead-letters/%d", d.ID), Return: ret}
 	row.PayloadHref, row.ReplayAction = row.Href+"/payload", row.Href+"/replay"
-	row.ReasonShort = clip(oneLine(row.Reason), 160)
+	row.ReasonShort = present.Clip(present.OneLine(row.Reason), 160)
 	row.ReasonLong = row.ReasonShort != row.Reason
 	if n := utf8.RuneCountInString(d.Reason); d.ReasonLength > n {
 		row.ReasonNote = fmt.Sprintf("The first %s of %s characters: the dead letter's page has all of it.", thousands(n), thousands(d.ReasonLength))
@@ -483,7 +538,7 @@ func deadLetterRowOf(d delivery.DeadLetter, shown []byte, now time.Time, ret str
 	}
 	row.PayloadNote = strings.Join(notes, "; ")
 	if d.ReplayedAt != nil {
-		row.Replayed, row.ReplayedAt = age(now.Sub(*d.ReplayedAt))+" ago", stamp(*d.ReplayedAt)
+		row.Replayed, row.ReplayedAt = present.Age(now.Sub(*d.ReplayedAt))+" ago", stamp(*d.ReplayedAt)
 	}
 	switch {
 	case metadataLeftOut(d):
@@ -534,7 +589,7 @@ func thousands(n int) string {
 	return s
 }
 
-func (u *webUI) deadLetters(w http.ResponseWriter, r *http.Request) error {
+func (u *Handler) deadLetters(w http.ResponseWriter, r *http.Request) error {
 	ctx, cancel := context.WithTimeout(r.Context(), pageTimeout)
 	defer cancel()
 	q := r.URL.Query()
@@ -546,7 +601,7 @@ func (u *webUI) deadLetters(w http.ResponseWriter, r *http.Request) error {
 		}
 		v.Limit = n
 	}
-	if err := limitError(v.Limit); err != nil {
+	if err := present.LimitError(v.Limit); err != nil {
 		return badRequest("Bad filter: %v.", err)
 	}
 	if s := strings.TrimSpace(q.Get("after")); s != "" {
@@ -570,7 +625,7 @@ func (u *webUI) deadLetters(w http.ResponseWriter, r *http.Request) error {
 		}
 	}
 	for _, d := range list {
-		v.Rows = append(v.Rows, deadLetterRowOf(d, d.PayloadPreview, deadLetterNow(d), r.URL.RequestURI()))
+		v.Rows = append(v.Rows, deadLetterRowOf(d, d.PayloadPreview, present.DeadLetterNow(d), r.URL.RequestURI()))
 	}
 	if len(list) == v.Limit {
 		next := url.Values{"after": {strconv.FormatInt(list[len(list)-1].ID, 10)}, "limit": {strconv.Itoa(v.Limit)}}
@@ -595,7 +650,7 @@ func deadLetterID(r *http.Request) (int64, error) {
 
 // wholeDeadLetter reads the dead letter the request's path names, whole:
 // the only page that reads a whole payload.
-func (u *webUI) wholeDeadLetter(r *http.Request) (delivery.DeadLetter, error) {
+func (u *Handler) wholeDeadLetter(r *http.Request) (delivery.DeadLetter, error) {
 	id, err := deadLetterID(r)
 	if err != nil {
 		return delivery.DeadLetter{}, err
@@ -616,19 +671,19 @@ func (v deadLetterView) title() string { return fmt.Sprintf("Dead letter %d", v.
 
 // deadLetter is a dead letter's page: all of it, the payload's first
 // pageShowBytes, its Replay button.
-func (u *webUI) deadLetter(w http.ResponseWriter, r *http.Request) error {
+func (u *Handler) deadLetter(w http.ResponseWriter, r *http.Request) error {
 	d, err := u.wholeDeadLetter(r)
 	if err != nil {
 		return err
 	}
-	row := deadLetterRowOf(d, d.Payload[:min(len(d.Payload), pageShowBytes)], deadLetterNow(d), r.URL.Path)
+	row := deadLetterRowOf(d, d.Payload[:min(len(d.Payload), pageShowBytes)], present.DeadLetterNow(d), r.URL.Path)
 	u.render(w, r, http.StatusOK, pageDeadLetter, "dead-letters", deadLetterView{row})
 	return nil
 }
 
 // deadLetterPayload is a dead letter's payload, byte for byte, as a file
 // to save, never a page to show.
-func (u *webUI) deadLetterPayload(w http.ResponseWriter, r *http.Request) error {
+func (u *Handler) deadLetterPayload(w http.ResponseWriter, r *http.Request) error {
 	d, err := u.wholeDeadLetter(r)
 	if err != nil {
 		return err
@@ -643,14 +698,14 @@ func (u *webUI) deadLetterPayload(w http.ResponseWriter, r *http.Request) error 
 }
 
 // replay is `pgsaga dead-letters replay <id>` for one dead letter.
-func (u *webUI) replay(w http.ResponseWriter, r *http.Request) error {
+func (u *Handler) replay(w http.ResponseWriter, r *http.Request) error {
 	id, err := deadLetterID(r)
 	if err != nil {
 		return err
 	}
 	back := localPath(r.PostFormValue("return"), "/dead-letters")
 	back = strings.SplitN(back, "#", 2)[0] + fmt.Sprintf("#dl-%d", id)
-	done, err := replayDeadLetter(r.Context(), u.client, id)
+	done, err := present.ReplayDeadLetter(r.Context(), u.client, id)
 	switch {
 	case err == nil:
 		u.redirect(w, r, back, flash{"ok", strings.ToUpper(done[:1]) + done[1:] + "."})
@@ -680,7 +735,7 @@ type groupRow struct {
 	State, StateClass            string
 }
 
-func (u *webUI) consumers(w http.ResponseWriter, r *http.Request) error {
+func (u *Handler) consumers(w http.ResponseWriter, r *http.Request) error {
 	ctx, cancel := context.WithTimeout(r.Context(), pageTimeout)
 	defer cancel()
 	stale := 2 * time.Minute
@@ -702,7 +757,7 @@ func (u *webUI) consumers(w http.ResponseWriter, r *http.Request) error {
 		row := groupRow{Topic: g.Topic, Group: g.ConsumerGroup, Waiting: g.Waiting, Retrying: g.Retrying, Later: g.NotYetAvailable,
 			Oldest: "-", LastSeen: "never"}
 		if g.Oldest != nil {
-			row.Oldest = age(now.Sub(*g.Oldest))
+			row.Oldest = present.Age(now.Sub(*g.Oldest))
 		}
 		switch {
 		case g.Running(stale):
@@ -713,7 +768,7 @@ func (u *webUI) consumers(w http.ResponseWriter, r *http.Request) error {
 			row.State, row.StateClass = "never ran", "bad"
 		}
 		if g.LastSeen != nil {
-			row.LastSeen, row.LastSeenAt = age(now.Sub(*g.LastSeen))+" ago", stamp(*g.LastSeen)
+			row.LastSeen, row.LastSeenAt = present.Age(now.Sub(*g.LastSeen))+" ago", stamp(*g.LastSeen)
 		}
 		v.Rows = append(v.Rows, row)
 		v.Groups++

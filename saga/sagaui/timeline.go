@@ -1,4 +1,4 @@
-package main
+package sagaui
 
 // A saga's timeline as a picture: the geometry of an inline SVG, computed
 // here and drawn by web/timeline.svg.html. One lane per step the timeline
@@ -14,6 +14,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pgsaga/pgsaga/internal/present"
 	"github.com/pgsaga/pgsaga/saga"
 )
 
@@ -230,7 +231,7 @@ func buildTimeline(in saga.Instance, now time.Time) *svgTimeline {
 		l.ActionY, l.CompY = l.Y+8, l.Y+8+tlRowH+6
 		l.ActionH, l.CompH = tlRowH, tlRowH
 		l.Shaded = i%2 == 0
-		l.Label, l.LabelTitle = clip(l.Name, 18), l.Name
+		l.Label, l.LabelTitle = present.Clip(l.Name, 18), l.Name
 	}
 	tl.LanesBottom = tlHeader + float64(len(lanes))*tlLaneH
 	if len(lanes) == 0 {
@@ -393,7 +394,7 @@ func span(d time.Duration) string {
 	case d < time.Minute:
 		return strconv.FormatFloat(d.Seconds(), 'f', 2, 64) + " s"
 	}
-	return age(d)
+	return present.Age(d)
 }
 
 func withDetail(d string) string {
