@@ -17,10 +17,11 @@ import (
 
 	"github.com/pgsaga/pgsaga/idempotency"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testpg"
 	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+func TestMain(m *testing.M) { testpg.Main(m) }
 
 func newStore(t *testing.T, mutate func(*idempotency.Config)) (*idempotency.Store, *testdb.DB) {
 	t.Helper()

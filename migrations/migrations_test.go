@@ -13,6 +13,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
+	"github.com/pgsaga/pgsaga/internal/testpg"
 	"github.com/pgsaga/pgsaga/migrations"
 )
 
@@ -22,7 +23,7 @@ func TestMain(m *testing.M) {
 	if url := os.Getenv("PGSAGA_MIGRATE_HELPER_URL"); url != "" {
 		os.Exit(applyAndExit(url))
 	}
-	testdb.Main(m)
+	testpg.Main(m)
 }
 
 func applyAndExit(url string) int {

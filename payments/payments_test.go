@@ -23,6 +23,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/stepsrt"
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
+	"github.com/pgsaga/pgsaga/internal/testpg"
 	"github.com/pgsaga/pgsaga/internal/testsample"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/payments"
@@ -31,7 +32,7 @@ import (
 	"github.com/pgsaga/pgsaga/steps/events"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m, testsample.Schemas()...) }
+func TestMain(m *testing.M) { testpg.Main(m, testsample.Schemas()...) }
 
 // logger is the tests' logger (PGSAGA_TEST_LOG shows it).
 var logger = testout.Logger

@@ -18,6 +18,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
+	"github.com/pgsaga/pgsaga/internal/testpg"
 	"github.com/pgsaga/pgsaga/internal/testsample"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
@@ -32,7 +33,7 @@ func TestMain(m *testing.M) {
 	// Its slow tests run the sample side by side (t.Parallel), on a server
 	// of the package's own: two runs at once take connections the other
 	// packages' tests need.
-	testdb.MainOwnServer(m, testsample.Schemas()...)
+	testpg.MainOwnServer(m, testsample.Schemas()...)
 }
 
 // lastJSON decodes the last line of stdout.

@@ -20,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testpg"
 	"github.com/pgsaga/pgsaga/internal/testsample"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/orders"
@@ -33,7 +34,7 @@ func TestMain(m *testing.M) {
 	if args := os.Getenv(childArgs); args != "" {
 		os.Exit(runMain(strings.Fields(args)))
 	}
-	testdb.Main(m, testsample.Schemas()...)
+	testpg.Main(m, testsample.Schemas()...)
 }
 
 // sampleRun runs the sample saga on a fresh database for two orders, one

@@ -16,6 +16,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testnats"
+	"github.com/pgsaga/pgsaga/internal/testpg"
 	"github.com/pgsaga/pgsaga/internal/testsample"
 )
 
@@ -31,7 +32,7 @@ func TestMain(m *testing.M) {
 	if args, ok := os.LookupEnv("SAGABENCH_ARGS"); ok {
 		os.Exit(runWithSignals(strings.Fields(args), os.Stdout, os.Stderr))
 	}
-	testdb.MainOwnServer(m, testsample.Schemas()...) // its runs take most of a server
+	testpg.MainOwnServer(m, testsample.Schemas()...) // its runs take most of a server
 }
 
 // A small run reports every figure of the JSON contract, with every

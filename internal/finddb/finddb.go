@@ -36,6 +36,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgsaga/pgsaga/internal/flock"
 	"github.com/pgsaga/pgsaga/internal/pgbin"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/pgserver"
@@ -141,7 +142,7 @@ func (f *Found) Close() error {
 	if f.release == nil {
 		return nil
 	}
-	unlock, err := LockFile(filepath.Join(f.dir, serverLock))
+	unlock, err := flock.Lock(filepath.Join(f.dir, serverLock))
 	if err != nil {
 		return err
 	}
@@ -263,7 +264,7 @@ func startEmbedded(ctx context.Context, cfg Config) (*Found, error) {
 	}
 	// Starting, or finding running, and counting users happen under one
 	// lock with stopping (see users.go).
-	unlock, err := LockFile(filepath.Join(cfg.EmbeddedDir, serverLock))
+	unlock, err := flock.Lock(filepath.Join(cfg.EmbeddedDir, serverLock))
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrNoDatabase, err)
 	}

@@ -27,13 +27,14 @@ import (
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/pgserver"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testpg"
 )
 
 func TestMain(m *testing.M) {
 	if os.Getenv("PGSAGA_EMBEDDED_CHILD") != "" {
 		os.Exit(embeddedChild())
 	}
-	testdb.Main(m)
+	testpg.Main(m)
 }
 
 var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))

@@ -7,9 +7,6 @@ import "os"
 // Without flock, users are not counted: each program stops the embedded
 // server it started or found, as before.
 
-// LockFile locks nothing without flock.
-func LockFile(string) (func(), error) { return func() {}, nil }
-
 func heldFile(path string) (func(), error) {
 	return func() { _ = os.Remove(path) }, nil
 }

@@ -9,21 +9,6 @@ import (
 	"syscall"
 )
 
-// LockFile takes an exclusive lock on path, shared by every process of the
-// machine, waiting for it; unlock releases it. The kernel releases it when
-// the process exits, however it exits.
-func LockFile(path string) (unlock func(), err error) {
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o600)
-	if err != nil {
-		return nil, fmt.Errorf("finddb: opening %s: %w", path, err)
-	}
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
-		_ = f.Close()
-		return nil, fmt.Errorf("finddb: locking %s: %w", path, err)
-	}
-	return func() { _ = f.Close() }, nil // closing releases the lock
-}
-
 // heldFile creates path and holds an exclusive lock on it until release.
 func heldFile(path string) (release func(), err error) {
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_RDWR, 0o600)

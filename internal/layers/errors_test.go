@@ -19,10 +19,7 @@ import (
 // the reason" for an error carried in a type or a dead letter).
 func TestSentinelsLiveInErrorsGoAndSayWhenTheyAreReturned(t *testing.T) {
 	t.Parallel()
-	wd, err := os.Getwd()
-	require.NoError(t, err)
-	root, _, err := ModuleRoot(wd)
-	require.NoError(t, err)
+	root, _ := thisModule(t)
 	checked := 0
 	require.NoError(t, filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
 		if err != nil || !d.IsDir() {
@@ -130,10 +127,7 @@ var ErrStray = errors.New("stray")
 // testing.TB, is not a way in.
 func TestEveryInternalSentinelUsersCanReceiveIsPublic(t *testing.T) {
 	t.Parallel()
-	wd, err := os.Getwd()
-	require.NoError(t, err)
-	root, module, err := ModuleRoot(wd)
-	require.NoError(t, err)
+	root, module := thisModule(t)
 	imports, err := Read(root, module)
 	require.NoError(t, err)
 	reached := map[string]bool{}

@@ -45,6 +45,7 @@ var Layers = []Layer{
 	{Dir: "migrations", Rank: 2},                        // the schema
 	{Dir: "internal/testdb", Rank: 3, TestOnly: true},   // migrated test databases
 	{Dir: "internal/testlost", Rank: 4, TestOnly: true}, // lost connections, on testdb's
+	{Dir: "internal/testpg", Rank: 4, TestOnly: true},   // testdb with the embedded server, for pgsaga's own tests
 	{Dir: "idempotency", Rank: 3},
 	{Dir: "steps/events", Rank: 3},
 	{Dir: "internal/telemetry", Rank: 3},

@@ -15,10 +15,7 @@ import (
 // Every import among the module's packages runs downward (Layers).
 func TestImportsRunDownward(t *testing.T) {
 	t.Parallel()
-	wd, err := os.Getwd()
-	require.NoError(t, err)
-	root, module, err := ModuleRoot(wd)
-	require.NoError(t, err)
+	root, module := thisModule(t)
 	imports, err := Read(root, module)
 	require.NoError(t, err)
 	require.Greater(t, len(imports), 50, "the module's imports were read")
@@ -58,10 +55,7 @@ func TestCheckReportsWhatRunsUpward(t *testing.T) {
 // once did, on one database).
 func TestAdvisoryLockKeysAreDistinct(t *testing.T) {
 	t.Parallel()
-	wd, err := os.Getwd()
-	require.NoError(t, err)
-	root, _, err := ModuleRoot(wd)
-	require.NoError(t, err)
+	root, _ := thisModule(t)
 	key := regexp.MustCompile(`0x706773616761[0-9a-fA-F]{4}`)
 	owners := map[string][]string{}
 	require.NoError(t, filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
@@ -88,4 +82,14 @@ func TestAdvisoryLockKeysAreDistinct(t *testing.T) {
 	for k, files := range owners {
 		assert.Len(t, files, 1, "advisory lock key %s is taken in %v", k, files)
 	}
+}
+
+// thisModule returns the root directory and path of the module under test.
+func thisModule(t *testing.T) (root, module string) {
+	t.Helper()
+	wd, err := os.Getwd()
+	require.NoError(t, err)
+	root, module, err = ModuleRoot(wd)
+	require.NoError(t, err)
+	return root, module
 }

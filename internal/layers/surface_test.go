@@ -7,7 +7,7 @@ import (
 	"go/parser"
 	"go/token"
 	"go/types"
-	"os"
+	"os/exec"
 	"slices"
 	"strings"
 	"testing"
@@ -22,10 +22,7 @@ import (
 // change inside internal/ cannot change the API unseen.
 func TestThePublicAPINamesNoInternalType(t *testing.T) {
 	t.Parallel()
-	wd, err := os.Getwd()
-	require.NoError(t, err)
-	root, module, err := ModuleRoot(wd)
-	require.NoError(t, err)
+	root, module := thisModule(t)
 	leaks, err := Leaks(root, module)
 	require.NoError(t, err)
 	assert.Empty(t, leaks, "the public API reaches into internal/:\n%s", strings.Join(leaks, "\n"))
@@ -99,10 +96,7 @@ func (f importerFunc) Import(path string) (*types.Package, error) { return f(pat
 // them.
 func TestTheLibraryExportsAtMost400Names(t *testing.T) {
 	t.Parallel()
-	wd, err := os.Getwd()
-	require.NoError(t, err)
-	root, module, err := ModuleRoot(wd)
-	require.NoError(t, err)
+	root, module := thisModule(t)
 	names, err := Names(root, module)
 	require.NoError(t, err)
 	withMethods, err := Exports(root, module)
@@ -122,4 +116,47 @@ func TestTheLibraryExportsAtMost400Names(t *testing.T) {
 	slices.Sort(lines)
 	t.Logf("exported names (and with methods) by package; the library %d, with the sample %d:\n%s", library, all, strings.Join(lines, "\n"))
 	assert.LessOrEqual(t, library, 400)
+}
+
+// The public packages, the test kit first among them, build without the
+// embedded PostgreSQL and the lib/pq driver it brings: a user's test
+// build gets them only by importing saga/sagatest/embeddedpg, whose point
+// they are.
+func TestThePublicPackagesPullNoEmbeddedServer(t *testing.T) {
+	t.Parallel()
+	root, module := thisModule(t)
+	heavy := []string{"github.com/fergusstrange/embedded-postgres", "github.com/lib/pq"}
+	var pulled []string
+	for _, pkg := range publicPackages(t, root, module) {
+		if pkg == module+"/saga/sagatest/embeddedpg" {
+			continue
+		}
+		out, err := exec.Command("go", "list", "-C", root, "-deps", "-f", "{{.ImportPath}}", pkg).Output()
+		require.NoError(t, err, "go list -deps %s", pkg)
+		for _, dep := range strings.Fields(string(out)) {
+			if slices.Contains(heavy, dep) {
+				pulled = append(pulled, pkg+" pulls "+dep)
+			}
+		}
+	}
+	assert.Empty(t, pulled)
+	out, err := exec.Command("go", "list", "-C", root, "-deps", "-f", "{{.ImportPath}}", module+"/saga/sagatest/embeddedpg").Output()
+	require.NoError(t, err)
+	assert.Subset(t, strings.Fields(string(out)), heavy, "the check looks for the packages embeddedpg imports")
+}
+
+// publicPackages lists the module's public packages (Public, not main).
+func publicPackages(t *testing.T, root, module string) []string {
+	t.Helper()
+	out, err := exec.Command("go", "list", "-C", root, "-f", "{{.ImportPath}} {{.Name}}", "./...").Output()
+	require.NoError(t, err)
+	var pkgs []string
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		path, name, _ := strings.Cut(line, " ")
+		if rel, ok := strings.CutPrefix(path, module+"/"); ok && name != "main" && Public(rel) {
+			pkgs = append(pkgs, path)
+		}
+	}
+	require.NotEmpty(t, pkgs)
+	return pkgs
 }

@@ -18,9 +18,10 @@ import (
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/pgerr"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testpg"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+func TestMain(m *testing.M) { testpg.Main(m) }
 
 // connect opens a pgx connection of the test's own to db.
 func connect(t *testing.T, url string) *pgx.Conn {

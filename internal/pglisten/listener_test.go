@@ -12,9 +12,10 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/pglisten"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testpg"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+func TestMain(m *testing.M) { testpg.Main(m) }
 
 type inbox struct {
 	mu   sync.Mutex

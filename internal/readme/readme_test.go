@@ -14,9 +14,10 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/layers"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testpg"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+func TestMain(m *testing.M) { testpg.Main(m) }
 
 // program returns the README's Go program: the go block between the
 // example-program markers.

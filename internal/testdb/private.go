@@ -19,6 +19,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/pgsaga/pgsaga/internal/flock"
 	"github.com/pgsaga/pgsaga/internal/pgbin"
 )
 
@@ -122,7 +123,7 @@ func startPrivate(bin string, env []string) (*PrivateServer, error) {
 		return nil, err
 	}
 	s := &PrivateServer{bin: bin, dir: dir, port: port, env: env}
-	if s.unlock, err = lockFile(filepath.Join(dir, ownerLock)); err != nil {
+	if s.unlock, err = flock.Lock(filepath.Join(dir, ownerLock)); err != nil {
 		_ = os.RemoveAll(dir)
 		return nil, err
 	}
@@ -197,7 +198,7 @@ func removeOrphans() {
 		if st, err := os.Stat(dir); err != nil || time.Since(st.ModTime()) < time.Minute {
 			continue // just created: its process may not hold the lock yet
 		}
-		unlock, ok := tryLockFile(filepath.Join(dir, ownerLock))
+		unlock, ok := flock.TryLock(filepath.Join(dir, ownerLock))
 		if !ok {
 			continue // its process is alive, or it is not ours to judge
 		}

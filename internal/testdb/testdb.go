@@ -7,22 +7,17 @@
 // of it, which takes tens of milliseconds. Databases it creates are dropped
 // when the package's tests end.
 //
-// The server is found the way the sample finds one (internal/finddb):
-// TEST_DATABASE_URL, then DATABASE_URL, then a server answering at
-// postgres://postgres@127.0.0.1:5432/postgres, then an embedded PostgreSQL
-// (port 54330, data in <user cache dir>/pgsaga/test-postgres) that the
-// first test process of a run starts, the others share, and that is left
-// running for the next run (a second start would cost every run seconds);
-// it stops with `pg_ctl stop -D <that dir>/data`. Like the sample's, it is
-// its user's alone (a random superuser password in
-// <that dir>/data/pgsaga-superuser-password, asked for by SCRAM; see
-// internal/finddb). As root, where PostgreSQL
-// cannot run, the tests fail with one sentence saying how to get a server;
-// they never skip.
+// The server is TEST_DATABASE_URL, then DATABASE_URL, then one answering
+// at postgres://postgres@127.0.0.1:5432/postgres, then what the Setup's
+// Fallback gives: pgsaga's own tests start an embedded server
+// (internal/testpg); the public kit (saga/sagatest) has none, so that its
+// import pulls no embedded server into a user's test build, and fails
+// saying how to get a server (saga/sagatest/embeddedpg adds the embedded
+// one for those who want it).
 //
 // Use it from TestMain:
 //
-//	func TestMain(m *testing.M) { testdb.Main(m) }
+//	func TestMain(m *testing.M) { testpg.Main(m) }
 //
 //	func TestSomething(t *testing.T) {
 //		db := testdb.Shared(t) // the package's database
@@ -39,7 +34,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"log/slog"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -55,7 +49,6 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/pgsaga/pgsaga/internal/finddb"
 	"github.com/pgsaga/pgsaga/internal/pgbin"
 	"github.com/pgsaga/pgsaga/internal/pgdb"
 	"github.com/pgsaga/pgsaga/internal/pgerr"
@@ -114,12 +107,46 @@ type Schema struct {
 	Migrate func(context.Context, *sql.DB) ([]int64, error)
 }
 
-// Main runs the package's tests with a database server and exits. Call it
-// from TestMain. Every migrated database (Shared, Fresh, ForExample) holds
-// pgsaga's tables and those of schemas.
-func Main(m *testing.M, schemas ...Schema) {
+// Schemas converts the kit's schemas (sagatest.Schema, a struct of the
+// same fields) to Schema.
+func Schemas[S ~struct {
+	Files   fs.FS
+	Migrate func(context.Context, *sql.DB) ([]int64, error)
+}](s []S) []Schema {
+	out := make([]Schema, len(s))
+	for i, sc := range s {
+		out[i] = Schema(sc)
+	}
+	return out
+}
+
+// Setup is how MainWith finds and uses a server.
+type Setup struct {
+	// Fallback returns the admin URL of a server to test on when neither
+	// TEST_DATABASE_URL, DATABASE_URL nor 127.0.0.1:5432 gives one (an
+	// embedded server: see internal/testpg). Nil: the tests fail, saying
+	// how to get a server.
+	Fallback func(ctx context.Context) (adminURL string, err error)
+	// OwnServer tests on a server of the package's own where the
+	// machine's PostgreSQL server binaries are installed, for packages
+	// whose tests load a server as much as its other users will let them
+	// (benchmark runs that take most of its connections and hold
+	// server-wide turns): see StartPrivate (max_connections 200); it is
+	// removed when the tests end. The package's turns then stop no other
+	// package's tests: with every package on one server, sagabench's turns
+	// and the sample's tests took turns, and the two packages together
+	// outlasted go test's ten minutes at -count=3. Where no server can be
+	// started it says why, in one line, and uses the run's server.
+	OwnServer bool
+}
+
+// MainWith runs the package's tests with a database server and exits.
+// Call it from TestMain (pgsaga's own packages call testpg.Main, the kit's
+// users sagatest.Main). Every migrated database (Shared, Fresh,
+// ForExample) holds pgsaga's tables and those of schemas.
+func MainWith(m *testing.M, setup Setup, schemas ...Schema) {
 	setSchemas(schemas)
-	os.Exit(run(m, false))
+	os.Exit(run(m, setup))
 }
 
 func setSchemas(s []Schema) {
@@ -134,29 +161,14 @@ func setSchemas(s []Schema) {
 	tplMu.Unlock()
 }
 
-// MainOwnServer is Main for a package whose tests load a server as much as
-// its other users will let them (benchmark runs that take most of its
-// connections and hold server-wide turns): where the machine's PostgreSQL
-// server binaries are installed, it starts a server of the package's own
-// (see StartPrivate; max_connections 200), tests on it, and removes it when
-// the tests end. The package's turns then stop no other package's tests:
-// with every package on one server, sagabench's turns and the sample's
-// tests took turns, and the two packages together outlasted go test's
-// ten minutes at -count=3. Where no server can be started it says why, in
-// one line, and uses the run's server as Main does.
-func MainOwnServer(m *testing.M, schemas ...Schema) {
-	setSchemas(schemas)
-	os.Exit(run(m, true))
-}
-
-func run(m *testing.M, ownServer bool) int {
+func run(m *testing.M, setup Setup) int {
 	ctx := context.Background()
-	srv, err := findServer(ctx)
+	srv, err := findServer(ctx, setup.Fallback)
 	if err != nil {
 		sayOnce(err)
 		return 1
 	}
-	if ownServer {
+	if setup.OwnServer {
 		if bin := pgbin.Find(); bin == "" {
 			fmt.Fprintln(os.Stderr, "testdb: no PostgreSQL server binaries to start a server of the package's own (pg_config --bindir, /usr/lib/postgresql/*/bin); testing on the run's server, taking turns")
 		} else if own, err := startPrivate(bin, nil); err != nil {
@@ -210,57 +222,20 @@ func envURL() string {
 	return ""
 }
 
-// Embedded test server: its own data, apart from the sample's, on a port
-// of its own.
-const (
-	embeddedPort = 54330
-	embeddedDir  = "test-postgres"
-)
-
 // findServer returns the admin URL of the server to test on.
-func findServer(ctx context.Context) (string, error) {
+func findServer(ctx context.Context, fallback func(context.Context) (string, error)) (string, error) {
 	if v := envURL(); v != "" {
 		if err := ping(ctx, v); err != nil {
 			return "", fmt.Errorf("no PostgreSQL answered for %s (%s), the server TEST_DATABASE_URL or DATABASE_URL names; start it or unset the variable", pgdb.Describe(v), oneLine(err))
 		}
 		return v, nil
 	}
-	if ping(ctx, DefaultURL) == nil {
+	if err := ping(ctx, DefaultURL); err == nil {
 		return DefaultURL, nil
+	} else if fallback == nil {
+		return "", fmt.Errorf("no PostgreSQL to test on: TEST_DATABASE_URL and DATABASE_URL are unset and none answered at %s (%s); start one (docker compose up -d) or set TEST_DATABASE_URL", pgdb.Describe(DefaultURL), oneLine(err))
 	}
-	cache, err := os.UserCacheDir()
-	if err != nil {
-		cache = os.TempDir()
-	}
-	dir := filepath.Join(cache, "pgsaga", embeddedDir)
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return "", fmt.Errorf("creating %s for an embedded PostgreSQL: %w", dir, err)
-	}
-	// Every test package runs in a process of its own, most at once: one
-	// starts the server while the others wait, then find it running.
-	unlock, err := lockFile(filepath.Join(dir, "start.lock"))
-	if err != nil {
-		return "", err
-	}
-	defer unlock()
-	found, err := finddb.Find(ctx, finddb.Config{
-		Getenv:       func(string) string { return "" },
-		ProbeURL:     DefaultURL,
-		Database:     "postgres",
-		EmbeddedDir:  dir,
-		EmbeddedPort: embeddedPort,
-		Logger:       slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
-	})
-	if err != nil {
-		return "", fmt.Errorf("%w (the tests look for TEST_DATABASE_URL, then DATABASE_URL, then %s, then start an embedded PostgreSQL)", err, pgdb.Describe(DefaultURL))
-	}
-	// Never closed: the server outlives this process for the other test
-	// packages of the run and for later runs.
-	// One line, in every package: go test shows it only for packages that
-	// fail, and then it matters.
-	fmt.Fprintf(os.Stderr, "testdb: no PostgreSQL at 127.0.0.1:5432; testing on an embedded one (%s, port %d), left running for later runs; stop it with `pg_ctl stop -D %s`; its password is in %s\n",
-		found.Detail, embeddedPort, filepath.Join(dir, "data"), filepath.Join(dir, "data", "pgsaga-superuser-password"))
-	return found.URL, nil
+	return fallback(ctx)
 }
 
 // underGoCommand reports whether this test binary is a child of the go
@@ -334,7 +309,7 @@ func sharedDB() (*DB, error) {
 	mu.Lock()
 	defer mu.Unlock()
 	if !mainRan {
-		return nil, errors.New("call testdb.Main(m) from the package's TestMain")
+		return nil, errors.New("call testpg.Main(m) (or sagatest.Main) from the package's TestMain")
 	}
 	if shared == nil {
 		db, err := create(context.Background(), true)
@@ -386,7 +361,7 @@ func own(t testing.TB, migrated bool, options ...string) *DB {
 
 func requireMain(t testing.TB) {
 	if !mainRan {
-		t.Fatalf("testdb: call testdb.Main(m) from the package's TestMain")
+		t.Fatalf("testdb: call testpg.Main(m) (or sagatest.Main) from the package's TestMain")
 	}
 }
 

@@ -10,11 +10,13 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/pgsaga/pgsaga/internal/finddb"
+	"github.com/pgsaga/pgsaga/internal/flock"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
-func TestMain(m *testing.M) { Main(m) }
+func TestMain(m *testing.M) { MainWith(m, Setup{Fallback: finddb.TestServer}) }
 
 // Another checkout with other migrations may be testing on the same server:
 // its fresh template survives this one's build; a template older than
@@ -102,7 +104,7 @@ func TestOrphanedPrivateServersAreRemoved(t *testing.T) {
 		dir, err := os.MkdirTemp("", privatePrefix)
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = os.RemoveAll(dir) })
-		unlock, err := lockFile(filepath.Join(dir, ownerLock))
+		unlock, err := flock.Lock(filepath.Join(dir, ownerLock))
 		require.NoError(t, err)
 		if held {
 			t.Cleanup(unlock)

@@ -1,5 +1,5 @@
 // Package testsample holds the sample's tables for the test databases of
-// the packages that test it: testdb.Main(m, testsample.Schemas()...).
+// the packages that test it: testpg.Main(m, testsample.Schemas()...).
 package testsample
 
 import (

@@ -17,6 +17,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
+	"github.com/pgsaga/pgsaga/internal/testpg"
 	"github.com/pgsaga/pgsaga/internal/transport"
 )
 
@@ -26,7 +27,7 @@ func TestMain(m *testing.M) {
 	if os.Getenv(workerEnv) != "" {
 		os.Exit(runWorker())
 	}
-	testdb.Main(m)
+	testpg.Main(m)
 }
 
 // testLogger is the tests' logger (PGSAGA_TEST_LOG shows it).

@@ -13,6 +13,7 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testout"
+	"github.com/pgsaga/pgsaga/internal/testpg"
 	"github.com/pgsaga/pgsaga/internal/testsample"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/orders"
@@ -23,10 +24,10 @@ import (
 )
 
 // The sample's tests run many workers at once, each with its pools: on a
-// server of their own (see testdb.MainOwnServer), as the run's server, its
+// server of their own (see testpg.MainOwnServer), as the run's server, its
 // connections shared with the other packages tested meanwhile, ran out of
 // them ("too many clients already").
-func TestMain(m *testing.M) { testdb.MainOwnServer(m, testsample.Schemas()...) }
+func TestMain(m *testing.M) { testpg.MainOwnServer(m, testsample.Schemas()...) }
 
 // logger is the tests' logger (PGSAGA_TEST_LOG shows it).
 var logger = testout.Logger

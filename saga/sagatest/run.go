@@ -17,18 +17,14 @@ import (
 )
 
 // Main runs the tests of a package that uses DB, with a PostgreSQL server,
-// and exits: call it from the package's TestMain. It finds the server as
-// pgsaga's own tests do: TEST_DATABASE_URL, else DATABASE_URL, else one on
-// 127.0.0.1:5432, else an embedded PostgreSQL it starts (from the
-// machine's PostgreSQL binaries, else downloaded once) and that later runs
-// share. Every database DB returns holds pgsaga's tables and those of
+// and exits: call it from the package's TestMain. The server is
+// TEST_DATABASE_URL, else DATABASE_URL, else one answering at
+// postgres://postgres@127.0.0.1:5432/postgres; with none, the tests fail
+// saying how to get one (embeddedpg.Main starts an embedded server
+// instead). Every database DB returns holds pgsaga's tables and those of
 // schemas: your application's, from its own migrations.
 func Main(m *testing.M, schemas ...Schema) {
-	own := make([]testdb.Schema, len(schemas))
-	for i, s := range schemas {
-		own[i] = testdb.Schema(s)
-	}
-	testdb.Main(m, own...)
+	testdb.MainWith(m, testdb.Setup{}, testdb.Schemas(schemas)...)
 }
 
 // Schema is an application's tables, migrated into every test database

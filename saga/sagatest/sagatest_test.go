@@ -22,13 +22,14 @@ import (
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
+	"github.com/pgsaga/pgsaga/saga/sagatest/embeddedpg"
 	"github.com/pgsaga/pgsaga/steps"
 )
 
 // The kit's tests run with an application schema of their own, as a
 // user's would (TestDBHoldsTheApplicationsTables).
 func TestMain(m *testing.M) {
-	sagatest.Main(m, sagatest.Schema{Files: notesSchema, Migrate: func(ctx context.Context, db *sql.DB) ([]int64, error) {
+	embeddedpg.Main(m, sagatest.Schema{Files: notesSchema, Migrate: func(ctx context.Context, db *sql.DB) ([]int64, error) {
 		_, err := db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS kit_notes (id int PRIMARY KEY)`)
 		return []int64{1}, err
 	}})

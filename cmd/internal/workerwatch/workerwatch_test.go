@@ -16,12 +16,13 @@ import (
 
 	"github.com/pgsaga/pgsaga/cmd/internal/workerwatch"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testpg"
 	"github.com/pgsaga/pgsaga/internal/testsample"
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m, testsample.Schemas()...) }
+func TestMain(m *testing.M) { testpg.Main(m, testsample.Schemas()...) }
 
 type fakeWorker struct {
 	stopped chan struct{}

@@ -12,9 +12,10 @@ import (
 
 	"github.com/pgsaga/pgsaga/internal/pgbin"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testpg"
 )
 
-func TestMain(m *testing.M) { testdb.MainOwnServer(m) }
+func TestMain(m *testing.M) { testpg.MainOwnServer(m) }
 
 // runServer connects to the server the other packages of the run test on,
 // found as testdb finds it, or skips where that is an embedded one.

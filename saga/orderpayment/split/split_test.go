@@ -22,6 +22,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/testdb"
 	"github.com/pgsaga/pgsaga/internal/testnats"
 	"github.com/pgsaga/pgsaga/internal/testout"
+	"github.com/pgsaga/pgsaga/internal/testpg"
 	"github.com/pgsaga/pgsaga/internal/testsample"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/orders"
@@ -38,7 +39,7 @@ import (
 // JetStream: tests of their own package (a test binary of their own),
 // since together with the one-database tests they outlasted go test's ten
 // minutes at -count=3.
-func TestMain(m *testing.M) { testdb.Main(m, testsample.Schemas()...) }
+func TestMain(m *testing.M) { testpg.Main(m, testsample.Schemas()...) }
 
 // logger is the tests' logger (PGSAGA_TEST_LOG shows it).
 var logger = testout.Logger
