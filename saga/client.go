@@ -117,6 +117,18 @@ type ClientConfig struct {
 	// (Broker.Broker nil).
 	Broker broker.Config
 
+	// Schema is the PostgreSQL schema pgsaga's tables live in. pgsaga
+	// names its tables without a schema, so they are found through the
+	// connections' search_path, where a schema costs no statement: set it
+	// on the pool, before the schemas of your own tables
+	// (pgxpool.Config.ConnConfig.RuntimeParams["search_path"] =
+	// "billing, public"). Migrate creates the schema if it is missing;
+	// Migrate, Setup and Start refuse a pool whose current schema (the
+	// first of its search_path that exists) is another
+	// (ErrSchemaNotOnPath). Lowercase letters, digits and _, up to 63.
+	// Default: "" (the search_path's, public unless it says otherwise).
+	Schema string
+
 	// Logger. Default: slog.Default().
 	Logger *slog.Logger
 }
@@ -253,6 +265,11 @@ func (cfg ClientConfig) validate() error {
 	if cfg.FinishedChannel != "" {
 		if err := transport.ValidateChannel(cfg.FinishedChannel); err != nil {
 			errs = append(errs, fmt.Errorf("FinishedChannel: %w", err))
+		}
+	}
+	if cfg.Schema != "" {
+		if err := validateSchema(cfg.Schema); err != nil {
+			errs = append(errs, err)
 		}
 	}
 	if cfg.EventsNotPublished && cfg.EventsTopic == nil {
@@ -431,6 +448,9 @@ func (c *Client) Subscriptions() []delivery.Subscription {
 // call it earlier, before publishing, if publishing may come first. Safe
 // in several processes at once.
 func (c *Client) Setup(ctx context.Context) error {
+	if err := c.checkSchema(ctx); err != nil {
+		return err
+	}
 	if err := c.engine.RecordDefinitions(ctx); err != nil {
 		return err
 	}
@@ -690,8 +710,17 @@ func (c *Client) Stop(ctx context.Context) error {
 // Migrate brings the database's schema up to date with the migrations of
 // this version of pgsaga (migrations.Apply), and returns the versions it
 // applied: none when it was current. Processes that start together queue
-// on a lock; a database whose encoding is not UTF8 is refused.
-func (c *Client) Migrate(ctx context.Context) ([]int64, error) { return migrations.Apply(ctx, c.db) }
+// on a lock; a database whose encoding is not UTF8 is refused. With a
+// Schema, it creates the schema if missing and migrates in it.
+func (c *Client) Migrate(ctx context.Context) ([]int64, error) {
+	if err := c.createSchema(ctx); err != nil {
+		return nil, err
+	}
+	if err := c.checkSchema(ctx); err != nil {
+		return nil, err
+	}
+	return migrations.Apply(ctx, c.db)
+}
 
 // PgxTx is a pgx transaction as the transaction StartTx and PublishTx
 // take: what they write goes in tx, and commits or rolls back with it.

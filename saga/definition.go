@@ -83,14 +83,14 @@ type Spec[D any] struct {
 	// database shorter than Timeout delays sagas and gives up on none.
 	// Compensations are not bounded by it. An operator's retry of a
 	// running instance whose command has left starts it afresh. Default:
-	// DefaultTimeout, or, if longer, what the actions allow themselves
+	// TimeoutDefault, or, if longer, what the actions allow themselves
 	// (the sum of their attempts' waits, see Step.Deadline).
 	Timeout time.Duration
 }
 
-// DefaultTimeout is Spec.Timeout's default, unless the actions allow
+// TimeoutDefault is Spec.Timeout's default, unless the actions allow
 // themselves longer.
-const DefaultTimeout = 24 * time.Hour
+const TimeoutDefault = 24 * time.Hour
 
 // Trigger starts an instance from a message, at most once per key: build
 // it with On.
@@ -359,7 +359,7 @@ func Define[D any](spec Spec[D]) (*Definition, error) {
 		return nil, fmt.Errorf("saga %s: no step has an action", spec.Name)
 	}
 	if d.Timeout == 0 {
-		d.Timeout = max(DefaultTimeout, d.actionsAllow())
+		d.Timeout = max(TimeoutDefault, d.actionsAllow())
 	}
 	d.fingerprint = d.computeFingerprint()
 	return d, nil

@@ -80,4 +80,9 @@ var (
 	// (steps.MetaReplyToken): it changes nothing, as whoever published it
 	// could not read the command.
 	ErrForgedReply = errors.New("saga: forged reply: it does not carry its command's reply token")
+	// ErrSchemaNotOnPath is returned by Migrate, Setup and Start when
+	// ClientConfig.Schema names a schema the pool's connections do not
+	// resolve names in first (their search_path): pgsaga would read and
+	// write tables elsewhere.
+	ErrSchemaNotOnPath = errors.New("saga: ClientConfig.Schema is not the connections' current schema")
 )

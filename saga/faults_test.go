@@ -323,16 +323,16 @@ func TestAPanicValueWithANulParksItsInstanceAlone(t *testing.T) {
 }
 
 // The saga's own deadline by default never cuts short what its steps
-// allow: a step whose reply may take longer than DefaultTimeout (an
+// allow: a step whose reply may take longer than TimeoutDefault (an
 // approval given in days) keeps its whole deadline, attempts included.
 // (The 24 h default capped it: such sagas, which waited for their reply
 // before, compensated at 24 h, "took longer than its timeout".)
 func TestTheDefaultTimeoutLeavesLongStepsTheirDeadlines(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, options{deadline: 2 * saga.DefaultTimeout, absent: []string{"book"}})
-	assert.Equal(t, 2*((1+2+4)*2*saga.DefaultTimeout), e.def.Timeout, "both actions' attempts, each waiting twice as long as the one before")
+	e := newEnv(t, options{deadline: 2 * saga.TimeoutDefault, absent: []string{"book"}})
+	assert.Equal(t, 2*((1+2+4)*2*saga.TimeoutDefault), e.def.Timeout, "both actions' attempts, each waiting twice as long as the one before")
 	id := e.start("quito")
 	inst := e.wait(id, "book in flight", func(i saga.Instance) bool { return i.Step == "book" })
 	require.NotNil(t, inst.DeadlineAt)
-	assert.Greater(t, time.Until(*inst.DeadlineAt), saga.DefaultTimeout+time.Hour, "the step's own deadline")
+	assert.Greater(t, time.Until(*inst.DeadlineAt), saga.TimeoutDefault+time.Hour, "the step's own deadline")
 }

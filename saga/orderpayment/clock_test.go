@@ -97,7 +97,7 @@ func TestTheDatabasesClockIsTheOnlyClock(t *testing.T) {
 				return err == nil
 			}, 30*time.Second, 10*time.Millisecond, "the charge sent")
 			assert.InDelta(t, deadline.Seconds(), deadlineAt.Sub(sentAt).Seconds(), 1, "the charge's deadline is its step's after its send")
-			assert.InDelta(t, saga.DefaultTimeout.Seconds(), expiresAt.Sub(createdAt).Seconds(), 1, "the saga's deadline is its timeout after its start")
+			assert.InDelta(t, saga.TimeoutDefault.Seconds(), expiresAt.Sub(createdAt).Seconds(), 1, "the saga's deadline is its timeout after its start")
 			close(slow)
 
 			ids := []uuid.UUID{first}

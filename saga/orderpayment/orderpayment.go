@@ -47,7 +47,7 @@ type StepTimeouts struct {
 	// commands carry it as their not-after, past which the payment service
 	// refuses a charge unrun, and the saga gives up on an action only a
 	// deadline after it. So a participant down for less than this delays
-	// sagas and refunds nothing. Default: saga.DefaultTimeout (24h).
+	// sagas and refunds nothing. Default: saga.TimeoutDefault (24h).
 	Saga time.Duration
 }
 
