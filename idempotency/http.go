@@ -49,7 +49,7 @@ type HTTPConfig struct {
 	// MaxResponseBytes bounds the response body buffered for the client and
 	// kept for replay. A handler that writes more gets ErrResponseTooLarge
 	// from Write; the request then answers 500, its writes are rolled back
-	// and the key is released. Default: DefaultMaxResponseBytes.
+	// and the key is released. Default: MaxResponseBytesDefault.
 	MaxResponseBytes int64
 	// HandlerTimeout bounds the handler and its transaction, from the claim
 	// to the commit. The client leaving does not cancel them (see
@@ -61,8 +61,8 @@ type HTTPConfig struct {
 	HandlerTimeout time.Duration
 }
 
-// DefaultMaxResponseBytes is the default HTTPConfig.MaxResponseBytes.
-const DefaultMaxResponseBytes = 1 << 20
+// MaxResponseBytesDefault is the default HTTPConfig.MaxResponseBytes.
+const MaxResponseBytesDefault = 1 << 20
 
 type httpTxKey struct{}
 
@@ -130,7 +130,7 @@ func (s *Store) HTTPMiddleware(cfg HTTPConfig) (func(http.Handler) http.Handler,
 		cfg.MaxBodyBytes = 1 << 20
 	}
 	if cfg.MaxResponseBytes == 0 {
-		cfg.MaxResponseBytes = DefaultMaxResponseBytes
+		cfg.MaxResponseBytes = MaxResponseBytesDefault
 	}
 	lockTimeout := strconv.FormatInt(max(cfg.LockTimeout.Milliseconds(), 1), 10)
 	return func(next http.Handler) http.Handler {

@@ -12,9 +12,9 @@ import (
 	"github.com/pgsaga/pgsaga/internal/transport"
 )
 
-// CollectTimeoutDefault bounds the queries of one scrape of a
+// collectTimeout bounds the queries of one scrape of a
 // Client.Collector.
-const CollectTimeoutDefault = 5 * time.Second
+const collectTimeout = 5 * time.Second
 
 // inFlightSQL counts the instances that are not finished, and the parked
 // ones, by saga and status (saga_instances_status_idx serves it).
@@ -53,7 +53,7 @@ var (
 // oldest message, and dead letters not replayed. Every process reading one
 // database reports the same values: aggregate them with max, not sum, or
 // register the collector in one process. A query that fails (the database
-// is down, or slower than CollectTimeoutDefault) leaves its values out,
+// is down, or slower than collectTimeout) leaves its values out,
 // rather than report stale ones, sets pgsaga_database_up to 0 and is
 // logged; the scrape goes on, so the process's own metrics are served.
 type collector struct {
@@ -69,7 +69,7 @@ var _ prometheus.Collector = (*collector)(nil)
 // newCollector returns a collector of the database tr delivers through;
 // the sagas registered lists read 0 rather than go missing.
 func newCollector(tr *transport.Transport, registered func() []string) *collector {
-	return &collector{tr: tr, timeout: CollectTimeoutDefault, registered: registered}
+	return &collector{tr: tr, timeout: collectTimeout, registered: registered}
 }
 
 // Collector returns a Prometheus collector of what the client's database
@@ -78,7 +78,7 @@ func newCollector(tr *transport.Transport, registered func() []string) *collecto
 // replayed. Every process reading one database reports the same values:
 // aggregate them with max, not sum, or register the collector in one
 // process. A query that fails (the database is down, or slower than
-// CollectTimeoutDefault) leaves its values out, rather than report stale
+// collectTimeout) leaves its values out, rather than report stale
 // ones, sets pgsaga_database_up to 0 and is logged; the scrape goes on, so
 // the process's own metrics are served. The client need not be started.
 func (c *Client) Collector() prometheus.Collector { return newCollector(c.transport, c.engine.names) }

@@ -134,7 +134,10 @@ func On[T steps.Message, D any](topic string, start func(trigger T) (key string,
 	return t
 }
 
-// Step is one step of a saga.
+// Step is one stage of a saga's definition: the command its Action sends
+// to a participant's step (a steps.Step, through Send), and the
+// Compensation that undoes it. The participant's step is what a service
+// serves; this is what the saga runs, in order.
 type Step[D any] struct {
 	// Name of the step, unique in the saga. Required.
 	Name string

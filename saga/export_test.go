@@ -33,3 +33,6 @@ var (
 	CountSelected   = countSelected
 	SelectedIDs     = selectedIDs
 )
+
+// CollectTimeout bounds one scrape of the collector.
+const CollectTimeout = collectTimeout

@@ -18,7 +18,7 @@ import (
 
 func init() {
 	unittier.Transitions = tryTransitions
-	unittier.Step = func(ctx context.Context, client any, step any, msg *message.Message, inspect func(tx delivery.DBTX) error) (error, error) {
+	unittier.Step = func(ctx context.Context, client any, step steps.AnyStep, msg *message.Message, inspect func(tx delivery.DBTX) error) (error, error) {
 		c, ok := client.(*Client)
 		if !ok || c == nil {
 			return nil, errors.New("saga: a step's run needs a *saga.Client")

@@ -119,8 +119,9 @@ type DoneReply struct{}
 // MessageType implements Message.
 func (DoneReply) MessageType() string { return "pgsaga.StepDone" }
 
-// Step is a step whose commands are of type C: its name, its topic and,
-// where it is served, its handler. Build it with Define. A saga sends to it
+// Step is a participant's step, whose commands are of type C: its name,
+// its topic and, where it is served, its handler (what a service serves;
+// a saga's definition runs saga.Step stages that command it). Build it with Define. A saga sends to it
 // (saga.Send), which takes its topic and command type from it, so that a
 // saga cannot send a step a command of another type.
 type Step[C Message] struct{ c core }
@@ -670,7 +671,10 @@ func idempotencyKey(msg *message.Message) string {
 
 // Tx is a handler's view of its step: the transaction its writes go through
 // (the methods of DBTX), the command's envelope, and an outbox for
-// further messages.
+// further messages. The handler does not end that transaction: the
+// runtime commits it with the command's key and reply, and a COMMIT or
+// ROLLBACK sent through it fails the attempt
+// (delivery.ErrTransactionEnded).
 type Tx struct {
 	delivery.DBTX
 	rt   *runtime

@@ -204,11 +204,8 @@ func (a *App) Setup(ctx context.Context) error { return setup(ctx, a.Client) }
 // provisions at a broker is there already the second time.
 func setup(ctx context.Context, c *saga.Client) error { return pgerr.RetryLost(ctx, c.Setup) }
 
-// Worker is a saga.Worker with every handler of the App.
-type Worker = saga.Worker
-
 // NewWorker builds a worker (see saga.Client.NewWorker).
-func (a *App) NewWorker() (*Worker, error) { return a.Client.NewWorker() }
+func (a *App) NewWorker() (*saga.Worker, error) { return a.Client.NewWorker() }
 
 // newPayments is the payments domain over a client's stores.
 func newPayments(c *saga.Client, db *sql.DB, gatewayURL string, timeout, lease time.Duration, logger *slog.Logger) (*payments.Service, error) {

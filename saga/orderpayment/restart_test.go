@@ -47,7 +47,7 @@ func TestDatabaseRestart(t *testing.T) {
 	})
 	require.NoError(t, err)
 	require.NoError(t, app.Setup(ctx))
-	var workers []*orderpayment.Worker
+	var workers []*saga.Worker
 	for range 2 {
 		w, err := app.NewWorker()
 		require.NoError(t, err)

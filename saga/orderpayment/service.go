@@ -107,7 +107,7 @@ func (s *PaymentService) Setup(ctx context.Context) error { return setup(ctx, s.
 
 // NewWorker builds a worker with the service's steps (see
 // saga.Client.NewWorker); the bridge runs apart (Client.Bridge).
-func (s *PaymentService) NewWorker() (*Worker, error) { return s.Client.NewWorker() }
+func (s *PaymentService) NewWorker() (*saga.Worker, error) { return s.Client.NewWorker() }
 
 // StepNames lists the service's step names (their idempotency scopes).
 func (s *PaymentService) StepNames() []string {

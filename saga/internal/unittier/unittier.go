@@ -26,10 +26,10 @@ type Transition struct {
 	Command  *message.Message // the command the reaction sent; nil if none
 }
 
-// Step runs step (a steps.AnyStep) once for msg through client's step
+// Step runs step once for msg through client's step
 // runtime, in a transaction it rolls back once inspect has seen it. The
 // step's failure is stepErr; anything else that stopped it is err.
-var Step func(ctx context.Context, client any, step any, msg *message.Message, inspect func(tx delivery.DBTX) error) (stepErr, err error)
+var Step func(ctx context.Context, client any, step steps.AnyStep, msg *message.Message, inspect func(tx delivery.DBTX) error) (stepErr, err error)
 
 // Transitions starts saga name from trigger, then answers its command in
 // flight with each of replies in turn, in one transaction of client's that

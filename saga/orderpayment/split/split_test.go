@@ -142,7 +142,7 @@ func newSplit(t *testing.T, o splitOptions) *split {
 // both bridges.
 func (s *split) churn(seed uint64) {
 	s.t.Helper()
-	for i, newWorker := range []func() (*orderpayment.Worker, error){s.app.NewWorker, s.pay.NewWorker} {
+	for i, newWorker := range []func() (*saga.Worker, error){s.app.NewWorker, s.pay.NewWorker} {
 		c, err := sagatest.StartChurn(sagatest.ChurnConfig{Workers: 2, Seed: seed + uint64(i), Logger: logger(),
 			New: func() (sagatest.Worker, error) { return newWorker() }})
 		require.NoError(s.t, err)
