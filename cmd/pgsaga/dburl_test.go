@@ -207,3 +207,19 @@ func TestTheShownSQLStopsAtAFailedMigration(t *testing.T) {
 	require.NoError(t, sqlDB.QueryRow(`SELECT max(version_id) FROM `+migrations.VersionTable).Scan(&newest))
 	assert.Equal(t, int64(11), newest, "recorded up to the last migration that applied")
 }
+
+// A connection that fails prints one line a person reads: pgx's error
+// spreads over lines (":\n\t" before each address tried), and those line
+// breaks are spaces on the line, not escapes.
+func TestAFailedConnectionIsOneReadableLine(t *testing.T) {
+	noDatabaseConfigured(t)
+	t.Setenv("PGHOST", "127.0.0.1")
+	t.Setenv("PGPORT", "1")
+	t.Setenv("PGCONNECT_TIMEOUT", "2")
+	code, _, errOut := pgsaga(t, "sagas")
+	assert.Equal(t, exitFailed, code, errOut)
+	assert.Contains(t, errOut, "connection refused")
+	assert.NotContains(t, errOut, `\n`, "no escaped line break")
+	assert.NotContains(t, errOut, `\t`, "no escaped tab")
+	assert.Equal(t, 1, strings.Count(strings.TrimRight(errOut, "\n"), "\n")+1, "one line: %q", errOut)
+}

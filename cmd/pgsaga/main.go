@@ -101,7 +101,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err == nil {
 		return exitOK
 	}
-	fmt.Fprintln(stderr, "pgsaga:", termsafe.Line(cliargs.Redact(err.Error(), args)))
+	fmt.Fprintln(stderr, "pgsaga:", termsafe.Sentence(cliargs.Redact(err.Error(), args)))
 	var u usageError
 	if errors.As(err, &u) || cmd == nil || isCobraUsage(err) {
 		if cmd != nil {

@@ -14,6 +14,7 @@ package termsafe
 
 import (
 	"fmt"
+	"regexp"
 	"strings"
 	"unicode/utf8"
 )
@@ -21,6 +22,17 @@ import (
 // Line is s to print as one line (a table cell, a message): newlines and
 // tabs are escaped too.
 func Line(s string) string { return escape(s, false) }
+
+// Sentence is s to print as one line to be read (an error): each run of
+// white space that holds a newline, a tab or a carriage return (pgx joins
+// the addresses a connection tried with ":\n\t") is one space, and the
+// rest is escaped as by Line.
+func Sentence(s string) string {
+	return Line(layoutRun.ReplaceAllString(s, " "))
+}
+
+// layoutRun is a run of white space with a line break or a tab in it.
+var layoutRun = regexp.MustCompile(`[ ]*[\t\r\n][\t\r\n ]*`)
 
 // Text is s to print as text that may span lines: newlines and tabs are
 // kept.

@@ -33,6 +33,17 @@ func TestLineAndText(t *testing.T) {
 	assert.Equal(t, "two\nlines\tand a tab", termsafe.Text("two\nlines\tand a tab"))
 }
 
+// Sentence reads as one line: line breaks and tabs, with the spaces
+// around them, are one space; what a terminal acts on is escaped still.
+func TestSentence(t *testing.T) {
+	assert.Equal(t, "failed to connect: 127.0.0.1:1: refused 127.0.0.1:1: refused",
+		termsafe.Sentence("failed to connect:\n\t127.0.0.1:1: refused\n\t127.0.0.1:1: refused"))
+	assert.Equal(t, "a b c d", termsafe.Sentence("a \r\n b\tc\n\n\nd"))
+	assert.Equal(t, "two  spaces kept", termsafe.Sentence("two  spaces kept"))
+	assert.Equal(t, `forged \x1b[2J line`, termsafe.Sentence("forged\n\x1b[2J line"))
+	assert.Equal(t, `bidi\u202e`, termsafe.Sentence("bidi\u202e"))
+}
+
 // JSON keeps the values as encoded, character for character, with what
 // encoding/json leaves raw and a terminal acts on escaped.
 func TestJSON(t *testing.T) {
