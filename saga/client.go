@@ -448,7 +448,7 @@ func (c *Client) Subscriptions() []delivery.Subscription {
 // call it earlier, before publishing, if publishing may come first. Safe
 // in several processes at once.
 func (c *Client) Setup(ctx context.Context) error {
-	if err := c.checkSchema(ctx); err != nil {
+	if err := c.checkSchema(ctx, true); err != nil {
 		return err
 	}
 	if err := c.engine.RecordDefinitions(ctx); err != nil {
@@ -716,7 +716,7 @@ func (c *Client) Migrate(ctx context.Context) ([]int64, error) {
 	if err := c.createSchema(ctx); err != nil {
 		return nil, err
 	}
-	if err := c.checkSchema(ctx); err != nil {
+	if err := c.checkSchema(ctx, false); err != nil {
 		return nil, err
 	}
 	return migrations.Apply(ctx, c.db)

@@ -24,13 +24,19 @@ func validateSchema(schema string) error {
 }
 
 // checkSchema returns ErrSchemaNotOnPath if the client has a Schema and
-// its connections resolve names elsewhere.
-func (c *Client) checkSchema(ctx context.Context) error {
+// its connections resolve names elsewhere: their current schema is
+// another, or (tables) pgsaga_queue resolves to another schema's table,
+// which a search path falls through to when the schema has none (a
+// schema created but not migrated, beside an installation in public).
+func (c *Client) checkSchema(ctx context.Context, tables bool) error {
 	if c.cfg.Schema == "" {
 		return nil
 	}
-	var current sql.NullString
-	if err := c.db.QueryRowContext(ctx, `SELECT current_schema()`).Scan(&current); err != nil {
+	var current, queue sql.NullString
+	err := c.db.QueryRowContext(ctx, `SELECT current_schema(),
+       (SELECT n.nspname FROM pg_class r JOIN pg_namespace n ON n.oid = r.relnamespace
+        WHERE r.oid = to_regclass('pgsaga_queue'))`).Scan(&current, &queue)
+	if err != nil {
 		return fmt.Errorf("saga: reading the connections' current schema: %w", err)
 	}
 	if current.String != c.cfg.Schema {
@@ -40,6 +46,10 @@ func (c *Client) checkSchema(ctx context.Context) error {
 		}
 		return fmt.Errorf("%w: ClientConfig.Schema is %q, the pool's current schema is %s; set the pool's search_path to it (pgxpool.Config.ConnConfig.RuntimeParams[\"search_path\"] = %q)",
 			ErrSchemaNotOnPath, c.cfg.Schema, now, c.cfg.Schema+", public")
+	}
+	if tables && queue.Valid && queue.String != c.cfg.Schema {
+		return fmt.Errorf("%w: schema %q holds no pgsaga tables, and the search_path finds %s.pgsaga_queue instead; run Migrate",
+			ErrSchemaNotOnPath, c.cfg.Schema, queue.String)
 	}
 	return nil
 }

@@ -124,3 +124,26 @@ func TestASchemaOffThePoolsPathIsRefused(t *testing.T) {
 		assert.ErrorContains(t, err, "Schema", "%q", bad)
 	}
 }
+
+// Beside an installation in public, a schema created but not migrated is
+// refused by Setup and Start (the search path would fall through to
+// public's tables), and Migrate installs pgsaga in it, apart.
+func TestASchemaNotMigratedDoesNotFallThroughToPublic(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.Fresh(t) // pgsaga in public
+	pool := schemaPool(t, db.URL, "tenant_e, public")
+	_, err := pool.Exec(ctx, `CREATE SCHEMA tenant_e`)
+	require.NoError(t, err)
+	client, err := saga.NewClient(pool, saga.ClientConfig{Schema: "tenant_e", Logger: logger()})
+	require.NoError(t, err)
+	err = client.Setup(ctx)
+	require.ErrorIs(t, err, saga.ErrSchemaNotOnPath)
+	assert.Contains(t, err.Error(), "public.pgsaga_queue")
+	require.ErrorIs(t, client.Start(ctx), saga.ErrSchemaNotOnPath)
+
+	_, err = client.Migrate(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, tablesIn(t, pool, "public"), tablesIn(t, pool, "tenant_e"), "every table, in tenant_e too")
+	require.NoError(t, client.Setup(ctx))
+}
