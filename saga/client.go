@@ -125,8 +125,11 @@ type ClientConfig struct {
 	// "billing, public"). Migrate creates the schema if it is missing;
 	// Migrate, Setup and Start refuse a pool whose current schema (the
 	// first of its search_path that exists) is another
-	// (ErrSchemaNotOnPath). Lowercase letters, digits and _, up to 63.
-	// Default: "" (the search_path's, public unless it says otherwise).
+	// (ErrSchemaNotOnPath). The transactions you give StartTx and
+	// PublishTx must resolve names the same way: with a Schema, each call
+	// checks so, at the cost of one statement in your transaction.
+	// Lowercase letters, digits and _, up to 63. Default: "" (the
+	// search_path's, public unless it says otherwise).
 	Schema string
 
 	// Logger. Default: slog.Default().
@@ -448,7 +451,7 @@ func (c *Client) Subscriptions() []delivery.Subscription {
 // call it earlier, before publishing, if publishing may come first. Safe
 // in several processes at once.
 func (c *Client) Setup(ctx context.Context) error {
-	if err := c.checkSchema(ctx, true); err != nil {
+	if err := c.checkSchema(ctx, c.db, true); err != nil {
 		return err
 	}
 	if err := c.engine.RecordDefinitions(ctx); err != nil {
@@ -559,6 +562,10 @@ func (c *Client) Start(ctx context.Context) error {
 func (c *Client) closeDone() { c.doneOnce.Do(func() { close(c.done) }) }
 
 func (c *Client) startWorker(ctx context.Context) (*Worker, error) {
+	// Before the privileges: of tables another schema holds, or none.
+	if err := c.checkSchema(ctx, c.db, true); err != nil {
+		return nil, err
+	}
 	if err := c.checkPrivileges(ctx); err != nil {
 		return nil, err
 	}
@@ -716,7 +723,7 @@ func (c *Client) Migrate(ctx context.Context) ([]int64, error) {
 	if err := c.createSchema(ctx); err != nil {
 		return nil, err
 	}
-	if err := c.checkSchema(ctx, false); err != nil {
+	if err := c.checkSchema(ctx, c.db, false); err != nil {
 		return nil, err
 	}
 	return migrations.Apply(ctx, c.db)
@@ -742,6 +749,9 @@ func (c *Client) StartTx(ctx context.Context, tx delivery.DBTX, name string, tri
 		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, context.Cause(ctx))
 	}
 	if err := checkTx(tx); err != nil {
+		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
+	}
+	if err := c.checkSchema(ctx, tx, false); err != nil {
 		return uuid.Nil, fmt.Errorf("saga: starting %s: %w", name, err)
 	}
 	msg, def, id, err := c.triggerMessage(name, trigger)
@@ -834,6 +844,9 @@ func (c *Client) PublishTx(ctx context.Context, tx delivery.DBTX, topic string, 
 		if m == nil {
 			return fmt.Errorf("saga: publishing to %s: %w (message %d of %d)", topic, ErrNilMessage, i+1, len(msgs))
 		}
+	}
+	if err := c.checkSchema(ctx, tx, false); err != nil {
+		return fmt.Errorf("saga: publishing to %s: %w", topic, err)
 	}
 	if err := c.transport.Publisher(tx).Publish(topic, msgs...); err != nil {
 		return fmt.Errorf("saga: publishing to %s: %w", topic, err)

@@ -233,7 +233,7 @@ func findServer(ctx context.Context, fallback func(context.Context) (string, err
 	if err := ping(ctx, DefaultURL); err == nil {
 		return DefaultURL, nil
 	} else if fallback == nil {
-		return "", fmt.Errorf("no PostgreSQL to test on: TEST_DATABASE_URL and DATABASE_URL are unset and none answered at %s (%s); start one (docker compose up -d) or set TEST_DATABASE_URL", pgdb.Describe(DefaultURL), oneLine(err))
+		return "", fmt.Errorf("no PostgreSQL to test on: TEST_DATABASE_URL and DATABASE_URL are unset and none answered at %s (%s); start one or set TEST_DATABASE_URL (saga/sagatest/embeddedpg.Main starts an embedded one instead)", pgdb.Describe(DefaultURL), oneLine(err))
 	}
 	return fallback(ctx)
 }

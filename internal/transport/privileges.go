@@ -21,7 +21,7 @@ var WorkerGrants = []Grant{
 	{"pgsaga_queue", "SELECT, INSERT, UPDATE, DELETE"},
 	{"pgsaga_dead_letters", "SELECT, INSERT, UPDATE, DELETE"},
 	{"pgsaga_subscriptions", "SELECT, INSERT, UPDATE, DELETE"},
-	{"pgsaga_settings", "SELECT"},
+	{"pgsaga_settings", "SELECT, INSERT"}, // every start records the shared settings if missing (agreeSQL)
 }
 
 // PrivilegeError says which privileges a role lacks (package delivery).
