@@ -17,7 +17,7 @@ func TestPrivateServerOnATakenPort(t *testing.T) {
 	first := Private(t)
 	for name, dir := range map[string]string{"another directory": t.TempDir(), "the same directory": first.dir} {
 		t.Run(name, func(t *testing.T) {
-			s := &Server{t: t, bin: first.bin, port: first.port, dir: dir, name: fmt.Sprintf("pgsaga-test-%d-late", os.Getpid())}
+			s := &Server{t: t, port: first.port, dir: dir, name: fmt.Sprintf("pgsaga-test-%d-late", os.Getpid())}
 			err := s.start()
 			s.Kill()
 			require.ErrorIs(t, err, errPortTaken)

@@ -1,45 +1,83 @@
-// Package testnats finds a NATS server with JetStream for tests, the way
-// internal/testdb finds PostgreSQL: NATS_URL, else 127.0.0.1:4222. With
-// none reachable a test skips, saying so in one sentence, except under CI
-// (CI set), where .ci/run starts one and its absence is a failure.
+// Package testnats gives tests a NATS server with JetStream, with nothing
+// installed: NATS_URL if set (its absence of an answer fails the test),
+// else a server of the test's own, embedded in the test's process
+// (github.com/nats-io/nats-server/v2) with its storage in the test's
+// temporary directory and shut down when the test ends. Private gives a
+// server the test can stop, kill and start again: a process of its own,
+// the test binary itself in server mode (see init), so that a kill is a
+// crash and no nats-server binary is needed.
 package testnats
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
 	"os"
 	"os/exec"
-	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// DefaultURL is where tests look for NATS when NATS_URL is unset.
-const DefaultURL = "nats://127.0.0.1:4222"
-
-// URL returns the URL of a NATS server with JetStream enabled, or skips
-// (fails under CI) when there is none.
+// URL returns the URL of a NATS server with JetStream for the test: the
+// one NATS_URL names, else one of the test's own (the same however often
+// the test asks), started in this process.
 func URL(t testing.TB) string {
 	t.Helper()
-	url := os.Getenv("NATS_URL")
-	if url == "" {
-		url = DefaultURL
-	}
-	if _, err := check(url); err != nil {
-		msg := fmt.Sprintf("no NATS server with JetStream at %s (%v): start one with `nats-server -js` or set NATS_URL", url, err)
-		if os.Getenv("CI") != "" {
-			t.Fatal(msg + "; .ci/run starts one where nats-server is installed")
+	if url := os.Getenv("NATS_URL"); url != "" {
+		if _, err := check(url); err != nil {
+			t.Fatalf("no NATS server with JetStream answers at %s, which NATS_URL names (%v): start it or unset NATS_URL", url, err)
 		}
-		t.Skip(msg)
+		return url
 	}
+	owned.mu.Lock()
+	defer owned.mu.Unlock()
+	if url, ok := owned.url[t]; ok {
+		return url
+	}
+	url := embedded(t)
+	owned.url[t] = url
+	t.Cleanup(func() {
+		owned.mu.Lock()
+		delete(owned.url, t)
+		owned.mu.Unlock()
+	})
 	return url
+}
+
+// owned holds the URL of each running test's own server.
+var owned = struct {
+	mu  sync.Mutex
+	url map[testing.TB]string
+}{url: map[testing.TB]string{}}
+
+// embedded starts a server in this process, on a port of its own, and
+// shuts it down when the test ends.
+func embedded(t testing.TB) string {
+	t.Helper()
+	s, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: server.RANDOM_PORT, JetStream: true,
+		StoreDir: t.TempDir(), NoLog: true, NoSigs: true, ServerName: fmt.Sprintf("pgsaga-test-%d-embedded", os.Getpid())})
+	if err != nil {
+		t.Fatalf("testnats: an embedded NATS server: %v", err)
+	}
+	go s.Start()
+	if !s.ReadyForConnections(30 * time.Second) {
+		s.Shutdown()
+		t.Fatal("testnats: the embedded NATS server did not start in 30s")
+	}
+	t.Cleanup(func() {
+		s.Shutdown()
+		s.WaitForShutdown()
+	})
+	return s.ClientURL()
 }
 
 // Connect connects to URL(t) and closes the connection when the test ends.
@@ -83,11 +121,10 @@ func check(url string) (serverName string, _ error) {
 }
 
 // Server is a NATS server with JetStream that a test started for itself,
-// on a port and storage directory of its own, so that it can stop and
-// restart it (never the machine's shared server).
+// on a port and storage directory of its own, in a process of its own, so
+// that it can stop, kill and restart it.
 type Server struct {
 	t    testing.TB
-	bin  string
 	port int
 	dir  string
 	name string // the server's, to tell it from another on its port
@@ -95,24 +132,10 @@ type Server struct {
 	done chan struct{}
 }
 
-// Private starts a NATS server of the test's own from the nats-server
-// binary (PATH, then /usr/sbin), stopped when the test ends. Without the
-// binary the test skips, saying so (fails under CI).
+// Private starts a NATS server of the test's own, stopped when the test
+// ends: the test binary run again in server mode (serveEnv).
 func Private(t testing.TB) *Server {
 	t.Helper()
-	bin, err := exec.LookPath("nats-server")
-	if err != nil {
-		if _, serr := os.Stat("/usr/sbin/nats-server"); serr == nil {
-			bin, err = "/usr/sbin/nats-server", nil
-		}
-	}
-	if err != nil {
-		msg := "no nats-server binary to start a private NATS server with (install the nats-server package)"
-		if os.Getenv("CI") != "" {
-			t.Fatal(msg)
-		}
-		t.Skip(msg)
-	}
 	// The port is free when asked for, and may be taken before the server
 	// binds it (another test's server, say): then another one is tried.
 	for attempt := 1; ; attempt++ {
@@ -122,7 +145,7 @@ func Private(t testing.TB) *Server {
 		}
 		port := l.Addr().(*net.TCPAddr).Port
 		_ = l.Close()
-		s := &Server{t: t, bin: bin, port: port, dir: t.TempDir(), name: fmt.Sprintf("pgsaga-test-%d-%d", os.Getpid(), port)}
+		s := &Server{t: t, port: port, dir: t.TempDir(), name: fmt.Sprintf("pgsaga-test-%d-%d", os.Getpid(), port)}
 		err = s.start()
 		if errors.Is(err, errPortTaken) && attempt < 5 {
 			t.Logf("testnats: %v; trying another port", err)
@@ -152,11 +175,21 @@ func (s *Server) Start() {
 var errPortTaken = errors.New("the port is taken")
 
 func (s *Server) start() error {
-	s.cmd = exec.Command(s.bin, "-a", "127.0.0.1", "-p", strconv.Itoa(s.port), "-n", s.name, "-js", "-sd", s.dir)
+	self, err := os.Executable()
+	if err != nil {
+		return fmt.Errorf("testnats: the test binary, to run a server with: %w", err)
+	}
+	spec, err := json.Marshal(serveSpec{Port: s.port, Name: s.name, Dir: s.dir})
+	if err != nil {
+		return err
+	}
+	s.cmd = exec.Command(self)
+	s.cmd.Env = append(os.Environ(), serveEnv+"="+string(spec))
+	dieWithParent(s.cmd)
 	out := &strings.Builder{} // read once the server exited
 	s.cmd.Stdout, s.cmd.Stderr = out, out
 	if err := s.cmd.Start(); err != nil {
-		return fmt.Errorf("testnats: starting nats-server: %w", err)
+		return fmt.Errorf("testnats: starting a NATS server process: %w", err)
 	}
 	done := make(chan struct{})
 	go func(cmd *exec.Cmd) { _ = cmd.Wait(); close(done) }(s.cmd)
@@ -167,20 +200,20 @@ func (s *Server) start() error {
 		select {
 		case <-done:
 			if strings.Contains(out.String(), "address already in use") {
-				return fmt.Errorf("testnats: nats-server on port %d: %w", s.port, errPortTaken)
+				return fmt.Errorf("testnats: a NATS server on port %d: %w", s.port, errPortTaken)
 			}
-			return fmt.Errorf("testnats: nats-server exited: %s", out.String())
+			return fmt.Errorf("testnats: the NATS server process exited: %s", out.String())
 		default:
 		}
 		if err == nil && name != s.name { // another's server answered there
 			s.Kill()
-			return fmt.Errorf("testnats: nats-server %s answers on port %d: %w", name, s.port, errPortTaken)
+			return fmt.Errorf("testnats: NATS server %s answers on port %d: %w", name, s.port, errPortTaken)
 		}
 		if err == nil {
 			return nil
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("testnats: nats-server on port %d does not answer: %w", s.port, err)
+			return fmt.Errorf("testnats: the NATS server on port %d does not answer: %w", s.port, err)
 		}
 		time.Sleep(50 * time.Millisecond) // a server starting, polled for
 	}
@@ -208,4 +241,43 @@ func (s *Server) end(sig syscall.Signal) {
 		}
 	}
 	s.cmd = nil
+}
+
+// serveEnv, in a process's environment, makes the test binary a NATS
+// server (Private's) instead of running its tests: its value is a
+// serveSpec, in JSON.
+const serveEnv = "PGSAGA_TESTNATS_SERVE"
+
+// serveSpec is what a private server process serves.
+type serveSpec struct {
+	Port int
+	Name string
+	Dir  string
+}
+
+// init turns the process into a private server when serveEnv says so,
+// before any test runs: it serves until SIGTERM (a clean shutdown) or
+// SIGKILL, and exits.
+func init() {
+	if spec := os.Getenv(serveEnv); spec != "" {
+		os.Exit(serve(spec))
+	}
+}
+
+func serve(spec string) int {
+	var sp serveSpec
+	if err := json.Unmarshal([]byte(spec), &sp); err != nil {
+		fmt.Fprintf(os.Stderr, "testnats: %s: %v\n", serveEnv, err)
+		return 2
+	}
+	s, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: sp.Port, ServerName: sp.Name,
+		JetStream: true, StoreDir: sp.Dir})
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "testnats: %v\n", err)
+		return 1
+	}
+	s.ConfigureLogger() // to stderr: start reads a taken port there
+	go s.Start()        // SIGTERM shuts it down (the server's own handler)
+	s.WaitForShutdown()
+	return 0
 }
