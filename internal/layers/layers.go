@@ -42,6 +42,7 @@ var Layers = []Layer{
 	{Dir: "internal", Rank: 1},      // plumbing: the pool, SQLSTATEs, metadata keys, outcomes
 	{Dir: "internal/testout", Rank: 1, TestOnly: true},
 	{Dir: "internal/testnats", Rank: 1, TestOnly: true},
+	{Dir: "internal/testkafka", Rank: 1, TestOnly: true},
 	{Dir: "migrations", Rank: 2},                        // the schema
 	{Dir: "internal/testdb", Rank: 3, TestOnly: true},   // migrated test databases
 	{Dir: "internal/testlost", Rank: 4, TestOnly: true}, // lost connections, on testdb's

@@ -39,6 +39,7 @@ type BrokerStats struct {
 	Published    int // publishes the relay made (each try)
 	RelayCrashes int
 	Received     int // messages received and queued (each delivery)
+	Distinct     int // of those, different messages (by topic and UUID)
 	Redelivered  int // of those, handed back for redelivery
 }
 
@@ -99,6 +100,9 @@ func (b *BrokerInjector) RedeliverAfterStore(topic string, msg *message.Message)
 	key := "receive\x00" + topic + "\x00" + msg.UUID
 	b.seen[key]++
 	b.stats.Received++
+	if b.seen[key] == 1 {
+		b.stats.Distinct++
+	}
 	if b.seen[key] == 1 && chance(b.cfg.Seed, "redeliver", topic, msg.UUID) < b.cfg.RedeliverRate {
 		b.stats.Redelivered++
 		return true

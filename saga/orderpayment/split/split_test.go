@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/nats-io/nats.go/jetstream"
@@ -20,6 +21,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testkafka"
 	"github.com/pgsaga/pgsaga/internal/testnats"
 	"github.com/pgsaga/pgsaga/internal/testout"
 	"github.com/pgsaga/pgsaga/internal/testpg"
@@ -32,6 +34,7 @@ import (
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
 	"github.com/pgsaga/pgsaga/steps/broker"
+	"github.com/pgsaga/pgsaga/steps/broker/kafka"
 	"github.com/pgsaga/pgsaga/steps/broker/natsjs"
 )
 
@@ -50,7 +53,8 @@ var logger = testout.Logger
 // sharing a server would take each other's messages).
 type split struct {
 	t          *testing.T
-	nats       *testnats.Server
+	nats       *testnats.Server   // the broker, or
+	kafka      *testkafka.Cluster // this one
 	ordersDB   *testdb.DB
 	paymentsDB *testdb.DB
 	gw         *fakegateway.Gateway
@@ -75,17 +79,33 @@ type splitOptions struct {
 	// or count its publishes, say).
 	paymentBroker, ordersBroker func(broker.Broker) broker.Broker
 	gatewayFaults               func(fakegateway.Call) fakegateway.Fault
+	// kafka joins the services through a Kafka cluster of the test's own
+	// instead of a NATS server.
+	kafka bool
 }
 
 func newSplit(t *testing.T, o splitOptions) *split {
 	t.Helper()
 	ctx := context.Background()
-	s := &split{t: t, nats: testnats.Private(t), ordersDB: testdb.Fresh(t), paymentsDB: testdb.Fresh(t)}
-	newBroker := func() *natsjs.Broker {
-		b, err := natsjs.New(natsjs.Config{URL: s.nats.URL(), Logger: logger(), PublishTimeout: 2 * time.Second})
+	s := &split{t: t, ordersDB: testdb.Fresh(t), paymentsDB: testdb.Fresh(t)}
+	newBroker := func() broker.Broker {
+		var (
+			b   broker.Broker
+			err error
+		)
+		if s.kafka != nil {
+			b, err = kafka.New(kafka.Config{Brokers: s.kafka.Brokers(), Logger: logger(), PublishTimeout: 2 * time.Second})
+		} else {
+			b, err = natsjs.New(natsjs.Config{URL: s.nats.URL(), Logger: logger(), PublishTimeout: 2 * time.Second})
+		}
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = b.Close() })
 		return b
+	}
+	if o.kafka {
+		s.kafka = testkafka.Start(t)
+	} else {
+		s.nats = testnats.Private(t)
 	}
 	gwPool := testdb.Open(t, s.paymentsDB.URL, 4)
 	var err error
@@ -254,9 +274,13 @@ func (s *split) place(n int, customers []string, cancelEvery int) []uuid.UUID {
 // reply is still on its way.
 func (s *split) drained() {
 	s.t.Helper()
-	_, js := testnats.ConnectTo(s.t, s.nats.URL())
+	atBroker := s.kafkaDrained
+	if s.nats != nil {
+		_, js := testnats.ConnectTo(s.t, s.nats.URL())
+		atBroker = func() bool { return s.natsDrained(js) }
+	}
 	deadline := time.Now().Add(2 * time.Minute)
-	for !s.isDrained(js) {
+	for !s.queuesDrained() || !atBroker() {
 		if time.Now().After(deadline) {
 			s.t.Fatalf("queues and broker consumers not drained after 2 minutes: %s", s.whereabouts())
 		}
@@ -272,8 +296,8 @@ func (s *split) consumers() map[string]string {
 	}
 }
 
-func (s *split) isDrained(js jetstream.JetStream) bool {
-	ctx := context.Background()
+// queuesDrained reports whether both databases' queues are empty.
+func (s *split) queuesDrained() bool {
 	for _, db := range []*testdb.DB{s.ordersDB, s.paymentsDB} {
 		var n int
 		require.NoError(s.t, db.SQL.QueryRow(`SELECT count(*) FROM pgsaga_queue`).Scan(&n))
@@ -281,6 +305,13 @@ func (s *split) isDrained(js jetstream.JetStream) bool {
 			return false
 		}
 	}
+	return true
+}
+
+// natsDrained reports whether every JetStream consumer has acknowledged
+// everything.
+func (s *split) natsDrained(js jetstream.JetStream) bool {
+	ctx := context.Background()
 	for topic, group := range s.consumers() {
 		c, err := js.Consumer(ctx, natsjs.StreamName(topic), natsjs.ConsumerName(group, topic))
 		if err != nil {
@@ -320,7 +351,17 @@ func (s *split) check(ids []uuid.UUID) orderpayment.Report {
 // and every invariant holds across the two databases (one charge in the
 // payments database for each completed saga in the orders database, none
 // held for compensated ones, never two).
-func TestSplitChaos(t *testing.T) {
+func TestSplitChaos(t *testing.T) { splitChaos(t, false) }
+
+// TestSplitChaos over Kafka (a cluster of the test's own, in process,
+// speaking Kafka's protocol to the real client), with a restart of the
+// whole cluster while the second half of the orders is placed: Kafka
+// stores a killed relay's batch again and redelivers what is handed back
+// (it deduplicates neither), and the services' idempotency keys absorb
+// every copy.
+func TestSplitChaosOverKafka(t *testing.T) { splitChaos(t, true) }
+
+func splitChaos(t *testing.T, overKafka bool) {
 	seed := testout.ChaosSeed(t)
 	const orderCount = 300
 	start := time.Now()
@@ -330,14 +371,26 @@ func TestSplitChaos(t *testing.T) {
 	require.NoError(t, err)
 	paymentFaults, err := sagatest.NewBrokerInjector(sagatest.BrokerFaults{Seed: seed + 1, RelayCrashRate: 0.05, MaxRelayCrashes: 2, RedeliverRate: 0.4})
 	require.NoError(t, err)
-	s := newSplit(t, splitOptions{ordersFaults: ordersFaults, paymentFaults: paymentFaults,
+	var failed atomic.Int64 // publishes that failed: the restart's
+	count := func(b broker.Broker) broker.Broker { return countingBroker{Broker: b, failed: &failed} }
+	s := newSplit(t, splitOptions{ordersFaults: ordersFaults, paymentFaults: paymentFaults, kafka: overKafka,
+		ordersBroker: count, paymentBroker: count,
 		chaos:         &sagatest.Faults{Seed: seed, DuplicateRate: 0.4, CrashBeforeCommitRate: 0.05, CrashAfterCommitRate: 0.05, DelayRate: 0.05, MaxDelay: 50 * time.Millisecond},
 		gatewayFaults: orderpayment.GatewayFaults(seed, 0.1),
 		// As TestChaos: patience for the queues of 300 orders placed at once.
 		timeouts: orderpayment.StepTimeouts{Deadline: 20 * time.Second, CompensationDeadline: 20 * time.Second}})
 	s.churn(seed)
 	customers := s.customers(25, 30_000)
-	ids := s.place(orderCount, customers, 10)
+	ids := s.place(orderCount/2, customers, 10)
+	if overKafka {
+		waitFinished(t, s, 5) // messages flow
+		s.kafka.Stop()
+		ids = append(ids, s.place(orderCount/2, customers, 10)...)
+		require.Eventually(t, func() bool { return failed.Load() > 0 }, time.Minute, 10*time.Millisecond, "a relay tried the stopped cluster")
+		s.kafka.Start()
+	} else {
+		ids = append(ids, s.place(orderCount/2, customers, 10)...)
+	}
 	time.Sleep(2 * time.Second) // the churn's last stretch, not a wait for a result
 	s.calm()
 	counts, err := sagatest.WaitTerminal(context.Background(), s.ordersDB.SQL, ids, 3*time.Minute)
@@ -351,21 +404,24 @@ func TestSplitChaos(t *testing.T) {
 	assert.Equal(t, 2, os.RelayCrashes, "the orders relay was killed twice")
 	assert.Equal(t, 2, ps.RelayCrashes, "the payment service's relay was killed twice")
 	received := os.Received + ps.Received
+	distinct := os.Distinct + ps.Distinct
 	redelivered := os.Redelivered + ps.Redelivered
 	local := s.injectorStats()
-	t.Logf("split chaos: %d orders in %s: %d completed, %d compensated, %d failed", orderCount, time.Since(start).Round(time.Millisecond),
-		counts[saga.StatusCompleted], counts[saga.StatusCompensated], counts[saga.StatusFailed])
-	t.Logf("split chaos: broker: %d received (%d redelivered by the broker), relays killed %d+%d; queues: %d messages duplicated (%d copies), %d crashes before commit, %d after",
-		received, redelivered, os.RelayCrashes, ps.RelayCrashes, local.Duplicated, local.Copies, local.CrashesBefore, local.CrashesAfter)
+	t.Logf("split chaos: %d orders in %s: %d completed, %d compensated, %d failed; %d publishes failed", orderCount, time.Since(start).Round(time.Millisecond),
+		counts[saga.StatusCompleted], counts[saga.StatusCompensated], counts[saga.StatusFailed], failed.Load())
+	t.Logf("split chaos: broker: %d received (%d messages, %d handed back for redelivery), relays killed %d+%d; queues: %d messages duplicated (%d copies), %d crashes before commit, %d after",
+		received, distinct, redelivered, os.RelayCrashes, ps.RelayCrashes, local.Duplicated, local.Copies, local.CrashesBefore, local.CrashesAfter)
 	// Duplicated deliveries: copies queued in each database (40% of the
-	// messages the handlers saw first), and messages the broker delivered
-	// again (40% of what each service received first): 30% at least.
+	// messages the handlers saw first), and copies the broker delivered
+	// (40% of what each service received handed back; over Kafka, also
+	// the records a killed relay stored again and what a group read again
+	// past its last commit): 30% at least.
 	firstSeen := local.Attempts - local.Retries
-	dupShare := float64(local.Duplicated+redelivered) / float64(firstSeen+received-redelivered)
+	dupShare := float64(local.Duplicated+received-distinct) / float64(firstSeen+distinct)
 	t.Logf("split chaos: %.0f%% of deliveries duplicated (%d of %d messages in the queues, %d of %d from the broker)",
-		100*dupShare, local.Duplicated, firstSeen, redelivered, received-redelivered)
+		100*dupShare, local.Duplicated, firstSeen, received-distinct, distinct)
 	assert.GreaterOrEqual(t, dupShare, 0.3, "at least 30%% of deliveries duplicated")
-	assert.GreaterOrEqual(t, float64(redelivered)/float64(received-redelivered), 0.25, "the broker delivered about 40%% of its messages twice")
+	assert.GreaterOrEqual(t, float64(redelivered)/float64(distinct), 0.25, "about 40%% of the messages received were handed back for redelivery")
 }
 
 // heldBroker fails every publish while hold is set: a relay that cannot
@@ -518,6 +574,11 @@ func (s *split) whereabouts() string {
 	for name, db := range map[string]*testdb.DB{"orders": s.ordersDB, "payments": s.paymentsDB} {
 		rows, err := sagatest.Rows(ctx, db.SQL, `SELECT topic || '/' || consumer_group || ': ' || count(*) FROM pgsaga_queue GROUP BY topic, consumer_group ORDER BY 1`)
 		fmt.Fprintf(&b, "%s queues %v (%v); ", name, rows, err)
+	}
+	if s.kafka != nil {
+		lag, err := s.kafkaLag()
+		fmt.Fprintf(&b, "kafka lag by topic/group %v (%v)", lag, err)
+		return b.String()
 	}
 	_, js := testnats.ConnectTo(s.t, s.nats.URL())
 	for topic, group := range s.consumers() {
@@ -711,4 +772,58 @@ func TestSplitAParticipantDownLongerThanItsSendsRefundsNothing(t *testing.T) {
 	s.check(ids)
 	t.Logf("%d sagas, payment service down %s (%.1f times the three sends' window): all completed, %d waited for their answer",
 		len(ids), outage.Round(100*time.Millisecond), float64(outage)/float64(oldWindow), awaiting)
+}
+
+// kafkaDrained reports whether every consumer group has committed every
+// partition of its topics up to its end.
+func (s *split) kafkaDrained() bool {
+	lag, err := s.kafkaLag()
+	if err != nil {
+		return false
+	}
+	for _, n := range lag {
+		if n > 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// kafkaLag is what each consumer group has not committed of its topic's
+// partitions, by "topic/group".
+func (s *split) kafkaLag() (map[string]int64, error) {
+	cfg := sarama.NewConfig()
+	cfg.Version = sarama.V2_1_0_0
+	client, err := sarama.NewClient(s.kafka.Brokers(), cfg)
+	if err != nil {
+		return nil, err
+	}
+	defer client.Close()
+	admin, err := sarama.NewClusterAdminFromClient(client)
+	if err != nil {
+		return nil, err
+	}
+	lag := map[string]int64{}
+	for topic, group := range s.consumers() {
+		parts, err := client.Partitions(topic)
+		if err != nil {
+			return nil, err
+		}
+		committed, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{topic: parts})
+		if err != nil {
+			return nil, err
+		}
+		for _, p := range parts {
+			end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+			if err != nil {
+				return nil, err
+			}
+			at := int64(0)
+			if blk := committed.GetBlock(topic, p); blk != nil && blk.Offset > 0 {
+				at = blk.Offset
+			}
+			lag[topic+"/"+group] += end - at
+		}
+	}
+	return lag, nil
 }

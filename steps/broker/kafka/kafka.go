@@ -17,9 +17,8 @@
 // redelivery; other consumers must deduplicate by the message's UUID (or
 // an event's stream_version).
 //
-// No Kafka broker runs where pgsaga is developed: this package is built
-// and wired exactly as natsjs is, and its tests run only where KAFKA_BROKERS
-// names a reachable broker.
+// Its tests run the real client against a cluster in the test's process
+// that speaks Kafka's protocol (internal/testkafka), or KAFKA_BROKERS's.
 package kafka
 
 import (

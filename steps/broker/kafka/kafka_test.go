@@ -3,13 +3,14 @@ package kafka_test
 import (
 	"context"
 	"crypto/rand"
+	"database/sql"
 	"encoding/hex"
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
-	"os"
+	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -22,6 +23,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/bridge"
 	"github.com/pgsaga/pgsaga/internal/metadata"
 	"github.com/pgsaga/pgsaga/internal/testdb"
+	"github.com/pgsaga/pgsaga/internal/testkafka"
 	"github.com/pgsaga/pgsaga/internal/testpg"
 	"github.com/pgsaga/pgsaga/internal/transport"
 	"github.com/pgsaga/pgsaga/steps/broker"
@@ -73,80 +75,171 @@ func TestWireRoundTrip(t *testing.T) {
 	assert.Equal(t, msg.Metadata, back.Metadata)
 }
 
-// brokers returns KAFKA_BROKERS, or skips: no Kafka broker runs where
-// pgsaga is developed (docker compose up -d kafka starts one).
-func brokers(t *testing.T) []string {
-	t.Helper()
-	env := os.Getenv("KAFKA_BROKERS")
-	if env == "" {
-		t.Skip("no Kafka broker: set KAFKA_BROKERS=127.0.0.1:9092 (docker compose up -d kafka starts one)")
-	}
-	list := strings.Split(env, ",")
-	conn, err := net.DialTimeout("tcp", list[0], 2*time.Second)
-	if err != nil {
-		t.Skipf("no Kafka broker answers at %s (KAFKA_BROKERS): %v", list[0], err)
-	}
-	_ = conn.Close()
-	return list
+// pair is two databases joined by a Kafka topic: out relays it, in
+// receives it into its queue.
+type pair struct {
+	t     *testing.T
+	out   *testdb.DB
+	in    *testdb.DB
+	trOut *transport.Transport
+	topic string
 }
 
-// With a broker: a topic relayed in order, received whole, by the same
-// bridge code as NATS JetStream.
-func TestRelayAndReceiveThroughKafka(t *testing.T) {
-	list := brokers(t)
-	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
-	br, err := kafka.New(kafka.Config{Brokers: list, Partitions: 1, Logger: quiet})
+// newPair relays and receives a topic of its own through the brokers,
+// with faults (nil for none) at the bridges' boundaries.
+func newPair(t *testing.T, brokers []string, faults broker.Faults) *pair {
+	t.Helper()
+	br, err := kafka.New(kafka.Config{Brokers: brokers, Partitions: 1, PublishTimeout: time.Second, Logger: quietLogger()})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = br.Close() })
-	out, in := testdb.Fresh(t), testdb.Fresh(t)
-	b := make([]byte, 5)
-	_, _ = rand.Read(b)
-	topic := "pgsagatest." + hex.EncodeToString(b)
+	p := &pair{t: t, out: testdb.Fresh(t), in: testdb.Fresh(t)}
+	id := make([]byte, 5)
+	_, _ = rand.Read(id)
+	p.topic = "pgsagatest." + hex.EncodeToString(id)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-
-	trOut, err := transport.New(transport.Config{DB: out.SQL, Logger: quiet, IdlePollInterval: testdb.NoSafetyPoll})
+	cfg := func(db *testdb.DB) transport.Config {
+		return transport.Config{DB: db.SQL, Logger: quietLogger(), IdlePollInterval: testdb.NoSafetyPoll,
+			RetryInterval: 20 * time.Millisecond, MaxRetryInterval: 200 * time.Millisecond}
+	}
+	p.trOut, err = transport.New(cfg(p.out))
 	require.NoError(t, err)
-	trIn, err := transport.New(transport.Config{DB: in.SQL, Logger: quiet, IdlePollInterval: testdb.NoSafetyPoll})
+	trIn, err := transport.New(cfg(p.in))
 	require.NoError(t, err)
-	require.NoError(t, trIn.Subscribe(ctx, transport.Subscription{Topic: topic, ConsumerGroup: "local"}))
+	require.NoError(t, trIn.Subscribe(ctx, transport.Subscription{Topic: p.topic, ConsumerGroup: "local"}))
 	for _, side := range []struct {
 		tr  *transport.Transport
 		cfg broker.Config
 	}{
-		{trOut, broker.Config{Broker: br, Relay: []string{topic}, Logger: quiet}},
-		{trIn, broker.Config{Broker: br, Receive: []string{topic}, Group: "g" + hex.EncodeToString(b), Consumers: 1, Logger: quiet}},
+		{p.trOut, broker.Config{Broker: br, Relay: []string{p.topic}, BatchSize: 5, Faults: faults, Logger: quietLogger()}},
+		{trIn, broker.Config{Broker: br, Receive: []string{p.topic}, Group: "g" + hex.EncodeToString(id), Consumers: 1, Faults: faults, Logger: quietLogger()}},
 	} {
 		bg, err := bridge.New(side.tr, side.cfg)
 		require.NoError(t, err)
 		require.NoError(t, bg.Start(ctx))
 		t.Cleanup(func() { _ = bg.Stop() })
 	}
+	return p
+}
+
+// publish publishes n messages of one partition key from out, each in a
+// transaction of its own, and returns their UUIDs in order.
+func (p *pair) publish(n int) []string {
+	p.t.Helper()
 	var ids []string
-	for i := range 20 {
+	for i := range n {
 		msg := message.NewMessage(uuid.NewString(), fmt.Appendf(nil, `{"i":%d}`, i))
 		msg.Metadata.Set(metadata.PartitionKey, "stream-1")
-		tx, err := out.SQL.Begin()
-		require.NoError(t, err)
-		require.NoError(t, trOut.Publisher(tx).Publish(topic, msg))
-		require.NoError(t, tx.Commit())
+		tx, err := p.out.SQL.Begin()
+		require.NoError(p.t, err)
+		require.NoError(p.t, p.trOut.Publisher(tx).Publish(p.topic, msg))
+		require.NoError(p.t, tx.Commit())
 		ids = append(ids, msg.UUID)
 	}
-	// What the receiving database queued, in the order it was queued.
+	return ids
+}
+
+// received waits until in has queued every one of ids, and returns the
+// UUIDs it queued in the order it queued them, copies included.
+func (p *pair) received(ids []string) []string {
+	p.t.Helper()
 	var got []string
-	require.Eventually(t, func() bool {
-		rows, err := in.SQL.QueryContext(ctx, `SELECT uuid FROM pgsaga_queue WHERE topic = $1 ORDER BY id`, topic)
-		require.NoError(t, err)
-		defer rows.Close()
-		got = got[:0]
-		for rows.Next() {
-			var id string
-			require.NoError(t, rows.Scan(&id))
-			got = append(got, id)
+	require.Eventually(p.t, func() bool {
+		rows, err := p.in.SQL.Query(`SELECT uuid FROM pgsaga_queue WHERE topic = $1 ORDER BY id`, p.topic)
+		require.NoError(p.t, err)
+		got, err = pgxRows(rows)
+		require.NoError(p.t, err)
+		for _, id := range ids {
+			if !slices.Contains(got, id) {
+				return false
+			}
 		}
-		return len(got) >= len(ids)
+		return true
 	}, 2*time.Minute, 50*time.Millisecond)
-	assert.Equal(t, ids, got)
+	return got
+}
+
+func pgxRows(rows *sql.Rows) ([]string, error) {
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var s string
+		if err := rows.Scan(&s); err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	return out, rows.Err()
+}
+
+// A topic relayed in order, received whole, by the same bridge code as
+// NATS JetStream, through a Kafka cluster (the test's own, in process, or
+// KAFKA_BROKERS's).
+func TestRelayAndReceiveThroughKafka(t *testing.T) {
+	t.Parallel()
+	p := newPair(t, testkafka.Brokers(t), nil)
+	ids := p.publish(20)
+	assert.Equal(t, ids, p.received(ids))
+}
+
+// faults crashes the relay after every third publish (before its batch
+// commits: Kafka stores the batch's messages again) and hands back every
+// fourth message received (Kafka delivers it again), each up to max times.
+type faults struct {
+	max                 int64
+	published, received atomic.Int64
+	crashed, handedBack atomic.Int64
+}
+
+func (f *faults) CrashAfterPublish(string, *message.Message) bool {
+	return f.published.Add(1)%3 == 0 && f.crashed.Add(1) <= f.max
+}
+
+func (f *faults) RedeliverAfterStore(string, *message.Message) bool {
+	return f.received.Add(1)%4 == 0 && f.handedBack.Add(1) <= f.max
+}
+
+// Kafka deduplicates only one producer session's retries: a relay that
+// dies between Kafka's acknowledgement and its commit publishes again, as
+// new records, and a message handed back is delivered again. The
+// receiving database loses nothing and keeps the order: each message is
+// queued, first where it belongs, and a copy is a copy (the same UUID,
+// which its consumers' idempotency keys absorb as any redelivery). Through
+// a restart of the whole cluster too: the relay holds what was queued
+// while Kafka was down, and the receiver resumes from its group's
+// committed offset.
+func TestKafkaCopiesAndARestartLoseNothingAndKeepOrder(t *testing.T) {
+	t.Parallel()
+	cluster := testkafka.Start(t)
+	f := &faults{max: 3}
+	p := newPair(t, cluster.Brokers(), f)
+	ids := p.publish(15)
+	p.received(ids)
+
+	cluster.Stop()
+	ids = append(ids, p.publish(15)...) // queued at the relay while Kafka is down
+	var held int
+	require.NoError(t, p.out.SQL.QueryRow(`SELECT count(*) FROM pgsaga_queue WHERE topic = $1 AND consumer_group = $2`, p.topic, transport.RelayGroup).Scan(&held))
+	assert.Equal(t, 15, held, "the relay holds what it cannot publish")
+	cluster.Start()
+	got := p.received(ids)
+	var first []string
+	seen := map[string]bool{}
+	for _, id := range got {
+		if !seen[id] {
+			first = append(first, id)
+			seen[id] = true
+		}
+	}
+	assert.Equal(t, ids, first, "every message queued, in order")
+	assert.Greater(t, len(got), len(ids), "copies came through, as Kafka delivered them")
+	assert.EqualValues(t, 3, min(f.crashed.Load(), f.max), "the relay crashed after publishing")
+	assert.EqualValues(t, 3, min(f.handedBack.Load(), f.max), "the receiver handed messages back")
+	var records int64
+	for _, part := range cluster.Kafka().PartitionInfos(p.topic) {
+		records += part.HighWatermark
+	}
+	assert.Greater(t, records, int64(len(ids)), "Kafka holds copies: %d records of %d messages", records, len(ids))
 }
 
 // A record of another producer, with no Watermill UUID, takes a stable id
@@ -165,22 +258,14 @@ func TestForeignRecordGetsAnID(t *testing.T) {
 // ConfigurationError (not ErrMessageSizeTooLarge): that refusal is for
 // good, or the relay would retry it for ever and relay nothing behind it.
 // A CRC mismatch (ErrInvalidMessage) is what sarama itself retries: not
-// for good. (Against sarama's own protocol-level fake broker: no Kafka
-// runs here.)
+// for good.
 func TestPermanentPublishFailures(t *testing.T) {
 	t.Parallel()
-	mb := sarama.NewMockBroker(t, 1)
-	defer mb.Close()
-	mb.SetHandlerByMap(map[string]sarama.MockResponse{
-		"ApiVersionsRequest":    sarama.NewMockApiVersionsResponse(t),
-		"MetadataRequest":       sarama.NewMockMetadataResponse(t).SetBroker(mb.Addr(), mb.BrokerID()).SetLeader("t1", 0, mb.BrokerID()),
-		"InitProducerIDRequest": sarama.NewMockInitProducerIDResponse(t),
-		"ProduceRequest":        sarama.NewMockProduceResponse(t),
-	})
-	b, err := kafka.New(kafka.Config{Brokers: []string{mb.Addr()}, PublishTimeout: time.Second})
+	b, err := kafka.New(kafka.Config{Brokers: testkafka.Brokers(t), PublishTimeout: time.Second, Logger: quietLogger()})
 	require.NoError(t, err)
 	defer b.Close()
 	ctx := context.Background()
+	require.NoError(t, b.Provision(ctx, "t1"))
 	require.NoError(t, b.Publish(ctx, "t1", message.NewMessage(uuid.NewString(), []byte("small"))))
 	err = b.Publish(ctx, "t1", message.NewMessage(uuid.NewString(), []byte(strings.Repeat("x", 1_100_000))))
 	require.Error(t, err)
@@ -191,3 +276,5 @@ func TestPermanentPublishFailures(t *testing.T) {
 	assert.True(t, b.Permanent(fmt.Errorf("publishing: %w", sarama.ErrMessageSizeTooLarge)))
 	assert.False(t, b.Permanent(fmt.Errorf("publishing: %w", sarama.ErrNotLeaderForPartition)))
 }
+
+func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
