@@ -680,7 +680,9 @@ func (c *Client) checkPrivileges(ctx context.Context) error {
 // what went wrong while the client ran. The attempts and awaited calls in
 // flight finish, until ctx ends or the transport's CloseTimeout passes,
 // whichever comes first; those still running then are cut off (rolled
-// back, and delivered again later). A second Stop waits for the first,
+// back, and delivered again later). A consumer whose connection hangs (a
+// network partition) is left to the database, and Stop returns an error
+// matching delivery.ErrCloseTimeout. A second Stop waits for the first,
 // and returns what it returned.
 func (c *Client) Stop(ctx context.Context) error {
 	c.mu.Lock()

@@ -54,7 +54,8 @@ func (w *Worker) Stopped() <-chan struct{} { return w.stopped }
 func (w *Worker) Err() error { return w.router.Err() }
 
 // Stop drains and stops a worker begun with Start and returns what its run
-// ended with.
+// ended with: delivery.ErrCloseTimeout if a consumer's connection hung (a
+// network partition), whose batch the database rolls back.
 func (w *Worker) Stop() error { return w.stop(context.Background()) }
 
 // stop is Stop, draining only until ctx ends (see Client.Stop).

@@ -119,30 +119,35 @@ func TestTheLibraryExportsAtMost400Names(t *testing.T) {
 }
 
 // The public packages, the test kit first among them, build without the
-// embedded PostgreSQL and the lib/pq driver it brings: a user's test
-// build gets them only by importing saga/sagatest/embeddedpg, whose point
-// they are.
+// heavy test machinery: the embedded PostgreSQL and the lib/pq driver it
+// brings, and the network proxy. A user's test build gets each only by
+// importing the one package whose point it is: saga/sagatest/embeddedpg,
+// saga/sagatest/netfault.
 func TestThePublicPackagesPullNoEmbeddedServer(t *testing.T) {
 	t.Parallel()
 	root, module := thisModule(t)
-	heavy := []string{"github.com/fergusstrange/embedded-postgres", "github.com/lib/pq"}
-	var pulled []string
-	for _, pkg := range publicPackages(t, root, module) {
-		if pkg == module+"/saga/sagatest/embeddedpg" {
-			continue
-		}
+	heavy := map[string]string{ // dependency → the one public package that may pull it
+		"github.com/fergusstrange/embedded-postgres": module + "/saga/sagatest/embeddedpg",
+		"github.com/lib/pq":                          module + "/saga/sagatest/embeddedpg",
+		"github.com/Shopify/toxiproxy/v2":            module + "/saga/sagatest/netfault",
+	}
+	deps := func(pkg string) []string {
 		out, err := exec.Command("go", "list", "-C", root, "-deps", "-f", "{{.ImportPath}}", pkg).Output()
 		require.NoError(t, err, "go list -deps %s", pkg)
-		for _, dep := range strings.Fields(string(out)) {
-			if slices.Contains(heavy, dep) {
+		return strings.Fields(string(out))
+	}
+	var pulled []string
+	for _, pkg := range publicPackages(t, root, module) {
+		for _, dep := range deps(pkg) {
+			if owner, ok := heavy[dep]; ok && owner != pkg {
 				pulled = append(pulled, pkg+" pulls "+dep)
 			}
 		}
 	}
 	assert.Empty(t, pulled)
-	out, err := exec.Command("go", "list", "-C", root, "-deps", "-f", "{{.ImportPath}}", module+"/saga/sagatest/embeddedpg").Output()
-	require.NoError(t, err)
-	assert.Subset(t, strings.Fields(string(out)), heavy, "the check looks for the packages embeddedpg imports")
+	for dep, owner := range heavy {
+		assert.Contains(t, deps(owner), dep, "the check looks for what %s imports", owner)
+	}
 }
 
 // publicPackages lists the module's public packages (Public, not main).

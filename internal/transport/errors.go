@@ -32,6 +32,7 @@ var (
 	ErrNoTransaction        = pub.ErrNoTransaction
 	ErrClosing              = pub.ErrClosing
 	ErrRouterClosed         = pub.ErrRouterClosed
+	ErrCloseTimeout         = pub.ErrCloseTimeout
 	ErrSubscriberClosed     = pub.ErrSubscriberClosed
 	ErrDeadLettered         = pub.ErrDeadLettered
 	ErrAwaitedTooOften      = pub.ErrAwaitedTooOften

@@ -338,7 +338,11 @@ func (r *Router) CloseContext(ctx context.Context) error {
 				return
 			}
 		}
-		r.closeErr = r.router.Close()
+		// Watermill's Close fails only when its handlers did not end
+		// within its CloseTimeout: a consumer whose statement hangs.
+		if err := r.router.Close(); err != nil {
+			r.closeErr = fmt.Errorf("%w (%v)", ErrCloseTimeout, err)
+		}
 	})
 	return r.closeErr
 }

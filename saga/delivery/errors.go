@@ -145,4 +145,11 @@ var (
 	// ErrNoSuchConsumerGroup is returned when a consumer group asked to be
 	// dropped is not recorded.
 	ErrNoSuchConsumerGroup = errors.New("transport: no such consumer group")
+
+	// ErrCloseTimeout is returned by Stop (saga.Client.Stop,
+	// saga.Worker.Stop) when, after the drain, a consumer did not end its
+	// batch in time: its connection hangs (a network partition, say). The
+	// database rolls the batch back once it drops the session (within
+	// Config.MaxTransactionDuration), and its messages are delivered again.
+	ErrCloseTimeout = errors.New("transport: a consumer did not end its batch in time; the database rolls it back")
 )

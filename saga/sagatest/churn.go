@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"sync"
 	"time"
+
+	"github.com/pgsaga/pgsaga/saga/delivery"
 )
 
 // Worker is what Churn starts and stops (saga.Worker is one): Start
@@ -34,7 +36,10 @@ type ChurnConfig struct {
 
 // Churn keeps Workers workers running over the same database, stopping each
 // after a random while and starting a fresh one in its place, until Calm or
-// Stop.
+// Stop. A worker that fails to start (the database out of reach) is started
+// again after a backoff, for up to two minutes; a stop that timed out on a
+// consumer whose connection hangs (delivery.ErrCloseTimeout) is logged, not
+// counted as a failure.
 type Churn struct {
 	cfg  ChurnConfig
 	inj  *Injector // only its chance function
@@ -46,6 +51,11 @@ type Churn struct {
 	restarts int
 	errs     []error
 }
+
+// startPatience bounds how long a slot keeps trying to start a worker
+// that fails to start (the database unreachable, say) before the churn
+// reports it.
+const startPatience = 2 * time.Minute
 
 // StartChurn starts the workers.
 func StartChurn(cfg ChurnConfig) (*Churn, error) {
@@ -102,10 +112,13 @@ func (c *Churn) churn(slot int, w Worker) {
 		case <-c.calm:
 			return
 		}
+		c.mu.Lock()
+		c.running[slot] = nil
+		c.mu.Unlock()
 		if err := c.stopWorker(w); err != nil {
 			c.fail(err)
 		}
-		next, err := c.start(slot)
+		next, err := c.restart(slot)
 		if err != nil {
 			c.fail(err)
 			return
@@ -117,7 +130,34 @@ func (c *Churn) churn(slot int, w Worker) {
 	}
 }
 
-func (c *Churn) stopWorker(w Worker) error { return w.Stop() }
+// restart starts a worker in slot, trying again while it fails to start,
+// as a deployment restarts its workers: a database out of reach (a
+// network partition) delays the start. It gives up after startPatience.
+func (c *Churn) restart(slot int) (Worker, error) {
+	wait, deadline := 50*time.Millisecond, time.Now().Add(startPatience)
+	for {
+		w, err := c.start(slot)
+		if err == nil || time.Now().After(deadline) {
+			return w, err
+		}
+		c.cfg.Logger.Warn("sagatest: a worker did not start; trying again", "err", err, "retry_in_ms", wait.Milliseconds())
+		time.Sleep(wait) // a restart's backoff, as a deployment's
+		wait = min(2*wait, 2*time.Second)
+	}
+}
+
+// stopWorker stops w. A stop that timed out on a consumer whose
+// connection hangs (delivery.ErrCloseTimeout: a network fault's doing)
+// is no failure of the worker: the database rolls its batch back and its
+// messages are delivered again, which the invariants check.
+func (c *Churn) stopWorker(w Worker) error {
+	err := w.Stop()
+	if errors.Is(err, delivery.ErrCloseTimeout) {
+		c.cfg.Logger.Warn("sagatest: a worker's consumer hung on its connection as it stopped", "err", err)
+		return nil
+	}
+	return err
+}
 
 func (c *Churn) fail(err error) {
 	c.cfg.Logger.Error("sagatest: churn", "err", err)
