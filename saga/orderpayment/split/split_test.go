@@ -33,6 +33,7 @@ import (
 	"github.com/pgsaga/pgsaga/saga"
 	"github.com/pgsaga/pgsaga/saga/orderpayment"
 	"github.com/pgsaga/pgsaga/saga/sagatest"
+	"github.com/pgsaga/pgsaga/saga/sagatest/netfault"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/broker/kafka"
 	"github.com/pgsaga/pgsaga/steps/broker/natsjs"
@@ -57,6 +58,7 @@ type split struct {
 	kafka      *testkafka.Cluster // this one
 	ordersDB   *testdb.DB
 	paymentsDB *testdb.DB
+	link       *netfault.Link // between the payment service and NATS, with paymentsLink
 	gw         *fakegateway.Gateway
 	app        *orderpayment.App
 	pay        *orderpayment.PaymentService
@@ -82,13 +84,16 @@ type splitOptions struct {
 	// kafka joins the services through a Kafka cluster of the test's own
 	// instead of a NATS server.
 	kafka bool
+	// paymentsLink puts the payment service's connections to the NATS
+	// server behind a network link (s.link) the test can break.
+	paymentsLink bool
 }
 
 func newSplit(t *testing.T, o splitOptions) *split {
 	t.Helper()
 	ctx := context.Background()
 	s := &split{t: t, ordersDB: testdb.Fresh(t), paymentsDB: testdb.Fresh(t)}
-	newBroker := func() broker.Broker {
+	newBrokerAt := func(natsURL string) broker.Broker {
 		var (
 			b   broker.Broker
 			err error
@@ -96,7 +101,7 @@ func newSplit(t *testing.T, o splitOptions) *split {
 		if s.kafka != nil {
 			b, err = kafka.New(kafka.Config{Brokers: s.kafka.Brokers(), Logger: logger(), PublishTimeout: 2 * time.Second})
 		} else {
-			b, err = natsjs.New(natsjs.Config{URL: s.nats.URL(), Logger: logger(), PublishTimeout: 2 * time.Second})
+			b, err = natsjs.New(natsjs.Config{URL: natsURL, Logger: logger(), PublishTimeout: 2 * time.Second})
 		}
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = b.Close() })
@@ -106,6 +111,13 @@ func newSplit(t *testing.T, o splitOptions) *split {
 		s.kafka = testkafka.Start(t)
 	} else {
 		s.nats = testnats.Private(t)
+	}
+	newBroker := func() broker.Broker { return newBrokerAt(s.natsURL()) }
+	newPayBroker := newBroker
+	if o.paymentsLink {
+		var through string
+		s.link, through = netfault.Through(t, s.nats.URL())
+		newPayBroker = func() broker.Broker { return newBrokerAt(through) }
 	}
 	gwPool := testdb.Open(t, s.paymentsDB.URL, 4)
 	var err error
@@ -125,7 +137,7 @@ func newSplit(t *testing.T, o splitOptions) *split {
 		}
 		return c
 	}
-	var pb broker.Broker = newBroker()
+	var pb broker.Broker = newPayBroker()
 	if o.paymentBroker != nil {
 		pb = o.paymentBroker(pb)
 	}
@@ -138,7 +150,7 @@ func newSplit(t *testing.T, o splitOptions) *split {
 	s.payCfg = func() orderpayment.PaymentServiceConfig {
 		c := payCfg
 		c.DB = testdb.Open(t, s.paymentsDB.URL, 10).SQL
-		c.Broker = newBroker()
+		c.Broker = newPayBroker()
 		return c
 	}
 	s.pay, err = orderpayment.NewPaymentService(payCfg)
@@ -826,4 +838,44 @@ func (s *split) kafkaLag() (map[string]int64, error) {
 		}
 	}
 	return lag, nil
+}
+
+// natsURL is the NATS server's URL, "" over Kafka.
+func (s *split) natsURL() string {
+	if s.nats == nil {
+		return ""
+	}
+	return s.nats.URL()
+}
+
+// The network between the payment service and the broker cut for 30 s
+// while the sagas run (its connections hang, nothing crosses), then
+// healed: the service's relay and consumers mend their connections
+// themselves, every saga ends, and every invariant holds across the two
+// databases; no charge is given up on for the partition's sake.
+func TestSplitAcrossABrokerPartition(t *testing.T) {
+	t.Parallel()
+	s := newSplit(t, splitOptions{paymentsLink: true,
+		timeouts: orderpayment.StepTimeouts{Deadline: 20 * time.Second, CompensationDeadline: 30 * time.Second}})
+	s.start()
+	customers := s.customers(10, 100_000)
+	ids := s.place(30, customers, 0)
+	waitFinished(t, s, 5) // messages flow
+	require.NoError(t, s.link.Partition(30*time.Second))
+	cut := time.Now()
+	// Their charges wait on the far side of the partition.
+	during := s.place(30, customers, 0)
+	ids = append(ids, during...)
+	// The partition's length is the scenario, not a wait for a result.
+	require.Eventually(t, func() bool { return time.Since(cut) > 25*time.Second }, time.Minute, 100*time.Millisecond)
+	var ended int
+	require.NoError(t, s.ordersDB.SQL.QueryRow(`SELECT count(*) FROM saga_instances WHERE id = ANY($1) AND status IN ('completed', 'compensated', 'failed')`, during).Scan(&ended))
+	assert.Zero(t, ended, "no saga placed during the partition got its charge across it")
+	require.Eventually(t, func() bool { return time.Since(cut) > 30*time.Second }, time.Minute, 100*time.Millisecond)
+	ids = append(ids, s.place(30, customers, 0)...)
+	counts, err := sagatest.WaitTerminal(context.Background(), s.ordersDB.SQL, ids, 3*time.Minute)
+	require.NoError(t, err, s.whereabouts())
+	assert.Equal(t, len(ids), counts[saga.StatusCompleted], "every order charged and confirmed: %v", counts)
+	s.drained()
+	s.check(ids)
 }
