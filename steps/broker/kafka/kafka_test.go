@@ -278,3 +278,26 @@ func TestPermanentPublishFailures(t *testing.T) {
 }
 
 func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+// A message Kafka's producer refuses for good (larger than it sends) is
+// dead-lettered by the relay with the reason, and the messages after it
+// are relayed and received, in order, as over JetStream.
+func TestRelayDeadLettersWhatKafkaRefuses(t *testing.T) {
+	t.Parallel()
+	p := newPair(t, testkafka.Brokers(t), nil)
+	before := p.publish(2)
+	huge := message.NewMessage(uuid.NewString(), []byte(strings.Repeat("x", 2<<20)))
+	huge.Metadata.Set(metadata.PartitionKey, "stream-1")
+	tx, err := p.out.SQL.Begin()
+	require.NoError(t, err)
+	require.NoError(t, p.trOut.Publisher(tx).Publish(p.topic, huge))
+	require.NoError(t, tx.Commit())
+	after := p.publish(2)
+	assert.Equal(t, append(before, after...), p.received(append(before, after...)))
+	var handler, reason string
+	require.Eventually(t, func() bool {
+		return p.out.SQL.QueryRow(`SELECT handler, reason FROM pgsaga_dead_letters WHERE uuid = $1`, huge.UUID).Scan(&handler, &reason) == nil
+	}, time.Minute, 10*time.Millisecond)
+	assert.Equal(t, transport.RelayHandler, handler)
+	assert.Contains(t, reason, "the broker refuses it")
+}
