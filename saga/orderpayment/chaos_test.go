@@ -159,6 +159,7 @@ func runChaos(t *testing.T, queueEveryHop bool) {
 	counts, err := sagatest.WaitTerminal(ctx, db.SQL, ids, 3*time.Minute)
 	require.NoError(t, err, "seed %d", seed)
 	require.NoError(t, churn.Stop(), "seed %d", seed)
+	require.Zero(t, churn.CloseTimeouts(), "seed %d: no network fault here, so no stop may hang", seed)
 	require.NoError(t, inj.Close())
 
 	violations, err := sagatest.Checker{DB: db.SQL, Definitions: []*saga.Definition{app.Definition},

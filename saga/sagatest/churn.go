@@ -37,19 +37,20 @@ type ChurnConfig struct {
 // Churn keeps Workers workers running over the same database, stopping each
 // after a random while and starting a fresh one in its place, until Calm or
 // Stop. A worker that fails to start (the database out of reach) is started
-// again after a backoff, for up to two minutes; a stop that timed out on a
-// consumer whose connection hangs (delivery.ErrCloseTimeout) is logged, not
-// counted as a failure.
+// again after a backoff, for up to two minutes or until Calm; a stop that
+// timed out on a consumer whose connection hangs (delivery.ErrCloseTimeout)
+// is logged and counted (CloseTimeouts), not reported as a failure.
 type Churn struct {
 	cfg  ChurnConfig
 	inj  *Injector // only its chance function
 	calm chan struct{}
 	wg   sync.WaitGroup
 
-	mu       sync.Mutex
-	running  []Worker
-	restarts int
-	errs     []error
+	mu            sync.Mutex
+	running       []Worker
+	restarts      int
+	closeTimeouts int
+	errs          []error
 }
 
 // startPatience bounds how long a slot keeps trying to start a worker
@@ -132,16 +133,22 @@ func (c *Churn) churn(slot int, w Worker) {
 
 // restart starts a worker in slot, trying again while it fails to start,
 // as a deployment restarts its workers: a database out of reach (a
-// network partition) delays the start. It gives up after startPatience.
+// network partition) delays the start. It gives up after startPatience,
+// or at Calm (after one more try), returning the last error.
 func (c *Churn) restart(slot int) (Worker, error) {
 	wait, deadline := 50*time.Millisecond, time.Now().Add(startPatience)
+	calm := false
 	for {
 		w, err := c.start(slot)
-		if err == nil || time.Now().After(deadline) {
+		if err == nil || calm || time.Now().After(deadline) {
 			return w, err
 		}
 		c.cfg.Logger.Warn("sagatest: a worker did not start; trying again", "err", err, "retry_in_ms", wait.Milliseconds())
-		time.Sleep(wait) // a restart's backoff, as a deployment's
+		select {
+		case <-time.After(wait): // a restart's backoff, as a deployment's
+		case <-c.calm:
+			calm = true
+		}
 		wait = min(2*wait, 2*time.Second)
 	}
 }
@@ -154,6 +161,9 @@ func (c *Churn) stopWorker(w Worker) error {
 	err := w.Stop()
 	if errors.Is(err, delivery.ErrCloseTimeout) {
 		c.cfg.Logger.Warn("sagatest: a worker's consumer hung on its connection as it stopped", "err", err)
+		c.mu.Lock()
+		c.closeTimeouts++
+		c.mu.Unlock()
 		return nil
 	}
 	return err
@@ -194,6 +204,15 @@ func (c *Churn) Stop() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return errors.Join(c.errs...)
+}
+
+// CloseTimeouts counts the stops that timed out on a hung consumer
+// (delivery.ErrCloseTimeout), which are not counted as failures: a test
+// without network faults can require none.
+func (c *Churn) CloseTimeouts() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.closeTimeouts
 }
 
 // Restarts counts workers stopped and replaced so far.

@@ -206,6 +206,7 @@ func (s *split) stopChurn() {
 	s.t.Helper()
 	for _, c := range s.churns {
 		require.NoError(s.t, c.Stop())
+		require.Zero(s.t, c.CloseTimeouts(), "no network fault between the services and their databases, so no stop may hang")
 	}
 }
 

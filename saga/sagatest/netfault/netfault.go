@@ -17,6 +17,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math"
 	"net/url"
 	"sync"
 	"testing"
@@ -28,15 +29,16 @@ import (
 )
 
 // Link is a TCP path to one server through a proxy in the test's process.
-// Its methods are safe for concurrent use; each fault stays until it is
-// removed (Heal removes them all).
+// Its methods are safe for concurrent use (they take turns); each fault
+// stays until it is removed (Heal removes them all).
 type Link struct {
 	t     testing.TB
 	proxy *toxiproxy.Proxy
 
-	mu     sync.Mutex
-	faults []string // names of the toxics in place
+	mu     sync.Mutex // held by every change of the faults
+	faults []string   // names of the toxics in place
 	timer  *time.Timer
+	cut    int // the latest partition's number: an older one's timer heals nothing
 }
 
 // New starts a link to upstream (host:port) on a port of its own on
@@ -54,6 +56,7 @@ func New(t testing.TB, upstream string) *Link {
 		if l.timer != nil {
 			l.timer.Stop()
 		}
+		l.cut++ // a timer already firing heals nothing
 		l.mu.Unlock()
 		p.Stop()
 	})
@@ -65,8 +68,8 @@ func New(t testing.TB, upstream string) *Link {
 func Through(t testing.TB, rawURL string) (*Link, string) {
 	t.Helper()
 	u, err := url.Parse(rawURL)
-	if err != nil || u.Host == "" {
-		t.Fatalf("netfault: a link needs a URL with a host and port, got %q", rawURL)
+	if err != nil || u.Host == "" || u.Port() == "" {
+		t.Fatalf("netfault: a link needs a URL with a host and its port, got %q", rawURL)
 	}
 	l := New(t, u.Host)
 	through, err := l.URL(rawURL)
@@ -86,19 +89,23 @@ func (l *Link) URL(rawURL string) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("netfault: %w", err)
 	}
-	if u.Host == "" || bytes.ContainsRune([]byte(u.Host), ',') {
-		return "", fmt.Errorf("netfault: the URL must name one host and port")
+	if u.Host == "" || u.Port() == "" || bytes.ContainsRune([]byte(u.Host), ',') {
+		return "", fmt.Errorf("netfault: the URL must name one host and its port")
 	}
 	u.Host = l.Addr()
 	return u.String(), nil
 }
 
 // Latency delays what crosses the link, both ways, by latency give or
-// take jitter (each way: a round trip costs twice).
+// take jitter (each way: a round trip costs twice). Toxiproxy counts in
+// milliseconds: latency and jitter must be whole milliseconds, jitter at
+// most latency.
 func (l *Link) Latency(latency, jitter time.Duration) error {
-	if latency < 0 || jitter < 0 {
-		return fmt.Errorf("%w: latency %s, jitter %s", ErrInvalidFault, latency, jitter)
+	if latency < 0 || jitter < 0 || jitter > latency || latency%time.Millisecond != 0 || jitter%time.Millisecond != 0 {
+		return fmt.Errorf("%w: latency %s, jitter %s (whole milliseconds, jitter at most latency)", ErrInvalidFault, latency, jitter)
 	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
 	return l.both("latency", 1, map[string]any{"latency": latency.Milliseconds(), "jitter": jitter.Milliseconds()})
 }
 
@@ -107,6 +114,8 @@ func (l *Link) Bandwidth(kbps int64) error {
 	if kbps <= 0 {
 		return fmt.Errorf("%w: bandwidth %d KB/s", ErrInvalidFault, kbps)
 	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
 	return l.both("bandwidth", 1, map[string]any{"rate": kbps})
 }
 
@@ -114,43 +123,60 @@ func (l *Link) Bandwidth(kbps int64) error {
 // soon as it next carries data, mid-stream: a statement or a batch cut off
 // between its request and its answer, as a crashed peer or a middlebox
 // would. Connections opened later are reset too, with the same chance,
-// until Heal, or Reset(0).
+// until Heal, or Reset(0), which stops it.
 func (l *Link) Reset(toxicity float64) error {
-	if toxicity < 0 || toxicity > 1 {
+	if toxicity < 0 || toxicity > 1 || math.IsNaN(toxicity) {
 		return fmt.Errorf("%w: toxicity %v", ErrInvalidFault, toxicity)
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if toxicity == 0 {
+		l.removeNamed("reset_peer_upstream")
+		return nil
 	}
 	return l.add("reset_peer", "upstream", toxicity, map[string]any{"timeout": 0})
 }
 
-// Partition cuts the link for d: nothing crosses it either way, and
-// connections neither close nor answer (as when a network drops packets),
-// until it heals on its own after d (Heal heals it sooner). What was in
-// flight is lost: a connection used across a partition is broken.
+// Partition cuts the link for d: no data crosses it either way, and
+// connections do not answer (as when a network drops packets), until it
+// heals on its own after d (Heal heals it sooner). What was sent across it
+// is lost, and the connections that were open across it are closed when it
+// heals, as a peer's TCP gives up on a connection that lost data; a close
+// (FIN) still crosses it. A second Partition replaces the first, its
+// length counted from then.
 func (l *Link) Partition(d time.Duration) error {
 	if d <= 0 {
 		return fmt.Errorf("%w: partition of %s", ErrInvalidFault, d)
-	}
-	if err := l.both("timeout", 1, map[string]any{"timeout": 0}); err != nil {
-		return err
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.timer != nil {
 		l.timer.Stop()
 	}
-	l.timer = time.AfterFunc(d, func() { l.remove("timeout") })
+	l.cut++
+	cut := l.cut
+	if err := l.both("timeout", 1, map[string]any{"timeout": 0}); err != nil {
+		return err
+	}
+	l.timer = time.AfterFunc(d, func() {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		if l.cut == cut { // not replaced, nor healed, since
+			l.remove("timeout")
+		}
+	})
 	return nil
 }
 
 // Heal removes every fault: the link carries everything again, at once.
 func (l *Link) Heal() {
 	l.mu.Lock()
-	names := append([]string(nil), l.faults...)
+	defer l.mu.Unlock()
 	if l.timer != nil {
 		l.timer.Stop()
 	}
-	l.mu.Unlock()
-	for _, n := range names {
+	l.cut++
+	for _, n := range append([]string(nil), l.faults...) {
 		l.removeNamed(n)
 	}
 }
@@ -165,7 +191,8 @@ func (l *Link) both(kind string, toxicity float64, attrs map[string]any) error {
 	return nil
 }
 
-// add puts a toxic in place, replacing one of the same kind and direction.
+// add puts a toxic in place, replacing one of the same kind and
+// direction. The caller holds l.mu, as for both, remove and removeNamed.
 func (l *Link) add(kind, stream string, toxicity float64, attrs map[string]any) error {
 	name := kind + "_" + stream
 	l.removeNamed(name)
@@ -176,9 +203,7 @@ func (l *Link) add(kind, stream string, toxicity float64, attrs map[string]any) 
 	if _, err := l.proxy.Toxics.AddToxicJson(bytes.NewReader(body)); err != nil {
 		return fmt.Errorf("netfault: %s: %w", name, err)
 	}
-	l.mu.Lock()
 	l.faults = append(l.faults, name)
-	l.mu.Unlock()
 	return nil
 }
 
@@ -190,7 +215,6 @@ func (l *Link) remove(kind string) {
 }
 
 func (l *Link) removeNamed(name string) {
-	l.mu.Lock()
 	kept := l.faults[:0]
 	found := false
 	for _, n := range l.faults {
@@ -201,7 +225,6 @@ func (l *Link) removeNamed(name string) {
 		kept = append(kept, n)
 	}
 	l.faults = kept
-	l.mu.Unlock()
 	if found {
 		_ = l.proxy.Toxics.RemoveToxic(context.Background(), name)
 	}

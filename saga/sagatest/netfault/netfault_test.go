@@ -2,6 +2,8 @@ package netfault_test
 
 import (
 	"context"
+	"math"
+	"sync"
 	"testing"
 	"time"
 
@@ -100,4 +102,67 @@ func TestURL(t *testing.T) {
 	assert.Equal(t, "postgres://u:p@"+l.Addr()+"/app?sslmode=disable", u)
 	_, err = l.URL("postgres:///app?host=/tmp")
 	assert.Error(t, err)
+}
+
+// Faults changed from many goroutines at once take turns: none fails.
+func TestFaultsChangeConcurrently(t *testing.T) {
+	t.Parallel()
+	l := netfault.New(t, "127.0.0.1:1")
+	errs := make(chan error, 60)
+	var wg sync.WaitGroup
+	for i := range 60 {
+		wg.Go(func() {
+			switch i % 3 {
+			case 0:
+				errs <- l.Latency(time.Millisecond, 0)
+			case 1:
+				errs <- l.Reset(0.5)
+			default:
+				l.Heal()
+				errs <- nil
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		assert.NoError(t, err)
+	}
+}
+
+// A partition that replaces a shorter one is not healed by the shorter
+// one's end.
+func TestALaterPartitionOutlastsAnEarlierOnesEnd(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	l, through := link(t)
+	require.NoError(t, l.Partition(time.Millisecond))
+	require.NoError(t, l.Partition(time.Minute))
+	time.Sleep(50 * time.Millisecond) // past the first one's end: the scenario, not a wait for a result
+	short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	_, err := connect(short, t, through)
+	require.Error(t, err, "still cut")
+	l.Heal()
+	_, err = connect(ctx, t, through)
+	require.NoError(t, err, "healed")
+}
+
+// Faults that cannot be are refused, as ErrInvalidFault.
+func TestInvalidFaults(t *testing.T) {
+	t.Parallel()
+	l := netfault.New(t, "127.0.0.1:1")
+	for name, err := range map[string]error{
+		"negative latency":    l.Latency(-time.Millisecond, 0),
+		"under a millisecond": l.Latency(500*time.Microsecond, 0),
+		"jitter over latency": l.Latency(time.Millisecond, 2*time.Millisecond),
+		"no bandwidth":        l.Bandwidth(0),
+		"NaN toxicity":        l.Reset(math.NaN()),
+		"toxicity over 1":     l.Reset(1.5),
+		"no partition":        l.Partition(0),
+	} {
+		assert.ErrorIs(t, err, netfault.ErrInvalidFault, name)
+	}
+	_, err := l.URL("postgres://u@localhost/db")
+	assert.Error(t, err, "a URL without a port")
 }

@@ -206,8 +206,7 @@ func (f *faults) RedeliverAfterStore(string, *message.Message) bool {
 // queued, first where it belongs, and a copy is a copy (the same UUID,
 // which its consumers' idempotency keys absorb as any redelivery). Through
 // a restart of the whole cluster too: the relay holds what was queued
-// while Kafka was down, and the receiver resumes from its group's
-// committed offset.
+// while Kafka was down, and the receiver goes on once it is back.
 func TestKafkaCopiesAndARestartLoseNothingAndKeepOrder(t *testing.T) {
 	t.Parallel()
 	cluster := testkafka.Start(t)
