@@ -3,7 +3,6 @@ package kafka_test
 import (
 	"context"
 	"crypto/rand"
-	"database/sql"
 	"encoding/hex"
 	"fmt"
 	"io"
@@ -26,6 +25,7 @@ import (
 	"github.com/pgsaga/pgsaga/internal/testkafka"
 	"github.com/pgsaga/pgsaga/internal/testpg"
 	"github.com/pgsaga/pgsaga/internal/transport"
+	"github.com/pgsaga/pgsaga/saga/sagatest"
 	"github.com/pgsaga/pgsaga/steps/broker"
 	"github.com/pgsaga/pgsaga/steps/broker/kafka"
 )
@@ -145,9 +145,8 @@ func (p *pair) received(ids []string) []string {
 	p.t.Helper()
 	var got []string
 	require.Eventually(p.t, func() bool {
-		rows, err := p.in.SQL.Query(`SELECT uuid FROM pgsaga_queue WHERE topic = $1 ORDER BY id`, p.topic)
-		require.NoError(p.t, err)
-		got, err = pgxRows(rows)
+		var err error
+		got, err = sagatest.Rows(context.Background(), p.in.SQL, `SELECT uuid::text FROM pgsaga_queue WHERE topic = $1 ORDER BY id`, p.topic)
 		require.NoError(p.t, err)
 		for _, id := range ids {
 			if !slices.Contains(got, id) {
@@ -157,19 +156,6 @@ func (p *pair) received(ids []string) []string {
 		return true
 	}, 2*time.Minute, 50*time.Millisecond)
 	return got
-}
-
-func pgxRows(rows *sql.Rows) ([]string, error) {
-	defer rows.Close()
-	var out []string
-	for rows.Next() {
-		var s string
-		if err := rows.Scan(&s); err != nil {
-			return nil, err
-		}
-		out = append(out, s)
-	}
-	return out, rows.Err()
 }
 
 // A topic relayed in order, received whole, by the same bridge code as
